@@ -1,0 +1,242 @@
+"""The HTTP service: per-request check endpoints on a bare ASGI path, the rest
+(health, metrics) in FastAPI.
+
+The check endpoints are answered by ``SluiceApp`` before any framework code
+runs: no routing table, no middleware stack, no validation. Every failure
+inside a check is answered as *allow* (fail open, SPEC §9) and counted; a
+rate limiter's bug must never become the protected site's outage.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Awaitable, Callable
+
+from fastapi import FastAPI
+from fastapi.responses import PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from sidecar.actions import BlockPage, deny_headers, over_limit_headers
+from sidecar.engine import ALLOW, CLOSE, Decision, Engine
+from sidecar.request import CheckRequest, strip_port
+
+log = logging.getLogger("sluice")
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+NGINX_AUTH_PATH = "/v1/nginx/auth"
+NGINX_DENY_PATH = "/v1/nginx/deny"
+FORWARD_AUTH_PATH = "/v1/check"
+
+# nginx's auth_request understands only 2xx, 401 and 403. Sluice answers 403
+# for "deny with a page" (nginx then fetches the page from NGINX_DENY_PATH,
+# which answers with the real status) and 401 for "close the connection".
+NGINX_DENY_STATUS = 403
+NGINX_CLOSE_STATUS = 401
+
+
+def header_map(scope: Scope) -> dict[str, str]:
+    """Request headers by lower-case name; repeated headers are joined."""
+    headers: dict[str, str] = {}
+    for raw_name, raw_value in scope["headers"]:
+        name = raw_name.decode("latin-1").lower()
+        value = raw_value.decode("latin-1")
+        if name in headers:
+            headers[name] += ("; " if name == "cookie" else ", ") + value
+        else:
+            headers[name] = value
+    return headers
+
+
+def new_request_id() -> str:
+    return os.urandom(10).hex()
+
+
+def _encode(headers: list[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
+    return [(name.lower().encode("latin-1"), value.encode("latin-1", "replace"))
+            for name, value in headers]
+
+
+async def respond(send: Send, status: int, headers: list[tuple[str, str]], body: bytes = b"") -> None:
+    raw = _encode(headers)
+    raw.append((b"content-length", str(len(body)).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
+
+
+def observe_headers(decision: Decision) -> list[tuple[str, str]]:
+    rule = decision.rule
+    return [] if rule is None else over_limit_headers(decision.limit, rule.reset)
+
+
+class DenyToken:
+    """What nginx carries from the auth answer to the page request.
+
+    Plain text ``status limit reset retry-after rule-id client``: rule ids
+    and addresses contain no spaces (rule ids are checked at load).
+    """
+
+    @staticmethod
+    def encode(decision: Decision, client_text: str) -> str:
+        rule = decision.rule
+        assert rule is not None and decision.page is not None
+        return (f"{decision.page.status} {decision.limit} {rule.reset} {decision.retry_after} "
+                f"{rule.id} {client_text or '-'}")
+
+    @staticmethod
+    def decode(token: str) -> tuple[int, int, int, int, str, str]:
+        status, limit, reset, retry_after, rule_id, client = token.split(" ")
+        status_code = int(status)
+        if not 400 <= status_code <= 599:
+            raise ValueError(f"status {status_code} out of range")
+        return status_code, int(limit), int(reset), int(retry_after), rule_id, \
+            "" if client == "-" else client
+
+
+def describe_nginx(engine: Engine, scope: Scope, headers: dict[str, str]) -> CheckRequest:
+    """nginx sends the original request line and client address as headers."""
+    return CheckRequest(
+        method=headers.get("x-original-method", "GET"),
+        host=headers.get("x-original-host") or strip_port(headers.get("host", "")),
+        uri=headers.get("x-original-uri", "/"),
+        headers=headers,
+        client=engine.resolve_client(headers.get("x-sluice-client-addr", ""),
+                                     headers.get("x-forwarded-for")),
+        request_id=headers.get("x-request-id") or new_request_id(),
+    )
+
+
+async def answer_nginx(send: Send, request: CheckRequest, decision: Decision) -> None:
+    if decision.outcome == ALLOW:
+        await respond(send, 200, observe_headers(decision))
+    elif decision.outcome == CLOSE:
+        await respond(send, NGINX_CLOSE_STATUS, [])
+    else:
+        token = DenyToken.encode(decision, request.client.text)
+        await respond(send, NGINX_DENY_STATUS, [("X-Sluice-Deny", token)])
+
+
+def describe_forward_auth(engine: Engine, scope: Scope, headers: dict[str, str]) -> CheckRequest:
+    """Traefik/Caddy conventions; the client is the connecting peer (SPEC §10)."""
+    peer = scope.get("client")
+    return CheckRequest(
+        method=headers.get("x-forwarded-method", "GET"),
+        host=strip_port(headers.get("x-forwarded-host") or headers.get("host", "")),
+        uri=headers.get("x-forwarded-uri", "/"),
+        headers=headers,
+        client=engine.resolve_client(peer[0] if peer else "", headers.get("x-forwarded-for")),
+        request_id=headers.get("x-request-id") or new_request_id(),
+    )
+
+
+async def answer_forward_auth(send: Send, request: CheckRequest, decision: Decision) -> None:
+    if decision.outcome == ALLOW:
+        await respond(send, 200, observe_headers(decision))
+    elif decision.outcome == CLOSE:
+        # A subrequest cannot close the client's connection: refuse with an
+        # empty 403 and ask the proxy to close.
+        await respond(send, 403, [("Connection", "close"), ("Cache-Control", "no-store")])
+    else:
+        assert decision.page is not None
+        body = decision.page.template.render(request.client.text, request.host, request.request_id)
+        assert decision.rule is not None
+        headers = deny_headers(decision.limit, decision.rule.reset, decision.retry_after,
+                               request.request_id)
+        await respond(send, decision.page.status, headers, body)
+
+
+Describe = Callable[[Engine, Scope, dict[str, str]], CheckRequest]
+Answer = Callable[[Send, CheckRequest, Decision], Awaitable[None]]
+
+
+class SluiceApp:
+    """The ASGI application uvicorn runs."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.api = build_api(engine)
+        self._last_error_log = -60.0
+        self._checks: dict[str, tuple[Describe, Answer]] = {
+            NGINX_AUTH_PATH: (describe_nginx, answer_nginx),
+            FORWARD_AUTH_PATH: (describe_forward_auth, answer_forward_auth),
+        }
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            path = scope["path"]
+            adapter = self._checks.get(path)
+            if adapter is not None:
+                await self._check(scope, send, *adapter)
+                return
+            if path == NGINX_DENY_PATH:
+                await self._nginx_deny(scope, send)
+                return
+        await self.api(scope, receive, send)
+
+    async def _check(self, scope: Scope, send: Send, describe: Describe, answer: Answer) -> None:
+        engine = self.engine
+        started = time.perf_counter()
+        try:
+            request = describe(engine, scope, header_map(scope))
+            decision = engine.decide(request)
+        except Exception:
+            self._internal_error()
+            await respond(send, 200, [])
+            return
+        engine.metrics.latency.observe(time.perf_counter() - started)
+        await answer(send, request, decision)
+
+    async def _nginx_deny(self, scope: Scope, send: Send) -> None:
+        """The page for a deny nginx was told about (see NGINX_DENY_STATUS)."""
+        headers = header_map(scope)
+        request_id = headers.get("x-request-id") or new_request_id()
+        token = headers.get("x-sluice-deny", "")
+        try:
+            status, limit, reset, retry_after, rule_id, client = DenyToken.decode(token)
+        except ValueError:
+            log.warning("deny page asked for with an invalid token %r", token[:200])
+            status, limit, reset, retry_after, rule_id, client = 429, 1, 1, 1, "", ""
+        rule = self.engine.ruleset.by_id.get(rule_id)
+        # The rule may have been reloaded away in between: fall back to the
+        # built-in page for the status nginx was told.
+        page = rule.page if rule is not None and rule.page is not None and not rule.page.close \
+            else BlockPage.builtin(status)
+        body = page.template.render(client, headers.get("x-original-host", ""), request_id)
+        await respond(send, status, deny_headers(limit, reset, retry_after, request_id), body)
+
+    def _internal_error(self) -> None:
+        self.engine.metrics.errors.inc()
+        now = time.monotonic()
+        if now - self._last_error_log >= 10:
+            self._last_error_log = now
+            log.exception("check failed inside Sluice; the request was allowed (fail open)")
+
+
+def build_api(engine: Engine) -> FastAPI:
+    api = FastAPI(title="Sluice", docs_url=None, redoc_url=None, openapi_url=None)
+    engine.metrics.watch(
+        lambda: len(engine.store.active_bans(engine.clock())),
+        engine.store.tracked_keys,
+    )
+
+    @api.get("/healthz", response_class=PlainTextResponse)
+    def healthz() -> str:
+        return "ok\n"
+
+    @api.get("/readyz", response_class=PlainTextResponse)
+    def readyz() -> str:
+        return f"ok: {len(engine.ruleset.rules)} rules from {engine.ruleset.source}\n"
+
+    @api.get("/metrics")
+    def metrics() -> Response:
+        return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return api
+
+
+def create_app(engine: Engine) -> SluiceApp:
+    return SluiceApp(engine)

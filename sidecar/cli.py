@@ -1,0 +1,68 @@
+"""The ``sluice`` command (SPEC §10)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import click
+
+from sidecar.config import ConfigError
+from sidecar.rules import Ruleset, default_ruleset, load_ruleset
+
+
+def _load(config: str | None) -> Ruleset:
+    try:
+        return load_ruleset(config) if config else default_ruleset()
+    except ConfigError as exc:
+        for issue in exc.issues:
+            click.echo(str(issue), err=True)
+        raise SystemExit(1) from None
+
+
+@click.group()
+def main() -> None:
+    """Sluice: rate-limiting external authorization for nginx and Envoy."""
+
+
+@main.command()
+@click.argument("file", type=click.Path(dir_okay=False))
+def check(file: str) -> None:
+    """Validate a rules file: exit 0, or 1 with every error as FILE:LINE: field: message."""
+    ruleset = _load(file)
+    click.echo(f"{file}: OK, {len(ruleset.rules)} rules")
+
+
+@main.command()
+@click.option("--config", "config", type=click.Path(dir_okay=False),
+              help="Rules file (default: the embedded default rules).")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8181, show_default=True, type=int)
+@click.option("--uds", type=click.Path(), help="Listen on a Unix socket instead of host:port.")
+@click.option("--workers", default=1, show_default=True, type=click.IntRange(min=1))
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["debug", "info", "warning", "error"]))
+def serve(config: str | None, host: str, port: int, uds: str | None, workers: int,
+          log_level: str) -> None:
+    """Run the check service."""
+    import uvicorn
+
+    from sidecar.app import create_app
+    from sidecar.engine import Engine, configure_decision_log
+
+    ruleset = _load(config)
+    if workers > 1 and ruleset.backend == "memory":
+        click.echo("error: --workers > 1 needs a shared state backend (state.backend: redis): "
+                   "with the memory backend each worker would keep its own counters and "
+                   "silently multiply every limit", err=True)
+        raise SystemExit(2)
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_decision_log()
+    app = create_app(Engine(ruleset))
+    click.echo(f"sluice: {len(ruleset.rules)} rules from {ruleset.source}, node {ruleset.node}", err=True)
+    uvicorn.run(app, host=host, port=port, uds=uds, access_log=False, log_level=log_level,
+                lifespan="off", server_header=False, date_header=False)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,167 @@
+"""The request-phase pipeline (SPEC §1): exempt, ban, rules in order, answer."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from sidecar.actions import BlockPage, retry_after_seconds
+from sidecar.clientip import UNKNOWN_CLIENT, ClientAddress, in_networks
+from sidecar.limiters import Hit
+from sidecar.metrics import Metrics
+from sidecar.request import CheckRequest
+from sidecar.rules import CompiledRule, Ruleset, describe_key
+from sidecar.state import Check, MemoryStore, StateStore
+
+Clock = Callable[[], float]
+
+ALLOW, DENY, CLOSE = "allow", "deny", "close"
+
+decision_log = logging.getLogger("sluice.decisions")
+log = logging.getLogger("sluice")
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The answer for the proxy.
+
+    ``rule`` is the rule whose headers the response carries (the one that
+    ended evaluation, or else the first over-limit ``log`` rule); ``page`` is
+    set for a ``deny``.
+    """
+
+    outcome: str
+    rule: CompiledRule | None = None
+    limit: int = 0
+    retry_after: int = 0
+    page: BlockPage | None = None
+
+    @property
+    def over_limit(self) -> bool:
+        return self.rule is not None
+
+
+ALLOWED = Decision(ALLOW)
+CLOSED = Decision(CLOSE)
+
+
+class Engine:
+    """Evaluates requests against the current ruleset and the state store.
+
+    ``ruleset`` may be replaced at any time (reload): a request sees either
+    the old or the new rules, never a mix, because it reads the attribute once.
+    """
+
+    def __init__(self, ruleset: Ruleset, store: StateStore | None = None,
+                 clock: Clock = time.monotonic, metrics: Metrics | None = None) -> None:
+        self.ruleset = ruleset
+        self.clock = clock
+        self.store = store if store is not None else MemoryStore(ruleset.max_keys, ruleset.node, clock)
+        self.metrics = metrics if metrics is not None else Metrics()
+        self._bad_address_logged = -math.inf
+
+    # -- client address ---------------------------------------------------
+
+    def resolve_client(self, peer: str, forwarded_for: str | None) -> ClientAddress:
+        client = self.ruleset.resolver.resolve(peer, forwarded_for)
+        if client is UNKNOWN_CLIENT:
+            # SPEC §3: counted as the empty value, in a metric always and in
+            # the log at most once per minute.
+            self.metrics.invalid_address.inc()
+            now = self.clock()
+            if now - self._bad_address_logged >= 60:
+                self._bad_address_logged = now
+                log.warning("client address missing or invalid (%r); counting it as the empty "
+                            "value (reported once per minute)", peer)
+        return client
+
+    # -- the decision -----------------------------------------------------
+
+    def decide(self, request: CheckRequest) -> Decision:
+        ruleset = self.ruleset
+        metrics = self.metrics
+        metrics.checks.inc()
+        address = request.client.address
+        if address is not None and ruleset.exempt and in_networks(address, ruleset.exempt):
+            return ALLOWED
+
+        matched: list[CompiledRule] = []
+        checks: list[Check] = []
+        for rule in ruleset.rules:
+            if rule.condition is not None and not rule.condition(request):
+                continue
+            ban_duration = rule.ban_duration
+            stops = rule.action != "log"
+            if ban_duration is not None and self._verified_bot(ruleset, request):
+                # A verified bot that triggers a ban is let through (SPEC §6).
+                stops, ban_duration = False, None
+            matched.append(rule)
+            checks.append(Check(rule.id, rule.key(request), rule.limiter,
+                                rule.threshold_for(address), stops, ban_duration))
+        if not checks and not self.store.may_be_banned():
+            return ALLOWED
+
+        evaluation = self.store.evaluate(self.clock(), request.client.key, checks)
+        if evaluation.ban is not None and not evaluation.new_ban:
+            # Banned: no evaluation, no counting, no per-request log (SPEC §1).
+            metrics.banned_requests.inc()
+            return CLOSED
+
+        observed: Decision | None = None
+        for rule, check, hit in zip(matched, checks, evaluation.hits):
+            if not hit.over_limit:
+                metrics.hit(rule.id)
+                continue
+            metrics.over_limit(rule.id, rule.action)
+            limit = math.ceil(check.threshold)
+            if check.stops:
+                decision = self._apply(rule, limit, hit)
+                self._log(request, rule, check, decision.outcome,
+                          banned=evaluation.ban is not None)
+                return decision
+            if rule.action == "log" and observed is None:
+                observed = Decision(ALLOW, rule, limit)
+            self._log(request, rule, check, "observe" if rule.action == "log" else "verified-bot")
+        return observed or ALLOWED
+
+    @staticmethod
+    def _apply(rule: CompiledRule, limit: int, hit: Hit) -> Decision:
+        if rule.page is None or rule.page.close:
+            return Decision(CLOSE, rule, limit)  # ban, or block with close: true
+        return Decision(DENY, rule, limit, retry_after_seconds(hit.retry_after), rule.page)
+
+    @staticmethod
+    def _verified_bot(ruleset: Ruleset, request: CheckRequest) -> bool:
+        return any(bot.matches(request) for bot in ruleset.verified_bots)
+
+    def _log(self, request: CheckRequest, rule: CompiledRule, check: Check, outcome: str,
+             banned: bool = False) -> None:
+        if not decision_log.isEnabledFor(logging.INFO):
+            return
+        entry = {
+            "ts": round(time.time(), 3),
+            "request_id": request.request_id,
+            "rule": rule.id,
+            "action": rule.action,
+            "outcome": outcome,
+            "key": describe_key(check.key),
+            "client": request.client.key,
+            "node": self.ruleset.node,
+        }
+        if banned:
+            entry["ban_seconds"] = check.ban_duration
+        decision_log.info(json.dumps(entry, separators=(",", ":")))
+
+
+def configure_decision_log(stream=sys.stderr) -> None:
+    """Decision log lines are bare JSON, one per line."""
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    decision_log.handlers[:] = [handler]
+    decision_log.setLevel(logging.INFO)
+    decision_log.propagate = False

@@ -1,0 +1,84 @@
+"""The neutral description of one request, whichever proxy asked about it.
+
+Adapters (nginx, Envoy, forward-auth) build a ``CheckRequest`` at the edge;
+nothing beyond it knows which proxy sent the request (STYLE: adapters at the
+edges). Cookies and query parameters are parsed only when a rule asks.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from urllib.parse import parse_qsl, unquote
+
+from sidecar.clientip import ClientAddress
+
+
+def normalise_path(raw_path: str) -> str:
+    """The path as nginx matches locations: decoded, slashes merged, dots resolved.
+
+    Matching rules on the raw path would let ``/api/%6Cogin`` or
+    ``//api/./login`` slip past a rule on ``/api/login``.
+    """
+    path = unquote(raw_path, errors="replace") if "%" in raw_path else raw_path
+    if "//" in path or "/." in path or not path.startswith("/"):
+        trailing = path.endswith(("/", "/.", "/.."))
+        path = posixpath.normpath("/" + path)
+        if path.startswith("//"):
+            path = path[1:]
+        if trailing and path != "/":
+            path += "/"
+    return path
+
+
+def strip_port(host: str) -> str:
+    if host.startswith("["):
+        end = host.find("]")
+        return host[: end + 1] if end != -1 else host
+    return host.partition(":")[0] if host.count(":") == 1 else host
+
+
+class CheckRequest:
+    """Method, host, URI, headers (lower-case names) and the resolved client."""
+
+    __slots__ = ("method", "host", "uri", "path", "query_string", "headers",
+                 "client", "request_id", "_cookies", "_query")
+
+    def __init__(
+        self,
+        method: str,
+        host: str,
+        uri: str,
+        headers: dict[str, str],
+        client: ClientAddress,
+        request_id: str,
+    ) -> None:
+        self.method = method
+        self.host = host
+        self.uri = uri
+        raw_path, _, self.query_string = uri.partition("?")
+        self.path = normalise_path(raw_path)
+        self.headers = headers
+        self.client = client
+        self.request_id = request_id
+        self._cookies: dict[str, str] | None = None
+        self._query: dict[str, str] | None = None
+
+    @property
+    def cookies(self) -> dict[str, str]:
+        if self._cookies is None:
+            cookies: dict[str, str] = {}
+            for part in self.headers.get("cookie", "").split(";"):
+                name, sep, value = part.strip().partition("=")
+                if sep and name and name not in cookies:
+                    cookies[name] = value.strip()
+            self._cookies = cookies
+        return self._cookies
+
+    @property
+    def query(self) -> dict[str, str]:
+        if self._query is None:
+            query: dict[str, str] = {}
+            for name, value in parse_qsl(self.query_string, keep_blank_values=True):
+                query.setdefault(name, value)
+            self._query = query
+        return self._query

@@ -1,0 +1,304 @@
+"""Compiling a validated rules file into ready-to-run objects.
+
+Everything here runs once per load. The result, a ``Ruleset``, holds compiled
+regexes, parsed networks, small predicate and key-extractor functions and
+limiter objects; evaluating a request is then lookups and arithmetic only
+(STYLE: compile, then run).
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Callable, Hashable
+
+from sidecar import config
+from sidecar.actions import BlockPage
+from sidecar.clientip import ClientIPResolver, IPAddress, IPNetwork, in_networks
+from sidecar.config import ConfigError, ConfigIssue, LoadedRules
+from sidecar.limiters import WindowCounter
+from sidecar.request import CheckRequest
+
+Predicate = Callable[[CheckRequest], bool]
+KeyBuilder = Callable[[CheckRequest], Hashable]
+
+# --------------------------------------------------------------------------
+# Conditions (SPEC §5)
+# --------------------------------------------------------------------------
+
+
+def _string_test(test: config.StringTest | config.NamedTest) -> Callable[[str], bool]:
+    if test.equals is not None:
+        expected = test.equals
+        return lambda value: value == expected
+    if test.in_ is not None:
+        choices = frozenset(test.in_)
+        return lambda value: value in choices
+    if test.prefix is not None:
+        prefix = test.prefix
+        return lambda value: value.startswith(prefix)
+    pattern = test.regex
+    return lambda value: pattern.search(value) is not None
+
+
+def _named_test(source: Callable[[CheckRequest], dict[str, str]],
+                test: config.NamedTest, name: str) -> Predicate:
+    if test.present is not None:
+        wanted = test.present
+        return lambda request: (name in source(request)) is wanted
+    value_test = _string_test(test)
+
+    def predicate(request: CheckRequest) -> bool:
+        value = source(request).get(name)
+        return value is not None and value_test(value)
+
+    return predicate
+
+
+def _headers(request: CheckRequest) -> dict[str, str]:
+    return request.headers
+
+
+def _cookies(request: CheckRequest) -> dict[str, str]:
+    return request.cookies
+
+
+def _query(request: CheckRequest) -> dict[str, str]:
+    return request.query
+
+
+def compile_condition(condition: config.Condition) -> Predicate:
+    """A ``match:`` mapping becomes one predicate; several leaves mean all."""
+    parts: list[Predicate] = []
+    if condition.all is not None:
+        parts.append(_all([compile_condition(c) for c in condition.all]))
+    if condition.any is not None:
+        alternatives = [compile_condition(c) for c in condition.any]
+        parts.append(lambda request: any(p(request) for p in alternatives))
+    if condition.not_ is not None:
+        inner = compile_condition(condition.not_)
+        parts.append(lambda request: not inner(request))
+    if condition.path is not None:
+        path_test = _string_test(condition.path)
+        parts.append(lambda request: path_test(request.path))
+    if condition.host is not None:
+        host_test = _string_test(condition.host)
+        parts.append(lambda request: host_test(request.host))
+    if condition.method is not None:
+        methods = frozenset(m.upper() for m in condition.method)
+        parts.append(lambda request: request.method in methods)
+    for tests, source, fold in ((condition.header, _headers, True),
+                                (condition.cookie, _cookies, False),
+                                (condition.query, _query, False)):
+        for test in tests or ():
+            parts.append(_named_test(source, test, test.name.lower() if fold else test.name))
+    if condition.ip is not None:
+        networks = tuple(condition.ip.in_)
+        parts.append(lambda request: request.client.address is not None
+                     and in_networks(request.client.address, networks))
+    return _all(parts)
+
+
+def _all(parts: list[Predicate]) -> Predicate:
+    if len(parts) == 1:
+        return parts[0]
+    return lambda request: all(p(request) for p in parts)
+
+
+# --------------------------------------------------------------------------
+# Counting keys (SPEC §4)
+# --------------------------------------------------------------------------
+
+DimensionValue = Callable[[CheckRequest], Hashable]
+
+_SIMPLE_DIMENSIONS: dict[str, DimensionValue] = {
+    "ip": lambda request: request.client.key,
+    "host": lambda request: request.host,
+    "method": lambda request: request.method,
+    "path": lambda request: request.path,
+    "uri": lambda request: request.uri,
+}
+
+
+def _dimension_value(dimension: str) -> DimensionValue:
+    if dimension in _SIMPLE_DIMENSIONS:
+        return _SIMPLE_DIMENSIONS[dimension]
+    kind, _, name = dimension.partition(":")
+    if kind == "header":
+        return lambda request: request.headers.get(name, "")
+    if kind == "cookie":
+        return lambda request: request.cookies.get(name, "")
+    if kind == "query":
+        return lambda request: request.query.get(name, "")
+
+    # session:COOKIE falls back to the client address; the two are tagged so
+    # that a cookie whose value equals an address is still another key.
+    def session(request: CheckRequest) -> Hashable:
+        value = request.cookies.get(name)
+        return ("ip", request.client.key) if value is None else ("cookie", value)
+
+    return session
+
+
+def compile_key(rule_id: str, dimensions: list[str]) -> tuple[tuple[str, ...], KeyBuilder]:
+    """The key is the rule id, the sorted dimension names and their values.
+
+    Keys are tuples, so values containing any separator cannot make two
+    different tuples collide; sorting makes the written order irrelevant.
+    No dimensions means host + client address.
+    """
+    names = tuple(sorted(dimensions or ["host", "ip"]))
+    prefix = (rule_id, names)
+    extractors = tuple(_dimension_value(name) for name in names)
+    if len(extractors) == 1:
+        only = extractors[0]
+        return names, lambda request: (prefix, only(request))
+    return names, lambda request: (prefix, *(extract(request) for extract in extractors))
+
+
+def describe_key(key: Hashable) -> str:
+    """A counting key as one readable string, for logs."""
+    (rule_id, names), *values = key  # type: ignore[misc]
+    return " ".join(f"{name}={value!r}" if isinstance(value, tuple) else f"{name}={value}"
+                    for name, value in zip(names, values))
+
+
+# --------------------------------------------------------------------------
+# Rules and the rule set
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Override:
+    networks: tuple[IPNetwork, ...]
+    multiply: float
+
+
+@dataclass(frozen=True, slots=True)
+class VerifiedBot:
+    networks: tuple[IPNetwork, ...]
+    user_agent: object | None  # compiled regex
+
+    def matches(self, request: CheckRequest) -> bool:
+        address = request.client.address
+        if address is None or not in_networks(address, self.networks):
+            return False
+        return self.user_agent is None or \
+            self.user_agent.search(request.headers.get("user-agent", "")) is not None  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledRule:
+    id: str
+    action: str  # log | block | ban
+    condition: Predicate | None
+    key: KeyBuilder
+    dimensions: tuple[str, ...]
+    limiter: WindowCounter
+    threshold: int  # effective (threshold 0 reports 1)
+    reset: int  # X-RateLimit-Reset: the penalty length in whole seconds
+    overrides: tuple[Override, ...]
+    page: BlockPage | None  # block: status and page, or close
+    ban_duration: float | None
+
+    def threshold_for(self, address: IPAddress | None) -> float:
+        if address is not None:
+            for override in self.overrides:
+                if in_networks(address, override.networks):
+                    return self.threshold * override.multiply
+        return float(self.threshold)
+
+
+@dataclass(frozen=True, slots=True)
+class Ruleset:
+    rules: tuple[CompiledRule, ...]
+    by_id: dict[str, CompiledRule]
+    resolver: ClientIPResolver
+    exempt: tuple[IPNetwork, ...]
+    verified_bots: tuple[VerifiedBot, ...]
+    node: str
+    max_keys: int
+    backend: str
+    source: str
+
+
+# Features of the rules file that later versions implement; a file using them
+# is refused rather than silently not doing what it says.
+_NOT_YET = "is not available in this version of Sluice"
+
+
+def compile_rules(loaded: LoadedRules) -> Ruleset:
+    """Build the immutable ruleset; raise ConfigError for what cannot run."""
+    model = loaded.model
+    issues: list[ConfigIssue] = []
+    overrides: dict[str, list[Override]] = {}
+    for override in model.overrides:
+        for rule_id in override.rules:
+            overrides.setdefault(rule_id, []).append(Override(tuple(override.cidrs), override.multiply))
+    if model.state.backend != "memory":
+        issues.append(loaded.issue(("state", "backend"), f"backend {model.state.backend!r} {_NOT_YET}"))
+    rules = []
+    for index, rule in enumerate(model.rules):
+        loc = ("rules", index)
+        if not isinstance(rule.limit, config.WindowLimit):
+            issues.append(loaded.issue(loc + ("limit",), f"this kind of limit {_NOT_YET}"))
+            continue
+        if rule.count_on is not None:
+            issues.append(loaded.issue(loc + ("count_on",), f"count_on {_NOT_YET}"))
+        if rule.action == "challenge":
+            issues.append(loaded.issue(loc + ("action",), f"action 'challenge' {_NOT_YET}"))
+            continue
+        page = None
+        if rule.action == "block":
+            block = rule.block or config.BlockAction()
+            try:
+                page = BlockPage.from_config(block, loaded.base_dir)
+            except OSError as exc:
+                issues.append(loaded.issue(loc + ("block", "body_file"),
+                                           f"cannot read the page template: {exc.strerror or exc}"))
+                continue
+        limit = rule.limit
+        penalty = rule.penalty if rule.penalty is not None else limit.per
+        names, key = compile_key(rule.id, rule.key)
+        rules.append(CompiledRule(
+            id=rule.id,
+            action=rule.action,
+            condition=compile_condition(rule.match) if rule.match is not None else None,
+            key=key,
+            dimensions=names,
+            limiter=WindowCounter(limit.requests, limit.per, penalty, sliding=limit.window == "sliding"),
+            threshold=max(limit.requests, 1),
+            reset=max(1, math.ceil(penalty)),
+            overrides=tuple(overrides.get(rule.id, ())),
+            page=page,
+            ban_duration=(rule.ban or config.BanAction()).duration if rule.action == "ban" else None,
+        ))
+    if issues:
+        raise ConfigError(issues)
+    client_ip = model.client_ip
+    return Ruleset(
+        rules=tuple(rules),
+        by_id={rule.id: rule for rule in rules},
+        resolver=ClientIPResolver(tuple(client_ip.trusted_proxies), client_ip.ipv4_prefix,
+                                  client_ip.ipv6_prefix),
+        exempt=tuple(model.exempt),
+        verified_bots=tuple(VerifiedBot(tuple(b.cidrs), b.user_agent) for b in model.verified_bots),
+        node=model.node or socket.gethostname(),
+        max_keys=model.state.max_keys,
+        backend=model.state.backend,
+        source=loaded.source,
+    )
+
+
+def load_ruleset(path: str) -> Ruleset:
+    return compile_rules(config.load_rules_file(path))
+
+
+def default_ruleset() -> Ruleset:
+    """The embedded default rules, used when ``serve`` gets no ``--config``."""
+    text = resources.files("sidecar").joinpath("default_rules.yaml").read_text(encoding="utf-8")
+    return compile_rules(config.parse_rules_text(text, "<default rules>", Path.cwd()))
+

@@ -1,0 +1,144 @@
+"""Where counts and bans live, behind one interface (SPEC §9).
+
+The engine hands the store every check of a request at once, in rule order;
+the store answers in one call (one round trip for a remote store), applying
+the stop rules of SPEC §1 as it goes so that rules after a stopping one are
+neither evaluated nor counted.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Protocol, Sequence
+
+from cachetools import TLRUCache
+
+from sidecar.limiters import Hit
+
+Clock = Callable[[], float]
+
+
+class Limiter(Protocol):
+    def new_state(self) -> Any: ...
+    def hit(self, state: Any, now: float, threshold: float) -> Hit: ...
+    def expires_at(self, state: Any) -> float: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """One matching rule of one request, ready for the store."""
+
+    rule_id: str
+    key: Hashable
+    limiter: Limiter
+    threshold: float
+    stops: bool  # over limit ends evaluation (block, ban)
+    ban_duration: float | None = None  # over limit bans the client address
+
+
+@dataclass(frozen=True, slots=True)
+class BanRecord:
+    address: str
+    rule_id: str
+    node: str
+    started_wall: float  # wall-clock start, for people reading ban records
+    expires: float  # monotonic
+    duration: float
+
+
+@dataclass(slots=True)
+class Evaluation:
+    """What the store decided: an active ban, or per-check hits in order.
+
+    ``hits`` has one entry per check that was evaluated; it stops after the
+    first over-limit check with ``stops`` set. ``ban`` is set when the
+    client was already banned (nothing evaluated) or became banned now.
+    """
+
+    ban: BanRecord | None = None
+    new_ban: bool = False
+    hits: list[Hit] = field(default_factory=list)
+
+
+class StateStore(Protocol):
+    def evaluate(self, now: float, address: str, checks: Sequence[Check]) -> Evaluation: ...
+    def may_be_banned(self) -> bool: ...
+    def active_bans(self, now: float) -> list[BanRecord]: ...
+    def tracked_keys(self) -> int: ...
+
+
+class MemoryStore:
+    """Per-node state in this process, bounded by ``max_keys``.
+
+    TLRUCache evicts expired entries first, then the least recently used, so
+    an attack rotating through millions of addresses cannot grow memory past
+    the cap (SPEC §9). A state's expiry is only re-filed when it moves.
+    """
+
+    def __init__(self, max_keys: int, node: str, clock: Clock = time.monotonic,
+                 wall_clock: Clock = time.time) -> None:
+        self.node = node
+        self._wall_clock = wall_clock
+        self._states: TLRUCache = TLRUCache(max_keys, self._state_expiry, timer=clock)
+        self._bans: TLRUCache = TLRUCache(max_keys, lambda _k, ban, _now: ban.expires, timer=clock)
+
+    @staticmethod
+    def _state_expiry(_key: Hashable, entry: tuple[Limiter, Any], _now: float) -> float:
+        limiter, state = entry
+        return limiter.expires_at(state)
+
+    def evaluate(self, now: float, address: str, checks: Sequence[Check]) -> Evaluation:
+        if self._bans:
+            ban = self._bans.get(address)
+            if ban is not None and now < ban.expires:
+                return Evaluation(ban=ban)
+        evaluation = Evaluation()
+        states = self._states
+        for check in checks:
+            entry = states.get(check.key)
+            if entry is None or entry[0] is not check.limiter:
+                # New key, or the rule was reloaded with other settings: the
+                # counts carry over when the state still fits the limiter.
+                state = entry[1] if entry is not None and _same_kind(entry[0], check.limiter) \
+                    else check.limiter.new_state()
+                entry = (check.limiter, state)
+                expiry = None
+            else:
+                state = entry[1]
+                expiry = check.limiter.expires_at(state)
+            hit = check.limiter.hit(state, now, check.threshold)
+            evaluation.hits.append(hit)
+            if not hit.over_limit:
+                if check.limiter.expires_at(state) != expiry:
+                    states[check.key] = entry
+                continue
+            if check.stops:
+                if check.ban_duration is not None and address:
+                    # Issuing a ban clears the triggering key (SPEC §6).
+                    states.pop(check.key, None)
+                    evaluation.ban = self._ban(now, address, check.rule_id, check.ban_duration)
+                    evaluation.new_ban = True
+                break
+        return evaluation
+
+    def _ban(self, now: float, address: str, rule_id: str, duration: float) -> BanRecord:
+        record = BanRecord(address, rule_id, self.node, self._wall_clock(), now + duration, duration)
+        self._bans[address] = record
+        return record
+
+    def may_be_banned(self) -> bool:
+        return bool(self._bans)
+
+    def active_bans(self, now: float) -> list[BanRecord]:
+        return [ban for ban in list(self._bans.values()) if now < ban.expires]
+
+    def lift_ban(self, address: str) -> bool:
+        return self._bans.pop(address, None) is not None
+
+    def tracked_keys(self) -> int:
+        return len(self._states)
+
+
+def _same_kind(old: Limiter, new: Limiter) -> bool:
+    return type(old) is type(new)
