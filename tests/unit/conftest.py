@@ -1,0 +1,50 @@
+from pathlib import Path
+
+import pytest
+
+from sidecar.config import parse_rules_text
+from sidecar.engine import Engine
+from sidecar.request import CheckRequest
+from sidecar.rules import Ruleset, compile_rules
+
+
+class FakeClock:
+    """Monotonic time that moves only when a test says so."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def ruleset_from(text: str, base_dir: Path | None = None) -> Ruleset:
+    return compile_rules(parse_rules_text(text, "test.yaml", base_dir or Path.cwd()))
+
+
+class Harness:
+    """An engine on a fake clock, and a way to describe requests briefly."""
+
+    def __init__(self, text: str, base_dir: Path | None = None) -> None:
+        self.clock = FakeClock()
+        self.engine = Engine(ruleset_from(text, base_dir), clock=self.clock)
+
+    def request(self, ip: str = "192.0.2.1", path: str = "/", method: str = "GET",
+                host: str = "example.com", headers: dict | None = None,
+                forwarded_for: str | None = None) -> CheckRequest:
+        client = self.engine.resolve_client(ip, forwarded_for)
+        return CheckRequest(method, host, path, dict(headers or {}), client, "req-1")
+
+    def decide(self, **kwargs):
+        return self.engine.decide(self.request(**kwargs))
+
+    def outcomes(self, count: int, **kwargs) -> list[str]:
+        return [self.decide(**kwargs).outcome for _ in range(count)]
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()

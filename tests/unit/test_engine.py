@@ -1,0 +1,309 @@
+"""The request pipeline (SPEC §1, §2, §6) on a fake clock."""
+
+import json
+import logging
+
+from sidecar.engine import ALLOW, CLOSE, DENY
+
+from .conftest import Harness
+
+AXISNOW = """
+rules:
+  - id: api-key
+    key: [ip, "header:x-api-key"]
+    limit: {requests: 2, per: 10s}
+    action: block
+"""
+
+
+def test_axisnow_five_requests_only_key_a_is_blocked():
+    """The seed's worked example: ip + x-api-key, 2 per 10 s, block.
+    Requests are sorted into counters by key; key A reaches 2 and its next
+    request is blocked while keys B and C are unaffected."""
+    h = Harness(AXISNOW)
+    key_a = dict(ip="203.0.113.7", headers={"x-api-key": "A"})
+    key_b = dict(ip="203.0.113.7", headers={"x-api-key": "B"})
+    key_c = dict(ip="198.51.100.9", headers={"x-api-key": "A"})
+    sequence = [key_a, key_b, key_a, key_c, key_a]
+    results = []
+    for request in sequence:
+        results.append(h.decide(**request).outcome)
+        h.clock.advance(1)
+    assert results == [ALLOW, ALLOW, ALLOW, ALLOW, DENY]
+
+
+def test_block_decision_carries_limit_reset_and_retry_after():
+    h = Harness(AXISNOW)
+    h.outcomes(2, headers={"x-api-key": "k"})
+    h.clock.advance(3.2)
+    decision = h.decide(headers={"x-api-key": "k"})
+    assert decision.outcome == DENY
+    assert decision.page.status == 429
+    assert decision.limit == 2
+    assert decision.rule.reset == 10
+    assert decision.retry_after == 7  # 10 - 3.2 = 6.8, rounded up
+
+
+def test_penalty_ends_and_counting_resumes():
+    h = Harness(AXISNOW)
+    assert h.outcomes(3, headers={"x-api-key": "k"}) == [ALLOW, ALLOW, DENY]
+    h.clock.advance(10)
+    assert h.decide(headers={"x-api-key": "k"}).outcome == ALLOW
+
+
+def test_custom_status_and_close():
+    h = Harness("""
+rules:
+  - id: busy
+    match: {path: {prefix: /busy}}
+    limit: {requests: 1, per: 10s}
+    action: block
+    block: {status: 503, body: "busy, ${{remote_addr}}"}
+  - id: quiet
+    match: {path: {prefix: /quiet}}
+    limit: {requests: 1, per: 10s}
+    action: block
+    block: {close: true}
+""")
+    assert h.outcomes(2, path="/busy") == [ALLOW, DENY]
+    decision = h.decide(path="/busy")
+    assert decision.page.status == 503
+    assert decision.page.template.render("<1>", "h", "r") == b"busy, &lt;1&gt;"
+    assert h.outcomes(2, path="/quiet") == [ALLOW, CLOSE]
+
+
+BAN = """
+rules:
+  - id: scrapers
+    match: {path: {prefix: /scrape}}
+    key: [ip]
+    limit: {requests: 2, per: 60s}
+    action: ban
+    ban: {duration: 5m}
+  - id: everything
+    key: [ip]
+    limit: {requests: 1000, per: 60s}
+    action: block
+"""
+
+
+def test_ban_closes_trigger_and_every_later_request_of_the_address():
+    h = Harness(BAN)
+    assert h.outcomes(3, path="/scrape") == [ALLOW, ALLOW, CLOSE]
+    assert h.decide(path="/anything-else", host="other.example").outcome == CLOSE
+    assert h.decide(ip="192.0.2.99", path="/scrape").outcome == ALLOW
+    [ban] = h.engine.store.active_bans(h.clock())
+    assert (ban.address, ban.rule_id, ban.duration) == ("192.0.2.1", "scrapers", 300)
+
+
+def test_banned_requests_are_not_evaluated_counted_or_logged(caplog):
+    h = Harness(BAN)
+    h.outcomes(3, path="/scrape")
+    caplog.set_level(logging.INFO, logger="sluice.decisions")
+    caplog.clear()
+    before = h.engine.metrics.checks._value.get()
+    for _ in range(50):
+        assert h.decide(path="/x").outcome == CLOSE
+    assert caplog.records == []
+    assert h.engine.metrics.banned_requests._value.get() == 50
+    # The per-IP rule saw none of them: after the ban it has its full budget.
+    assert h.engine.metrics.checks._value.get() == before + 50
+    assert h.engine.store.tracked_keys() == 1  # only "everything" from before
+
+
+def test_ban_expires_and_counting_starts_afresh():
+    h = Harness(BAN)
+    h.outcomes(3, path="/scrape")
+    h.clock.advance(299.9)
+    assert h.decide(path="/scrape").outcome == CLOSE
+    h.clock.advance(0.1)
+    # The triggering key's counters were cleared when the ban was issued.
+    assert h.outcomes(3, path="/scrape") == [ALLOW, ALLOW, CLOSE]
+
+
+def test_verified_bot_is_never_banned_and_evaluation_continues():
+    h = Harness("""
+verified_bots:
+  - cidrs: [66.249.64.0/19]
+    user_agent: Googlebot
+rules:
+  - id: scrapers
+    key: [ip]
+    limit: {requests: 1, per: 60s}
+    action: ban
+  - id: strict
+    match: {path: {prefix: /strict}}
+    key: [ip]
+    limit: {requests: 1, per: 60s}
+    action: block
+""")
+    bot = dict(ip="66.249.66.1", headers={"user-agent": "Mozilla/5.0 (compatible; Googlebot/2.1)"})
+    assert h.outcomes(3, **bot) == [ALLOW] * 3
+    assert h.engine.store.active_bans(h.clock()) == []
+    # block still applies to verified bots
+    assert h.outcomes(2, path="/strict", **bot) == [ALLOW, DENY]
+    # same address without the user agent is not a verified bot
+    assert h.outcomes(2, ip="66.249.66.1") == [CLOSE, CLOSE]
+
+
+def test_observe_never_interferes_and_reports_first_over_limit_log_rule(caplog):
+    h = Harness("""
+rules:
+  - id: watch-a
+    key: [ip]
+    limit: {requests: 1, per: 60s}
+    action: log
+  - id: watch-b
+    key: [ip]
+    limit: {requests: 1, per: 30s}
+    action: log
+""")
+    caplog.set_level(logging.INFO, logger="sluice.decisions")
+    assert h.decide().rule is None
+    decision = h.decide()
+    assert decision.outcome == ALLOW
+    assert (decision.rule.id, decision.limit, decision.rule.reset) == ("watch-a", 1, 60)
+    lines = [json.loads(r.getMessage()) for r in caplog.records]
+    assert [(line["rule"], line["outcome"]) for line in lines] == [("watch-a", "observe"), ("watch-b", "observe")]
+
+
+def test_block_ends_evaluation_so_later_rules_are_not_counted():
+    h = Harness("""
+rules:
+  - id: first
+    key: [ip]
+    limit: {requests: 1, per: 60s}
+    action: block
+  - id: second
+    key: [ip]
+    limit: {requests: 2, per: 60s}
+    action: block
+""")
+    assert h.outcomes(5) == [ALLOW, DENY, DENY, DENY, DENY]
+    h.clock.advance(60)
+    # "second" counted only the first request, so one more passes before it limits.
+    assert h.decide().outcome == ALLOW
+    assert h.decide().rule.id == "first"
+
+
+def test_headers_describe_the_stopping_rule_even_after_an_observe_rule():
+    h = Harness("""
+rules:
+  - id: watch
+    key: [ip]
+    limit: {requests: 1, per: 60s}
+    action: log
+  - id: stop
+    key: [ip]
+    limit: {requests: 1, per: 5s}
+    action: block
+""")
+    h.decide()
+    decision = h.decide()
+    assert decision.outcome == DENY and decision.rule.id == "stop"
+
+
+def test_exempt_addresses_are_never_limited_or_counted():
+    h = Harness("""
+exempt: [10.0.0.0/8, "2001:db8::/32"]
+rules:
+  - id: all
+    key: [ip]
+    limit: {requests: 1, per: 60s}
+    action: block
+""")
+    assert h.outcomes(10, ip="10.1.2.3") == [ALLOW] * 10
+    assert h.outcomes(10, ip="2001:db8::5") == [ALLOW] * 10
+    assert h.engine.store.tracked_keys() == 0
+    assert h.outcomes(2, ip="11.0.0.1") == [ALLOW, DENY]
+
+
+def test_override_multiplies_threshold_for_listed_networks():
+    h = Harness("""
+overrides:
+  - cidrs: [203.0.113.0/24]
+    rules: [pages]
+    multiply: 10
+rules:
+  - id: pages
+    key: [ip]
+    limit: {requests: 2, per: 60s}
+    action: block
+""")
+    assert h.outcomes(21, ip="203.0.113.5")[-2:] == [ALLOW, DENY]
+    assert h.decide(ip="203.0.113.5").limit == 20
+    assert h.outcomes(3, ip="192.0.2.5") == [ALLOW, ALLOW, DENY]
+
+
+def test_xff_is_ignored_without_trusted_proxies():
+    h = Harness(AXISNOW)
+    results = [h.decide(headers={"x-api-key": "k"}, forwarded_for=f"198.51.100.{i}").outcome
+               for i in range(4)]
+    assert results == [ALLOW, ALLOW, DENY, DENY]
+
+
+def test_xff_is_used_through_a_trusted_proxy():
+    h = Harness("""
+client_ip: {trusted_proxies: [127.0.0.0/8]}
+rules:
+  - id: per-ip
+    key: [ip]
+    limit: {requests: 1, per: 60s}
+    action: block
+""")
+    assert h.decide(ip="127.0.0.1", forwarded_for="198.51.100.1").outcome == ALLOW
+    assert h.decide(ip="127.0.0.1", forwarded_for="198.51.100.2").outcome == ALLOW
+    assert h.decide(ip="127.0.0.1", forwarded_for="198.51.100.1").outcome == DENY
+
+
+def test_ipv6_clients_in_one_64_share_a_counter():
+    h = Harness(AXISNOW.replace('[ip, "header:x-api-key"]', "[ip]"))
+    assert h.decide(ip="2001:db8:1:2::1").outcome == ALLOW
+    assert h.decide(ip="2001:DB8:1:2:ffff:0:0:9").outcome == ALLOW
+    assert h.decide(ip="2001:db8:1:2:0000::77").outcome == DENY
+    assert h.decide(ip="2001:db8:1:3::1").outcome == ALLOW
+
+
+def test_invalid_client_address_counts_as_the_empty_value():
+    h = Harness(AXISNOW.replace('[ip, "header:x-api-key"]', "[ip]"))
+    assert [h.decide(ip=bad).outcome for bad in ("", "junk", "999.1.1.1")] == [ALLOW, ALLOW, DENY]
+    assert h.engine.metrics.invalid_address._value.get() == 3
+
+
+def test_ban_of_an_unknown_address_closes_but_bans_nobody():
+    h = Harness(BAN)
+    assert h.outcomes(3, ip="", path="/scrape") == [ALLOW, ALLOW, CLOSE]
+    assert h.engine.store.active_bans(h.clock()) == []
+
+
+def test_memory_stays_bounded_under_address_rotation():
+    h = Harness("""
+state: {max_keys: 100}
+rules:
+  - id: per-ip
+    key: [ip]
+    limit: {requests: 5, per: 60s}
+    action: block
+""")
+    for i in range(5000):
+        h.decide(ip=f"10.{i // 65536}.{(i // 256) % 256}.{i % 256}")
+    assert h.engine.store.tracked_keys() <= 100
+
+
+def test_expired_keys_are_evicted_before_live_ones():
+    h = Harness("""
+state: {max_keys: 3}
+rules:
+  - id: per-ip
+    key: [ip]
+    limit: {requests: 1, per: 10s}
+    action: block
+""")
+    h.decide(ip="192.0.2.1")  # in penalty for 10 s
+    h.clock.advance(5)
+    h.decide(ip="192.0.2.2")
+    h.decide(ip="192.0.2.3")
+    h.clock.advance(6)  # .1 has expired (penalty over, window gone); .2/.3 still in penalty
+    h.decide(ip="192.0.2.4")
+    assert h.decide(ip="192.0.2.2").outcome == DENY
+    assert h.decide(ip="192.0.2.3").outcome == DENY
