@@ -78,8 +78,7 @@ class BlockPage:
         if block.body is not None:
             template = PageTemplate(block.body)
         elif block.body_file is not None:
-            path = Path(block.body_file)
-            template = PageTemplate((path if path.is_absolute() else base_dir / path)
+            template = PageTemplate(config.resolve_file(block.body_file, base_dir)
                                     .read_text(encoding="utf-8"))
         else:
             template = _builtin_template(block.status)

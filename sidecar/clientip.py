@@ -44,8 +44,12 @@ def parse_address(text: str) -> IPAddress | None:
         address = ipaddress.ip_address(text.strip())
     except ValueError:
         return None
-    if address.version == 6 and address.ipv4_mapped is not None:
-        return address.ipv4_mapped
+    if address.version == 6:
+        if address.ipv4_mapped is not None:
+            return address.ipv4_mapped
+        if address.scope_id is not None:
+            # fe80::1%eth0 is fe80::1 as far as counting goes.
+            return ipaddress.IPv6Address(int(address))
     return address
 
 
@@ -92,6 +96,8 @@ class ClientIPResolver:
         """
         client = peer
         for entry in reversed(header.split(",")):
+            if not entry.strip():
+                continue  # "a, , b," has empty entries; nginx skips them too
             address = parse_address(entry)
             if address is None:
                 return client

@@ -25,6 +25,7 @@ from pydantic import (
     PlainValidator,
     Tag,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -141,7 +142,8 @@ def _as_list(value: Any) -> Any:
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    # strict: YAML's `true` is not the number 1, nor "10" a count.
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, strict=True)
 
 
 class StringTest(Strict):
@@ -214,6 +216,10 @@ class ScoreLimit(Strict):
     per: Duration
     header: str = Field(min_length=1)
 
+    @model_validator(mode="after")
+    def _not_yet(self) -> "ScoreLimit":
+        raise ValueError(f"score budgets {NOT_YET}")
+
 
 class TokenLimit(Strict):
     tokens: int = Field(ge=1)
@@ -224,7 +230,7 @@ class TokenLimit(Strict):
     def _cost_fits(self) -> "TokenLimit":
         if self.cost > self.tokens:
             raise ValueError(f"cost {self.cost} can never be admitted by a bucket of {self.tokens} tokens")
-        return self
+        raise ValueError(f"token buckets {NOT_YET}")
 
 
 class LeakyLimit(Strict):
@@ -232,6 +238,10 @@ class LeakyLimit(Strict):
     burst: int = Field(0, ge=0)
     nodelay: bool = False
     delay: int | None = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _not_yet(self) -> "LeakyLimit":
+        raise ValueError(f"leaky buckets (rate/burst) {NOT_YET}")
 
 
 _LIMIT_TAGS = {"requests": "window-limit", "score": "score-budget",
@@ -265,6 +275,13 @@ class BlockAction(Strict):
     body: str | None = None
     body_file: str | None = None
     close: bool = False
+
+    @field_validator("body_file")
+    @classmethod
+    def _readable(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None:
+            read_text_file(value, info, "page template")
+        return value
 
     @model_validator(mode="after")
     def _one_page(self) -> "BlockAction":
@@ -345,6 +362,20 @@ class Rule(Strict):
             raise ValueError("a dimension is listed twice")
         return value
 
+    @field_validator("action")
+    @classmethod
+    def _available(cls, value: str) -> str:
+        if value == "challenge":
+            raise ValueError(f"action 'challenge' {NOT_YET}")
+        return value
+
+    @field_validator("count_on")
+    @classmethod
+    def _count_on_available(cls, value: CountOn | None) -> CountOn | None:
+        if value is not None:
+            raise ValueError(f"response-phase counting (count_on) {NOT_YET}")
+        return value
+
     @model_validator(mode="after")
     def _settings_match_action(self) -> "Rule":
         for section in ("block", "ban", "challenge"):
@@ -365,6 +396,13 @@ class StateConfig(Strict):
     max_keys: int = Field(100_000, ge=1)
     fail: Literal["open", "closed"] = "open"
 
+    @field_validator("backend")
+    @classmethod
+    def _available(cls, value: str) -> str:
+        if value != "memory":
+            raise ValueError(f"backend {value!r} {NOT_YET}")
+        return value
+
 
 class VerifiedBots(Strict):
     cidrs: list[Network] = Field(min_length=1)
@@ -380,6 +418,13 @@ class AutoBan(Strict):
 class ChallengeConfig(Strict):
     secret_file: str | None = None
     auto_ban: AutoBan = AutoBan()
+
+    @field_validator("secret_file")
+    @classmethod
+    def _readable(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None:
+            read_text_file(value, info, "secret file")
+        return value
 
 
 class Override(Strict):
@@ -397,6 +442,27 @@ class RulesFile(Strict):
     challenge: ChallengeConfig = ChallengeConfig()
     overrides: list[Override] = []
     rules: list[Rule] = []
+
+
+# Features of the rules file that later versions implement: a file using them
+# is refused rather than silently not doing what it says.
+NOT_YET = "is not available in this version of Sluice"
+
+
+def resolve_file(name: str, base_dir: Path) -> Path:
+    """Files named in a rules file are relative to the rules file."""
+    path = Path(name)
+    return path if path.is_absolute() else base_dir / path
+
+
+def read_text_file(name: str, info: ValidationInfo, what: str) -> str:
+    base_dir = (info.context or {}).get("base_dir", Path.cwd())
+    try:
+        return resolve_file(name, base_dir).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"cannot read the {what} {name!r}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"the {what} {name!r} is not UTF-8 text") from None
 
 
 def _exactly_one(model: BaseModel, fields: tuple[str, ...]) -> None:
@@ -454,7 +520,7 @@ class _Document:
         if isinstance(node, yaml.MappingNode):
             result: dict[str, Any] = {}
             for key_node, value_node in node.value:
-                key = self._constructor.construct_object(key_node, deep=True)
+                key = self._scalar(key_node, loc)
                 line = key_node.start_mark.line + 1
                 if not isinstance(key, str):
                     self.issues.append(ConfigIssue(self.file, line, format_loc(loc),
@@ -473,7 +539,16 @@ class _Document:
                 self.lines[loc + (index,)] = item.start_mark.line + 1
                 items.append(self._convert(item, loc + (index,)))
             return items
-        return self._constructor.construct_object(node, deep=True)
+        return self._scalar(node, loc)
+
+    def _scalar(self, node: yaml.Node, loc: Loc) -> Any:
+        try:
+            return self._constructor.construct_object(node, deep=True)
+        except (yaml.YAMLError, ValueError, TypeError) as exc:
+            problem = getattr(exc, "problem", None) or str(exc)
+            self.issues.append(ConfigIssue(self.file, node.start_mark.line + 1, format_loc(loc),
+                                           f"invalid YAML value: {problem}"))
+            return None
 
     def issue(self, loc: Loc, message: str, missing: bool = False) -> ConfigIssue:
         """An issue at ``loc`` (a pydantic location, possibly with union tags)."""
@@ -556,7 +631,7 @@ def parse_rules_text(text: str, source: str, base_dir: Path) -> LoadedRules:
     model: RulesFile | None = None
     try:
         # Keep the field order YAML gave us: ``dict`` already does.
-        model = RulesFile.model_validate(document.data)
+        model = RulesFile.model_validate(document.data, context={"base_dir": base_dir})
     except ValidationError as exc:
         for error in exc.errors():
             issues.append(document.issue(tuple(error["loc"]), _message(error),

@@ -225,11 +225,6 @@ class Ruleset:
     source: str
 
 
-# Features of the rules file that later versions implement; a file using them
-# is refused rather than silently not doing what it says.
-_NOT_YET = "is not available in this version of Sluice"
-
-
 def compile_rules(loaded: LoadedRules) -> Ruleset:
     """Build the immutable ruleset; raise ConfigError for what cannot run."""
     model = loaded.model
@@ -238,29 +233,21 @@ def compile_rules(loaded: LoadedRules) -> Ruleset:
     for override in model.overrides:
         for rule_id in override.rules:
             overrides.setdefault(rule_id, []).append(Override(tuple(override.cidrs), override.multiply))
-    if model.state.backend != "memory":
-        issues.append(loaded.issue(("state", "backend"), f"backend {model.state.backend!r} {_NOT_YET}"))
     rules = []
     for index, rule in enumerate(model.rules):
         loc = ("rules", index)
-        if not isinstance(rule.limit, config.WindowLimit):
-            issues.append(loaded.issue(loc + ("limit",), f"this kind of limit {_NOT_YET}"))
-            continue
-        if rule.count_on is not None:
-            issues.append(loaded.issue(loc + ("count_on",), f"count_on {_NOT_YET}"))
-        if rule.action == "challenge":
-            issues.append(loaded.issue(loc + ("action",), f"action 'challenge' {_NOT_YET}"))
-            continue
         page = None
         if rule.action == "block":
             block = rule.block or config.BlockAction()
             try:
                 page = BlockPage.from_config(block, loaded.base_dir)
-            except OSError as exc:
+            except (OSError, UnicodeDecodeError) as exc:
+                # Read at validation already; this is a file changed since.
                 issues.append(loaded.issue(loc + ("block", "body_file"),
-                                           f"cannot read the page template: {exc.strerror or exc}"))
+                                           f"cannot read the page template: {exc}"))
                 continue
         limit = rule.limit
+        assert isinstance(limit, config.WindowLimit)  # the schema refuses the others for now
         penalty = rule.penalty if rule.penalty is not None else limit.per
         names, key = compile_key(rule.id, rule.key)
         rules.append(CompiledRule(

@@ -1,0 +1,56 @@
+# make run [RULES=path/to/rules.yaml]   the local stack: nginx + Sluice + demo upstream
+# make test                             every test, integration tests included
+#
+# Both install what is missing first: a virtualenv in .venv with the project
+# and its test dependencies, and nginx (Debian's package; as root only).
+
+SHELL := bash
+.SHELLFLAGS := -euo pipefail -c
+# Each recipe is one script, so a recipe may exit early and keep variables;
+# a leading @ silences the whole recipe.
+.ONESHELL:
+
+PYTHON ?= python3
+VENV := .venv
+RULES ?= examples/default.yaml
+
+# Re-installed whenever pyproject.toml changes.
+INSTALLED := $(VENV)/.installed
+
+.PHONY: run test nginx
+
+run: $(INSTALLED) nginx
+	$(VENV)/bin/python -m sidecar.launcher --rules "$(RULES)"
+
+test: $(INSTALLED) nginx
+	$(VENV)/bin/python -m pytest -q
+
+$(INSTALLED): pyproject.toml
+	@if ! $(PYTHON) -m venv $(VENV); then \
+	  rm -rf $(VENV); \
+	  if [ "$$(id -u)" != 0 ]; then \
+	    echo "make: '$(PYTHON) -m venv' failed; install Debian's python3-venv package (as root: apt-get install python3-venv)" >&2; \
+	    exit 1; \
+	  fi; \
+	  apt-get update && apt-get install -y python3-venv; \
+	  $(PYTHON) -m venv $(VENV); \
+	fi
+	$(VENV)/bin/python -m pip install --quiet -e '.[test]'
+	touch $@
+
+# Debian installs nginx outside the PATH of ordinary users (/usr/sbin).
+# Installing it must not start the system's own nginx on port 80: a
+# policy-rc.d that refuses service starts is the Debian way to ask for that.
+nginx:
+	@if command -v nginx >/dev/null || [ -x /usr/sbin/nginx ]; then exit 0; fi
+	if [ "$$(id -u)" != 0 ]; then \
+	  echo "make: nginx is not installed; install Debian's nginx package (as root: apt-get install nginx)" >&2; \
+	  exit 1; \
+	fi
+	policy=/usr/sbin/policy-rc.d
+	if [ ! -e $$policy ]; then \
+	  printf '#!/bin/sh\nexit 101\n' > $$policy && chmod +x $$policy; \
+	  trap "rm -f $$policy" EXIT; \
+	fi
+	apt-get update
+	DEBIAN_FRONTEND=noninteractive apt-get install -y nginx

@@ -1,0 +1,130 @@
+"""The demo upstream: an application to put behind Sluice (SPEC §11).
+
+It answers any method and path with 200 and a small JSON echo of the request.
+`?status=N` makes it answer with status N, and `?score=S` adds the response
+header `x-score: S`, for trying response-phase and score rules by hand.
+
+The echo also says how many requests this process has received for the path
+(`hits`), so a test can tell whether a denied request reached the application.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from typing import Any
+from urllib.parse import parse_qs
+
+import uvicorn
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+# Paths remembered for `hits`; the oldest is forgotten first, so a client
+# walking through endless paths cannot grow memory.
+MAX_TRACKED_PATHS = 10_000
+_STATUSES_WITHOUT_BODY = frozenset({204, 304})
+
+
+class DemoUpstream:
+    """A raw ASGI application, so that it needs nothing beyond uvicorn."""
+
+    def __init__(self) -> None:
+        self._hits: OrderedDict[str, int] = OrderedDict()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        body_bytes = await _read_body_length(receive)
+        query = parse_qs(scope["query_string"].decode("latin-1"), keep_blank_values=True)
+        path = scope["path"]
+
+        status = 200
+        extra_headers: list[tuple[bytes, bytes]] = []
+        if "status" in query:
+            asked = _parse_status(query["status"][0])
+            if asked is None:
+                await _respond(send, scope, 400, {"error": "status must be an integer from 200 to 599"})
+                return
+            status = asked
+        if "score" in query:
+            score = query["score"][0]
+            if not (score.isascii() and score.isprintable() and score.strip()):
+                await _respond(send, scope, 400, {"error": "score must be printable ASCII"})
+                return
+            extra_headers.append((b"x-score", score.strip().encode("ascii")))
+
+        echo = {
+            "method": scope["method"],
+            "path": path,
+            "query": scope["query_string"].decode("latin-1"),
+            "headers": _headers_as_dict(scope["headers"]),
+            "body_bytes": body_bytes,
+            "hits": self._count_hit(path),
+        }
+        await _respond(send, scope, status, echo, extra_headers)
+
+    def _count_hit(self, path: str) -> int:
+        hits = self._hits.pop(path, 0) + 1
+        self._hits[path] = hits
+        if len(self._hits) > MAX_TRACKED_PATHS:
+            self._hits.popitem(last=False)
+        return hits
+
+
+def _parse_status(text: str) -> int | None:
+    if not text.isdigit():
+        return None
+    status = int(text)
+    return status if 200 <= status <= 599 else None
+
+
+def _headers_as_dict(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    headers: dict[str, str] = {}
+    for name, value in raw:
+        key, text = name.decode("latin-1").lower(), value.decode("latin-1")
+        headers[key] = f"{headers[key]}, {text}" if key in headers else text
+    return headers
+
+
+async def _read_body_length(receive: Receive) -> int:
+    length = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return length
+        length += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return length
+
+
+async def _respond(
+    send: Send,
+    scope: Scope,
+    status: int,
+    document: dict[str, Any],
+    extra_headers: Sequence[tuple[bytes, bytes]] = (),
+) -> None:
+    headers = [*extra_headers]
+    body = b""
+    if status not in _STATUSES_WITHOUT_BODY:
+        body = json.dumps(document).encode() + b"\n"
+        headers += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else body})
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m sidecar.demo_upstream", description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=9000)
+    args = parser.parse_args(argv)
+    uvicorn.run(DemoUpstream(), host=args.host, port=args.port, lifespan="off", access_log=False, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,432 @@
+"""The local stack without containers: demo upstream, Sluice and nginx (SPEC §11).
+
+`python -m sidecar.launcher [--rules FILE]` (what `make run` calls) renders the
+shipped nginx template the way the official nginx image does, starts the three
+processes on loopback, waits until each is ready, prints where to send
+requests and stops everything it started on Ctrl-C or SIGTERM. It does not
+restart a component that dies: with Sluice gone, nginx fails open.
+
+The integration tests use `Stack` directly, with ports of their choosing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import http.client
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import Self
+
+PACKAGE_PARENT = Path(__file__).resolve().parent.parent
+DEFAULT_TEMPLATE = PACKAGE_PARENT / "nginx" / "templates" / "sluice.conf.template"
+
+# How long a component may take to become ready; Sluice's imports are the
+# slow part on a cold machine.
+START_TIMEOUT_SECONDS = 30.0
+STOP_TIMEOUT_SECONDS = 5.0
+
+
+class StackError(RuntimeError):
+    """A component could not be started; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class StackPorts:
+    nginx: int = 8080
+    sluice: int = 8181
+    upstream: int = 9000
+
+
+_TEMPLATE_VARIABLE = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
+
+
+def render_template(text: str, variables: Mapping[str, str]) -> str:
+    """Substitute variables as the official nginx image does.
+
+    The image runs `envsubst "$defined"` over each template, with the list of
+    defined environment variables: `${NAME}` and `$NAME` are replaced for
+    those names, and everything else, nginx's `$host` included, is kept.
+    """
+
+    def substitute(match: re.Match[str]) -> str:
+        name = match.group(1) or match.group(2)
+        return variables.get(name, match.group(0))
+
+    return _TEMPLATE_VARIABLE.sub(substitute, text)
+
+
+def template_variables(ports: StackPorts, host: str) -> dict[str, str]:
+    """The values the local stack gives the template's variables."""
+    return {
+        "SLUICE_LISTEN": _host_port(host, ports.nginx),
+        "SLUICE_ADDR": _host_port(host, ports.sluice),
+        "UPSTREAM_ADDR": _host_port(host, ports.upstream),
+        "SLUICE_CONNECT_TIMEOUT": "100ms",
+        "SLUICE_READ_TIMEOUT": "1s",
+    }
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def find_nginx() -> str:
+    # Debian puts nginx in /usr/sbin, which is not on an ordinary user's PATH.
+    found = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/usr/local/sbin")
+    if found is None:
+        raise StackError("nginx is not installed: install Debian's 'nginx' package (make run does it as root)")
+    return found
+
+
+def nginx_main_config(run_dir: Path, site_config: Path) -> str:
+    """The nginx.conf wrapper: everything nginx writes stays in the run directory."""
+    # As root, nginx would switch its workers to an unprivileged user that
+    # may not be able to reach the run directory (pytest's are mode 0700).
+    user = "user root;\n" if os.geteuid() == 0 else ""
+    return (
+        "# Written by sidecar.launcher for the local stack; rewritten at every start.\n"
+        f"{user}"
+        "worker_processes 1;\n"
+        f"pid {_nginx_path(run_dir / 'nginx.pid')};\n"
+        "error_log stderr warn;\n"
+        "events {\n"
+        "    worker_connections 1024;\n"
+        "}\n"
+        "http {\n"
+        f"    access_log {_nginx_path(run_dir / 'logs' / 'access.log')};\n"
+        f"    client_body_temp_path {_nginx_path(run_dir / 'tmp' / 'client_body')};\n"
+        f"    proxy_temp_path {_nginx_path(run_dir / 'tmp' / 'proxy')};\n"
+        f"    fastcgi_temp_path {_nginx_path(run_dir / 'tmp' / 'fastcgi')};\n"
+        f"    uwsgi_temp_path {_nginx_path(run_dir / 'tmp' / 'uwsgi')};\n"
+        f"    scgi_temp_path {_nginx_path(run_dir / 'tmp' / 'scgi')};\n"
+        f"    include {_nginx_path(site_config)};\n"
+        "}\n"
+    )
+
+
+def _nginx_path(path: Path) -> str:
+    text = str(path)
+    if any(char in text for char in '"\\$'):
+        raise StackError(f"{text}: the run directory's path must not contain '\"', '\\' or '$' (nginx syntax)")
+    return f'"{text}"'
+
+
+class Component:
+    """One child process with its output in a log file."""
+
+    def __init__(self, name: str, argv: list[str], log_path: Path, env: Mapping[str, str]) -> None:
+        self.name = name
+        self.log_path = log_path
+        with open(log_path, "wb") as log:
+            # Its own session: Ctrl-C in the terminal reaches the launcher
+            # only, which stops the children in order; the process group
+            # takes nginx's workers along.
+            self.process = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=dict(env),
+                start_new_session=True,
+                # A Stack is started from one thread, so no lock can be
+                # held by another thread at fork.
+                preexec_fn=_terminate_with_parent,  # noqa: PLW1509
+            )
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def wait_until_ready(self, probe: Callable[[], bool], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not probe():
+            if not self.alive():
+                raise StackError(
+                    f"{self.name} exited with status {self.process.returncode} while starting; "
+                    f"the end of {self.log_path}:\n{self.log_tail()}"
+                )
+            if time.monotonic() > deadline:
+                raise StackError(
+                    f"{self.name} was not ready after {timeout:.0f} s; the end of {self.log_path}:\n{self.log_tail()}"
+                )
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would: nothing is cleaned up."""
+        self._signal_group(signal.SIGKILL)
+        self.process.wait()
+
+    def stop(self) -> None:
+        self._signal_group(signal.SIGTERM)
+        try:
+            self.process.wait(STOP_TIMEOUT_SECONDS)
+        except subprocess.TimeoutExpired:
+            self._signal_group(signal.SIGKILL)
+            self.process.wait()
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        # Only while the leader is not reaped is the group id certainly ours.
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+# Looked up once here: between fork and exec the child should only call it.
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+_PR_SET_PDEATHSIG = 1
+
+
+def _terminate_with_parent() -> None:
+    """In the child before exec: get SIGTERM if the launcher dies, even by SIGKILL (Linux)."""
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class Stack:
+    """Demo upstream, Sluice and nginx, started in that order and stopped in reverse.
+
+    Use as a context manager, or call `start()` and `stop()`. Everything it
+    writes (configuration, logs, nginx's pid and temporary files) goes into
+    `run_dir`.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        rules: Path | None = None,
+        ports: StackPorts = StackPorts(),
+        host: str = "127.0.0.1",
+        template: Path = DEFAULT_TEMPLATE,
+    ) -> None:
+        self.run_dir = run_dir.resolve()
+        self.rules = rules.absolute() if rules is not None else None
+        self.ports = ports
+        self.host = host
+        self.template = template
+        self._components: dict[str, Component] = {}
+
+    @property
+    def nginx_url(self) -> str:
+        return f"http://{_host_port(self.host, self.ports.nginx)}"
+
+    @property
+    def sluice_url(self) -> str:
+        return f"http://{_host_port(self.host, self.ports.sluice)}"
+
+    @property
+    def upstream_url(self) -> str:
+        return f"http://{_host_port(self.host, self.ports.upstream)}"
+
+    @property
+    def components(self) -> Mapping[str, Component]:
+        return self._components
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Start all three and wait until each is ready; on failure, stop what was started."""
+        if self.rules is not None and not self.rules.is_file():
+            raise StackError(f"{self.rules}: no such rules file")
+        nginx = find_nginx()
+        for name, port in (("nginx", self.ports.nginx), ("sluice", self.ports.sluice), ("upstream", self.ports.upstream)):
+            _ensure_port_free(self.host, port, name)
+        nginx_conf = write_nginx_config(self.run_dir, self.template, template_variables(self.ports, self.host))
+        host, ports = self.host, self.ports
+        try:
+            self._start("upstream", [sys.executable, "-m", "sidecar.demo_upstream", "--host", host, "--port", str(ports.upstream)])
+            self._wait("upstream", lambda: _http_status(host, ports.upstream, "/") is not None)
+            self._start("sluice", self._sluice_argv())
+            self._wait("sluice", lambda: _http_status(host, ports.sluice, "/healthz") == 200)
+            self._start("nginx", [nginx, "-p", str(self.run_dir), "-c", str(nginx_conf), "-g", "daemon off;"])
+            # Not an HTTP probe: a request through nginx would be counted by the rules.
+            self._wait("nginx", lambda: _accepts_connections(host, ports.nginx))
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        """Stop nginx first, so that no request arrives at a stopped Sluice."""
+        for name in ("nginx", "sluice", "upstream"):
+            component = self._components.pop(name, None)
+            if component is not None:
+                component.stop()
+
+    def kill_sluice(self) -> None:
+        """Kill Sluice with SIGKILL, as a crash would (for fail-open tests)."""
+        self._components["sluice"].kill()
+
+    def _start(self, name: str, argv: list[str]) -> None:
+        self._components[name] = Component(name, argv, self.run_dir / "logs" / f"{name}.log", _child_environment())
+
+    def _wait(self, name: str, probe: Callable[[], bool]) -> None:
+        self._components[name].wait_until_ready(probe, START_TIMEOUT_SECONDS)
+
+    def _sluice_argv(self) -> list[str]:
+        argv = [sys.executable, "-m", "sidecar", "serve", "--host", self.host, "--port", str(self.ports.sluice)]
+        if self.rules is not None:
+            argv += ["--config", str(self.rules)]
+        return argv
+
+
+def write_nginx_config(run_dir: Path, template: Path, variables: Mapping[str, str]) -> Path:
+    """Render the template into run_dir/conf.d and write the nginx.conf that includes it."""
+    try:
+        template_text = template.read_text()
+    except OSError as error:
+        raise StackError(f"cannot read the nginx template: {error}") from error
+    site = render_template(template_text, variables)
+    left = sorted(set(re.findall(r"\$\{(\w+)\}", site)))
+    if left:
+        raise StackError(f"{template}: no value for {', '.join(left)}")
+    for directory in ("conf.d", "logs", "tmp"):
+        (run_dir / directory).mkdir(parents=True, exist_ok=True)
+    (run_dir / "logs" / "access.log").unlink(missing_ok=True)
+    site_config = run_dir / "conf.d" / "sluice.conf"
+    site_config.write_text(site)
+    main_config = run_dir / "nginx.conf"
+    main_config.write_text(nginx_main_config(run_dir, site_config))
+    return main_config
+
+
+def _child_environment() -> dict[str, str]:
+    env = dict(os.environ)
+    # The children import the same sidecar package as the launcher, installed or not.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_PARENT), env.get("PYTHONPATH")]))
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _ensure_port_free(host: str, port: int, name: str) -> None:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        # As the servers will: connections in TIME_WAIT do not block the port.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            raise StackError(f"{name}: cannot listen on {_host_port(host, port)}: {error.strerror}") from error
+
+
+def _accepts_connections(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def _http_status(host: str, port: int, path: str) -> int | None:
+    connection = http.client.HTTPConnection(host, port, timeout=1.0)
+    try:
+        connection.request("GET", path)
+        return connection.getresponse().status
+    except (OSError, http.client.HTTPException):
+        return None
+    finally:
+        connection.close()
+
+
+class _StopRequested(Exception):
+    pass
+
+
+def run_foreground(rules: Path | None, ports: StackPorts = StackPorts(), run_dir: Path = Path("run")) -> int:
+    """Run the stack until Ctrl-C or SIGTERM; the body of `make run`. Returns an exit status."""
+
+    def request_stop(signum: int, frame: FrameType | None) -> None:
+        raise _StopRequested
+
+    # SIGINT too: a shell starts background jobs with SIGINT ignored, and
+    # Python then never raises KeyboardInterrupt.
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+    stack = Stack(run_dir, rules=rules, ports=ports)
+    try:
+        stack.start()
+        _print_banner(stack)
+        return _watch(stack)
+    except StackError as error:
+        print(f"sluice stack: {error}", file=sys.stderr)
+        return 1
+    except _StopRequested:
+        print("\nstopping", file=sys.stderr)
+        return 0
+    finally:
+        stack.stop()
+
+
+def _watch(stack: Stack) -> int:
+    """Report components that die; nothing is restarted. Ends when nginx dies."""
+    reported: set[str] = set()
+    while True:
+        for name, component in stack.components.items():
+            if name in reported or component.alive():
+                continue
+            reported.add(name)
+            print(
+                f"{name} exited with status {component.process.returncode}; the end of {component.log_path}:\n"
+                f"{component.log_tail()}",
+                file=sys.stderr,
+            )
+            if name == "nginx":
+                return 1
+            if name == "sluice":
+                print("nginx now lets every request through (fail open)", file=sys.stderr)
+        time.sleep(0.5)
+
+
+def _print_banner(stack: Stack) -> None:
+    logs = stack.run_dir / "logs"
+    rules = stack.rules if stack.rules is not None else "Sluice's built-in default rules"
+    print(
+        f"Sluice stack is up, rules: {rules}\n"
+        f"  send requests to  {stack.nginx_url}/  (nginx, checked by Sluice)\n"
+        f"  Sluice            {stack.sluice_url}/  (/healthz, /metrics)\n"
+        f"  demo upstream     {stack.upstream_url}/  (?status=N, ?score=S)\n"
+        f"  logs              {logs}/{{nginx,sluice,upstream,access}}.log\n"
+        f"try: curl -i {stack.nginx_url}/hello\n"
+        "Ctrl-C stops everything.",
+        flush=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sidecar.launcher", description=__doc__.splitlines()[0])
+    parser.add_argument("--rules", type=Path, help="rules file (default: Sluice's built-in rules)")
+    parser.add_argument("--run-dir", type=Path, default=Path("run"), help="where configuration and logs go (default: ./run)")
+    parser.add_argument("--nginx-port", type=int, default=StackPorts.nginx)
+    parser.add_argument("--sluice-port", type=int, default=StackPorts.sluice)
+    parser.add_argument("--upstream-port", type=int, default=StackPorts.upstream)
+    args = parser.parse_args(argv)
+    ports = StackPorts(nginx=args.nginx_port, sluice=args.sluice_port, upstream=args.upstream_port)
+    return run_foreground(args.rules, ports, args.run_dir)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

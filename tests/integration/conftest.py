@@ -1,0 +1,74 @@
+"""Real nginx, Sluice and demo upstream on loopback, started with the launcher.
+
+Tests send from loopback addresses of their own (127.1.x.y; Linux accepts any
+127/8 source address without configuration), so per-address counters and bans
+of one test never touch another's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from sidecar.launcher import Stack, StackPorts
+from tests.integration.clients import LOOPBACK, Client
+
+RULES = Path(__file__).parent / "rules"
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind((LOOPBACK, 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def start_stack(run_dir: Path, rules: Path) -> Stack:
+    stack = Stack(run_dir, rules=rules, ports=StackPorts(nginx=_free_port(), sluice=_free_port(), upstream=_free_port()))
+    stack.start()
+    return stack
+
+
+_client_numbers = itertools.count(1)
+
+
+def fresh_client_address() -> str:
+    """A loopback address no other test of this run sends from."""
+    number = next(_client_numbers)
+    return f"127.1.{number // 250}.{number % 250 + 1}"
+
+
+@pytest.fixture(scope="session")
+def limits_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The stack with rules/limits.yaml, shared by every test that only sends requests."""
+    stack = start_stack(tmp_path_factory.mktemp("limits-stack"), RULES / "limits.yaml")
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture
+def own_stack(tmp_path: Path) -> Iterator[Stack]:
+    """A stack of the test's own, for tests that kill a component."""
+    stack = start_stack(tmp_path / "stack", RULES / "limits.yaml")
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture
+def new_client(limits_stack: Stack) -> Callable[..., Client]:
+    """Clients of nginx in the shared stack; each call gives a new source address."""
+
+    def make(source: str | None = None) -> Client:
+        return Client(limits_stack.ports.nginx, source or fresh_client_address())
+
+    return make
+
+
+@pytest.fixture
+def upstream(limits_stack: Stack) -> Client:
+    """The demo upstream itself, bypassing nginx: to ask what reached it."""
+    return Client(limits_stack.ports.upstream)

@@ -1,0 +1,196 @@
+"""What a client of nginx sees with Sluice deciding (SPEC §1, §3, §6, §11).
+
+Rules: rules/limits.yaml, one rule per path prefix. Every test sends from
+its own loopback address and to paths of its own.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+
+import pytest
+
+from tests.integration.clients import CONNECTION_CLOSED, Client
+
+pytestmark = pytest.mark.integration
+
+
+def unique_path(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex}"
+
+
+def test_allowed_request_reaches_the_upstream_with_the_original_request(new_client: Callable[..., Client]) -> None:
+    client = new_client()
+
+    reply = client.request("/hello/world?a=1&b=2", method="POST", headers={"X-Demo": "yes"}, body=b"payload")
+
+    assert reply.status == 200
+    echo = reply.echo()
+    assert (echo["method"], echo["path"], echo["query"]) == ("POST", "/hello/world", "a=1&b=2")
+    assert echo["headers"]["x-demo"] == "yes"
+    assert echo["headers"]["x-real-ip"] == client.source
+    assert echo["headers"]["x-request-id"]
+    assert echo["body_bytes"] == len(b"payload")
+    assert "X-RateLimit" not in reply.headers
+
+
+def test_block_answers_429_with_headers_and_built_in_page_after_the_threshold(
+    new_client: Callable[..., Client], upstream: Client
+) -> None:
+    client = new_client()
+    path = unique_path("/block/")
+
+    assert [client.request(path).status for _ in range(3)] == [200, 200, 200]
+    blocked = client.request(path)
+
+    assert blocked.status == 429
+    assert blocked.headers["X-RateLimit"] == "true"
+    assert blocked.headers["X-RateLimit-Limit"] == "3"
+    assert blocked.headers["X-RateLimit-Reset"] == "3600"
+    assert 1 <= int(blocked.headers["Retry-After"]) <= 3600
+    assert blocked.headers["Cache-Control"] == "no-store"
+    assert blocked.headers["Content-Type"].startswith("text/html")
+    request_id = blocked.headers["X-Request-Id"]
+    assert request_id
+    assert b"429" in blocked.body
+    assert request_id.encode() in blocked.body
+    # The upstream saw the three allowed requests; this one is its fourth.
+    assert upstream.request(path).echo()["hits"] == 4
+
+
+def test_block_keeps_refusing_the_key_while_other_addresses_pass(new_client: Callable[..., Client]) -> None:
+    client, neighbour = new_client(), new_client()
+    path = unique_path("/block/")
+
+    statuses = [client.request(path).status for _ in range(6)]
+
+    assert statuses == [200, 200, 200, 429, 429, 429]
+    assert neighbour.request(path).status == 200
+
+
+def test_block_with_custom_status_and_inline_page_escapes_substituted_values(
+    new_client: Callable[..., Client],
+) -> None:
+    client = new_client()
+    path = unique_path("/busy/")
+    host = "shop.example<b>"
+
+    assert [client.request(path, headers={"Host": host}).status for _ in range(2)] == [200, 200]
+    blocked = client.request(path, headers={"Host": host})
+
+    assert blocked.status == 503
+    assert blocked.body == f"busy, {client.source} at shop.example&lt;b&gt;".encode()
+    assert blocked.headers["X-RateLimit-Limit"] == "2"
+    assert blocked.headers["Cache-Control"] == "no-store"
+
+
+def test_block_with_page_file_renders_the_template(new_client: Callable[..., Client]) -> None:
+    client = new_client()
+    path = unique_path("/page/")
+
+    assert client.request(path).status == 200
+    blocked = client.request(path)
+
+    assert blocked.status == 451
+    request_id = blocked.headers["X-Request-Id"]
+    assert f"Refused for {client.source}, request {request_id}.".encode() in blocked.body
+
+
+def test_block_with_close_closes_the_connection_without_a_response(
+    new_client: Callable[..., Client], upstream: Client
+) -> None:
+    client = new_client()
+    path = unique_path("/close/")
+
+    assert [client.request(path).status for _ in range(2)] == [200, 200]
+    with pytest.raises(CONNECTION_CLOSED):
+        client.request(path)
+    assert upstream.request(path).echo()["hits"] == 3
+
+
+def test_ban_closes_every_later_connection_of_the_address_only(new_client: Callable[..., Client]) -> None:
+    client, neighbour = new_client(), new_client()
+    path = unique_path("/ban/")
+
+    assert [client.request(path).status for _ in range(2)] == [200, 200]
+    with pytest.raises(CONNECTION_CLOSED):
+        client.request(path)
+    for other_path in ("/", unique_path("/elsewhere/"), unique_path("/observe/")):
+        with pytest.raises(CONNECTION_CLOSED):
+            client.request(other_path)
+    assert neighbour.request(path).status == 200
+    assert neighbour.request("/").status == 200
+
+
+def test_observe_lets_over_limit_requests_through_with_over_limit_headers(
+    new_client: Callable[..., Client],
+) -> None:
+    client = new_client()
+    path = unique_path("/observe/")
+
+    under = [client.request(path) for _ in range(2)]
+    over = [client.request(path) for _ in range(2)]
+
+    assert all(reply.status == 200 and "X-RateLimit" not in reply.headers for reply in under)
+    for reply in over:
+        assert reply.status == 200
+        assert reply.echo()["path"] == path
+        assert reply.headers["X-RateLimit"] == "true"
+        assert reply.headers["X-RateLimit-Limit"] == "2"
+        assert reply.headers["X-RateLimit-Reset"] == "600"
+
+
+def test_exempt_address_is_never_limited(new_client: Callable[..., Client]) -> None:
+    exempt = new_client("127.0.99.7")  # exempt: [127.0.99.0/24]
+
+    assert [exempt.request(unique_path("/block/")).status for _ in range(6)] == [200] * 6
+    ban_path = unique_path("/ban/")
+    assert [exempt.request(ban_path).status for _ in range(4)] == [200] * 4
+
+
+def test_client_supplied_x_forwarded_for_is_ignored_by_default(new_client: Callable[..., Client]) -> None:
+    client = new_client()
+    path = unique_path("/block/")
+
+    statuses = [
+        client.request(path, headers={"X-Forwarded-For": f"203.0.113.{n}"}).status for n in range(1, 6)
+    ]
+
+    assert statuses == [200, 200, 200, 429, 429]
+
+
+def test_x_forwarded_for_from_a_trusted_proxy_names_the_client(new_client: Callable[..., Client]) -> None:
+    proxy = new_client("127.0.98.5")  # trusted_proxies: [127.0.98.0/24]
+    path = unique_path("/block/")
+
+    rotating = [proxy.request(path, headers={"X-Forwarded-For": f"198.51.100.{n}"}).status for n in range(1, 7)]
+    one_client = [proxy.request(path, headers={"X-Forwarded-For": "198.51.100.200"}).status for _ in range(4)]
+
+    assert rotating == [200] * 6
+    assert one_client == [200, 200, 200, 429]
+
+
+def test_original_request_headers_reach_sluice_for_keys(new_client: Callable[..., Client]) -> None:
+    client = new_client()
+    path = unique_path("/keyed/")
+    first_key, second_key = uuid.uuid4().hex, uuid.uuid4().hex
+
+    first = [client.request(path, headers={"X-Api-Key": first_key}).status for _ in range(3)]
+    second = client.request(path, headers={"X-Api-Key": second_key}).status
+
+    assert first == [200, 200, 429]
+    assert second == 200
+
+
+def test_upstream_error_status_reaches_the_client_unchanged(new_client: Callable[..., Client]) -> None:
+    client = new_client()
+
+    for status in (500, 401, 403, 503):
+        reply = client.request(f"/app-error?status={status}")
+        assert reply.status == status
+        assert reply.echo()["query"] == f"status={status}"
+
+
+def test_internal_check_location_is_not_reachable_from_outside(new_client: Callable[..., Client]) -> None:
+    assert new_client().request("/_sluice/auth").status == 404

@@ -1,0 +1,280 @@
+"""Client address resolution and normalisation (SPEC §3)."""
+
+from __future__ import annotations
+
+import ipaddress
+from ipaddress import IPv4Address, IPv6Address, ip_network
+
+import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from sidecar.clientip import ClientAddress, ClientIPResolver
+
+# --------------------------------------------------------------------------
+# Strategies: addresses and every legal way of writing them
+# --------------------------------------------------------------------------
+
+ipv4_ints = st.integers(min_value=0, max_value=2**32 - 1)
+ipv6_ints = st.integers(min_value=0, max_value=2**128 - 1)
+
+
+def _is_mapped(value: int) -> bool:
+    return IPv6Address(value).ipv4_mapped is not None
+
+
+# Addresses that stay IPv6 after normalisation (not ::ffff:a.b.c.d).
+plain_ipv6_ints = ipv6_ints.filter(lambda value: not _is_mapped(value))
+
+
+@st.composite
+def ipv6_spellings(draw: st.DrawFn, value: int) -> str:
+    """One textual spelling of ``value``, as RFC 4291 §2.2 allows writing it.
+
+    Per group: any number of leading zeros up to four digits and any letter
+    case; optionally one run of zero groups replaced by ``::``; optionally the
+    last 32 bits as a dotted quad.
+    """
+    groups = [(value >> (16 * (7 - index))) & 0xFFFF for index in range(8)]
+    dotted_tail = draw(st.booleans())
+    hex_count = 6 if dotted_tail else 8
+
+    texts = []
+    for group in groups[:hex_count]:
+        digits = format(group, "x")
+        width = draw(st.integers(min_value=len(digits), max_value=4))
+        padded = digits.rjust(width, "0")
+        texts.append("".join(draw(st.sampled_from([c.lower(), c.upper()])) for c in padded))
+
+    zero_runs = [(start, end)
+                 for start in range(hex_count)
+                 for end in range(start + 1, hex_count + 1)
+                 if all(group == 0 for group in groups[start:end])]
+    run = draw(st.none() | st.sampled_from(zero_runs)) if zero_runs else None
+
+    tail = [str(IPv4Address(value & 0xFFFFFFFF))] if dotted_tail else []
+    if run is None:
+        return ":".join(texts + tail)
+    start, end = run
+    left = ":".join(texts[:start])
+    right = ":".join(texts[end:] + tail)
+    return f"{left}::{right}"
+
+
+@st.composite
+def one_address_two_spellings(draw: st.DrawFn) -> tuple[int, str, str]:
+    value = draw(ipv6_ints)
+    return value, draw(ipv6_spellings(value)), draw(ipv6_spellings(value))
+
+
+def resolve(peer: str, forwarded_for: str | None = None, **options) -> ClientAddress:
+    return ClientIPResolver(**options).resolve(peer, forwarded_for)
+
+
+def expected_v6_key(value: int, prefix: int = 64) -> str:
+    network = ipaddress.IPv6Network((value, prefix), strict=False)
+    return f"{network.network_address.compressed}/{prefix}"
+
+
+# --------------------------------------------------------------------------
+# Normalisation
+# --------------------------------------------------------------------------
+
+
+@given(one_address_two_spellings())
+def test_every_spelling_of_one_ipv6_address_gives_the_same_key(case: tuple[int, str, str]) -> None:
+    value, first, second = case
+    assert ipaddress.ip_address(first) == ipaddress.ip_address(second) == IPv6Address(value)
+    a, b = resolve(first), resolve(second)
+    assert a.key == b.key != ""
+    assert a.address == b.address
+
+
+@pytest.mark.parametrize("spelling", [
+    "2001:db8:1:2::5",
+    "2001:DB8:1:2::5",
+    "2001:0db8:0001:0002:0000:0000:0000:0005",
+    "2001:0DB8:0001:0002:0000:0000:0000:0005",
+    "2001:db8:1:2:0:0:0:5",
+    "2001:db8:1:2:0::5",
+    "2001:db8:1:2::0.0.0.5",
+    " 2001:db8:1:2::5 ",
+])
+def test_ipv6_key_is_the_slash_64_in_canonical_compressed_form(spelling: str) -> None:
+    assert resolve(spelling).key == "2001:db8:1:2::/64"
+
+
+@given(plain_ipv6_ints, st.integers(min_value=0, max_value=2**64 - 1))
+def test_all_addresses_in_one_slash_64_share_one_key(value: int, other_host_bits: int) -> None:
+    neighbour = (value >> 64 << 64) | other_host_bits
+    assume(not _is_mapped(neighbour))
+    a, b = resolve(str(IPv6Address(value))), resolve(str(IPv6Address(neighbour)))
+    assert a.key == b.key == expected_v6_key(value)
+
+
+@given(st.integers(0, 2**64 - 1), st.integers(1, 2**64 - 1),
+       st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1))
+def test_addresses_in_different_slash_64s_get_different_keys(
+        network: int, difference: int, host: int, other_host: int) -> None:
+    first = network << 64 | host
+    second = (network ^ difference) << 64 | other_host
+    assume(not _is_mapped(first) and not _is_mapped(second))
+    assert resolve(str(IPv6Address(first))).key != resolve(str(IPv6Address(second))).key
+
+
+@given(plain_ipv6_ints, st.integers(min_value=1, max_value=127))
+def test_ipv6_prefix_is_applied_with_a_bit_mask(value: int, prefix: int) -> None:
+    spelling = IPv6Address(value).exploded  # exploded: string truncation would go wrong
+    assert resolve(spelling, ipv6_prefix=prefix).key == expected_v6_key(value, prefix)
+
+
+@given(plain_ipv6_ints)
+def test_ipv6_prefix_128_keys_the_whole_address(value: int) -> None:
+    assert resolve(IPv6Address(value).exploded.upper(), ipv6_prefix=128).key == IPv6Address(value).compressed
+
+
+@given(ipv4_ints)
+def test_ipv4_mapped_ipv6_gives_the_same_client_as_plain_ipv4(value: int) -> None:
+    dotted = str(IPv4Address(value))
+    plain = resolve(dotted)
+    assert plain == ClientAddress(IPv4Address(value), dotted)
+    for mapped in (f"::ffff:{dotted}", f"::FFFF:{dotted}", f"0:0:0:0:0:ffff:{dotted}",
+                   f"::ffff:{value >> 16:x}:{value & 0xFFFF:x}",
+                   f"0000:0000:0000:0000:0000:FFFF:{value >> 16:04X}:{value & 0xFFFF:04X}"):
+        assert resolve(mapped) == plain, mapped
+
+
+@given(ipv4_ints)
+def test_ipv4_mapped_ipv6_uses_the_ipv4_prefix_not_the_ipv6_one(value: int) -> None:
+    dotted = str(IPv4Address(value))
+    key = resolve(f"::ffff:{dotted}", ipv4_prefix=24, ipv6_prefix=64).key
+    assert key == f"{IPv4Address(value >> 8 << 8)}/24"
+
+
+@given(ipv4_ints, st.integers(min_value=0, max_value=255))
+def test_ipv4_prefix_24_groups_a_slash_24(value: int, last_octet: int) -> None:
+    neighbour = (value >> 8 << 8) | last_octet
+    a = resolve(str(IPv4Address(value)), ipv4_prefix=24)
+    b = resolve(str(IPv4Address(neighbour)), ipv4_prefix=24)
+    assert a.key == b.key == f"{IPv4Address(value >> 8 << 8)}/24"
+    assert a.address == IPv4Address(value)  # the full address is kept for logs and pages
+
+
+@given(ipv4_ints, ipv4_ints)
+def test_ipv4_prefix_24_separates_different_slash_24s(first: int, second: int) -> None:
+    assume(first >> 8 != second >> 8)
+    a = resolve(str(IPv4Address(first)), ipv4_prefix=24)
+    b = resolve(str(IPv4Address(second)), ipv4_prefix=24)
+    assert a.key != b.key
+
+
+@given(ipv4_ints)
+def test_default_ipv4_key_is_the_address_itself(value: int) -> None:
+    assert resolve(str(IPv4Address(value))).key == str(IPv4Address(value))
+
+
+@pytest.mark.parametrize("peer", ["", "junk", "256.1.1.1", "1.2.3", "2001:db8::1::2", "1.2.3.4:80",
+                                  "[2001:db8::1]", "::ffff:1.2.3"])
+def test_missing_or_invalid_address_is_the_empty_key(peer: str) -> None:
+    assert resolve(peer) == ClientAddress(None, "")
+
+
+def test_invalid_peer_never_takes_the_address_from_forwarded_for() -> None:
+    resolver = ClientIPResolver([ip_network("0.0.0.0/0"), ip_network("::/0")])
+    assert resolver.resolve("junk", "203.0.113.5") == ClientAddress(None, "")
+
+
+# --------------------------------------------------------------------------
+# Trusted proxies: nginx real_ip_recursive (SPEC §3)
+# --------------------------------------------------------------------------
+
+TRUSTED = [ip_network("127.0.0.0/8"), ip_network("10.0.0.0/8"), ip_network("2001:db8:ffff::/48")]
+
+trusted_v4 = st.integers(0, 2**24 - 1).map(lambda low: str(IPv4Address((10 << 24) | low)))
+# 198.18.0.0/15: never inside TRUSTED.
+untrusted_v4 = st.integers(0, 2**17 - 1).map(lambda low: str(IPv4Address((198 << 24) | (18 << 16) | low)))
+untrusted_v6 = st.integers(0, 2**80 - 1).map(lambda low: str(IPv6Address((0x2001_0db8_0001 << 80) | low)))
+trusted_entry = trusted_v4 | st.just("127.0.0.1")
+untrusted_entry = untrusted_v4 | untrusted_v6
+
+
+def _key(text: str) -> str:
+    return ClientIPResolver().resolve(text, None).key
+
+
+def test_trusted_peer_takes_the_client_from_forwarded_for() -> None:
+    resolver = ClientIPResolver(TRUSTED)
+    assert resolver.resolve("127.0.0.1", "203.0.113.30") == ClientAddress(IPv4Address("203.0.113.30"),
+                                                                          "203.0.113.30")
+
+
+def test_trusted_peer_without_forwarded_for_is_the_client() -> None:
+    resolver = ClientIPResolver(TRUSTED)
+    assert resolver.resolve("127.0.0.1", None).key == "127.0.0.1"
+    assert resolver.resolve("127.0.0.1", "").key == "127.0.0.1"
+
+
+def test_rightmost_untrusted_entry_is_the_client() -> None:
+    resolver = ClientIPResolver(TRUSTED)
+    assert resolver.resolve("127.0.0.1", "198.51.100.7, 203.0.113.30, 10.1.1.1").key == "203.0.113.30"
+
+
+def test_every_entry_trusted_gives_the_leftmost_entry() -> None:
+    resolver = ClientIPResolver(TRUSTED)
+    assert resolver.resolve("127.0.0.1", "10.0.0.5, 10.0.0.6").key == "10.0.0.5"
+
+
+def test_malformed_entry_stops_the_walk_at_the_last_parsed_address() -> None:
+    # The SPEC §3 example: the junk is examined first and does not parse, so
+    # the last address examined and parsed is the peer itself.
+    resolver = ClientIPResolver(TRUSTED)
+    assert resolver.resolve("127.0.0.1", "203.0.113.30, junk").key == "127.0.0.1"
+
+
+def test_malformed_entry_after_trusted_entries_gives_the_last_trusted_entry() -> None:
+    resolver = ClientIPResolver(TRUSTED)
+    assert resolver.resolve("127.0.0.1", "203.0.113.30, junk, 10.0.0.2").key == "10.0.0.2"
+
+
+def test_forwarded_for_entries_are_normalised_like_the_peer() -> None:
+    resolver = ClientIPResolver(TRUSTED)
+    assert resolver.resolve("127.0.0.1", "::FFFF:203.0.113.30").key == "203.0.113.30"
+    assert resolver.resolve("127.0.0.1", "2001:DB8:1:2:0:0:0:9").key == "2001:db8:1:2::/64"
+    assert resolver.resolve("::ffff:127.0.0.1", "203.0.113.30").key == "203.0.113.30"
+
+
+@given(st.lists(st.one_of(untrusted_entry, trusted_entry), max_size=4),
+       untrusted_entry,
+       st.lists(trusted_entry, max_size=4))
+def test_trusted_walk_skips_trusted_entries_from_the_right(
+        before: list[str], client: str, trusted_after: list[str]) -> None:
+    header = ", ".join(before + [client] + trusted_after)
+    resolved = ClientIPResolver(TRUSTED).resolve("127.0.0.1", header)
+    assert resolved.address == ipaddress.ip_address(client)
+    assert resolved.key == _key(client)
+
+
+@given(st.lists(trusted_entry, min_size=1, max_size=6))
+def test_trusted_walk_with_only_trusted_entries_gives_the_leftmost(entries: list[str]) -> None:
+    resolved = ClientIPResolver(TRUSTED).resolve("10.9.9.9", ",".join(entries))
+    assert resolved.key == _key(entries[0])
+
+
+@given(untrusted_entry, st.text())
+def test_untrusted_peer_ignores_forwarded_for_entirely(peer: str, forwarded_for: str) -> None:
+    resolver = ClientIPResolver(TRUSTED)
+    assert resolver.resolve(peer, forwarded_for) == resolver.resolve(peer, None) == \
+        ClientIPResolver().resolve(peer, None)
+
+
+@given(untrusted_entry, st.lists(untrusted_entry | trusted_entry, min_size=1, max_size=4))
+def test_spoofed_forwarded_for_from_an_untrusted_peer_gives_no_new_key(peer: str, spoofed: list[str]) -> None:
+    resolver = ClientIPResolver(TRUSTED)
+    assert resolver.resolve(peer, ", ".join(spoofed)).key == _key(peer)
+
+
+@given(untrusted_entry | trusted_entry, st.text())
+def test_empty_trusted_list_never_reads_forwarded_for(peer: str, forwarded_for: str) -> None:
+    resolver = ClientIPResolver([])
+    assert resolver.resolve(peer, forwarded_for) == resolver.resolve(peer, None)
+    assert resolver.resolve(peer, forwarded_for).key == _key(peer)

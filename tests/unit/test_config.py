@@ -1,0 +1,865 @@
+"""The rules file: validation, error reports and `sluice check` (SPEC §10, §12)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from sidecar import config
+from sidecar.config import ConfigError, ConfigIssue, LoadedRules, parse_duration, parse_rules_text
+from sidecar.rules import compile_rules, load_ruleset
+
+REPO = Path(__file__).resolve().parents[2]
+SPEC = Path("/work/shared/SPEC.md")  # outside the repository; checked only where present
+
+VALID_RULE = """\
+rules:
+  - id: ok
+    key: [ip]
+    limit: {requests: 5, per: 10s}
+    action: block
+"""
+
+
+def parse(text: str, source: str = "rules.yaml", base_dir: Path = Path(".")) -> LoadedRules:
+    return parse_rules_text(textwrap.dedent(text), source, base_dir)
+
+
+def issues_of(text: str, source: str = "rules.yaml", base_dir: Path = Path(".")) -> list[ConfigIssue]:
+    with pytest.raises(ConfigError) as info:
+        parse(text, source, base_dir)
+    return info.value.issues
+
+
+def compile_issues(text: str, base_dir: Path = Path(".")) -> list[ConfigIssue]:
+    with pytest.raises(ConfigError) as info:
+        compile_rules(parse(text, base_dir=base_dir))
+    return info.value.issues
+
+
+def line_of(text: str, fragment: str, occurrence: int = 1) -> int:
+    """1-based line of the ``occurrence``-th line containing ``fragment``."""
+    found = [number for number, line in enumerate(textwrap.dedent(text).splitlines(), 1) if fragment in line]
+    return found[occurrence - 1]
+
+
+def located(issues: list[ConfigIssue]) -> set[tuple[int, str]]:
+    return {(issue.line, issue.field) for issue in issues}
+
+
+def only_issue(text: str, base_dir: Path = Path(".")) -> ConfigIssue:
+    issues = issues_of(text, base_dir=base_dir)
+    assert len(issues) == 1, issues
+    return issues[0]
+
+
+def more_rules(text: str) -> str:
+    """Rules to append to VALID_RULE, written at any indentation."""
+    return textwrap.indent(textwrap.dedent(text), "  ")
+
+
+def rule_file(rule_body: str) -> str:
+    """A file with one valid rule ``ok`` and the given rule after it."""
+    body = textwrap.indent(textwrap.dedent(rule_body), "    ")
+    return VALID_RULE + "  - id: r\n" + body
+
+
+@pytest.fixture
+def pages(tmp_path: Path) -> Path:
+    """A directory holding page.html, for rules that name a body_file."""
+    (tmp_path / "page.html").write_text("<p>slow down</p>", encoding="utf-8")
+    return tmp_path
+
+
+# --------------------------------------------------------------------------
+# Error values
+# --------------------------------------------------------------------------
+
+
+def test_config_issue_prints_as_file_line_field_message() -> None:
+    issue = ConfigIssue("rules.yaml", 14, "rules[2].limit.per", "expected a duration like '10s', got '10 seconds'")
+    assert str(issue) == "rules.yaml:14: rules[2].limit.per: expected a duration like '10s', got '10 seconds'"
+
+
+def test_config_error_lists_every_issue_one_per_line() -> None:
+    issues = [ConfigIssue("a.yaml", 1, "node", "bad"), ConfigIssue("a.yaml", 2, "rules", "worse")]
+    error = ConfigError(issues)
+    assert error.issues == issues
+    assert str(error).splitlines() == ["a.yaml:1: node: bad", "a.yaml:2: rules: worse"]
+
+
+def test_issue_names_the_source_given_by_the_caller() -> None:
+    issue = issues_of("bogus: 1\n", source="conf/x.yaml")[0]
+    assert issue.file == "conf/x.yaml"
+    assert str(issue).startswith("conf/x.yaml:1: bogus: ")
+
+
+# --------------------------------------------------------------------------
+# Every error at once
+# --------------------------------------------------------------------------
+
+MANY_ERRORS = """\
+node: edge-1
+colour: blue
+client_ip:
+  trusted_proxies: [10.0.0.1/8]
+exempt: [not-a-cidr]
+rules:
+  - id: first
+    key: [ip, ip]
+    limit: {requests: 5, per: 10 seconds}
+    action: block
+    block: {status: 399}
+  - id: first
+    limit: {requests: many, per: 1s}
+    action: block
+  - id: "bad id!"
+    key: [colour]
+    action: log
+  - id: missing-action
+    match: {path: {regex: "("}}
+    limit: {rate: 10r/h}
+  - id: short-ban
+    limit: {requests: 1, per: 1s, extra: 1}
+    action: ban
+    ban: {duration: 500ms}
+  - id: pages
+    limit: {requests: 1, per: 1s}
+    action: block
+    block: {status: 503, body: hi, body_file: page.html}
+overrides:
+  - cidrs: [203.0.113.0/24]
+    rules: [pages, nope]
+    multiply: 2
+"""
+
+
+def test_every_error_is_reported_at_once_with_its_line_and_field(pages: Path) -> None:
+    issues = issues_of(MANY_ERRORS, base_dir=pages)
+    at = lambda fragment, n=1: line_of(MANY_ERRORS, fragment, n)  # noqa: E731
+    assert located(issues) == {
+        (at("colour: blue"), "colour"),
+        (at("trusted_proxies"), "client_ip.trusted_proxies[0]"),
+        (at("exempt:"), "exempt[0]"),
+        (at("key: [ip, ip]"), "rules[0].key"),
+        (at("10 seconds"), "rules[0].limit.per"),
+        (at("status: 399"), "rules[0].block.status"),
+        (at("id: first", 2), "rules[1].id"),
+        (at("requests: many"), "rules[1].limit.requests"),
+        (at("bad id!"), "rules[2].id"),
+        (at("bad id!"), "rules[2].limit"),
+        (at("[colour]"), "rules[2].key[0]"),
+        (at("missing-action"), "rules[3].action"),
+        (at('regex: "("'), "rules[3].match.path.regex"),
+        (at("10r/h"), "rules[3].limit.rate"),
+        (at("extra: 1"), "rules[4].limit.extra"),
+        (at("500ms"), "rules[4].ban.duration"),
+        (at("body_file: page.html"), "rules[5].block"),
+        (at("rules: [pages, nope]"), "overrides[0].rules[1]"),
+    }
+    assert all(issue.file == "rules.yaml" for issue in issues)
+
+
+def test_errors_are_listed_in_file_order(pages: Path) -> None:
+    lines = [issue.line for issue in issues_of(MANY_ERRORS, base_dir=pages)]
+    assert lines == sorted(lines)
+
+
+# --------------------------------------------------------------------------
+# One kind of error at a time: line, field and a message a user can act on
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("text", "fragment", "field"), [
+    ("bogus: 1\n" + VALID_RULE, "bogus", "bogus"),
+    (VALID_RULE + "    colour: red\n", "colour", "rules[0].colour"),
+    (rule_file("limit: {requests: 1, per: 1s, burst: 3}\naction: log\n"), "burst", "rules[1].limit.burst"),
+    ("state: {backend: memory, size: 3}\n", "size", "state.size"),
+    (rule_file("match: {path: {equals: /a, suffix: x}}\nlimit: {requests: 1, per: 1s}\naction: log\n"),
+     "suffix", "rules[1].match.path.suffix"),
+])
+def test_unknown_field_is_an_error_at_its_line(text: str, fragment: str, field: str) -> None:
+    issue = only_issue(text)
+    assert (issue.line, issue.field) == (line_of(text, fragment), field)
+    assert "unknown field" in issue.message
+
+
+@pytest.mark.parametrize(("text", "fragment", "field"), [
+    (rule_file("limit: {requests: many, per: 1s}\naction: log\n"), "many", "rules[1].limit.requests"),
+    (rule_file("limit: {requests: 1, per: 1s}\naction: [log]\n"), "[log]", "rules[1].action"),
+    (rule_file("key: ip\nlimit: {requests: 1, per: 1s}\naction: log\n"), "key: ip", "rules[1].key"),
+    ("node: [a, b]\n", "node", "node"),
+    ("rules: {id: x}\n", "rules", "rules"),
+    ("client_ip: {ipv6_prefix: sixty-four}\n", "ipv6_prefix", "client_ip.ipv6_prefix"),
+    ("client_ip: {ipv6_prefix: 129}\n", "ipv6_prefix", "client_ip.ipv6_prefix"),
+    ("state: {backend: mysql}\n", "mysql", "state.backend"),
+    (rule_file("limit: {requests: 1, per: 1s}\naction: drop\n"), "drop", "rules[1].action"),
+    (rule_file("limit: {requests: 1, per: 1s}\naction: block\nblock: {close: maybe}\n"),
+     "maybe", "rules[1].block.close"),
+])
+def test_wrong_type_or_value_is_an_error_at_its_line(text: str, fragment: str, field: str) -> None:
+    issue = only_issue(text)
+    assert (issue.line, issue.field) == (line_of(text, fragment), field)
+
+
+def test_bad_duration_message_shows_what_was_written() -> None:
+    text = rule_file("limit: {requests: 1, per: 10 seconds}\naction: log\n")
+    issue = only_issue(text)
+    assert str(issue) == (f"rules.yaml:{line_of(text, '10 seconds')}: rules[1].limit.per: "
+                          "expected a duration like '10s', got '10 seconds'")
+
+
+@pytest.mark.parametrize("rate", ["10r/h", "10/s", "r/s", "0r/s", "-1r/s", "ten r/s", "10", "1.5r/s"])
+def test_bad_rate_is_an_error(rate: str) -> None:
+    text = rule_file(f"limit: {{rate: '{rate}', burst: 1}}\naction: log\n")
+    issue = only_issue(text)
+    assert (issue.line, issue.field) == (line_of(text, "rate:"), "rules[1].limit.rate")
+
+
+@pytest.mark.parametrize(("rate", "count", "period"), [("10r/s", 10, 1), ("30r/m", 30, 60), ("1r/s", 1, 1)])
+def test_rates_parse(rate: str, count: int, period: int) -> None:
+    assert config.parse_rate(rate) == config.Rate(count, period)
+    assert str(config.parse_rate(rate)) == rate
+
+
+@pytest.mark.parametrize("rate", ["10r/h", "10/s", "r/s", "0r/s", "-1r/s", "10", "", 10, None, True])
+def test_bad_rates_are_rejected(rate: object) -> None:
+    with pytest.raises(ValueError):
+        config.parse_rate(rate)
+
+
+@pytest.mark.parametrize("status", [399, 600, 200, 0])
+def test_block_status_outside_400_to_599_is_an_error(status: int) -> None:
+    text = rule_file(f"limit: {{requests: 1, per: 1s}}\naction: block\nblock: {{status: {status}}}\n")
+    issue = only_issue(text)
+    assert (issue.line, issue.field) == (line_of(text, "status:"), "rules[1].block.status")
+    assert str(status) in issue.message
+
+
+@pytest.mark.parametrize("status", [400, 429, 503, 599])
+def test_block_status_from_400_to_599_is_accepted(status: int) -> None:
+    loaded = parse(rule_file(f"limit: {{requests: 1, per: 1s}}\naction: block\nblock: {{status: {status}}}\n"))
+    assert loaded.model.rules[1].block.status == status
+    assert compile_rules(loaded).rules[1].page.status == status
+
+
+def test_block_status_defaults_to_429() -> None:
+    assert compile_rules(parse(VALID_RULE)).rules[0].page.status == 429
+
+
+def test_duplicate_rule_id_is_reported_at_the_second_occurrence() -> None:
+    text = VALID_RULE + "  - id: other\n    limit: {requests: 1, per: 1s}\n    action: log\n" + \
+        "  - id: ok\n    limit: {requests: 1, per: 1s}\n    action: log\n"
+    issue = only_issue(text)
+    assert (issue.line, issue.field) == (line_of(text, "id: ok", 2), "rules[2].id")
+    assert "duplicate" in issue.message and "'ok'" in issue.message
+
+
+def test_every_repeat_of_a_rule_id_is_reported() -> None:
+    repeat = "  - id: ok\n    limit: {requests: 1, per: 1s}\n    action: log\n"
+    text = VALID_RULE + repeat + repeat
+    assert located(issues_of(text)) == {(line_of(text, "id: ok", 2), "rules[1].id"),
+                                       (line_of(text, "id: ok", 3), "rules[2].id")}
+
+
+@pytest.mark.parametrize(("where", "fragment", "field"), [
+    ("match: {path: {regex: '[a-'}}", "[a-", "rules[1].match.path.regex"),
+    ("match: {host: {regex: '(?P<x'}}", "(?P<x", "rules[1].match.host.regex"),
+    ("match: {header: {name: ua, regex: '*bot'}}", "*bot", "rules[1].match.header.regex"),
+    ("match: {header: [{name: a, present: true}, {name: ua, regex: '*bot'}]}", "*bot",
+     "rules[1].match.header[1].regex"),
+    ("match: {all: [{path: {prefix: /}}, {cookie: [{name: c, regex: '('}]}]}", "cookie",
+     "rules[1].match.all[1].cookie[0].regex"),
+    ("match: {not: {query: {name: q, regex: '+'}}}", "query", "rules[1].match.not.query.regex"),
+])
+def test_invalid_regex_is_an_error(where: str, fragment: str, field: str) -> None:
+    text = rule_file(f"{where}\nlimit: {{requests: 1, per: 1s}}\naction: log\n")
+    issue = only_issue(text)
+    assert (issue.line, issue.field) == (line_of(text, fragment), field)
+    assert "regular expression" in issue.message
+
+
+def test_invalid_user_agent_regex_of_verified_bots_is_an_error() -> None:
+    text = "verified_bots:\n  - cidrs: [66.249.64.0/19]\n    user_agent: '(Googlebot'\n"
+    issue = only_issue(text)
+    assert (issue.line, issue.field) == (3, "verified_bots[0].user_agent")
+
+
+@pytest.mark.parametrize(("text", "fragment", "field"), [
+    ("exempt: [10.0.0.0/33]\n", "exempt", "exempt[0]"),
+    ("exempt: [10.0.0.0/8, 'nonsense']\n", "exempt", "exempt[1]"),
+    ("client_ip:\n  trusted_proxies: ['2001:db8::/129']\n", "trusted", "client_ip.trusted_proxies[0]"),
+    ("verified_bots:\n  - cidrs: [300.1.1.0/24]\n", "cidrs", "verified_bots[0].cidrs[0]"),
+    (rule_file("match: {ip: {in: [1.2.3.4/x]}}\nlimit: {requests: 1, per: 1s}\naction: log\n"),
+     "match:", "rules[1].match.ip.in[0]"),
+])
+def test_invalid_cidr_is_an_error(text: str, fragment: str, field: str) -> None:
+    issue = only_issue(text)
+    assert (issue.line, issue.field) == (line_of(text, fragment), field)
+
+
+@pytest.mark.parametrize(("text", "field"), [
+    ("exempt: [10.0.0.1/8]\n", "exempt[0]"),
+    ("client_ip: {trusted_proxies: ['2001:db8::1/64']}\n", "client_ip.trusted_proxies[0]"),
+    (VALID_RULE + "overrides:\n  - cidrs: [203.0.113.7/24]\n    rules: [ok]\n    multiply: 2\n",
+     "overrides[0].cidrs[0]"),
+    (rule_file("match: {ip: {in: [192.0.2.1/24]}}\nlimit: {requests: 1, per: 1s}\naction: log\n"),
+     "rules[1].match.ip.in[0]"),
+])
+def test_cidr_with_host_bits_is_an_error(text: str, field: str) -> None:
+    issue = only_issue(text)
+    assert issue.field == field
+    assert "host bits" in issue.message
+
+
+def test_plain_addresses_and_cidrs_are_accepted_as_networks() -> None:
+    loaded = parse("exempt: [10.0.0.0/8, 192.0.2.7, '2001:db8::/32']\n")
+    assert [str(network) for network in loaded.model.exempt] == ["10.0.0.0/8", "192.0.2.7/32", "2001:db8::/32"]
+
+
+@pytest.mark.parametrize(("key", "field"), [
+    ("[colour]", "rules[1].key[0]"),
+    ("[ip, 'header:']", "rules[1].key[1]"),
+    ("['cookies:sid']", "rules[1].key[0]"),
+    ("[IP]", "rules[1].key[0]"),
+])
+def test_unknown_dimension_is_an_error(key: str, field: str) -> None:
+    text = rule_file(f"key: {key}\nlimit: {{requests: 1, per: 1s}}\naction: log\n")
+    issue = only_issue(text)
+    assert (issue.line, issue.field) == (line_of(text, "key:", 2), field)
+    assert "dimension" in issue.message
+
+
+@pytest.mark.parametrize("key", ["[ip, path, ip]", "['header:X-Key', 'header:x-key']", "['cookie:a', 'cookie:a']"])
+def test_duplicate_dimension_is_an_error(key: str) -> None:
+    text = rule_file(f"key: {key}\nlimit: {{requests: 1, per: 1s}}\naction: log\n")
+    issue = only_issue(text)
+    assert (issue.line, issue.field) == (line_of(text, "key:", 2), "rules[1].key")
+
+
+def test_cookie_dimensions_differing_in_case_are_two_dimensions() -> None:
+    loaded = parse(rule_file("key: ['cookie:Sid', 'cookie:sid']\nlimit: {requests: 1, per: 1s}\naction: log\n"))
+    assert loaded.model.rules[1].key == ["cookie:Sid", "cookie:sid"]
+
+
+def test_body_and_body_file_together_is_an_error(pages: Path) -> None:
+    text = rule_file("limit: {requests: 1, per: 1s}\naction: block\nblock: {body: hi, body_file: page.html}\n")
+    issue = only_issue(text, pages)
+    assert (issue.line, issue.field) == (line_of(text, "body_file"), "rules[1].block")
+    assert "body_file" in issue.message
+
+
+@pytest.mark.parametrize("page", ["body: hi", "body_file: page.html"])
+def test_close_with_a_page_is_an_error(page: str, pages: Path) -> None:
+    text = rule_file(f"limit: {{requests: 1, per: 1s}}\naction: block\nblock: {{close: true, {page}}}\n")
+    issue = only_issue(text, pages)
+    assert (issue.line, issue.field) == (line_of(text, "close: true"), "rules[1].block")
+
+
+@pytest.mark.parametrize("duration", ["500ms", "0.5", "2y", "366d", "31536001", "0s", 0])
+def test_ban_duration_outside_1s_to_1y_is_an_error(duration: object) -> None:
+    text = rule_file(f"limit: {{requests: 1, per: 1s}}\naction: ban\nban: {{duration: {duration}}}\n")
+    issue = only_issue(text)
+    assert (issue.line, issue.field) == (line_of(text, "duration:"), "rules[1].ban.duration")
+
+
+@pytest.mark.parametrize(("duration", "seconds"), [("1s", 1), (1, 1), ("1y", 365 * 86400), ("365d", 365 * 86400),
+                                                   ("1h", 3600)])
+def test_ban_duration_from_1s_to_1y_is_accepted(duration: object, seconds: float) -> None:
+    loaded = parse(rule_file(f"limit: {{requests: 1, per: 1s}}\naction: ban\nban: {{duration: {duration}}}\n"))
+    assert compile_rules(loaded).rules[1].ban_duration == seconds
+
+
+@pytest.mark.parametrize(("rule", "fragment", "field"), [
+    ("key: [ip]\naction: log\n", "id: r", "rules[1].limit"),
+    ("limit: {requests: 1, per: 1s}\n", "id: r", "rules[1].action"),
+    ("limit: {per: 1s}\naction: log\n", "limit:", "rules[1].limit"),
+    ("limit: {requests: 1}\naction: log\n", "limit:", "rules[1].limit.per"),
+])
+def test_missing_required_field_is_an_error_at_the_mapping_that_lacks_it(rule: str, fragment: str, field: str) -> None:
+    text = rule_file(rule)
+    issue = only_issue(text)
+    assert (issue.line, issue.field) == (line_of(text, fragment, 2 if fragment == "limit:" else 1), field)
+
+
+def test_missing_limit_and_action_are_both_reported_at_the_rule() -> None:
+    text = VALID_RULE + "  - id: bare\n    key: [ip]\n"
+    assert located(issues_of(text)) == {(line_of(text, "id: bare"), "rules[1].limit"),
+                                       (line_of(text, "id: bare"), "rules[1].action")}
+
+
+def test_missing_rule_id_is_an_error() -> None:
+    text = VALID_RULE + "  - key: [ip]\n    limit: {requests: 1, per: 1s}\n    action: log\n"
+    issue = only_issue(text)
+    assert (issue.line, issue.field) == (line_of(text, "key: [ip]", 2), "rules[1].id")
+
+
+@pytest.mark.parametrize(("text", "fragment"), [
+    ("node: a\nrules:\n  - id: x: y\n", "id: x: y"),
+    ("node: a\nstate: {backend: memory\nexempt: []\nrules: []\n", "exempt"),
+    ("node: a\n\trules: []\n", "rules"),
+    ("node: 'unterminated\nrules: []\n", None),
+])
+def test_yaml_syntax_error_is_reported_with_its_line(text: str, fragment: str | None) -> None:
+    issue = only_issue(text)
+    assert "YAML" in issue.message
+    assert issue.file == "rules.yaml"
+    if fragment is not None:
+        assert issue.line == line_of(text, fragment)
+    else:
+        assert 1 <= issue.line <= len(text.splitlines()) + 1
+
+
+@pytest.mark.parametrize(("text", "fragment", "field"), [
+    ("node: !foo bar\n", "node", "node"),
+    ("node: a\nstate: !!python/object:os.system 1\n", "state", "state"),
+    ("node: 2001-02-30\n", "node", "node"),
+])
+def test_yaml_value_that_cannot_be_constructed_is_an_error_at_its_line(text: str, fragment: str, field: str) -> None:
+    # An unknown tag or an impossible date is a mistake in the file: it must be
+    # reported as FILE:LINE like any other, not escape as a YAML/Python error.
+    issues = issues_of(text)
+    assert {issue.line for issue in issues} == {line_of(text, fragment)}
+    assert {issue.field for issue in issues} <= {"", field}
+
+
+def test_yaml_merge_key_is_either_applied_or_reported() -> None:
+    text = ("rules:\n"
+            "  - id: a\n"
+            "    limit: &base {requests: 1, per: 1s}\n"
+            "    action: log\n"
+            "  - id: b\n"
+            "    limit:\n"
+            "      <<: *base\n"
+            "      requests: 2\n"
+            "    action: log\n")
+    try:
+        loaded = parse(text)
+    except ConfigError as error:
+        assert all(issue.line >= 5 for issue in error.issues), error.issues
+    else:
+        assert loaded.model.rules[1].limit == config.WindowLimit(requests=2, per=1)
+
+
+def test_yaml_aliases_are_followed() -> None:
+    text = ("rules:\n"
+            "  - id: a\n"
+            "    limit: &shared {requests: 3, per: 1m}\n"
+            "    action: log\n"
+            "  - id: b\n"
+            "    limit: *shared\n"
+            "    action: log\n")
+    assert parse(text).model.rules[1].limit.per == 60
+
+
+@pytest.mark.parametrize(("text", "fragment", "field"), [
+    (rule_file("limit: {requests: true, per: 1s}\naction: log\n"), "true", "rules[1].limit.requests"),
+    (rule_file("limit: {requests: yes, per: 1s}\naction: log\n"), "yes", "rules[1].limit.requests"),
+    (rule_file("limit: {tokens: true, refill: 1/s}\naction: log\n"), "true", "rules[1].limit.tokens"),
+    ("state: {max_keys: true}\n", "max_keys", "state.max_keys"),
+    ("client_ip: {ipv4_prefix: true}\n", "ipv4_prefix", "client_ip.ipv4_prefix"),
+])
+def test_boolean_is_not_a_number(text: str, fragment: str, field: str) -> None:
+    # SPEC §12: validated strictly. YAML turns `yes`/`true` into a boolean; a
+    # typo must not become "1 request".
+    issue = only_issue(text)
+    assert (issue.line, issue.field) == (line_of(text, fragment), field)
+
+
+def test_token_cost_above_the_bucket_is_an_error() -> None:
+    text = rule_file("limit: {tokens: 3, refill: 1/s, cost: 4}\naction: log\n")
+    issue = only_issue(text)
+    assert (issue.line, issue.field) == (line_of(text, "cost"), "rules[1].limit")
+
+
+def test_limit_of_no_known_kind_is_an_error() -> None:
+    text = rule_file("limit: {per: 1s, amount: 3}\naction: log\n")
+    issue = only_issue(text)
+    assert (issue.line, issue.field) == (line_of(text, "amount"), "rules[1].limit")
+
+
+@pytest.mark.parametrize(("action", "section"), [("log", "block: {status: 503}"), ("block", "ban: {duration: 1h}"),
+                                                 ("ban", "block: {close: true}")])
+def test_action_settings_for_another_action_are_an_error(action: str, section: str) -> None:
+    text = rule_file(f"limit: {{requests: 1, per: 1s}}\naction: {action}\n{section}\n")
+    assert only_issue(text).field == "rules[1]"
+
+
+@pytest.mark.parametrize(("text", "fragment", "field"), [
+    ("node: a\nnode: b\n", "node: b", "node"),
+    (VALID_RULE + "    action: log\n", "action: log", "rules[0].action"),
+    ("state:\n  backend: memory\n  fail: open\n  backend: redis\n", "backend: redis", "state.backend"),
+])
+def test_duplicate_yaml_key_is_reported_at_the_second_occurrence(text: str, fragment: str, field: str) -> None:
+    issue = only_issue(text)
+    assert (issue.line, issue.field) == (line_of(text, fragment), field)
+
+
+def test_override_referencing_an_unknown_rule_is_an_error() -> None:
+    text = VALID_RULE + "overrides:\n  - cidrs: [203.0.113.0/24]\n    rules: [ok, missing]\n    multiply: 10\n"
+    issue = only_issue(text)
+    assert (issue.line, issue.field) == (line_of(text, "rules: [ok, missing]"), "overrides[0].rules[1]")
+    assert "missing" in issue.message
+
+
+def test_override_may_reference_a_rule_defined_after_it_in_the_file() -> None:
+    text = "overrides:\n  - cidrs: [203.0.113.0/24]\n    rules: [ok]\n    multiply: 10\n" + VALID_RULE
+    ruleset = compile_rules(parse(text))
+    assert ruleset.by_id["ok"].overrides[0].multiply == 10
+
+
+@pytest.mark.parametrize("rule_id", ["'bad id!'", "a/b", "'-leading-dash'", "''", "x" * 65, "'ключ'", "'a b'",
+                                     "'a:b'", "'a|b'"])
+def test_invalid_rule_id_characters_are_an_error(rule_id: str) -> None:
+    text = VALID_RULE + f"  - id: {rule_id}\n    limit: {{requests: 1, per: 1s}}\n    action: log\n"
+    issue = only_issue(text)
+    assert (issue.line, issue.field) == (line_of(text, "id:", 2), "rules[1].id")
+
+
+@pytest.mark.parametrize("rule_id", ["a", "login-failures", "api_v2.read", "A1", "x" * 64])
+def test_valid_rule_ids_are_accepted(rule_id: str) -> None:
+    text = VALID_RULE + f"  - id: {rule_id}\n    limit: {{requests: 1, per: 1s}}\n    action: log\n"
+    assert parse(text).model.rules[1].id == rule_id
+
+
+def test_non_mapping_document_is_an_error() -> None:
+    issue = only_issue("- just\n- a list\n")
+    assert issue.line == 1
+
+
+def test_empty_file_is_a_valid_file_without_rules() -> None:
+    assert parse("").model.rules == []
+
+
+# --------------------------------------------------------------------------
+# Durations
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("written", "seconds"), [
+    ("500ms", 0.5), ("10s", 10), ("15m", 900), ("1h", 3600), ("1d", 86400), ("1y", 365 * 86400),
+    (10, 10), (1, 1), ("90s", 90),
+])
+def test_durations_parse(written: object, seconds: float) -> None:
+    assert parse_duration(written) == seconds
+    loaded = parse(rule_file(f"limit: {{requests: 1, per: {written}}}\naction: log\n"))
+    assert loaded.model.rules[1].limit.per == seconds
+
+
+@pytest.mark.parametrize("written", [0, -1, -10, "0s", "0ms", "-5s", True, False, "10 seconds", "10",
+                                     "ten", "", None, "1w", "10S", "1.h", [10]])
+def test_invalid_durations_are_rejected(written: object) -> None:
+    with pytest.raises(ValueError):
+        parse_duration(written)
+
+
+@pytest.mark.parametrize("written", ["0", "-1", "true", "false", "'10 seconds'", "'10'", "1w", "null"])
+def test_invalid_duration_in_a_file_is_an_error_at_its_field(written: str) -> None:
+    text = rule_file(f"limit: {{requests: 1, per: {written}}}\naction: log\n")
+    issue = only_issue(text)
+    assert (issue.line, issue.field) == (line_of(text, "per:", 2), "rules[1].limit.per")
+
+
+def test_penalty_is_a_duration() -> None:
+    text = rule_file("limit: {requests: 1, per: 10s}\naction: block\npenalty: 15m\n")
+    assert compile_rules(parse(text)).rules[1].reset == 900
+    bad = rule_file("limit: {requests: 1, per: 10s}\naction: block\npenalty: 15 minutes\n")
+    assert (only_issue(bad).line, only_issue(bad).field) == (line_of(bad, "penalty"), "rules[1].penalty")
+
+
+# --------------------------------------------------------------------------
+# The SPEC §12 example and the shipped examples
+# --------------------------------------------------------------------------
+
+
+# The complete example of SPEC §12, verbatim.
+SPEC_EXAMPLE = """\
+node: edge-1                      # name in ban records; default: hostname
+client_ip:
+  trusted_proxies: []             # CIDRs whose X-Forwarded-For is believed
+  ipv6_prefix: 64
+  ipv4_prefix: 32
+state:
+  backend: memory                 # memory | redis
+  url: redis://127.0.0.1:6379/0   # with backend: redis
+  max_keys: 100000
+  fail: open                      # open | closed
+exempt: [10.0.0.0/8]              # never limited
+verified_bots:
+  - cidrs: [66.249.64.0/19]
+    user_agent: Googlebot         # optional regex
+challenge:
+  secret_file: /run/secrets/sluice   # HMAC key; default: random at start
+  auto_ban: {challenges: 100, per: 60s, ban: 5m}
+overrides:
+  - cidrs: [203.0.113.0/24]       # a campus NAT
+    rules: [pages]
+    multiply: 10                  # threshold x10 for these addresses
+rules:
+  - id: login-failures            # unique; the priority is the order here
+    match:
+      all:
+        - path: {equals: /api/login}
+        - method: [POST]
+    key: [ip]
+    limit: {requests: 5, per: 15m}          # sliding window (default)
+    count_on: {status: [401]}               # response-phase counting
+    action: block
+    penalty: 15m
+    block: {status: 429}                    # built-in page
+  - id: api-key
+    key: [ip, "header:x-api-key"]
+    limit: {requests: 2, per: 10s, window: fixed}
+    action: block
+    block: {status: 503, body: "busy, ${{remote_addr}}"}
+  - id: heavy-queries
+    key: ["header:x-api-key"]
+    limit: {score: 400, per: 60s, header: x-score}
+    action: block
+    penalty: 10m
+  - id: scrapers
+    key: [ip]
+    limit: {requests: 100, per: 60s}
+    action: ban
+    ban: {duration: 1h}
+  - id: pages
+    match: {header: {name: accept, prefix: text/html}}
+    key: [ip]
+    limit: {requests: 30, per: 10s}
+    action: challenge
+    challenge: {ttl: 24h}
+  - id: like-nginx
+    key: [ip]
+    limit: {rate: 10r/s, burst: 20, nodelay: true}
+    action: block
+  - id: tokens
+    key: [ip, path]
+    limit: {tokens: 3, refill: 2/s}
+    action: log
+"""
+
+
+def test_spec_example_copy_matches_the_spec() -> None:
+    if not SPEC.exists():
+        pytest.skip("SPEC.md is not beside this checkout")
+    match = re.search(r"## 12\. The rules file.*?```yaml\n(.*?)```", SPEC.read_text(encoding="utf-8"), re.S)
+    assert match is not None and match.group(1) == SPEC_EXAMPLE
+
+
+def test_spec_example_validates_except_for_what_this_version_cannot_run() -> None:
+    """The SPEC §12 example is valid schema; what is refused is only the
+    features not available yet and its secret file, absent on this machine."""
+    with pytest.raises(ConfigError) as info:
+        parse_rules_text(SPEC_EXAMPLE, "spec.yaml", Path("."))
+    fields = {issue.field for issue in info.value.issues}
+    assert fields == {"challenge.secret_file", "rules[0].count_on", "rules[2].limit",
+                      "rules[4].action", "rules[5].limit", "rules[6].limit"}
+    assert all("not available in this version" in issue.message
+               for issue in info.value.issues if issue.field != "challenge.secret_file")
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "examples").glob("*.yaml")) + [REPO / "sidecar/default_rules.yaml"],
+                         ids=lambda path: path.name)
+def test_shipped_rules_files_load(path: Path) -> None:
+    assert load_ruleset(str(path)).rules
+
+
+# --------------------------------------------------------------------------
+# What cannot run: compile_rules / load_ruleset
+# --------------------------------------------------------------------------
+
+
+def test_missing_body_file_is_an_error_at_its_field(tmp_path: Path) -> None:
+    text = rule_file("limit: {requests: 1, per: 1s}\naction: block\nblock: {body_file: missing.html}\n")
+    issues = compile_issues(text, base_dir=tmp_path)
+    assert located(issues) == {(line_of(text, "body_file"), "rules[1].block.body_file")}
+    assert issues[0].file == "rules.yaml"
+
+
+def test_body_file_is_read_relative_to_the_rules_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "pages").mkdir()
+    (tmp_path / "pages" / "busy.html").write_text("busy ${{remote_addr}} <", encoding="utf-8")
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(rule_file("limit: {requests: 1, per: 1s}\naction: block\n"
+                               "block: {status: 503, body_file: pages/busy.html}\n"), encoding="utf-8")
+    monkeypatch.chdir(REPO)
+    page = load_ruleset(str(rules)).rules[1].page
+    assert page.status == 503
+    assert page.template.render("192.0.2.1", "h", "id") == b"busy 192.0.2.1 <"
+
+
+def test_body_file_that_is_not_utf8_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / "page.html").write_bytes(b"\xff\xfe\x00 not text")
+    text = rule_file("limit: {requests: 1, per: 1s}\naction: block\nblock: {body_file: page.html}\n")
+    issues = compile_issues(text, base_dir=tmp_path)
+    assert located(issues) == {(line_of(text, "body_file"), "rules[1].block.body_file")}
+
+
+def test_load_ruleset_reports_a_missing_body_file(tmp_path: Path) -> None:
+    rules = tmp_path / "rules.yaml"
+    text = rule_file("limit: {requests: 1, per: 1s}\naction: block\nblock: {body_file: nope.html}\n")
+    rules.write_text(text, encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        load_ruleset(str(rules))
+    assert [str(issue).split(": ", 2)[:2] for issue in info.value.issues] == \
+        [[f"{rules}:{line_of(text, 'body_file')}", "rules[1].block.body_file"]]
+
+
+@pytest.mark.parametrize(("rule", "fragment", "field"), [
+    ("limit: {requests: 1, per: 1s}\naction: challenge\n", "challenge", "rules[1].action"),
+    ("limit: {requests: 1, per: 1s}\naction: block\ncount_on: {status: [401]}\n", "count_on", "rules[1].count_on"),
+    ("limit: {score: 400, per: 60s, header: x-score}\naction: block\n", "score", "rules[1].limit"),
+    ("limit: {tokens: 3, refill: 2/s}\naction: log\n", "tokens", "rules[1].limit"),
+    ("limit: {rate: 10r/s, burst: 20, nodelay: true}\naction: block\n", "rate", "rules[1].limit"),
+])
+def test_features_not_yet_available_are_refused_at_load(rule: str, fragment: str, field: str) -> None:
+    text = rule_file(rule)
+    issues = compile_issues(text)
+    assert located(issues) == {(line_of(text, fragment), field)}
+    assert "not available" in issues[0].message
+
+
+def test_redis_backend_is_refused_at_load() -> None:
+    text = "state:\n  backend: redis\n  url: redis://127.0.0.1:6379/0\n" + VALID_RULE
+    assert located(compile_issues(text)) == {(2, "state.backend")}
+
+
+def test_every_compile_error_is_reported_at_once(tmp_path: Path) -> None:
+    text = "state: {backend: redis}\n" + VALID_RULE + more_rules("""\
+          - id: a
+            limit: {requests: 1, per: 1s}
+            action: challenge
+          - id: b
+            limit: {tokens: 3, refill: 2/s}
+            action: log
+          - id: c
+            limit: {requests: 1, per: 1s}
+            action: block
+            block: {body_file: nope.html}
+          - id: d
+            limit: {requests: 1, per: 1s}
+            action: log
+            count_on: {status: [404]}
+        """)
+    assert located(compile_issues(text, base_dir=tmp_path)) == {
+        (1, "state.backend"),
+        (line_of(text, "challenge"), "rules[1].action"),
+        (line_of(text, "tokens"), "rules[2].limit"),
+        (line_of(text, "body_file"), "rules[3].block.body_file"),
+        (line_of(text, "count_on"), "rules[4].count_on"),
+    }
+
+
+def test_load_ruleset_reports_a_missing_file_as_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_ruleset(str(tmp_path / "absent.yaml"))
+    assert info.value.issues[0].file == str(tmp_path / "absent.yaml")
+
+
+# --------------------------------------------------------------------------
+# `sluice check` (SPEC §10)
+# --------------------------------------------------------------------------
+
+ISSUE_LINE = re.compile(r"^(?P<file>[^:]+):(?P<line>\d+): (?P<field>\S+): (?P<message>.+)$")
+
+
+def sluice_check(file: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "sidecar", "check", file], cwd=cwd,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_check_accepts_a_valid_file() -> None:
+    result = sluice_check("examples/default.yaml", REPO)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+
+
+def test_check_reports_every_error_as_file_line_field_message(tmp_path: Path) -> None:
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "rules.yaml").write_text(MANY_ERRORS, encoding="utf-8")
+    (tmp_path / "conf" / "page.html").write_text("<p>slow down</p>", encoding="utf-8")
+    result = sluice_check("conf/../conf/rules.yaml", tmp_path)
+    assert result.returncode == 1
+    lines = result.stderr.splitlines()
+    parsed = [ISSUE_LINE.match(line) for line in lines]
+    assert all(parsed), lines
+    assert {match["file"] for match in parsed} == {"conf/../conf/rules.yaml"}
+    assert {(int(match["line"]), match["field"]) for match in parsed} == \
+        located(issues_of(MANY_ERRORS, base_dir=tmp_path / "conf"))
+    assert (f"conf/../conf/rules.yaml:{line_of(MANY_ERRORS, '10 seconds')}: rules[0].limit.per: "
+            "expected a duration like '10s', got '10 seconds'") in lines
+
+
+@pytest.mark.parametrize(("text", "line"), [
+    ("node: a\nrules:\n  - id: x: y\n", 3),
+    ("node: a\nexempt: [!cidr 10.0.0.0/8]\n", 2),
+    ("rules: []\nnode: 2001-02-30\n", 2),
+])
+def test_check_reports_yaml_problems_as_file_line_without_a_traceback(tmp_path: Path, text: str, line: int) -> None:
+    (tmp_path / "r.yaml").write_text(text, encoding="utf-8")
+    result = sluice_check("r.yaml", tmp_path)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.splitlines()
+    assert lines and all(text.startswith(f"r.yaml:{line}: ") for text in lines), lines
+
+
+def test_check_reports_load_time_errors(tmp_path: Path) -> None:
+    text = rule_file("limit: {requests: 1, per: 1s}\naction: challenge\n")
+    (tmp_path / "r.yaml").write_text(text, encoding="utf-8")
+    result = sluice_check("r.yaml", tmp_path)
+    assert result.returncode == 1
+    assert result.stderr.splitlines()[0].startswith(f"r.yaml:{line_of(text, 'challenge')}: rules[1].action: ")
+
+
+def test_check_reports_schema_and_load_time_errors_together(tmp_path: Path) -> None:
+    # SPEC §10: exit 1 "with every error". A missing page template must not
+    # wait until the schema errors elsewhere in the file are fixed.
+    text = VALID_RULE + more_rules("""\
+          - id: page
+            limit: {requests: 1, per: 1s}
+            action: block
+            block: {body_file: missing.html}
+          - id: typo
+            limit: {requests: 1, per: 10 seconds}
+            action: log
+        """)
+    (tmp_path / "r.yaml").write_text(text, encoding="utf-8")
+    result = sluice_check("r.yaml", tmp_path)
+    assert result.returncode == 1
+    fields = {ISSUE_LINE.match(line)["field"] for line in result.stderr.splitlines()}
+    assert fields == {"rules[1].block.body_file", "rules[2].limit.per"}
+
+
+def test_check_reports_a_secret_file_that_does_not_exist(tmp_path: Path) -> None:
+    # SPEC §10: "a secret_file that does not exist is an error".
+    text = "challenge:\n  secret_file: ./no-such-secret\n" + VALID_RULE
+    (tmp_path / "r.yaml").write_text(text, encoding="utf-8")
+    result = sluice_check("r.yaml", tmp_path)
+    assert result.returncode == 1
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("r.yaml:2: challenge.secret_file: "), lines
+
+
+def test_check_accepts_an_existing_secret_file(tmp_path: Path) -> None:
+    (tmp_path / "secret").write_text("s3cret", encoding="utf-8")
+    text = "challenge:\n  secret_file: secret\n" + VALID_RULE
+    (tmp_path / "r.yaml").write_text(text, encoding="utf-8")
+    result = sluice_check("r.yaml", tmp_path)
+    assert result.returncode == 0, result.stderr
+
+
+def test_check_console_script_reports_errors_with_the_file_as_given(tmp_path: Path) -> None:
+    script = Path(sys.executable).with_name("sluice")
+    if not script.exists():
+        pytest.skip("the sluice console script is not installed beside this interpreter")
+    (tmp_path / "bad.yaml").write_text("bogus: 1\n", encoding="utf-8")
+    result = subprocess.run([str(script), "check", "./bad.yaml"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == ["./bad.yaml:1: bogus: unknown field"]
