@@ -29,6 +29,8 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 NGINX_AUTH_PATH = "/v1/nginx/auth"
+# Envoy's HTTP ext_authz appends the original path to a prefix.
+ENVOY_AUTH_PREFIX = "/v1/envoy/auth"
 NGINX_DENY_PATH = "/v1/nginx/deny"
 FORWARD_AUTH_PATH = "/v1/check"
 
@@ -133,12 +135,14 @@ def describe_forward_auth(engine: Engine, scope: Scope, headers: dict[str, str])
     )
 
 
-async def answer_forward_auth(send: Send, request: CheckRequest, decision: Decision) -> None:
+async def answer_in_full(send: Send, request: CheckRequest, decision: Decision) -> None:
+    """For proxies that pass a refusal to the client as it is (forward-auth,
+    Envoy ext_authz): status, headers and page in this one answer."""
     if decision.outcome == ALLOW:
         await respond(send, 200, observe_headers(decision))
     elif decision.outcome == CLOSE:
-        # A subrequest cannot close the client's connection: refuse with an
-        # empty 403 and ask the proxy to close.
+        # Neither a forward-auth subrequest nor ext_authz can close the
+        # client's connection: an empty 403 asking for a close (SPEC §6).
         await respond(send, 403, [("Connection", "close"), ("Cache-Control", "no-store")])
     else:
         assert decision.page is not None
@@ -147,6 +151,25 @@ async def answer_forward_auth(send: Send, request: CheckRequest, decision: Decis
         headers = deny_headers(decision.limit, decision.rule.reset, decision.retry_after,
                                request.request_id)
         await respond(send, decision.page.status, headers, body)
+
+
+def describe_envoy(engine: Engine, scope: Scope, headers: dict[str, str]) -> CheckRequest:
+    """Envoy HTTP ext_authz: the original method, the original path after
+    ENVOY_AUTH_PREFIX, the original Host, and the direct peer's address
+    added by the filter as ``x-sluice-client-addr``."""
+    raw_path = scope.get("raw_path") or scope["path"].encode()
+    uri = raw_path[len(ENVOY_AUTH_PREFIX):].decode("latin-1") or "/"
+    if scope.get("query_string"):
+        uri += "?" + scope["query_string"].decode("latin-1")
+    return CheckRequest(
+        method=scope["method"],
+        host=strip_port(headers.get("host", "")),
+        uri=uri,
+        headers=headers,
+        client=engine.resolve_client(headers.get("x-sluice-client-addr", ""),
+                                     headers.get("x-forwarded-for")),
+        request_id=headers.get("x-request-id") or new_request_id(),
+    )
 
 
 Describe = Callable[[Engine, Scope, dict[str, str]], CheckRequest]
@@ -162,7 +185,7 @@ class SluiceApp:
         self._last_error_log = -60.0
         self._checks: dict[str, tuple[Describe, Answer]] = {
             NGINX_AUTH_PATH: (describe_nginx, answer_nginx),
-            FORWARD_AUTH_PATH: (describe_forward_auth, answer_forward_auth),
+            FORWARD_AUTH_PATH: (describe_forward_auth, answer_in_full),
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -171,6 +194,10 @@ class SluiceApp:
             adapter = self._checks.get(path)
             if adapter is not None:
                 await self._check(scope, send, *adapter)
+                return
+            if path.startswith(ENVOY_AUTH_PREFIX) and \
+                    (len(path) == len(ENVOY_AUTH_PREFIX) or path[len(ENVOY_AUTH_PREFIX)] == "/"):
+                await self._check(scope, send, describe_envoy, answer_in_full)
                 return
             if path == NGINX_DENY_PATH:
                 await self._nginx_deny(scope, send)

@@ -158,3 +158,46 @@ def test_health_and_metrics_are_served_by_the_api(app):
     nginx(app, "/api/x")
     status, _, body = call(app, "/metrics", {})
     assert b'sluice_rule_hits_total{rule="api"} 1.0' in body
+
+
+def envoy(app, path, query=b"", addr="198.51.100.7", method="POST", **extra):
+    headers = {"host": "shop.example:10000", "x-sluice-client-addr": addr,
+               "x-request-id": "env-1", **extra}
+    scope = {"type": "http", "path": "/v1/envoy/auth" + path, "raw_path": ("/v1/envoy/auth" + path).encode(),
+             "query_string": query, "method": method, "client": ("127.0.0.1", 5000),
+             "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()]}
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    return sent[0]["status"], {k.decode(): v.decode() for k, v in sent[0]["headers"]}, sent[1]["body"]
+
+
+def test_envoy_check_takes_method_path_and_host_from_the_original_request(app):
+    captured = []
+    decide = app.engine.decide
+    app.engine.decide = lambda request: captured.append(request) or decide(request)
+    envoy(app, "/api/%6Cogin", query=b"a=1")
+    [request] = captured
+    assert (request.method, request.uri, request.path, request.host, request.client.key) == \
+        ("POST", "/api/%6Cogin?a=1", "/api/login", "shop.example", "198.51.100.7")
+
+
+def test_envoy_deny_is_the_full_response_and_close_is_an_empty_403(app):
+    assert envoy(app, "/api/x")[0] == 200
+    status, headers, body = envoy(app, "/api/x")
+    assert status == 503 and headers["retry-after"] == "10"
+    assert body == b"<p>slow down 198.51.100.7 on shop.example (env-1)</p>"
+    envoy(app, "/quiet")
+    status, headers, body = envoy(app, "/quiet")
+    assert (status, headers["connection"], body) == (403, "close", b"")
+
+
+def test_envoy_prefix_must_end_at_a_path_boundary(app):
+    status, _, _ = call(app, "/v1/envoy/authx", {})
+    assert status == 404
