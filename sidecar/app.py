@@ -9,10 +9,11 @@ rate limiter's bug must never become the protected site's outage.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse, Response
@@ -20,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from sidecar.actions import BlockPage, deny_headers, over_limit_headers
 from sidecar.engine import ALLOW, CLOSE, Decision, Engine
+from sidecar.hook import listen_for_reports, report_from_headers
 from sidecar.request import CheckRequest, strip_port
 
 log = logging.getLogger("sluice")
@@ -28,6 +30,7 @@ Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
+HOOK_PATH = "/v1/hook"
 NGINX_AUTH_PATH = "/v1/nginx/auth"
 # Envoy's HTTP ext_authz appends the original path to a prefix.
 ENVOY_AUTH_PREFIX = "/v1/envoy/auth"
@@ -70,9 +73,14 @@ async def respond(send: Send, status: int, headers: list[tuple[str, str]], body:
     await send({"type": "http.response.body", "body": body})
 
 
-def observe_headers(decision: Decision) -> list[tuple[str, str]]:
+def allow_headers(decision: Decision) -> list[tuple[str, str]]:
+    """Over-limit headers in observe mode, and the pending-counts token the
+    proxy hands back with the response report (SPEC §8)."""
     rule = decision.rule
-    return [] if rule is None else over_limit_headers(decision.limit, rule.reset)
+    headers = [] if rule is None else over_limit_headers(decision.limit, rule.reset)
+    if decision.pending is not None:
+        headers.append(("X-Sluice-Pending", decision.pending))
+    return headers
 
 
 class DenyToken:
@@ -114,7 +122,7 @@ def describe_nginx(engine: Engine, scope: Scope, headers: dict[str, str]) -> Che
 
 async def answer_nginx(send: Send, request: CheckRequest, decision: Decision) -> None:
     if decision.outcome == ALLOW:
-        await respond(send, 200, observe_headers(decision))
+        await respond(send, 200, allow_headers(decision))
     elif decision.outcome == CLOSE:
         await respond(send, NGINX_CLOSE_STATUS, [])
     else:
@@ -139,7 +147,7 @@ async def answer_in_full(send: Send, request: CheckRequest, decision: Decision) 
     """For proxies that pass a refusal to the client as it is (forward-auth,
     Envoy ext_authz): status, headers and page in this one answer."""
     if decision.outcome == ALLOW:
-        await respond(send, 200, observe_headers(decision))
+        await respond(send, 200, allow_headers(decision))
     elif decision.outcome == CLOSE:
         # Neither a forward-auth subrequest nor ext_authz can close the
         # client's connection: an empty 403 asking for a close (SPEC §6).
@@ -179,9 +187,9 @@ Answer = Callable[[Send, CheckRequest, Decision], Awaitable[None]]
 class SluiceApp:
     """The ASGI application uvicorn runs."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, report_udp: tuple[str, int] | None = None) -> None:
         self.engine = engine
-        self.api = build_api(engine)
+        self.api = build_api(engine, report_udp)
         self._last_error_log = -60.0
         self._checks: dict[str, tuple[Describe, Answer]] = {
             NGINX_AUTH_PATH: (describe_nginx, answer_nginx),
@@ -201,6 +209,9 @@ class SluiceApp:
                 return
             if path == NGINX_DENY_PATH:
                 await self._nginx_deny(scope, send)
+                return
+            if path == HOOK_PATH:
+                await self._hook(scope, send)
                 return
         await self.api(scope, receive, send)
 
@@ -235,6 +246,14 @@ class SluiceApp:
         body = page.template.render(client, headers.get("x-original-host", ""), request_id)
         await respond(send, status, deny_headers(limit, reset, retry_after, request_id), body)
 
+    async def _hook(self, scope: Scope, send: Send) -> None:
+        """A response report over HTTP (Envoy's Lua filter); answered at once."""
+        try:
+            report_from_headers(self.engine, header_map(scope))
+        except Exception:
+            self._internal_error()
+        await respond(send, 204, [])
+
     def _internal_error(self) -> None:
         self.engine.metrics.errors.inc()
         now = time.monotonic()
@@ -243,8 +262,17 @@ class SluiceApp:
             log.exception("check failed inside Sluice; the request was allowed (fail open)")
 
 
-def build_api(engine: Engine) -> FastAPI:
-    api = FastAPI(title="Sluice", docs_url=None, redoc_url=None, openapi_url=None)
+def build_api(engine: Engine, report_udp: tuple[str, int] | None = None) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_api: FastAPI) -> AsyncIterator[None]:
+        transport = await listen_for_reports(engine, *report_udp) if report_udp else None
+        try:
+            yield
+        finally:
+            if transport is not None:
+                transport.close()
+
+    api = FastAPI(title="Sluice", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     engine.metrics.watch(
         lambda: len(engine.store.active_bans(engine.clock())),
         engine.store.tracked_keys,
@@ -265,5 +293,6 @@ def build_api(engine: Engine) -> FastAPI:
     return api
 
 
-def create_app(engine: Engine) -> SluiceApp:
-    return SluiceApp(engine)
+def create_app(engine: Engine, report_udp: tuple[str, int] | None = None) -> SluiceApp:
+    """``report_udp``: where to receive nginx's response reports (syslog/UDP)."""
+    return SluiceApp(engine, report_udp)

@@ -20,6 +20,15 @@ def _load(config: str | None) -> Ruleset:
         raise SystemExit(1) from None
 
 
+def _host_port(value: str) -> tuple[str, int] | None:
+    if value == "off":
+        return None
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit():
+        raise click.BadParameter(f"expected HOST:PORT or 'off', got {value!r}", param_hint="--hook-udp")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
 @click.group()
 def main() -> None:
     """Sluice: rate-limiting external authorization for nginx and Envoy."""
@@ -39,11 +48,13 @@ def check(file: str) -> None:
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8181, show_default=True, type=int)
 @click.option("--uds", type=click.Path(), help="Listen on a Unix socket instead of host:port.")
+@click.option("--hook-udp", default="127.0.0.1:8182", show_default=True,
+              help="HOST:PORT where nginx's response reports arrive (syslog over UDP), or 'off'.")
 @click.option("--workers", default=1, show_default=True, type=click.IntRange(min=1))
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
-def serve(config: str | None, host: str, port: int, uds: str | None, workers: int,
-          log_level: str) -> None:
+def serve(config: str | None, host: str, port: int, uds: str | None, hook_udp: str,
+          workers: int, log_level: str) -> None:
     """Run the check service."""
     import uvicorn
 
@@ -58,10 +69,10 @@ def serve(config: str | None, host: str, port: int, uds: str | None, workers: in
         raise SystemExit(2)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     configure_decision_log()
-    app = create_app(Engine(ruleset))
+    app = create_app(Engine(ruleset), _host_port(hook_udp))
     click.echo(f"sluice: {len(ruleset.rules)} rules from {ruleset.source}, node {ruleset.node}", err=True)
     uvicorn.run(app, host=host, port=port, uds=uds, access_log=False, log_level=log_level,
-                lifespan="off", server_header=False, date_header=False)
+                lifespan="on", server_header=False, date_header=False)
 
 
 if __name__ == "__main__":  # pragma: no cover

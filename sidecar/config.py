@@ -216,9 +216,10 @@ class ScoreLimit(Strict):
     per: Duration
     header: str = Field(min_length=1)
 
-    @model_validator(mode="after")
-    def _not_yet(self) -> "ScoreLimit":
-        raise ValueError(f"score budgets {NOT_YET}")
+    @field_validator("header")
+    @classmethod
+    def _lower(cls, value: str) -> str:
+        return value.strip().lower()
 
 
 class TokenLimit(Strict):
@@ -367,13 +368,6 @@ class Rule(Strict):
     def _available(cls, value: str) -> str:
         if value == "challenge":
             raise ValueError(f"action 'challenge' {NOT_YET}")
-        return value
-
-    @field_validator("count_on")
-    @classmethod
-    def _count_on_available(cls, value: CountOn | None) -> CountOn | None:
-        if value is not None:
-            raise ValueError(f"response-phase counting (count_on) {NOT_YET}")
         return value
 
     @model_validator(mode="after")

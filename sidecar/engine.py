@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -16,7 +17,8 @@ from sidecar.limiters import Hit
 from sidecar.metrics import Metrics
 from sidecar.request import CheckRequest
 from sidecar.rules import CompiledRule, Ruleset, describe_key
-from sidecar.state import Check, MemoryStore, StateStore
+from sidecar.pending import PendingEntry, PendingTokens
+from sidecar.state import Check, MemoryStore, ResponseCount, StateStore
 
 Clock = Callable[[], float]
 
@@ -40,6 +42,7 @@ class Decision:
     limit: int = 0
     retry_after: int = 0
     page: BlockPage | None = None
+    pending: str | None = None  # token for the response report (SPEC §8)
 
     @property
     def over_limit(self) -> bool:
@@ -58,9 +61,13 @@ class Engine:
     """
 
     def __init__(self, ruleset: Ruleset, store: StateStore | None = None,
-                 clock: Clock = time.monotonic, metrics: Metrics | None = None) -> None:
+                 clock: Clock = time.monotonic, metrics: Metrics | None = None,
+                 secret: bytes | None = None, wall_clock: Clock = time.time) -> None:
         self.ruleset = ruleset
         self.clock = clock
+        # Without a configured secret, a random one: tokens then do not
+        # outlive this process, which costs at most the counts in flight.
+        self.pending = PendingTokens(secret or ruleset.secret or os.urandom(32), wall_clock=wall_clock)
         self.store = store if store is not None else MemoryStore(ruleset.max_keys, ruleset.node, clock)
         self.metrics = metrics if metrics is not None else Metrics()
         self._bad_address_logged = -math.inf
@@ -102,7 +109,8 @@ class Engine:
                 stops, ban_duration = False, None
             matched.append(rule)
             checks.append(Check(rule.id, rule.key(request), rule.limiter,
-                                rule.threshold_for(address), stops, ban_duration))
+                                rule.threshold_for(address), stops, ban_duration,
+                                count=rule.response is None))
         if not checks and not self.store.may_be_banned():
             return ALLOWED
 
@@ -113,9 +121,14 @@ class Engine:
             return CLOSED
 
         observed: Decision | None = None
+        pending: list[PendingEntry] = []
         for rule, check, hit in zip(matched, checks, evaluation.hits):
             if not hit.over_limit:
-                metrics.hit(rule.id)
+                if rule.response is None:
+                    metrics.hit(rule.id)
+                else:
+                    # Counted, maybe, when the response is reported.
+                    pending.append((rule.id, check.threshold, check.key[1:]))  # type: ignore[index]
                 continue
             metrics.over_limit(rule.id, rule.action)
             limit = math.ceil(check.threshold)
@@ -127,7 +140,45 @@ class Engine:
             if rule.action == "log" and observed is None:
                 observed = Decision(ALLOW, rule, limit)
             self._log(request, rule, check, "observe" if rule.action == "log" else "verified-bot")
+        if pending:
+            token = self.pending.issue(pending)
+            if token is None:
+                metrics.unreportable.inc()
+            elif observed is None:
+                return Decision(ALLOW, pending=token)
+            else:
+                return Decision(ALLOW, observed.rule, observed.limit, pending=token)
         return observed or ALLOWED
+
+    def record_response(self, token: str, status: int, headers: dict[str, str]) -> int:
+        """The proxy reports a response (SPEC §8): count it for every pending
+        rule whose response condition matches. Returns how many counted."""
+        entries = self.pending.open(token)
+        metrics = self.metrics
+        if entries is None:
+            metrics.reports_refused.inc()
+            return 0
+        metrics.reports.inc()
+        ruleset = self.ruleset
+        rules: list[CompiledRule] = []
+        counts: list[ResponseCount] = []
+        for rule_id, threshold, values in entries:
+            rule = ruleset.by_id.get(rule_id)
+            # A reload may have removed the rule or changed its dimensions.
+            if rule is None or rule.response is None or len(values) != len(rule.key_prefix[1]):
+                continue
+            amount = rule.response.amount(status, headers)
+            if amount:
+                rules.append(rule)
+                counts.append(ResponseCount((rule.key_prefix, *values), rule.limiter, threshold, amount))
+        if not counts:
+            return 0
+        hits = self.store.record(self.clock(), counts)
+        for rule, count, hit in zip(rules, counts, hits):
+            if not hit.over_limit:
+                metrics.hit(rule.id)
+                self._log_count(rule, count)
+        return sum(not hit.over_limit for hit in hits)
 
     @staticmethod
     def _apply(rule: CompiledRule, limit: int, hit: Hit) -> Decision:
@@ -138,6 +189,13 @@ class Engine:
     @staticmethod
     def _verified_bot(ruleset: Ruleset, request: CheckRequest) -> bool:
         return any(bot.matches(request) for bot in ruleset.verified_bots)
+
+    def _log_count(self, rule: CompiledRule, count: ResponseCount) -> None:
+        if decision_log.isEnabledFor(logging.INFO):
+            decision_log.info(json.dumps({
+                "ts": round(time.time(), 3), "rule": rule.id, "outcome": "counted",
+                "amount": count.amount, "key": describe_key(count.key), "node": self.ruleset.node,
+            }, separators=(",", ":")))
 
     def _log(self, request: CheckRequest, rule: CompiledRule, check: Check, outcome: str,
              banned: bool = False) -> None:

@@ -41,21 +41,34 @@ class WindowCounter:
     the penalty at once (not at a window boundary) and is itself allowed;
     every request in the penalty is over limit and not counted (SPEC §2).
     Windows are aligned to multiples of the period for all keys.
+
+    A score budget (SPEC §7) is the same counter fed with amounts (the
+    upstream's score) instead of ones, entering the penalty when the total
+    *exceeds* the budget rather than when it reaches it.
     """
 
-    __slots__ = ("threshold", "period", "penalty", "sliding")
+    __slots__ = ("threshold", "period", "penalty", "sliding", "exceed")
 
-    def __init__(self, threshold: int, period: float, penalty: float, sliding: bool = True) -> None:
+    def __init__(self, threshold: int, period: float, penalty: float, sliding: bool = True,
+                 exceed: bool = False) -> None:
         # Threshold 0 behaves as 1, as in the reference system.
         self.threshold = max(threshold, 1)
         self.period = period
         self.penalty = penalty
         self.sliding = sliding
+        self.exceed = exceed
 
     def new_state(self) -> WindowState:
         return WindowState(window=-2, previous=0, current=0, penalty_until=-math.inf)
 
-    def hit(self, state: WindowState, now: float, threshold: float) -> Hit:
+    def peek(self, state: WindowState, now: float) -> Hit:
+        """Is the key in its penalty? Counts nothing (response-phase rules
+        at request time, SPEC §8)."""
+        if now < state.penalty_until:
+            return Hit(True, state.penalty_until - now)
+        return ALLOWED
+
+    def hit(self, state: WindowState, now: float, threshold: float, amount: int = 1) -> Hit:
         if now < state.penalty_until:
             return Hit(True, state.penalty_until - now)
         window = int(now // self.period)
@@ -63,13 +76,13 @@ class WindowCounter:
             state.previous = state.current if window == state.window + 1 else 0
             state.current = 0
             state.window = window
-        state.current += 1
+        state.current += amount
         estimate = float(state.current)
         if self.sliding and state.previous:
             elapsed = now - window * self.period
             estimate += state.previous * (self.period - elapsed) / self.period
         # Compared as a real number, never rounded (SPEC §2).
-        if estimate >= threshold:
+        if estimate > threshold if self.exceed else estimate >= threshold:
             state.penalty_until = now + self.penalty
         return ALLOWED
 

@@ -27,6 +27,14 @@ class Metrics:
         self.errors = Counter("sluice_internal_errors",
                               "Checks that failed inside Sluice and were allowed (fail open).",
                               registry=r)
+        self.reports = Counter("sluice_responses_reported",
+                               "Responses reported through the post-response hook.", registry=r)
+        self.reports_refused = Counter("sluice_responses_refused",
+                                       "Response reports with a missing, forged or expired token.",
+                                       registry=r)
+        self.unreportable = Counter("sluice_pending_too_long",
+                                    "Requests whose pending counts were too long to carry "
+                                    "(their responses go uncounted).", registry=r)
         self.latency = Histogram("sluice_decision_seconds", "Time to decide one request.",
                                  buckets=(0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005,
                                           0.01, 0.025, 0.1), registry=r)

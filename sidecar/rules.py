@@ -143,7 +143,7 @@ def _dimension_value(dimension: str) -> DimensionValue:
     return session
 
 
-def compile_key(rule_id: str, dimensions: list[str]) -> tuple[tuple[str, ...], KeyBuilder]:
+def compile_key(rule_id: str, dimensions: list[str]) -> tuple[tuple[str, tuple[str, ...]], KeyBuilder]:
     """The key is the rule id, the sorted dimension names and their values.
 
     Keys are tuples, so values containing any separator cannot make two
@@ -155,8 +155,8 @@ def compile_key(rule_id: str, dimensions: list[str]) -> tuple[tuple[str, ...], K
     extractors = tuple(_dimension_value(name) for name in names)
     if len(extractors) == 1:
         only = extractors[0]
-        return names, lambda request: (prefix, only(request))
-    return names, lambda request: (prefix, *(extract(request) for extract in extractors))
+        return prefix, lambda request: (prefix, only(request))
+    return prefix, lambda request: (prefix, *(extract(request) for extract in extractors))
 
 
 def describe_key(key: Hashable) -> str:
@@ -190,19 +190,75 @@ class VerifiedBot:
             self.user_agent.search(request.headers.get("user-agent", "")) is not None  # type: ignore[attr-defined]
 
 
+MAX_SCORE = 1_000_000
+
+
+def parse_score(value: str | None) -> int:
+    """An upstream's score: an integer 1..1,000,000, else 0 (not counted)."""
+    if value is None:
+        return 0
+    value = value.strip()
+    if not (value.isascii() and value.isdigit() and len(value) <= 7):
+        return 0
+    score = int(value)
+    return score if 1 <= score <= MAX_SCORE else 0
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseCounting:
+    """Which responses a response-phase rule counts, and by how much (SPEC §7, §8).
+
+    ``count_on`` status and header conditions must all hold; a score budget
+    counts the score in ``score_header``.
+    """
+
+    statuses: frozenset[int] | None = None
+    header: str | None = None
+    header_equals: str | None = None
+    header_present: bool | None = None
+    score_header: str | None = None
+
+    def amount(self, status: int, headers: dict[str, str]) -> int:
+        """How much this response adds to the key's count: 0 means nothing."""
+        if self.statuses is not None and status not in self.statuses:
+            return 0
+        if self.header is not None:
+            value = headers.get(self.header)
+            if self.header_present is not None:
+                if (value is not None) is not self.header_present:
+                    return 0
+            elif value != self.header_equals:
+                return 0
+        if self.score_header is not None:
+            return parse_score(headers.get(self.score_header))
+        return 1
+
+    @classmethod
+    def from_config(cls, count_on: config.CountOn | None, score_header: str | None) -> "ResponseCounting":
+        header = count_on.header if count_on is not None else None
+        return cls(
+            statuses=frozenset(count_on.status) if count_on is not None and count_on.status else None,
+            header=header.name.lower() if header is not None else None,
+            header_equals=header.equals if header is not None else None,
+            header_present=header.present if header is not None else None,
+            score_header=score_header,
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class CompiledRule:
     id: str
     action: str  # log | block | ban
     condition: Predicate | None
     key: KeyBuilder
-    dimensions: tuple[str, ...]
+    key_prefix: tuple[str, tuple[str, ...]]  # (rule id, sorted dimension names)
     limiter: WindowCounter
     threshold: int  # effective (threshold 0 reports 1)
     reset: int  # X-RateLimit-Reset: the penalty length in whole seconds
     overrides: tuple[Override, ...]
     page: BlockPage | None  # block: status and page, or close
     ban_duration: float | None
+    response: ResponseCounting | None  # set: counted when the response is reported
 
     def threshold_for(self, address: IPAddress | None) -> float:
         if address is not None:
@@ -223,6 +279,7 @@ class Ruleset:
     max_keys: int
     backend: str
     source: str
+    secret: bytes | None  # HMAC key from challenge.secret_file
 
 
 def compile_rules(loaded: LoadedRules) -> Ruleset:
@@ -247,21 +304,30 @@ def compile_rules(loaded: LoadedRules) -> Ruleset:
                                            f"cannot read the page template: {exc}"))
                 continue
         limit = rule.limit
-        assert isinstance(limit, config.WindowLimit)  # the schema refuses the others for now
         penalty = rule.penalty if rule.penalty is not None else limit.per
-        names, key = compile_key(rule.id, rule.key)
+        key_prefix, key = compile_key(rule.id, rule.key)
+        if isinstance(limit, config.ScoreLimit):
+            limiter = WindowCounter(limit.score, limit.per, penalty, exceed=True)
+            threshold = limit.score
+            response = ResponseCounting.from_config(rule.count_on, limit.header)
+        else:
+            assert isinstance(limit, config.WindowLimit)  # the schema refuses buckets for now
+            limiter = WindowCounter(limit.requests, limit.per, penalty, sliding=limit.window == "sliding")
+            threshold = max(limit.requests, 1)
+            response = ResponseCounting.from_config(rule.count_on, None) if rule.count_on else None
         rules.append(CompiledRule(
             id=rule.id,
             action=rule.action,
             condition=compile_condition(rule.match) if rule.match is not None else None,
             key=key,
-            dimensions=names,
-            limiter=WindowCounter(limit.requests, limit.per, penalty, sliding=limit.window == "sliding"),
-            threshold=max(limit.requests, 1),
+            key_prefix=key_prefix,
+            limiter=limiter,
+            threshold=threshold,
             reset=max(1, math.ceil(penalty)),
             overrides=tuple(overrides.get(rule.id, ())),
             page=page,
             ban_duration=(rule.ban or config.BanAction()).duration if rule.action == "ban" else None,
+            response=response,
         ))
     if issues:
         raise ConfigError(issues)
@@ -277,7 +343,14 @@ def compile_rules(loaded: LoadedRules) -> Ruleset:
         max_keys=model.state.max_keys,
         backend=model.state.backend,
         source=loaded.source,
+        secret=_read_secret(model.challenge.secret_file, loaded.base_dir),
     )
+
+
+def _read_secret(name: str | None, base_dir: Path) -> bytes | None:
+    if name is None:
+        return None
+    return config.resolve_file(name, base_dir).read_bytes().strip() or None
 
 
 def load_ruleset(path: str) -> Ruleset:

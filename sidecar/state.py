@@ -14,14 +14,15 @@ from typing import Any, Callable, Hashable, Protocol, Sequence
 
 from cachetools import TLRUCache
 
-from sidecar.limiters import Hit
+from sidecar.limiters import ALLOWED, Hit
 
 Clock = Callable[[], float]
 
 
 class Limiter(Protocol):
     def new_state(self) -> Any: ...
-    def hit(self, state: Any, now: float, threshold: float) -> Hit: ...
+    def peek(self, state: Any, now: float) -> Hit: ...
+    def hit(self, state: Any, now: float, threshold: float, amount: int = 1) -> Hit: ...
     def expires_at(self, state: Any) -> float: ...
 
 
@@ -35,6 +36,17 @@ class Check:
     threshold: float
     stops: bool  # over limit ends evaluation (block, ban)
     ban_duration: float | None = None  # over limit bans the client address
+    count: bool = True  # False: a response-phase rule, only its penalty is checked
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseCount:
+    """One response that a response-phase rule counts (SPEC §8)."""
+
+    key: Hashable
+    limiter: Limiter
+    threshold: float
+    amount: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +75,7 @@ class Evaluation:
 
 class StateStore(Protocol):
     def evaluate(self, now: float, address: str, checks: Sequence[Check]) -> Evaluation: ...
+    def record(self, now: float, counts: Sequence[ResponseCount]) -> list[Hit]: ...
     def may_be_banned(self) -> bool: ...
     def active_bans(self, now: float) -> list[BanRecord]: ...
     def tracked_keys(self) -> int: ...
@@ -94,33 +107,40 @@ class MemoryStore:
             if ban is not None and now < ban.expires:
                 return Evaluation(ban=ban)
         evaluation = Evaluation()
-        states = self._states
         for check in checks:
-            entry = states.get(check.key)
-            if entry is None or entry[0] is not check.limiter:
-                # New key, or the rule was reloaded with other settings: the
-                # counts carry over when the state still fits the limiter.
-                state = entry[1] if entry is not None and _same_kind(entry[0], check.limiter) \
-                    else check.limiter.new_state()
-                entry = (check.limiter, state)
-                expiry = None
+            if not check.count:
+                entry = self._states.get(check.key)
+                hit = check.limiter.peek(entry[1], now) if entry is not None else ALLOWED
             else:
-                state = entry[1]
-                expiry = check.limiter.expires_at(state)
-            hit = check.limiter.hit(state, now, check.threshold)
+                hit = self._hit(check.key, check.limiter, now, check.threshold, 1)
             evaluation.hits.append(hit)
-            if not hit.over_limit:
-                if check.limiter.expires_at(state) != expiry:
-                    states[check.key] = entry
-                continue
-            if check.stops:
+            if hit.over_limit and check.stops:
                 if check.ban_duration is not None and address:
                     # Issuing a ban clears the triggering key (SPEC §6).
-                    states.pop(check.key, None)
+                    self._states.pop(check.key, None)
                     evaluation.ban = self._ban(now, address, check.rule_id, check.ban_duration)
                     evaluation.new_ban = True
                 break
         return evaluation
+
+    def record(self, now: float, counts: Sequence[ResponseCount]) -> list[Hit]:
+        return [self._hit(c.key, c.limiter, now, c.threshold, c.amount) for c in counts]
+
+    def _hit(self, key: Hashable, limiter: Limiter, now: float, threshold: float, amount: int) -> Hit:
+        entry = self._states.get(key)
+        if entry is None or entry[0] is not limiter:
+            # New key, or the rule was reloaded with other settings: the
+            # counts carry over when the state still fits the limiter.
+            state = entry[1] if entry is not None and _same_kind(entry[0], limiter) \
+                else limiter.new_state()
+            entry, expiry = (limiter, state), None
+        else:
+            state = entry[1]
+            expiry = limiter.expires_at(state)
+        hit = limiter.hit(state, now, threshold, amount)
+        if limiter.expires_at(state) != expiry:
+            self._states[key] = entry
+        return hit
 
     def _ban(self, now: float, address: str, rule_id: str, duration: float) -> BanRecord:
         record = BanRecord(address, rule_id, self.node, self._wall_clock(), now + duration, duration)

@@ -657,8 +657,7 @@ def test_spec_example_validates_except_for_what_this_version_cannot_run() -> Non
     with pytest.raises(ConfigError) as info:
         parse_rules_text(SPEC_EXAMPLE, "spec.yaml", Path("."))
     fields = {issue.field for issue in info.value.issues}
-    assert fields == {"challenge.secret_file", "rules[0].count_on", "rules[2].limit",
-                      "rules[4].action", "rules[5].limit", "rules[6].limit"}
+    assert fields == {"challenge.secret_file", "rules[4].action", "rules[5].limit", "rules[6].limit"}
     assert all("not available in this version" in issue.message
                for issue in info.value.issues if issue.field != "challenge.secret_file")
 
@@ -712,8 +711,6 @@ def test_load_ruleset_reports_a_missing_body_file(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("rule", "fragment", "field"), [
     ("limit: {requests: 1, per: 1s}\naction: challenge\n", "challenge", "rules[1].action"),
-    ("limit: {requests: 1, per: 1s}\naction: block\ncount_on: {status: [401]}\n", "count_on", "rules[1].count_on"),
-    ("limit: {score: 400, per: 60s, header: x-score}\naction: block\n", "score", "rules[1].limit"),
     ("limit: {tokens: 3, refill: 2/s}\naction: log\n", "tokens", "rules[1].limit"),
     ("limit: {rate: 10r/s, burst: 20, nodelay: true}\naction: block\n", "rate", "rules[1].limit"),
 ])
@@ -751,7 +748,6 @@ def test_every_compile_error_is_reported_at_once(tmp_path: Path) -> None:
         (line_of(text, "challenge"), "rules[1].action"),
         (line_of(text, "tokens"), "rules[2].limit"),
         (line_of(text, "body_file"), "rules[3].block.body_file"),
-        (line_of(text, "count_on"), "rules[4].count_on"),
     }
 
 

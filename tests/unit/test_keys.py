@@ -62,7 +62,7 @@ ALL_DIMENSIONS = ["ip", "host", "method", "path", "uri", "header:x-api-key", "co
 @given(st.permutations(ALL_DIMENSIONS))
 def test_dimension_order_does_not_change_the_key(order: list[str]) -> None:
     req = request("/a/b?q=1", headers={"x-api-key": "k"}, cookies={"sid": "s"})
-    names, _ = compile_key("rule", order)
+    names, _ = compile_key("rule", order)  # (rule id, sorted names)
     assert names == compile_key("rule", ALL_DIMENSIONS)[0]
     assert key_of(order, req) == key_of(ALL_DIMENSIONS, req)
 
@@ -123,7 +123,7 @@ def test_header_dimension_name_is_case_insensitive_through_the_rules_file() -> N
 
 
 def test_no_dimensions_counts_by_host_and_ip() -> None:
-    names, _ = compile_key("rule", [])
+    (_, names), _ = compile_key("rule", [])
     assert set(names) == {"host", "ip"}
     base = request("/a")
     assert key_of([], base) == key_of(["host", "ip"], base)

@@ -1,0 +1,81 @@
+"""Pending response-phase counts, carried by the proxy in a signed token.
+
+A response-phase rule (``count_on:``, score budgets) is matched at request
+time but counted only when the proxy reports the response (SPEC §8). Which
+(rule, key) pairs wait for that response is not kept in Sluice: it travels
+with the request as a token the proxy hands back with the response report.
+That keeps Sluice's memory flat whatever happens to the reports (a lost one
+costs one count and nothing else), lets any Sluice process of a node (or of a
+fleet sharing a store) take the report, and survives reloads.
+
+The token is ``base64url(payload).base64url(HMAC-SHA256(payload)[:16])``;
+the payload is JSON ``[issued_at, [[rule_id, threshold, value, ...], ...]]``.
+Tokens older than ``max_age`` are refused, so a replayed one is worthless
+after a while (and can only ever count against its own keys).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import json
+import time
+from typing import Any, Callable, Hashable
+
+# A counting key's values (after the rule prefix): text, or a tagged pair
+# for the session fallback (see rules._dimension_value).
+KeyValues = tuple[Hashable, ...]
+PendingEntry = tuple[str, float, KeyValues]
+
+MAX_TOKEN_LENGTH = 4096
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def _thaw(value: Any) -> Hashable:
+    return tuple(value) if isinstance(value, list) else value
+
+
+class PendingTokens:
+    def __init__(self, secret: bytes, max_age: float = 600.0,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        self._key = hmac.new(secret, b"sluice pending responses", hashlib.sha256).digest()
+        self.max_age = max_age
+        self._wall_clock = wall_clock
+
+    def _sign(self, payload: bytes) -> bytes:
+        return hmac.new(self._key, payload, hashlib.sha256).digest()[:16]
+
+    def issue(self, entries: list[PendingEntry]) -> str | None:
+        """A token for these entries, or None when it would be too long to
+        carry (very long key values); that response then goes uncounted."""
+        payload = json.dumps([int(self._wall_clock()),
+                              [[rule_id, threshold, *values] for rule_id, threshold, values in entries]],
+                             separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        encoded = _b64(payload)
+        token = f"{encoded}.{_b64(self._sign(encoded.encode('ascii')))}"
+        return token if len(token) <= MAX_TOKEN_LENGTH else None
+
+    def open(self, token: str) -> list[PendingEntry] | None:
+        """The entries of a genuine, fresh token; None for anything else."""
+        encoded, _, signature = token.strip().partition(".")
+        if not encoded or not signature or len(token) > MAX_TOKEN_LENGTH:
+            return None
+        try:
+            if not hmac.compare_digest(_unb64(signature), self._sign(encoded.encode("ascii"))):
+                return None
+            issued, raw_entries = json.loads(_unb64(encoded))
+        except (ValueError, UnicodeError, binascii.Error, TypeError):
+            return None
+        age = self._wall_clock() - issued
+        if not -60 <= age <= self.max_age:
+            return None
+        return [(entry[0], float(entry[1]), tuple(_thaw(v) for v in entry[2:])) for entry in raw_entries]
