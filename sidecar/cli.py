@@ -72,7 +72,10 @@ def serve(config: str | None, host: str, port: int, uds: str | None, hook_udp: s
     app = create_app(Engine(ruleset), _host_port(hook_udp))
     click.echo(f"sluice: {len(ruleset.rules)} rules from {ruleset.source}, node {ruleset.node}", err=True)
     uvicorn.run(app, host=host, port=port, uds=uds, access_log=False, log_level=log_level,
-                lifespan="on", server_header=False, date_header=False)
+                lifespan="on", server_header=False, date_header=False,
+                # The client address is Sluice's business (SPEC §3): uvicorn
+                # must not rewrite the peer from X-Forwarded-For by itself.
+                proxy_headers=False)
 
 
 if __name__ == "__main__":  # pragma: no cover
