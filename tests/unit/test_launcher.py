@@ -1,17 +1,22 @@
-"""The launcher renders nginx templates as the official nginx image does."""
+"""The launcher renders the nginx and Envoy templates as the official nginx image does."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from sidecar.launcher import (
+    DEFAULT_ENVOY_TEMPLATE,
     DEFAULT_TEMPLATE,
     StackError,
     StackPorts,
+    find_envoy,
     render_template,
     template_variables,
+    write_envoy_config,
     write_nginx_config,
 )
 
@@ -45,3 +50,34 @@ def test_a_variable_without_value_is_reported(tmp_path: Path) -> None:
 
     with pytest.raises(StackError, match="no value for SLUICE_READ_TIMEOUT"):
         write_nginx_config(tmp_path, DEFAULT_TEMPLATE, variables)
+
+
+def test_shipped_envoy_template_renders_to_a_bootstrap_envoy_accepts(tmp_path: Path) -> None:
+    variables = template_variables(
+        StackPorts(nginx=18080, sluice=18181, upstream=19000, envoy=20000, envoy_admin=29901), "127.0.0.1"
+    )
+
+    config = write_envoy_config(tmp_path, DEFAULT_ENVOY_TEMPLATE, variables)
+
+    text = config.read_text()
+    assert "${" not in text
+    assert "%DOWNSTREAM_DIRECT_REMOTE_ADDRESS_WITHOUT_PORT%" in text
+    bootstrap = yaml.safe_load(text)
+    assert bootstrap["admin"]["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 29901}
+    (listener,) = bootstrap["static_resources"]["listeners"]
+    assert listener["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 20000}
+    validation = subprocess.run(
+        [find_envoy(), "--mode", "validate", "-c", str(config), "--disable-hot-restart"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert validation.returncode == 0, validation.stdout + validation.stderr
+
+
+def test_an_envoy_variable_without_value_is_reported(tmp_path: Path) -> None:
+    variables = template_variables(StackPorts(), "127.0.0.1")
+    del variables["SLUICE_CHECK_TIMEOUT"]
+
+    with pytest.raises(StackError, match="no value for SLUICE_CHECK_TIMEOUT"):
+        write_envoy_config(tmp_path, DEFAULT_ENVOY_TEMPLATE, variables)

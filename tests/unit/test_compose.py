@@ -1,0 +1,261 @@
+"""compose.yaml runs the shipped templates, rendered as the local launcher renders them (SPEC §11).
+
+No container engine is needed: the templates are rendered here the way the
+official nginx image renders them at start (its entrypoint script runs
+`envsubst` over /etc/nginx/templates/*.template with the names of all
+defined environment variables) and checked with `nginx -t` and
+`envoy --mode validate`; the compose file is checked for what `docker
+compose up` would trip over.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from sidecar.launcher import (
+    DEFAULT_ENVOY_TEMPLATE,
+    DEFAULT_TEMPLATE,
+    StackError,
+    find_envoy,
+    find_nginx,
+    nginx_main_config,
+    render_template,
+)
+from sidecar.rules import load_ruleset
+
+REPO = Path(__file__).resolve().parents[2]
+COMPOSE = yaml.safe_load((REPO / "compose.yaml").read_text())
+SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
+
+# The nginx image's entrypoint script and where it reads and writes by default.
+NGINX_IMAGE = "nginx:"
+TEMPLATE_DIR_DEFAULT = "/etc/nginx/templates"
+OUTPUT_DIR_DEFAULT = "/etc/nginx/conf.d"
+TEMPLATE_SUFFIX = ".template"
+
+# What the container's environment holds besides compose's `environment:`
+# (the nginx image's own variables, Docker's): defined, so envsubst
+# substitutes them too wherever a template names them.
+CONTAINER_BASELINE = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOSTNAME": "3f2a9c0d1b7e",
+    "HOME": "/root",
+    "NGINX_VERSION": "1.27.5",
+}
+
+_OUR_VARIABLE = re.compile(r"\$\{(\w+)\}")
+
+
+def environment(service: str) -> dict[str, str]:
+    return {name: str(value) for name, value in SERVICES[service].get("environment", {}).items()}
+
+
+def volumes(service: str) -> list[tuple[str, str]]:
+    """(source, target) of each of the service's volumes, short syntax."""
+    return [(spec.split(":")[0], spec.split(":")[1]) for spec in SERVICES[service].get("volumes", [])]
+
+
+def is_bind_mount(source: str) -> bool:
+    return source.startswith(("./", "../", "/"))
+
+
+def _renderers() -> dict[str, Path]:
+    found = {}
+    for name, service in SERVICES.items():
+        if not str(service.get("image", "")).startswith(NGINX_IMAGE):
+            continue
+        template_dir = environment(name).get("NGINX_ENVSUBST_TEMPLATE_DIR", TEMPLATE_DIR_DEFAULT)
+        for source, target in volumes(name):
+            if target == template_dir and is_bind_mount(source):
+                found[name] = (REPO / source).resolve()
+    return found
+
+
+# Services that render templates at start, with the repository folder they render.
+RENDERERS = _renderers()
+TEMPLATES = sorted(template for folder in RENDERERS.values() for template in folder.glob(f"*{TEMPLATE_SUFFIX}"))
+
+
+def service_rendering(template: Path) -> str:
+    for service, folder in RENDERERS.items():
+        if template.parent == folder:
+            return service
+    raise AssertionError(f"no service of compose.yaml renders {template}")
+
+
+def rendered_by_the_image(template: Path, service_environment: Mapping[str, str]) -> str:
+    """What the nginx image's 20-envsubst-on-templates.sh writes for template."""
+    container = {**CONTAINER_BASELINE, **service_environment}
+    envsubst = shutil.which("envsubst")
+    if envsubst is not None:
+        argv = [envsubst, " ".join(f"${{{name}}}" for name in container)]
+    else:
+        # Newer images do the same with perl (perl-base is essential in Debian).
+        argv = ["/usr/bin/perl", "-pe", r"s|\$(\{)?(\w+)(?(1)\})|$ENV{$2} // $&|ge"]
+    with open(template, "rb") as source:
+        result = subprocess.run(argv, stdin=source, capture_output=True, env=container, check=True, timeout=10)
+    return result.stdout.decode()
+
+
+# -- (a) the templates, rendered as the containers render them ------------
+
+
+def test_compose_renders_the_launchers_nginx_template_and_the_envoy_template() -> None:
+    assert DEFAULT_TEMPLATE in TEMPLATES
+    assert DEFAULT_ENVOY_TEMPLATE in TEMPLATES
+
+
+@pytest.mark.parametrize("template", TEMPLATES, ids=lambda path: path.name)
+def test_the_image_renders_a_template_as_the_launcher_does(template: Path) -> None:
+    service_environment = environment(service_rendering(template))
+
+    by_image = rendered_by_the_image(template, service_environment)
+
+    assert by_image == render_template(template.read_text(), service_environment)
+    assert "${" not in by_image
+
+
+@pytest.mark.parametrize("template", TEMPLATES, ids=lambda path: path.name)
+def test_compose_gives_every_variable_of_a_template_a_value(template: Path) -> None:
+    provided = environment(service_rendering(template))
+
+    assert set(_OUR_VARIABLE.findall(template.read_text())) <= set(provided)
+
+
+@pytest.mark.parametrize("template", TEMPLATES, ids=lambda path: path.name)
+def test_compose_sets_no_variable_the_template_does_not_use(template: Path) -> None:
+    settings = {name for name in environment(service_rendering(template)) if not name.startswith("NGINX_")}
+
+    assert settings <= set(_OUR_VARIABLE.findall(template.read_text()))
+
+
+def test_nginx_accepts_the_rendered_configuration(tmp_path: Path) -> None:
+    # Compose service names resolve on the compose network only, and
+    # `nginx -t` resolves upstream servers: they become loopback here.
+    service_names = "|".join(map(re.escape, SERVICES))
+    settings = {
+        name: re.sub(rf"^(?:{service_names}):", "127.0.0.1:", value) for name, value in environment("nginx").items()
+    }
+    site = tmp_path / "conf.d" / "sluice.conf"
+    site.parent.mkdir()
+    site.write_text(rendered_by_the_image(DEFAULT_TEMPLATE, settings))
+    for directory in ("logs", "tmp"):
+        (tmp_path / directory).mkdir()
+    main_config = tmp_path / "nginx.conf"
+    main_config.write_text(nginx_main_config(tmp_path, site))
+
+    result = subprocess.run(
+        [find_nginx(), "-t", "-q", "-e", "stderr", "-p", str(tmp_path), "-c", str(main_config)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+    assert result.returncode == 0, result.stderr
+
+
+def test_envoy_accepts_the_rendered_configuration(tmp_path: Path) -> None:
+    try:
+        envoy = find_envoy()
+    except StackError as error:
+        pytest.skip(f"no Envoy binary ({error})")
+    config = tmp_path / "envoy.yaml"
+    config.write_text(rendered_by_the_image(DEFAULT_ENVOY_TEMPLATE, environment(service_rendering(DEFAULT_ENVOY_TEMPLATE))))
+
+    # Validation builds the configuration without opening sockets or
+    # resolving the cluster addresses (compose service names).
+    result = subprocess.run(
+        [envoy, "--mode", "validate", "-c", str(config), "--log-level", "error"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# -- (b) what `docker compose up` needs -----------------------------------
+
+
+def test_the_stack_has_its_services_with_redis_optional() -> None:
+    assert {"upstream", "sluice", "nginx", "envoy", "redis"} <= set(SERVICES)
+    assert SERVICES["redis"]["profiles"] == ["redis"]
+    always = [name for name, service in SERVICES.items() if "profiles" not in service]
+    assert "redis" not in always
+
+
+def test_the_front_doors_are_published_on_the_ports_they_listen_on() -> None:
+    assert "8080:8080" in SERVICES["nginx"]["ports"]
+    assert environment("nginx")["SLUICE_LISTEN"] == "8080"
+    assert "10000:10000" in SERVICES["envoy"]["ports"]
+    assert environment(service_rendering(DEFAULT_ENVOY_TEMPLATE))["ENVOY_LISTEN_PORT"] == "10000"
+
+
+def test_every_bind_mounted_path_exists_in_the_repository() -> None:
+    sources = [source for name in SERVICES for source, _ in volumes(name) if is_bind_mount(source)]
+
+    assert sources
+    assert [source for source in sources if not (REPO / source).exists()] == []
+
+
+def test_named_volumes_are_declared() -> None:
+    named = {source for name in SERVICES for source, _ in volumes(name) if not is_bind_mount(source)}
+
+    assert named <= set(COMPOSE.get("volumes") or {})
+
+
+def test_the_build_has_its_dockerfile_and_what_it_copies() -> None:
+    contexts = {service["build"] for service in SERVICES.values() if "build" in service}
+    assert contexts == {"."}
+    dockerfile = (REPO / "Dockerfile").read_text()
+    copied = [
+        source
+        for line in dockerfile.splitlines()
+        if line.startswith("COPY ")
+        for source in shlex.split(line)[1:-1]
+    ]
+
+    assert copied
+    assert [source for source in copied if not (REPO / source).exists()] == []
+
+
+def test_dependencies_exist_and_the_front_doors_start_after_sluice_and_upstream() -> None:
+    for name, service in SERVICES.items():
+        assert set(service.get("depends_on", [])) <= set(SERVICES), name
+    for front_door in ("nginx", "envoy"):
+        assert {"sluice", "upstream"} <= set(SERVICES[front_door]["depends_on"])
+
+
+def test_envoy_reads_the_configuration_its_renderer_writes() -> None:
+    command = SERVICES["envoy"]["command"]
+    config = Path(command[command.index("-c") + 1])
+    volume = next(source for source, target in volumes("envoy") if Path(target) == config.parent)
+    renderer = service_rendering(REPO / "envoy" / "templates" / f"{config.name}{TEMPLATE_SUFFIX}")
+
+    output_dir = environment(renderer).get("NGINX_ENVSUBST_OUTPUT_DIR", OUTPUT_DIR_DEFAULT)
+    assert (volume, output_dir) in volumes(renderer)
+    assert SERVICES["envoy"]["depends_on"][renderer] == {"condition": "service_completed_successfully"}
+
+
+def test_sluice_and_the_upstream_listen_on_every_interface_of_their_container() -> None:
+    for name in ("sluice", "upstream"):
+        command = SERVICES[name]["command"]
+        assert command[command.index("--host") + 1] == "0.0.0.0", name
+
+
+def test_sluice_runs_a_valid_rules_file_from_the_repository() -> None:
+    command = SERVICES["sluice"]["command"]
+    config = command[command.index("--config") + 1]
+    source = next(source for source, target in volumes("sluice") if target == config)
+
+    assert load_ruleset(os.fspath(REPO / source)).rules
