@@ -9,6 +9,7 @@ rate limiter's bug must never become the protected site's outage.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -77,10 +78,25 @@ def allow_headers(decision: Decision) -> list[tuple[str, str]]:
     """Over-limit headers in observe mode, and the pending-counts token the
     proxy hands back with the response report (SPEC §8)."""
     rule = decision.rule
-    headers = [] if rule is None else over_limit_headers(decision.limit, rule.reset)
+    headers = [] if rule is None else over_limit_headers(decision.limit, decision.reset)
     if decision.pending is not None:
         headers.append(("X-Sluice-Pending", decision.pending))
     return headers
+
+
+async def wait_unless_disconnected(receive: Receive, seconds: float) -> bool:
+    """Sleep ``seconds``; False as soon as the client disconnects."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while (remaining := deadline - loop.time()) > 0:
+        message = asyncio.ensure_future(receive())
+        done, _ = await asyncio.wait({message}, timeout=remaining)
+        if not done:
+            message.cancel()
+            return True
+        if message.result()["type"] == "http.disconnect":
+            return False
+    return True
 
 
 class DenyToken:
@@ -94,7 +110,7 @@ class DenyToken:
     def encode(decision: Decision, client_text: str) -> str:
         rule = decision.rule
         assert rule is not None and decision.page is not None
-        return (f"{decision.page.status} {decision.limit} {rule.reset} {decision.retry_after} "
+        return (f"{decision.page.status} {decision.limit} {decision.reset} {decision.retry_after} "
                 f"{rule.id} {client_text or '-'}")
 
     @staticmethod
@@ -160,7 +176,7 @@ def render_deny(request: CheckRequest, decision: Decision) -> tuple[int, list[tu
     """A deny's status, headers and page."""
     assert decision.page is not None and decision.rule is not None
     body = decision.page.template.render(request.client.text, request.host, request.request_id)
-    headers = deny_headers(decision.limit, decision.rule.reset, decision.retry_after, request.request_id)
+    headers = deny_headers(decision.limit, decision.reset, decision.retry_after, request.request_id)
     return decision.page.status, headers, body
 
 
@@ -222,11 +238,11 @@ class SluiceApp:
             path = scope["path"]
             adapter = self._checks.get(path)
             if adapter is not None:
-                await self._check(scope, send, *adapter)
+                await self._check(scope, receive, send, *adapter)
                 return
             if path.startswith(ENVOY_AUTH_PREFIX) and \
                     (len(path) == len(ENVOY_AUTH_PREFIX) or path[len(ENVOY_AUTH_PREFIX)] == "/"):
-                await self._check(scope, send, describe_envoy, answer_envoy)
+                await self._check(scope, receive, send, describe_envoy, answer_envoy)
                 return
             if path == NGINX_DENY_PATH:
                 await self._nginx_deny(scope, send)
@@ -236,7 +252,8 @@ class SluiceApp:
                 return
         await self.api(scope, receive, send)
 
-    async def _check(self, scope: Scope, send: Send, describe: Describe, answer: Answer) -> None:
+    async def _check(self, scope: Scope, receive: Receive, send: Send, describe: Describe,
+                     answer: Answer) -> None:
         engine = self.engine
         started = time.perf_counter()
         try:
@@ -247,6 +264,16 @@ class SluiceApp:
             await respond(send, 200, [])
             return
         engine.metrics.latency.observe(time.perf_counter() - started)
+        if decision.delay > 0:
+            # A leaky bucket admitted the request at a later slot: the proxy
+            # waits for our answer (SPEC §7). The slot is counted until the
+            # wait ends or the proxy goes away.
+            engine.delayed += 1
+            try:
+                if not await wait_unless_disconnected(receive, decision.delay):
+                    return
+            finally:
+                engine.delayed -= 1
         await answer(send, request, decision)
 
     async def _nginx_deny(self, scope: Scope, send: Send) -> None:

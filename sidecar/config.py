@@ -231,7 +231,7 @@ class TokenLimit(Strict):
     def _cost_fits(self) -> "TokenLimit":
         if self.cost > self.tokens:
             raise ValueError(f"cost {self.cost} can never be admitted by a bucket of {self.tokens} tokens")
-        raise ValueError(f"token buckets {NOT_YET}")
+        return self
 
 
 class LeakyLimit(Strict):
@@ -241,8 +241,10 @@ class LeakyLimit(Strict):
     delay: int | None = Field(None, ge=0)
 
     @model_validator(mode="after")
-    def _not_yet(self) -> "LeakyLimit":
-        raise ValueError(f"leaky buckets (rate/burst) {NOT_YET}")
+    def _delay_or_nodelay(self) -> "LeakyLimit":
+        if self.nodelay and self.delay is not None:
+            raise ValueError("give either nodelay: true or delay, not both")
+        return self
 
 
 _LIMIT_TAGS = {"requests": "window-limit", "score": "score-budget",
@@ -371,6 +373,12 @@ class Rule(Strict):
         return value
 
     @model_validator(mode="after")
+    def _count_on_needs_a_counter(self) -> "Rule":
+        if self.count_on is not None and isinstance(self.limit, (TokenLimit, LeakyLimit)):
+            raise ValueError("count_on works with requests and score limits, not with buckets")
+        return self
+
+    @model_validator(mode="after")
     def _settings_match_action(self) -> "Rule":
         for section in ("block", "ban", "challenge"):
             if getattr(self, section) is not None and self.action != section:
@@ -388,6 +396,9 @@ class StateConfig(Strict):
     backend: Literal["memory", "redis"] = "memory"
     url: str | None = None
     max_keys: int = Field(100_000, ge=1)
+    # Requests a leaky bucket may hold at once on this node (SPEC §7): when
+    # all are taken, a request that would have to wait is refused instead.
+    max_delayed: int = Field(1_000, ge=0)
     fail: Literal["open", "closed"] = "open"
 
     @field_validator("backend")

@@ -39,10 +39,12 @@ class Decision:
 
     outcome: str
     rule: CompiledRule | None = None
-    limit: int = 0
+    limit: int = 0  # X-RateLimit-Limit
+    reset: int = 0  # X-RateLimit-Reset
     retry_after: int = 0
     page: BlockPage | None = None
     pending: str | None = None  # token for the response report (SPEC §8)
+    delay: float = 0.0  # hold an allowed request this long first (leaky bucket)
 
     @property
     def over_limit(self) -> bool:
@@ -71,6 +73,9 @@ class Engine:
         self.store = store if store is not None else MemoryStore(ruleset.max_keys, ruleset.node, clock)
         self.metrics = metrics if metrics is not None else Metrics()
         self._bad_address_logged = -math.inf
+        # Requests held by a leaky bucket right now; the application counts
+        # them in and out around the wait (bounded by state.max_delayed).
+        self.delayed = 0
 
     # -- client address ---------------------------------------------------
 
@@ -114,7 +119,8 @@ class Engine:
         if not checks and not self.store.may_be_banned():
             return ALLOWED
 
-        evaluation = self.store.evaluate(self.clock(), request.client.key, checks)
+        evaluation = self.store.evaluate(self.clock(), request.client.key, checks,
+                                         can_delay=self.delayed < ruleset.max_delayed)
         if evaluation.ban is not None and not evaluation.new_ban:
             # Banned: no evaluation, no counting, no per-request log (SPEC §1).
             metrics.banned_requests.inc()
@@ -132,23 +138,28 @@ class Engine:
                 continue
             metrics.over_limit(rule.id, rule.action)
             limit = math.ceil(check.threshold)
+            # Bucket rules without a penalty report when the next request fits.
+            reset = rule.reset if rule.reset is not None else retry_after_seconds(hit.retry_after)
             if check.stops:
-                decision = self._apply(rule, limit, hit)
+                decision = self._apply(rule, limit, reset, hit)
                 self._log(request, rule, check, decision.outcome,
                           banned=evaluation.ban is not None)
                 return decision
             if rule.action == "log" and observed is None:
-                observed = Decision(ALLOW, rule, limit)
+                observed = Decision(ALLOW, rule, limit, reset)
             self._log(request, rule, check, "observe" if rule.action == "log" else "verified-bot")
+        token = None
         if pending:
             token = self.pending.issue(pending)
             if token is None:
                 metrics.unreportable.inc()
-            elif observed is None:
-                return Decision(ALLOW, pending=token)
-            else:
-                return Decision(ALLOW, observed.rule, observed.limit, pending=token)
-        return observed or ALLOWED
+        allowed = observed or ALLOWED
+        if token is None and not evaluation.delay:
+            return allowed
+        if evaluation.delay:
+            metrics.delayed.inc()
+        return Decision(ALLOW, allowed.rule, allowed.limit, allowed.reset, pending=token,
+                        delay=evaluation.delay)
 
     def record_response(self, token: str, status: int, headers: dict[str, str]) -> int:
         """The proxy reports a response (SPEC §8): count it for every pending
@@ -181,10 +192,10 @@ class Engine:
         return sum(not hit.over_limit for hit in hits)
 
     @staticmethod
-    def _apply(rule: CompiledRule, limit: int, hit: Hit) -> Decision:
+    def _apply(rule: CompiledRule, limit: int, reset: int, hit: Hit) -> Decision:
         if rule.page is None or rule.page.close:
-            return Decision(CLOSE, rule, limit)  # ban, or block with close: true
-        return Decision(DENY, rule, limit, retry_after_seconds(hit.retry_after), rule.page)
+            return Decision(CLOSE, rule, limit, reset)  # ban, or block with close: true
+        return Decision(DENY, rule, limit, reset, retry_after_seconds(hit.retry_after), rule.page)
 
     @staticmethod
     def _verified_bot(ruleset: Ruleset, request: CheckRequest) -> bool:

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
+
+from sidecar.config import Rate
 
 
 @dataclass(slots=True)
@@ -25,10 +28,17 @@ class WindowState:
 
 @dataclass(frozen=True, slots=True)
 class Hit:
-    """The answer for one key: over limit or not, and the time to wait."""
+    """The answer for one key: over limit or not, and the time to wait.
+
+    ``delay`` is how long an admitted request must be held (leaky bucket);
+    ``proposal`` is a bucket's new state, applied by ``commit`` only if the
+    whole request is admitted.
+    """
 
     over_limit: bool
     retry_after: float = 0.0
+    delay: float = 0.0
+    proposal: Any = None
 
 
 ALLOWED = Hit(False)
@@ -48,6 +58,7 @@ class WindowCounter:
     """
 
     __slots__ = ("threshold", "period", "penalty", "sliding", "exceed")
+    deferred = False  # counts at once; buckets commit only admitted requests
 
     def __init__(self, threshold: int, period: float, penalty: float, sliding: bool = True,
                  exceed: bool = False) -> None:
@@ -91,3 +102,140 @@ class WindowCounter:
         and its penalty is over."""
         horizon = (state.window + (2 if self.sliding else 1)) * self.period
         return max(horizon, state.penalty_until)
+
+
+def _in_penalty(state: Any, now: float) -> Hit | None:
+    return Hit(True, state.penalty_until - now) if now < state.penalty_until else None
+
+
+@dataclass(slots=True)
+class LeakyState:
+    """nginx's two numbers per key: excess in thousandths of a request and
+    the time of the last accounted request in milliseconds."""
+
+    excess: int
+    last: int | None  # None: a key never seen
+    penalty_until: float
+
+
+class LeakyBucket:
+    """nginx ``limit_req`` arithmetic, integer for integer (SPEC §7).
+
+    The rate is kept as requests per second times 1000, truncated as nginx
+    truncates (10r/m is 166); time is whole milliseconds of a monotonic clock.
+    A request's excess is ``excess - rate * ms / 1000 + 1000`` (integer
+    division, clamped at 0; a key's first request has excess 0); it is
+    rejected when the excess exceeds the burst, and otherwise held for
+    ``(excess - delay) * 1000 / rate`` ms when the excess is over ``delay``
+    (``nodelay``: never held). A rejection changes nothing.
+    """
+
+    __slots__ = ("rate", "burst", "delay", "penalty")
+    deferred = True
+
+    def __init__(self, rate: Rate, burst: int, delay: int | None, penalty: float | None) -> None:
+        self.rate = rate.count * 1000 // rate.period
+        self.burst = burst * 1000
+        # nodelay (delay None) admits the whole burst at once.
+        self.delay = burst * 1000 if delay is None else delay * 1000
+        self.penalty = penalty
+
+    def new_state(self) -> LeakyState:
+        return LeakyState(0, None, -math.inf)
+
+    def peek(self, state: LeakyState, now: float) -> Hit:
+        return _in_penalty(state, now) or ALLOWED
+
+    def assess(self, state: LeakyState, now: float) -> Hit:
+        held = _in_penalty(state, now)
+        if held is not None:
+            return held
+        now_ms = int(now * 1000 + 1e-6)  # whole ms; the epsilon absorbs float error
+        excess = 0 if state.last is None else self._excess(state, now_ms)
+        if excess > self.burst:
+            if self.penalty is not None:
+                state.penalty_until = now + self.penalty
+                return Hit(True, self.penalty)
+            return Hit(True, self._wait_ms(state, now_ms) / 1000)
+        delay_ms = 0 if excess <= self.delay else (excess - self.delay) * 1000 // self.rate
+        return Hit(False, delay=delay_ms / 1000, proposal=(excess, now_ms))
+
+    def _excess(self, state: LeakyState, now_ms: int) -> int:
+        assert state.last is not None
+        elapsed = max(0, now_ms - state.last)
+        return max(0, state.excess - self.rate * elapsed // 1000 + 1000)
+
+    def _wait_ms(self, state: LeakyState, now_ms: int) -> int:
+        """Milliseconds until a request would fit within the burst again."""
+        assert state.last is not None
+        needed = state.excess + 1000 - self.burst  # thousandths to drain
+        # The smallest ms with rate * ms // 1000 >= needed.
+        return max(0, state.last - (-needed * 1000 // self.rate) - now_ms)
+
+    @staticmethod
+    def commit(state: LeakyState, hit: Hit) -> None:
+        state.excess, state.last = hit.proposal
+
+    def expires_at(self, state: LeakyState) -> float:
+        if state.last is None:
+            return state.penalty_until
+        # Like nginx, keep a key at least 60 s after its last request, and
+        # until its excess has drained: a forgotten key's next request would
+        # start from excess 0 instead of 1000.
+        drained = state.last + state.excess * 1000 // self.rate
+        return max((max(drained, state.last + 60_000)) / 1000, state.penalty_until)
+
+
+@dataclass(slots=True)
+class TokenState:
+    tokens: float
+    last: float | None
+    penalty_until: float
+
+
+class TokenBucket:
+    """Token bucket (SPEC §7): starts full, refills on demand as
+    ``min(B, tokens + r * elapsed)``, admits only when the cost fits, then
+    deducts it. Rejected work consumes nothing."""
+
+    __slots__ = ("capacity", "refill", "cost", "penalty")
+    deferred = True
+
+    def __init__(self, capacity: int, refill: float, cost: int, penalty: float | None) -> None:
+        self.capacity = capacity
+        self.refill = refill  # tokens per second
+        self.cost = cost
+        self.penalty = penalty
+
+    def new_state(self) -> TokenState:
+        return TokenState(float(self.capacity), None, -math.inf)
+
+    def peek(self, state: TokenState, now: float) -> Hit:
+        return _in_penalty(state, now) or ALLOWED
+
+    def tokens_at(self, state: TokenState, now: float) -> float:
+        if state.last is None:
+            return state.tokens
+        return min(float(self.capacity), state.tokens + self.refill * max(0.0, now - state.last))
+
+    def assess(self, state: TokenState, now: float) -> Hit:
+        held = _in_penalty(state, now)
+        if held is not None:
+            return held
+        tokens = self.tokens_at(state, now)
+        if self.cost > tokens:
+            if self.penalty is not None:
+                state.penalty_until = now + self.penalty
+                return Hit(True, self.penalty)
+            return Hit(True, (self.cost - tokens) / self.refill)
+        return Hit(False, proposal=(tokens - self.cost, now))
+
+    @staticmethod
+    def commit(state: TokenState, hit: Hit) -> None:
+        state.tokens, state.last = hit.proposal
+
+    def expires_at(self, state: TokenState) -> float:
+        if state.last is None:
+            return state.penalty_until
+        full_at = state.last + (self.capacity - state.tokens) / self.refill
+        return max(full_at, state.penalty_until)

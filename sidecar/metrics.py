@@ -35,6 +35,8 @@ class Metrics:
         self.unreportable = Counter("sluice_pending_too_long",
                                     "Requests whose pending counts were too long to carry "
                                     "(their responses go uncounted).", registry=r)
+        self.delayed = Counter("sluice_delayed", "Requests held by a leaky bucket before being allowed.",
+                               registry=r)
         self.latency = Histogram("sluice_decision_seconds", "Time to decide one request.",
                                  buckets=(0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005,
                                           0.01, 0.025, 0.1), registry=r)

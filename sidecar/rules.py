@@ -19,7 +19,8 @@ from sidecar import config
 from sidecar.actions import BlockPage
 from sidecar.clientip import ClientIPResolver, IPAddress, IPNetwork, in_networks
 from sidecar.config import ConfigError, ConfigIssue, LoadedRules
-from sidecar.limiters import WindowCounter
+from sidecar.limiters import LeakyBucket, TokenBucket, WindowCounter
+from sidecar.state import Limiter
 from sidecar.request import CheckRequest
 
 Predicate = Callable[[CheckRequest], bool]
@@ -252,9 +253,9 @@ class CompiledRule:
     condition: Predicate | None
     key: KeyBuilder
     key_prefix: tuple[str, tuple[str, ...]]  # (rule id, sorted dimension names)
-    limiter: WindowCounter
-    threshold: int  # effective (threshold 0 reports 1)
-    reset: int  # X-RateLimit-Reset: the penalty length in whole seconds
+    limiter: Limiter
+    threshold: int  # X-RateLimit-Limit (threshold 0 reports 1; bucket capacity or burst + 1)
+    reset: int | None  # X-RateLimit-Reset: the penalty length; None: the time until a request fits
     overrides: tuple[Override, ...]
     page: BlockPage | None  # block: status and page, or close
     ban_duration: float | None
@@ -277,6 +278,7 @@ class Ruleset:
     verified_bots: tuple[VerifiedBot, ...]
     node: str
     max_keys: int
+    max_delayed: int
     backend: str
     source: str
     secret: bytes | None  # HMAC key from challenge.secret_file
@@ -304,17 +306,32 @@ def compile_rules(loaded: LoadedRules) -> Ruleset:
                                            f"cannot read the page template: {exc}"))
                 continue
         limit = rule.limit
-        penalty = rule.penalty if rule.penalty is not None else limit.per
         key_prefix, key = compile_key(rule.id, rule.key)
-        if isinstance(limit, config.ScoreLimit):
-            limiter = WindowCounter(limit.score, limit.per, penalty, exceed=True)
-            threshold = limit.score
-            response = ResponseCounting.from_config(rule.count_on, limit.header)
+        limiter: Limiter
+        response = ResponseCounting.from_config(rule.count_on, None) if rule.count_on else None
+        # Bucket algorithms have no penalty unless one is set (SPEC §2).
+        penalty: float | None = rule.penalty
+        if rule.id in overrides and isinstance(limit, (config.LeakyLimit, config.TokenLimit)):
+            issues.append(loaded.issue(loc + ("limit",), "overrides scale request and score "
+                                       "thresholds; a bucket rule cannot be listed in overrides"))
+            continue
+        if isinstance(limit, config.LeakyLimit):
+            limiter = LeakyBucket(limit.rate, limit.burst, None if limit.nodelay else (limit.delay or 0),
+                                  penalty)
+            threshold = limit.burst + 1
+        elif isinstance(limit, config.TokenLimit):
+            limiter = TokenBucket(limit.tokens, limit.refill, limit.cost, penalty)
+            threshold = limit.tokens
         else:
-            assert isinstance(limit, config.WindowLimit)  # the schema refuses buckets for now
-            limiter = WindowCounter(limit.requests, limit.per, penalty, sliding=limit.window == "sliding")
-            threshold = max(limit.requests, 1)
-            response = ResponseCounting.from_config(rule.count_on, None) if rule.count_on else None
+            penalty = penalty if penalty is not None else limit.per
+            if isinstance(limit, config.ScoreLimit):
+                limiter = WindowCounter(limit.score, limit.per, penalty, exceed=True)
+                threshold = limit.score
+                response = ResponseCounting.from_config(rule.count_on, limit.header)
+            else:
+                limiter = WindowCounter(limit.requests, limit.per, penalty,
+                                        sliding=limit.window == "sliding")
+                threshold = max(limit.requests, 1)
         rules.append(CompiledRule(
             id=rule.id,
             action=rule.action,
@@ -323,7 +340,7 @@ def compile_rules(loaded: LoadedRules) -> Ruleset:
             key_prefix=key_prefix,
             limiter=limiter,
             threshold=threshold,
-            reset=max(1, math.ceil(penalty)),
+            reset=max(1, math.ceil(penalty)) if penalty is not None else None,
             overrides=tuple(overrides.get(rule.id, ())),
             page=page,
             ban_duration=(rule.ban or config.BanAction()).duration if rule.action == "ban" else None,
@@ -341,6 +358,7 @@ def compile_rules(loaded: LoadedRules) -> Ruleset:
         verified_bots=tuple(VerifiedBot(tuple(b.cidrs), b.user_agent) for b in model.verified_bots),
         node=model.node or socket.gethostname(),
         max_keys=model.state.max_keys,
+        max_delayed=model.state.max_delayed,
         backend=model.state.backend,
         source=loaded.source,
         secret=_read_secret(model.challenge.secret_file, loaded.base_dir),

@@ -20,9 +20,16 @@ Clock = Callable[[], float]
 
 
 class Limiter(Protocol):
+    """Window counters ``hit`` at once; buckets (``deferred``) ``assess``
+    and are ``commit``ted only when the whole request is admitted."""
+
+    deferred: bool
+
     def new_state(self) -> Any: ...
     def peek(self, state: Any, now: float) -> Hit: ...
     def hit(self, state: Any, now: float, threshold: float, amount: int = 1) -> Hit: ...
+    def assess(self, state: Any, now: float) -> Hit: ...
+    def commit(self, state: Any, hit: Hit) -> None: ...
     def expires_at(self, state: Any) -> float: ...
 
 
@@ -71,10 +78,12 @@ class Evaluation:
     ban: BanRecord | None = None
     new_ban: bool = False
     hits: list[Hit] = field(default_factory=list)
+    delay: float = 0.0  # how long to hold the admitted request (leaky buckets)
 
 
 class StateStore(Protocol):
-    def evaluate(self, now: float, address: str, checks: Sequence[Check]) -> Evaluation: ...
+    def evaluate(self, now: float, address: str, checks: Sequence[Check],
+                 can_delay: bool = True) -> Evaluation: ...
     def record(self, now: float, counts: Sequence[ResponseCount]) -> list[Hit]: ...
     def may_be_banned(self) -> bool: ...
     def active_bans(self, now: float) -> list[BanRecord]: ...
@@ -101,42 +110,68 @@ class MemoryStore:
         limiter, state = entry
         return limiter.expires_at(state)
 
-    def evaluate(self, now: float, address: str, checks: Sequence[Check]) -> Evaluation:
+    def evaluate(self, now: float, address: str, checks: Sequence[Check],
+                 can_delay: bool = True) -> Evaluation:
         if self._bans:
             ban = self._bans.get(address)
             if ban is not None and now < ban.expires:
                 return Evaluation(ban=ban)
         evaluation = Evaluation()
+        buckets: list[tuple[Check, tuple[Limiter, Any], float | None, Hit]] = []
+        refused = False
         for check in checks:
             if not check.count:
                 entry = self._states.get(check.key)
                 hit = check.limiter.peek(entry[1], now) if entry is not None else ALLOWED
+            elif check.limiter.deferred:
+                entry, expiry = self._entry(check.key, check.limiter)
+                hit = check.limiter.assess(entry[1], now)
+                if hit.delay and not can_delay:
+                    hit = Hit(True, hit.delay)  # the wait queue is full: refuse
+                buckets.append((check, entry, expiry, hit))
             else:
                 hit = self._hit(check.key, check.limiter, now, check.threshold, 1)
             evaluation.hits.append(hit)
             if hit.over_limit and check.stops:
+                refused = True
                 if check.ban_duration is not None and address:
                     # Issuing a ban clears the triggering key (SPEC §6).
                     self._states.pop(check.key, None)
                     evaluation.ban = self._ban(now, address, check.rule_id, check.ban_duration)
                     evaluation.new_ban = True
                 break
+        if buckets:
+            # Like nginx with several limit_req zones: buckets are charged
+            # only when the request is admitted by all of them (SPEC §7).
+            admitted = not refused and not any(bucket[3].over_limit for bucket in buckets)
+            for check, entry, before, hit in buckets:
+                limiter, state = entry
+                if admitted:
+                    limiter.commit(state, hit)
+                    evaluation.delay = max(evaluation.delay, hit.delay)
+                elif before is None or evaluation.new_ban:
+                    continue  # a refused request leaves no new key; a ban cleared its key
+                if limiter.expires_at(state) != before:
+                    self._states[check.key] = entry
         return evaluation
 
     def record(self, now: float, counts: Sequence[ResponseCount]) -> list[Hit]:
         return [self._hit(c.key, c.limiter, now, c.threshold, c.amount) for c in counts]
 
-    def _hit(self, key: Hashable, limiter: Limiter, now: float, threshold: float, amount: int) -> Hit:
+    def _entry(self, key: Hashable, limiter: Limiter) -> tuple[tuple[Limiter, Any], float | None]:
+        """The key's (limiter, state) entry and the expiry it is filed under
+        (None when the entry is new and not filed yet)."""
         entry = self._states.get(key)
-        if entry is None or entry[0] is not limiter:
-            # New key, or the rule was reloaded with other settings: the
-            # counts carry over when the state still fits the limiter.
-            state = entry[1] if entry is not None and _same_kind(entry[0], limiter) \
-                else limiter.new_state()
-            entry, expiry = (limiter, state), None
-        else:
-            state = entry[1]
-            expiry = limiter.expires_at(state)
+        if entry is not None and entry[0] is limiter:
+            return entry, limiter.expires_at(entry[1])
+        # New key, or the rule was reloaded with other settings: the counts
+        # carry over when the state still fits the limiter.
+        state = entry[1] if entry is not None and _same_kind(entry[0], limiter) else limiter.new_state()
+        return (limiter, state), None
+
+    def _hit(self, key: Hashable, limiter: Limiter, now: float, threshold: float, amount: int) -> Hit:
+        entry, expiry = self._entry(key, limiter)
+        state = entry[1]
         hit = limiter.hit(state, now, threshold, amount)
         if limiter.expires_at(state) != expiry:
             self._states[key] = entry
