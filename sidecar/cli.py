@@ -40,6 +40,9 @@ def check(file: str) -> None:
     """Validate a rules file: exit 0, or 1 with every error as FILE:LINE: field: message."""
     ruleset = _load(file)
     click.echo(f"{file}: OK, {len(ruleset.rules)} rules")
+    if ruleset.longest_hold:
+        click.echo(f"leaky buckets hold requests up to {ruleset.longest_hold:g} s: the proxy's "
+                   "timeout for Sluice must be longer, or held requests fail open")
 
 
 @main.command()

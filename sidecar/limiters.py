@@ -140,6 +140,11 @@ class LeakyBucket:
         self.delay = burst * 1000 if delay is None else delay * 1000
         self.penalty = penalty
 
+    def longest_hold(self) -> float:
+        """Seconds the longest-held request waits: the excess is at most
+        the burst. The proxy's timeout for Sluice must be longer."""
+        return max(0, self.burst - self.delay) * 1000 // self.rate / 1000
+
     def new_state(self) -> LeakyState:
         return LeakyState(0, None, -math.inf)
 

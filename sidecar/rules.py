@@ -283,6 +283,12 @@ class Ruleset:
     source: str
     secret: bytes | None  # HMAC key from challenge.secret_file
 
+    @property
+    def longest_hold(self) -> float:
+        """The longest a leaky bucket rule may hold a request, in seconds."""
+        return max((rule.limiter.longest_hold() for rule in self.rules
+                    if isinstance(rule.limiter, LeakyBucket)), default=0.0)
+
 
 def compile_rules(loaded: LoadedRules) -> Ruleset:
     """Build the immutable ruleset; raise ConfigError for what cannot run."""

@@ -345,3 +345,8 @@ def test_client_disconnect_while_held_frees_the_slot_without_answering():
     assert seen_waiting == [1]
     assert sent == []
     assert app.engine.delayed == 0
+
+
+def test_longest_hold_is_the_full_burst_beyond_delay():
+    h = Harness(leaky_rules([(10, False, 20, 5), (10, True, 3, None)]))
+    assert h.engine.ruleset.longest_hold == 1.5  # 15 excess at 10 r/s
