@@ -90,12 +90,17 @@ def template_variables(ports: StackPorts, host: str) -> dict[str, str]:
         "UPSTREAM_ADDR": _host_port(host, ports.upstream),
         "SLUICE_CONNECT_TIMEOUT": "100ms",
         "SLUICE_READ_TIMEOUT": "1s",
+        # Response reports, syslog over UDP.
+        "SLUICE_HOOK_ADDR": _host_port(host, ports.sluice_hook),
         # Envoy
         "ENVOY_LISTEN_ADDRESS": host,
         "ENVOY_LISTEN_PORT": str(ports.envoy),
         "ENVOY_ADMIN_PORT": str(ports.envoy_admin),
         "SLUICE_HOST": host,
         "SLUICE_PORT": str(ports.sluice),
+        # Response reports, POST /v1/hook on Sluice's HTTP port.
+        "SLUICE_HOOK_HOST": host,
+        "SLUICE_HOOK_PORT": str(ports.sluice),
         "UPSTREAM_HOST": host,
         "UPSTREAM_PORT": str(ports.upstream),
         "SLUICE_CHECK_TIMEOUT": "1s",
@@ -247,7 +252,9 @@ class Stack:
 
     Use as a context manager, or call `start()` and `stop()`. Everything it
     writes (configuration, logs, nginx's pid and temporary files) goes into
-    `run_dir`.
+    `run_dir`. `variables` replace values of template variables (see
+    `template_variables`), e.g. to send the front doors' response reports
+    somewhere other than Sluice.
     """
 
     def __init__(
@@ -258,6 +265,7 @@ class Stack:
         host: str = "127.0.0.1",
         template: Path = DEFAULT_TEMPLATE,
         envoy_template: Path = DEFAULT_ENVOY_TEMPLATE,
+        variables: Mapping[str, str] | None = None,
     ) -> None:
         self.run_dir = run_dir.resolve()
         self.rules = rules.absolute() if rules is not None else None
@@ -265,6 +273,7 @@ class Stack:
         self.host = host
         self.template = template
         self.envoy_template = envoy_template
+        self.variables = dict(variables or {})
         self._components: dict[str, Component] = {}
 
     @property
@@ -311,7 +320,7 @@ class Stack:
             _ensure_port_free(host, port, name)
         _ensure_port_free(ENVOY_ADMIN_HOST, ports.envoy_admin, "envoy admin")
         _ensure_port_free(host, ports.sluice_hook, "sluice hook", socket.SOCK_DGRAM)
-        variables = template_variables(ports, host)
+        variables = {**template_variables(ports, host), **self.variables}
         nginx_conf = write_nginx_config(self.run_dir, self.template, variables)
         envoy_conf = write_envoy_config(self.run_dir, self.envoy_template, variables)
         try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -22,23 +22,24 @@ from tests.integration.clients import LOOPBACK, Client
 RULES = Path(__file__).parent / "rules"
 
 
-def _free_port(kind: socket.SocketKind = socket.SOCK_STREAM) -> int:
+def free_port(kind: socket.SocketKind = socket.SOCK_STREAM) -> int:
     with socket.socket(socket.AF_INET, kind) as probe:
         probe.bind((LOOPBACK, 0))
         port: int = probe.getsockname()[1]
         return port
 
 
-def start_stack(run_dir: Path, rules: Path) -> Stack:
+def start_stack(run_dir: Path, rules: Path, variables: Mapping[str, str] | None = None) -> Stack:
+    """A stack on free loopback ports; `variables` override template values."""
     ports = StackPorts(
-        nginx=_free_port(),
-        sluice=_free_port(),
-        upstream=_free_port(),
-        envoy=_free_port(),
-        envoy_admin=_free_port(),
-        sluice_hook=_free_port(socket.SOCK_DGRAM),
+        nginx=free_port(),
+        sluice=free_port(),
+        upstream=free_port(),
+        envoy=free_port(),
+        envoy_admin=free_port(),
+        sluice_hook=free_port(socket.SOCK_DGRAM),
     )
-    stack = Stack(run_dir, rules=rules, ports=ports)
+    stack = Stack(run_dir, rules=rules, ports=ports, variables=variables)
     stack.start()
     return stack
 

@@ -259,3 +259,16 @@ def test_sluice_runs_a_valid_rules_file_from_the_repository() -> None:
     source = next(source for source, target in volumes("sluice") if target == config)
 
     assert load_ruleset(os.fspath(REPO / source)).rules
+
+
+def test_the_front_doors_report_responses_to_sluice() -> None:
+    command = SERVICES["sluice"]["command"]
+    hook_host, _, hook_port = command[command.index("--hook-udp") + 1].rpartition(":")
+    envoy = environment(service_rendering(DEFAULT_ENVOY_TEMPLATE))
+
+    # nginx's syslog datagrams come from another container.
+    assert hook_host == "0.0.0.0"
+    assert environment("nginx")["SLUICE_HOOK_ADDR"] == f"sluice:{hook_port}"
+    # Envoy posts to /v1/hook on Sluice's HTTP port.
+    sluice_port = command[command.index("--port") + 1]
+    assert (envoy["SLUICE_HOOK_HOST"], envoy["SLUICE_HOOK_PORT"]) == ("sluice", sluice_port)

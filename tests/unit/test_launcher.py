@@ -32,7 +32,9 @@ def test_undefined_names_and_nginx_variables_are_kept() -> None:
 
 
 def test_shipped_template_has_a_value_for_every_variable(tmp_path: Path) -> None:
-    variables = template_variables(StackPorts(nginx=18080, sluice=18181, upstream=19000), "127.0.0.1")
+    variables = template_variables(
+        StackPorts(nginx=18080, sluice=18181, upstream=19000, sluice_hook=18182), "127.0.0.1"
+    )
 
     config = write_nginx_config(tmp_path, DEFAULT_TEMPLATE, variables)
 
@@ -40,6 +42,7 @@ def test_shipped_template_has_a_value_for_every_variable(tmp_path: Path) -> None
     assert "listen 127.0.0.1:18080;" in site
     assert "server 127.0.0.1:18181;" in site
     assert "server 127.0.0.1:19000;" in site
+    assert "syslog:server=127.0.0.1:18182," in site
     assert "${" not in site
     assert f'include "{tmp_path / "conf.d" / "sluice.conf"}";' in config.read_text()
 
@@ -66,6 +69,9 @@ def test_shipped_envoy_template_renders_to_a_bootstrap_envoy_accepts(tmp_path: P
     assert bootstrap["admin"]["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 29901}
     (listener,) = bootstrap["static_resources"]["listeners"]
     assert listener["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 20000}
+    clusters = {cluster["name"]: cluster for cluster in bootstrap["static_resources"]["clusters"]}
+    (hook,) = clusters["sluice_hook"]["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert hook["endpoint"]["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 18181}
     validation = subprocess.run(
         [find_envoy(), "--mode", "validate", "-c", str(config), "--disable-hot-restart"],
         capture_output=True,
