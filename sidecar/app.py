@@ -321,10 +321,12 @@ def build_api(engine: Engine, report_udp: tuple[str, int] | None = None) -> Fast
                 transport.close()
 
     api = FastAPI(title="Sluice", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
-    engine.metrics.watch(
-        lambda: len(engine.store.active_bans(engine.clock())),
-        engine.store.tracked_keys,
-    )
+    engine.metrics.watch("sluice_active_bans", "IP bans in force on this node.",
+                         lambda: len(engine.store.active_bans(engine.clock())))
+    engine.metrics.watch("sluice_tracked_keys", "Counting keys held in memory.",
+                         engine.store.tracked_keys)
+    engine.metrics.watch("sluice_waiting_requests", "Requests held by a leaky bucket right now.",
+                         lambda: engine.delayed)
 
     @api.get("/healthz", response_class=PlainTextResponse)
     def healthz() -> str:
@@ -335,7 +337,7 @@ def build_api(engine: Engine, report_udp: tuple[str, int] | None = None) -> Fast
         return f"ok: {len(engine.ruleset.rules)} rules from {engine.ruleset.source}\n"
 
     @api.get("/metrics")
-    def metrics() -> Response:
+    async def metrics() -> Response:
         return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return api

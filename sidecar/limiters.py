@@ -26,7 +26,7 @@ class WindowState:
     penalty_until: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: made per bucket hit, and frozen __init__ is slow
 class Hit:
     """The answer for one key: over limit or not, and the time to wait.
 

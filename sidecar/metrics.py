@@ -1,63 +1,123 @@
 """Prometheus metrics (SPEC §10), each registry owned by one application.
 
-Labelled children are cached per rule so the request path does a dict
-lookup, not a label resolution.
+The request path only adds to plain integers (a prometheus_client counter
+takes a lock on every increment, several times the cost of the rest of a
+decision); a collector turns them into Prometheus families at scrape time.
+Everything runs on the event loop's thread, so no lock is needed.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import bisect
+from typing import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
 
 
-class Metrics:
+class Tally:
+    """A counter without a lock."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def inc(self, amount: int = 1) -> None:
+        self.value += amount
+
+
+class LatencyHistogram:
+    __slots__ = ("counts", "total", "count")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(LATENCY_BUCKETS) + 1)
+        self.total = 0.0
+        self.count = 0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        self.total += seconds
+        self.count += 1
+
+
+# name, help text: the plain counters the engine and the app add to.
+COUNTERS = {
+    "checks": ("sluice_checks", "Requests checked."),
+    "banned_requests": ("sluice_banned_requests", "Requests refused because their address is banned."),
+    "invalid_address": ("sluice_invalid_client_address",
+                        "Requests whose client address was missing or invalid."),
+    "errors": ("sluice_internal_errors", "Checks that failed inside Sluice and were allowed (fail open)."),
+    "reports": ("sluice_responses_reported", "Responses reported through the post-response hook."),
+    "reports_refused": ("sluice_responses_refused",
+                        "Response reports with a missing, forged or expired token."),
+    "unreportable": ("sluice_pending_too_long",
+                     "Requests whose pending counts were too long to carry (their responses go uncounted)."),
+    "delayed": ("sluice_delayed", "Requests held by a leaky bucket before being allowed."),
+}
+
+
+class Metrics(Collector):
+    checks: Tally
+    banned_requests: Tally
+    invalid_address: Tally
+    errors: Tally
+    reports: Tally
+    reports_refused: Tally
+    unreportable: Tally
+    delayed: Tally
+
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        for attribute in COUNTERS:
+            setattr(self, attribute, Tally())
+        self.latency = LatencyHistogram()
+        self._hits: dict[str, Tally] = {}
+        self._over: dict[tuple[str, str], Tally] = {}
+        self._gauges: dict[str, tuple[str, Callable[[], float]]] = {}
         self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
-        self.checks = Counter("sluice_checks", "Requests checked.", registry=r)
-        self._hits = Counter("sluice_rule_hits", "Requests counted by a rule.", ["rule"], registry=r)
-        self._over = Counter("sluice_over_limit", "Over-limit requests by rule and action.",
-                             ["rule", "action"], registry=r)
-        self.banned_requests = Counter("sluice_banned_requests",
-                                       "Requests refused because their address is banned.", registry=r)
-        self.invalid_address = Counter("sluice_invalid_client_address",
-                                       "Requests whose client address was missing or invalid.",
-                                       registry=r)
-        self.errors = Counter("sluice_internal_errors",
-                              "Checks that failed inside Sluice and were allowed (fail open).",
-                              registry=r)
-        self.reports = Counter("sluice_responses_reported",
-                               "Responses reported through the post-response hook.", registry=r)
-        self.reports_refused = Counter("sluice_responses_refused",
-                                       "Response reports with a missing, forged or expired token.",
-                                       registry=r)
-        self.unreportable = Counter("sluice_pending_too_long",
-                                    "Requests whose pending counts were too long to carry "
-                                    "(their responses go uncounted).", registry=r)
-        self.delayed = Counter("sluice_delayed", "Requests held by a leaky bucket before being allowed.",
-                               registry=r)
-        self.latency = Histogram("sluice_decision_seconds", "Time to decide one request.",
-                                 buckets=(0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005,
-                                          0.01, 0.025, 0.1), registry=r)
-        self.active_bans = Gauge("sluice_active_bans", "IP bans in force on this node.", registry=r)
-        self.tracked_keys = Gauge("sluice_tracked_keys", "Counting keys held in memory.", registry=r)
-        self._hit_children: dict[str, Counter] = {}
-        self._over_children: dict[tuple[str, str], Counter] = {}
+        self.registry.register(self)
 
     def hit(self, rule_id: str) -> None:
-        child = self._hit_children.get(rule_id)
-        if child is None:
-            child = self._hit_children[rule_id] = self._hits.labels(rule_id)
-        child.inc()
+        tally = self._hits.get(rule_id)
+        if tally is None:
+            tally = self._hits[rule_id] = Tally()
+        tally.value += 1
 
     def over_limit(self, rule_id: str, action: str) -> None:
-        child = self._over_children.get((rule_id, action))
-        if child is None:
-            child = self._over_children[(rule_id, action)] = self._over.labels(rule_id, action)
-        child.inc()
+        tally = self._over.get((rule_id, action))
+        if tally is None:
+            tally = self._over[(rule_id, action)] = Tally()
+        tally.value += 1
 
-    def watch(self, active_bans: Callable[[], float], tracked_keys: Callable[[], float]) -> None:
-        """Gauges read at scrape time."""
-        self.active_bans.set_function(active_bans)
-        self.tracked_keys.set_function(tracked_keys)
+    def hits_of(self, rule_id: str) -> int:
+        tally = self._hits.get(rule_id)
+        return 0 if tally is None else tally.value
+
+    def watch(self, name: str, documentation: str, read: Callable[[], float]) -> None:
+        """A gauge read at scrape time."""
+        self._gauges[name] = (documentation, read)
+
+    def collect(self) -> Iterator:
+        for attribute, (name, documentation) in COUNTERS.items():
+            yield CounterMetricFamily(name, documentation, value=getattr(self, attribute).value)
+        hits = CounterMetricFamily("sluice_rule_hits", "Requests counted by a rule.", labels=["rule"])
+        for rule_id, tally in self._hits.items():
+            hits.add_metric([rule_id], tally.value)
+        yield hits
+        over = CounterMetricFamily("sluice_over_limit", "Over-limit requests by rule and action.",
+                                   labels=["rule", "action"])
+        for (rule_id, action), tally in self._over.items():
+            over.add_metric([rule_id, action], tally.value)
+        yield over
+        for name, (documentation, read) in self._gauges.items():
+            yield GaugeMetricFamily(name, documentation, value=read())
+        latency = self.latency
+        cumulative, buckets = 0, []
+        for bound, count in zip((*map(str, LATENCY_BUCKETS), "+Inf"), latency.counts):
+            cumulative += count
+            buckets.append((bound, cumulative))
+        yield HistogramMetricFamily("sluice_decision_seconds", "Time to decide one request.",
+                                    buckets=buckets, sum_value=latency.total)

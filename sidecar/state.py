@@ -8,11 +8,10 @@ neither evaluated nor counted.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Protocol, Sequence
-
-from cachetools import TLRUCache
 
 from sidecar.limiters import ALLOWED, Hit
 
@@ -33,7 +32,7 @@ class Limiter(Protocol):
     def expires_at(self, state: Any) -> float: ...
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: made per rule per request, and frozen __init__ is slow
 class Check:
     """One matching rule of one request, ready for the store."""
 
@@ -90,25 +89,67 @@ class StateStore(Protocol):
     def tracked_keys(self) -> int: ...
 
 
-class MemoryStore:
-    """Per-node state in this process, bounded by ``max_keys``.
+class BoundedMap:
+    """A dict of at most ``max_keys`` entries: when full, expired entries go
+    first, then the least recently used (SPEC §9).
 
-    TLRUCache evicts expired entries first, then the least recently used, so
-    an attack rotating through millions of addresses cannot grow memory past
-    the cap (SPEC §9). A state's expiry is only re-filed when it moves.
+    Recency is the dict's order (an entry read is moved to the end). Room is
+    made in one sweep that drops every expired entry and, if that frees
+    less than a tenth of the map, the oldest entries down to nine tenths:
+    the cost of a sweep is spread over the insertions that fill the room it
+    made, so an attack rotating through millions of addresses costs O(1) per
+    request and never more memory than the cap.
     """
+
+    def __init__(self, max_keys: int, expires_at: Callable[[Any], float], clock: Clock) -> None:
+        self.max_keys = max_keys
+        self._expires_at = expires_at
+        self._clock = clock
+        self._data: dict[Hashable, Any] = {}
+
+    def get(self, key: Hashable) -> Any:
+        data = self._data
+        value = data.pop(key, None)
+        if value is not None:
+            data[key] = value
+        return value
+
+    def __setitem__(self, key: Hashable, value: Any) -> None:
+        data = self._data
+        if key not in data and len(data) >= self.max_keys:
+            self._make_room()
+        data[key] = value
+
+    def pop(self, key: Hashable, default: Any = None) -> Any:
+        return self._data.pop(key, default)
+
+    def values(self) -> list[Any]:
+        return list(self._data.values())
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def _make_room(self) -> None:
+        data = self._data
+        now = self._clock()
+        expires_at = self._expires_at
+        for key in [key for key, value in data.items() if expires_at(value) <= now]:
+            del data[key]
+        target = max(0, min(self.max_keys - 1, self.max_keys * 9 // 10))
+        if len(data) > target:
+            for key in list(itertools.islice(data, len(data) - target)):
+                del data[key]
+
+
+class MemoryStore:
+    """Per-node state in this process, bounded by ``max_keys``."""
 
     def __init__(self, max_keys: int, node: str, clock: Clock = time.monotonic,
                  wall_clock: Clock = time.time) -> None:
         self.node = node
         self._wall_clock = wall_clock
-        self._states: TLRUCache = TLRUCache(max_keys, self._state_expiry, timer=clock)
-        self._bans: TLRUCache = TLRUCache(max_keys, lambda _k, ban, _now: ban.expires, timer=clock)
-
-    @staticmethod
-    def _state_expiry(_key: Hashable, entry: tuple[Limiter, Any], _now: float) -> float:
-        limiter, state = entry
-        return limiter.expires_at(state)
+        self._states = BoundedMap(max_keys, lambda entry: entry[0].expires_at(entry[1]), clock)
+        self._bans = BoundedMap(max_keys, lambda ban: ban.expires, clock)
 
     def evaluate(self, now: float, address: str, checks: Sequence[Check],
                  can_delay: bool = True) -> Evaluation:
@@ -117,18 +158,18 @@ class MemoryStore:
             if ban is not None and now < ban.expires:
                 return Evaluation(ban=ban)
         evaluation = Evaluation()
-        buckets: list[tuple[Check, tuple[Limiter, Any], float | None, Hit]] = []
+        buckets: list[tuple[Check, tuple[Limiter, Any], bool, Hit]] = []
         refused = False
         for check in checks:
             if not check.count:
                 entry = self._states.get(check.key)
                 hit = check.limiter.peek(entry[1], now) if entry is not None else ALLOWED
             elif check.limiter.deferred:
-                entry, expiry = self._entry(check.key, check.limiter)
+                entry, stored = self._entry(check.key, check.limiter)
                 hit = check.limiter.assess(entry[1], now)
                 if hit.delay and not can_delay:
                     hit = Hit(True, hit.delay)  # the wait queue is full: refuse
-                buckets.append((check, entry, expiry, hit))
+                buckets.append((check, entry, stored, hit))
             else:
                 hit = self._hit(check.key, check.limiter, now, check.threshold, 1)
             evaluation.hits.append(hit)
@@ -144,36 +185,33 @@ class MemoryStore:
             # Like nginx with several limit_req zones: buckets are charged
             # only when the request is admitted by all of them (SPEC §7).
             admitted = not refused and not any(bucket[3].over_limit for bucket in buckets)
-            for check, entry, before, hit in buckets:
-                limiter, state = entry
+            for check, entry, stored, hit in buckets:
                 if admitted:
-                    limiter.commit(state, hit)
+                    check.limiter.commit(entry[1], hit)
                     evaluation.delay = max(evaluation.delay, hit.delay)
-                elif before is None or evaluation.new_ban:
-                    continue  # a refused request leaves no new key; a ban cleared its key
-                if limiter.expires_at(state) != before:
-                    self._states[check.key] = entry
+                    if not stored:
+                        self._states[check.key] = entry
+                # A refused request leaves no new key (a new key is never
+                # refused by its own bucket, and a ban cleared its key).
         return evaluation
 
     def record(self, now: float, counts: Sequence[ResponseCount]) -> list[Hit]:
         return [self._hit(c.key, c.limiter, now, c.threshold, c.amount) for c in counts]
 
-    def _entry(self, key: Hashable, limiter: Limiter) -> tuple[tuple[Limiter, Any], float | None]:
-        """The key's (limiter, state) entry and the expiry it is filed under
-        (None when the entry is new and not filed yet)."""
+    def _entry(self, key: Hashable, limiter: Limiter) -> tuple[tuple[Limiter, Any], bool]:
+        """The key's (limiter, state) entry, and whether it is stored yet."""
         entry = self._states.get(key)
         if entry is not None and entry[0] is limiter:
-            return entry, limiter.expires_at(entry[1])
+            return entry, True
         # New key, or the rule was reloaded with other settings: the counts
         # carry over when the state still fits the limiter.
         state = entry[1] if entry is not None and _same_kind(entry[0], limiter) else limiter.new_state()
-        return (limiter, state), None
+        return (limiter, state), False
 
     def _hit(self, key: Hashable, limiter: Limiter, now: float, threshold: float, amount: int) -> Hit:
-        entry, expiry = self._entry(key, limiter)
-        state = entry[1]
-        hit = limiter.hit(state, now, threshold, amount)
-        if limiter.expires_at(state) != expiry:
+        entry, stored = self._entry(key, limiter)
+        hit = limiter.hit(entry[1], now, threshold, amount)
+        if not stored:
             self._states[key] = entry
         return hit
 
@@ -186,7 +224,7 @@ class MemoryStore:
         return bool(self._bans)
 
     def active_bans(self, now: float) -> list[BanRecord]:
-        return [ban for ban in list(self._bans.values()) if now < ban.expires]
+        return [ban for ban in self._bans.values() if now < ban.expires]
 
     def lift_ban(self, address: str) -> bool:
         return self._bans.pop(address, None) is not None

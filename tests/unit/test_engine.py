@@ -101,13 +101,13 @@ def test_banned_requests_are_not_evaluated_counted_or_logged(caplog):
     h.outcomes(3, path="/scrape")
     caplog.set_level(logging.INFO, logger="sluice.decisions")
     caplog.clear()
-    before = h.engine.metrics.checks._value.get()
+    before = h.engine.metrics.checks.value
     for _ in range(50):
         assert h.decide(path="/x").outcome == CLOSE
     assert caplog.records == []
-    assert h.engine.metrics.banned_requests._value.get() == 50
+    assert h.engine.metrics.banned_requests.value == 50
     # The per-IP rule saw none of them: after the ban it has its full budget.
-    assert h.engine.metrics.checks._value.get() == before + 50
+    assert h.engine.metrics.checks.value == before + 50
     assert h.engine.store.tracked_keys() == 1  # only "everything" from before
 
 
@@ -267,7 +267,7 @@ def test_ipv6_clients_in_one_64_share_a_counter():
 def test_invalid_client_address_counts_as_the_empty_value():
     h = Harness(AXISNOW.replace('[ip, "header:x-api-key"]', "[ip]"))
     assert [h.decide(ip=bad).outcome for bad in ("", "junk", "999.1.1.1")] == [ALLOW, ALLOW, DENY]
-    assert h.engine.metrics.invalid_address._value.get() == 3
+    assert h.engine.metrics.invalid_address.value == 3
 
 
 def test_ban_of_an_unknown_address_closes_but_bans_nobody():
@@ -307,3 +307,16 @@ rules:
     h.decide(ip="192.0.2.4")
     assert h.decide(ip="192.0.2.2").outcome == DENY
     assert h.decide(ip="192.0.2.3").outcome == DENY
+
+
+def test_bounded_map_keeps_recently_read_keys_over_older_ones():
+    from sidecar.state import BoundedMap
+
+    clock = [0.0]
+    bounded = BoundedMap(10, lambda value: 1e9, lambda: clock[0])  # nothing ever expires
+    for key in range(10):
+        bounded[key] = str(key)
+    assert bounded.get(0) == "0"  # 0 is now the most recently used
+    bounded[10] = "10"  # full: the oldest ones go, down to nine tenths
+    assert bounded.get(0) == "0" and bounded.get(1) is None
+    assert len(bounded) <= 10
