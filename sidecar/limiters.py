@@ -108,6 +108,15 @@ def _in_penalty(state: Any, now: float) -> Hit | None:
     return Hit(True, state.penalty_until - now) if now < state.penalty_until else None
 
 
+def _refuse(state: Any, now: float, penalty: float | None, wait: float) -> Hit:
+    """A bucket's refusal changes nothing, unless the rule sets an explicit
+    penalty, which then starts (SPEC §2)."""
+    if penalty is None:
+        return Hit(True, wait)
+    state.penalty_until = now + penalty
+    return Hit(True, penalty)
+
+
 @dataclass(slots=True)
 class LeakyState:
     """nginx's two numbers per key: excess in thousandths of a request and
@@ -158,10 +167,7 @@ class LeakyBucket:
         now_ms = int(now * 1000 + 1e-6)  # whole ms; the epsilon absorbs float error
         excess = 0 if state.last is None else self._excess(state, now_ms)
         if excess > self.burst:
-            if self.penalty is not None:
-                state.penalty_until = now + self.penalty
-                return Hit(True, self.penalty)
-            return Hit(True, self._wait_ms(state, now_ms) / 1000)
+            return _refuse(state, now, self.penalty, self._wait_ms(state, now_ms) / 1000)
         delay_ms = 0 if excess <= self.delay else (excess - self.delay) * 1000 // self.rate
         return Hit(False, delay=delay_ms / 1000, proposal=(excess, now_ms))
 
@@ -229,10 +235,7 @@ class TokenBucket:
             return held
         tokens = self.tokens_at(state, now)
         if self.cost > tokens:
-            if self.penalty is not None:
-                state.penalty_until = now + self.penalty
-                return Hit(True, self.penalty)
-            return Hit(True, (self.cost - tokens) / self.refill)
+            return _refuse(state, now, self.penalty, (self.cost - tokens) / self.refill)
         return Hit(False, proposal=(tokens - self.cost, now))
 
     @staticmethod

@@ -30,11 +30,12 @@ rules:
 """
 
 
-def call(app: SluiceApp, path: str, headers: dict[str, str], client=("127.0.0.1", 5000)):
-    scope = {"type": "http", "path": path, "method": "GET", "client": client,
-             "query_string": b"", "http_version": "1.1", "scheme": "http", "root_path": "",
-             "server": ("127.0.0.1", 8181),
-             "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()]}
+def call(app: SluiceApp, path: str, headers: dict[str, str], client=("127.0.0.1", 5000), **scope_items):
+    """One HTTP request through the ASGI app: (status, headers, body)."""
+    scope = {"type": "http", "path": path, "raw_path": path.encode(), "method": "GET",
+             "client": client, "query_string": b"", "http_version": "1.1", "scheme": "http",
+             "root_path": "", "server": ("127.0.0.1", 8181),
+             "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()], **scope_items}
     sent = []
 
     async def receive():
@@ -163,19 +164,7 @@ def test_health_and_metrics_are_served_by_the_api(app):
 def envoy(app, path, query=b"", addr="198.51.100.7", method="POST", **extra):
     headers = {"host": "shop.example:10000", "x-sluice-client-addr": addr,
                "x-request-id": "env-1", **extra}
-    scope = {"type": "http", "path": "/v1/envoy/auth" + path, "raw_path": ("/v1/envoy/auth" + path).encode(),
-             "query_string": query, "method": method, "client": ("127.0.0.1", 5000),
-             "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()]}
-    sent = []
-
-    async def receive():
-        return {"type": "http.request", "body": b"", "more_body": False}
-
-    async def send(message):
-        sent.append(message)
-
-    asyncio.run(app(scope, receive, send))
-    return sent[0]["status"], {k.decode(): v.decode() for k, v in sent[0]["headers"]}, sent[1]["body"]
+    return call(app, "/v1/envoy/auth" + path, headers, query_string=query, method=method)
 
 
 def test_envoy_check_takes_method_path_and_host_from_the_original_request(app):
