@@ -13,13 +13,15 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from fastapi import FastAPI
-from fastapi.responses import PlainTextResponse, Response
+from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from sidecar.admin import Admin
 from sidecar.actions import BlockPage, deny_headers, over_limit_headers
 from sidecar.engine import ALLOW, CLOSE, DENY, Decision, Engine
 from sidecar.hook import listen_for_reports, report_from_headers
@@ -224,9 +226,10 @@ Answer = Callable[[Send, CheckRequest, Decision], Awaitable[None]]
 class SluiceApp:
     """The ASGI application uvicorn runs."""
 
-    def __init__(self, engine: Engine, report_udp: tuple[str, int] | None = None) -> None:
+    def __init__(self, engine: Engine, report_udp: tuple[str, int] | None = None,
+                 admin: Admin | None = None) -> None:
         self.engine = engine
-        self.api = build_api(engine, report_udp)
+        self.api = build_api(engine, report_udp, admin)
         self._last_error_log = -60.0
         self._checks: dict[str, tuple[Describe, Answer]] = {
             NGINX_AUTH_PATH: (describe_nginx, answer_nginx),
@@ -310,13 +313,19 @@ class SluiceApp:
             log.exception("check failed inside Sluice; the request was allowed (fail open)")
 
 
-def build_api(engine: Engine, report_udp: tuple[str, int] | None = None) -> FastAPI:
+def build_api(engine: Engine, report_udp: tuple[str, int] | None = None,
+              admin: Admin | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_api: FastAPI) -> AsyncIterator[None]:
         transport = await listen_for_reports(engine, *report_udp) if report_udp else None
+        loop = asyncio.get_running_loop()
+        if admin is not None:
+            loop.add_signal_handler(signal.SIGHUP, admin.reload)
         try:
             yield
         finally:
+            if admin is not None:
+                loop.remove_signal_handler(signal.SIGHUP)
             if transport is not None:
                 transport.close()
 
@@ -340,9 +349,49 @@ def build_api(engine: Engine, report_udp: tuple[str, int] | None = None) -> Fast
     async def metrics() -> Response:
         return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    if admin is not None:
+        api.include_router(admin_routes(admin))
     return api
 
 
-def create_app(engine: Engine, report_udp: tuple[str, int] | None = None) -> SluiceApp:
-    """``report_udp``: where to receive nginx's response reports (syslog/UDP)."""
-    return SluiceApp(engine, report_udp)
+def admin_routes(admin: Admin) -> APIRouter:
+    """``/v1/admin/...``: rules with their statistics, bans, unban, reload."""
+
+    def authorized(request: Request, authorization: str | None = Header(None)) -> None:
+        peer = request.client.host if request.client else None
+        if not admin.allows(authorization, peer):
+            raise HTTPException(403, "the admin API needs a bearer token (--admin-token-file), "
+                                     "or a loopback listener and peer")
+
+    router = APIRouter(prefix="/v1/admin", dependencies=[Depends(authorized)])
+
+    @router.get("/rules")
+    async def rules() -> list[dict]:
+        return admin.rules()
+
+    @router.get("/bans")
+    async def bans() -> list[dict]:
+        return admin.bans()
+
+    @router.delete("/bans", status_code=204)
+    async def lift_ban(address: str) -> Response:
+        """Lift the ban of one address (as listed: an IPv6 /64 as ``2001:db8::/64``)."""
+        if not admin.lift_ban(address):
+            raise HTTPException(404, f"no active ban for {address!r}")
+        return Response(status_code=204)
+
+    @router.post("/reload")
+    async def reload() -> JSONResponse:
+        errors = admin.reload()
+        if errors:
+            return JSONResponse({"reloaded": False, "errors": errors}, status_code=422)
+        return JSONResponse({"reloaded": True, "rules": len(admin.engine.ruleset.rules)})
+
+    return router
+
+
+def create_app(engine: Engine, report_udp: tuple[str, int] | None = None,
+               admin: Admin | None = None) -> SluiceApp:
+    """``report_udp``: where to receive nginx's response reports (syslog/UDP);
+    ``admin``: reload on SIGHUP and serve the admin API."""
+    return SluiceApp(engine, report_udp, admin)

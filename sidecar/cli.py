@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import sys
 
@@ -29,6 +30,13 @@ def _host_port(value: str) -> tuple[str, int] | None:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 @click.group()
 def main() -> None:
     """Sluice: rate-limiting external authorization for nginx and Envoy."""
@@ -53,14 +61,18 @@ def check(file: str) -> None:
 @click.option("--uds", type=click.Path(), help="Listen on a Unix socket instead of host:port.")
 @click.option("--hook-udp", default="127.0.0.1:8182", show_default=True,
               help="HOST:PORT where nginx's response reports arrive (syslog over UDP), or 'off'.")
+@click.option("--admin-token-file", type=click.Path(dir_okay=False, exists=True),
+              help="File holding the bearer token of the admin API (at least 16 characters). "
+                   "Without it the admin API answers only loopback peers of a loopback listener.")
 @click.option("--workers", default=1, show_default=True, type=click.IntRange(min=1))
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def serve(config: str | None, host: str, port: int, uds: str | None, hook_udp: str,
-          workers: int, log_level: str) -> None:
+          admin_token_file: str | None, workers: int, log_level: str) -> None:
     """Run the check service."""
     import uvicorn
 
+    from sidecar.admin import Admin, read_token
     from sidecar.app import create_app
     from sidecar.engine import Engine, configure_decision_log
 
@@ -72,7 +84,13 @@ def serve(config: str | None, host: str, port: int, uds: str | None, hook_udp: s
         raise SystemExit(2)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     configure_decision_log()
-    app = create_app(Engine(ruleset), _host_port(hook_udp))
+    try:
+        token = read_token(admin_token_file)
+    except (OSError, ValueError) as exc:
+        raise click.BadParameter(str(exc), param_hint="--admin-token-file") from None
+    engine = Engine(ruleset)
+    admin = Admin(engine, config, token, loopback_listener=uds is not None or _is_loopback(host))
+    app = create_app(engine, _host_port(hook_udp), admin)
     click.echo(f"sluice: {len(ruleset.rules)} rules from {ruleset.source}, node {ruleset.node}", err=True)
     uvicorn.run(app, host=host, port=port, uds=uds, access_log=False, log_level=log_level,
                 lifespan="on", server_header=False, date_header=False,

@@ -77,6 +77,13 @@ class Engine:
         # them in and out around the wait (bounded by state.max_delayed).
         self.delayed = 0
 
+    def reload(self, ruleset: Ruleset) -> None:
+        """Run new rules from the next request on; counters and bans stay."""
+        if ruleset.secret is not None:
+            self.pending = PendingTokens(ruleset.secret)
+        self.store.configure(ruleset.max_keys, ruleset.node)
+        self.ruleset = ruleset
+
     # -- client address ---------------------------------------------------
 
     def resolve_client(self, peer: str, forwarded_for: str | None) -> ClientAddress:

@@ -96,6 +96,9 @@ class Metrics(Collector):
         tally = self._hits.get(rule_id)
         return 0 if tally is None else tally.value
 
+    def over_limit_of(self, rule_id: str) -> dict[str, int]:
+        return {action: tally.value for (rule, action), tally in self._over.items() if rule == rule_id}
+
     def watch(self, name: str, documentation: str, read: Callable[[], float]) -> None:
         """A gauge read at scrape time."""
         self._gauges[name] = (documentation, read)

@@ -32,8 +32,9 @@ rules:
 
 def call(app: SluiceApp, path: str, headers: dict[str, str], client=("127.0.0.1", 5000), **scope_items):
     """One HTTP request through the ASGI app: (status, headers, body)."""
+    path, _, query = path.partition("?")
     scope = {"type": "http", "path": path, "raw_path": path.encode(), "method": "GET",
-             "client": client, "query_string": b"", "http_version": "1.1", "scheme": "http",
+             "client": client, "query_string": query.encode(), "http_version": "1.1", "scheme": "http",
              "root_path": "", "server": ("127.0.0.1", 8181),
              "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()], **scope_items}
     sent = []

@@ -1,0 +1,101 @@
+"""Reload and the admin API (SPEC §10).
+
+A reload (``SIGHUP`` or ``POST /v1/admin/reload``) reads the rules file
+again: a valid file replaces the rules at once, keeping counters (a rule
+keeps its counters under the same id and dimensions, §2); an invalid one is
+refused with its errors and the old rules keep running.
+
+The admin API answers only with a bearer token (``--admin-token-file``,
+compared in constant time), or — with no token configured — only to
+loopback peers of a loopback listener. Without either it is off.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import logging
+import time
+from pathlib import Path
+
+from sidecar.config import ConfigError
+from sidecar.engine import Engine
+from sidecar.rules import Ruleset, default_ruleset, load_ruleset
+
+log = logging.getLogger("sluice")
+
+
+class Admin:
+    def __init__(self, engine: Engine, config_path: str | None, token: bytes | None = None,
+                 loopback_listener: bool = False) -> None:
+        self.engine = engine
+        self.config_path = config_path
+        self._token = token
+        self.loopback_listener = loopback_listener
+
+    # -- reload --------------------------------------------------------------
+
+    def load(self) -> Ruleset:
+        return load_ruleset(self.config_path) if self.config_path else default_ruleset()
+
+    def reload(self) -> list[str]:
+        """Reload the rules file; the errors, or [] when the new rules run."""
+        try:
+            ruleset = self.load()
+        except ConfigError as exc:
+            errors = [str(issue) for issue in exc.issues]
+            log.error("reload refused, the old rules keep running:\n%s", "\n".join(errors))
+            return errors
+        self.engine.reload(ruleset)
+        log.info("reloaded %d rules from %s", len(ruleset.rules), ruleset.source)
+        return []
+
+    # -- access --------------------------------------------------------------
+
+    def allows(self, authorization: str | None, peer: str | None) -> bool:
+        if self._token is not None:
+            scheme, _, given = (authorization or "").partition(" ")
+            return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self._token)
+        if not self.loopback_listener or peer is None:
+            return False
+        try:
+            return ipaddress.ip_address(peer).is_loopback
+        except ValueError:
+            return peer == ""  # a Unix socket peer
+
+    # -- what the API shows --------------------------------------------------
+
+    def rules(self) -> list[dict]:
+        metrics = self.engine.metrics
+        return [{
+            "id": rule.id,
+            "action": rule.action,
+            "limit": rule.threshold,
+            "penalty_seconds": rule.reset,
+            "response_phase": rule.response is not None,
+            "hits": metrics.hits_of(rule.id),
+            "over_limit": metrics.over_limit_of(rule.id),
+        } for rule in self.engine.ruleset.rules]
+
+    def bans(self) -> list[dict]:
+        now = self.engine.clock()
+        return [{
+            "address": ban.address,
+            "rule": ban.rule_id,
+            "node": ban.node,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ban.started_wall)),
+            "duration_seconds": ban.duration,
+            "remaining_seconds": round(ban.expires - now, 3),
+        } for ban in self.engine.store.active_bans(now)]
+
+    def lift_ban(self, address: str) -> bool:
+        return self.engine.store.lift_ban(address)
+
+
+def read_token(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    token = Path(path).read_bytes().strip()
+    if len(token) < 16:
+        raise ValueError(f"the admin token in {path} is shorter than 16 characters")
+    return token
