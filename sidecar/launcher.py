@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import http.client
+import math
 import os
 import re
 import shutil
@@ -29,6 +30,9 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Self
 
+from sidecar.config import ConfigError
+from sidecar.rules import default_ruleset, load_ruleset
+
 PACKAGE_PARENT = Path(__file__).resolve().parent.parent
 DEFAULT_TEMPLATE = PACKAGE_PARENT / "nginx" / "templates" / "sluice.conf.template"
 DEFAULT_ENVOY_TEMPLATE = PACKAGE_PARENT / "envoy" / "templates" / "envoy.yaml.template"
@@ -41,6 +45,14 @@ STOP_TIMEOUT_SECONDS = 5.0
 ENVOY_ADMIN_HOST = "127.0.0.1"
 # Envoy sends requests under it to the application without a check.
 ENVOY_UNCHECKED_PREFIX = "/healthz"
+# How long the front doors wait for Sluice's answer, in whole seconds: at
+# least this long, and longer than the longest hold of a leaky bucket rule
+# by at least CHECK_TIMEOUT_MARGIN_SECONDS (the answer still has to travel
+# after the slot). A shorter wait would let a held request in at the
+# timeout, unchecked (fail open). Connecting stays short (100 ms for nginx,
+# 0.25 s for Envoy): a Sluice that is down is not waited for.
+MIN_CHECK_TIMEOUT_SECONDS = 1
+CHECK_TIMEOUT_MARGIN_SECONDS = 1.0
 
 
 class StackError(RuntimeError):
@@ -81,15 +93,36 @@ def render_template(text: str, variables: Mapping[str, str]) -> str:
     return _TEMPLATE_VARIABLE.sub(substitute, text)
 
 
-def template_variables(ports: StackPorts, host: str) -> dict[str, str]:
-    """The values the local stack gives the variables of both templates."""
+def check_timeout_seconds(longest_hold: float) -> int:
+    """The front doors' timeout for Sluice's answer, given the longest hold
+    of the rules (`sluice check` prints it, SPEC §7)."""
+    return max(MIN_CHECK_TIMEOUT_SECONDS, math.ceil(longest_hold + CHECK_TIMEOUT_MARGIN_SECONDS))
+
+
+def longest_hold_of(rules: Path | None) -> float:
+    """The longest a rule of this file (or of the built-in rules) holds a request."""
+    try:
+        ruleset = load_ruleset(str(rules)) if rules is not None else default_ruleset()
+    except ConfigError as error:
+        raise StackError(f"the rules cannot be used:\n{error}") from error
+    return ruleset.longest_hold
+
+
+def template_variables(ports: StackPorts, host: str, longest_hold: float = 0.0) -> dict[str, str]:
+    """The values the local stack gives the variables of both templates.
+
+    The timeouts for Sluice's answer outlast `longest_hold`, the longest a
+    leaky bucket rule holds a request (seconds).
+    """
+    # "Ns" is a duration in both nginx's and Envoy's syntax.
+    check_timeout = f"{check_timeout_seconds(longest_hold)}s"
     return {
         # nginx
         "SLUICE_LISTEN": _host_port(host, ports.nginx),
         "SLUICE_ADDR": _host_port(host, ports.sluice),
         "UPSTREAM_ADDR": _host_port(host, ports.upstream),
         "SLUICE_CONNECT_TIMEOUT": "100ms",
-        "SLUICE_READ_TIMEOUT": "1s",
+        "SLUICE_READ_TIMEOUT": check_timeout,
         # Response reports, syslog over UDP.
         "SLUICE_HOOK_ADDR": _host_port(host, ports.sluice_hook),
         # Envoy
@@ -103,7 +136,7 @@ def template_variables(ports: StackPorts, host: str) -> dict[str, str]:
         "SLUICE_HOOK_PORT": str(ports.sluice),
         "UPSTREAM_HOST": host,
         "UPSTREAM_PORT": str(ports.upstream),
-        "SLUICE_CHECK_TIMEOUT": "1s",
+        "SLUICE_CHECK_TIMEOUT": check_timeout,
         "ENVOY_UNCHECKED_PREFIX": ENVOY_UNCHECKED_PREFIX,
     }
 
@@ -320,7 +353,7 @@ class Stack:
             _ensure_port_free(host, port, name)
         _ensure_port_free(ENVOY_ADMIN_HOST, ports.envoy_admin, "envoy admin")
         _ensure_port_free(host, ports.sluice_hook, "sluice hook", socket.SOCK_DGRAM)
-        variables = {**template_variables(ports, host), **self.variables}
+        variables = {**template_variables(ports, host, longest_hold_of(self.rules)), **self.variables}
         nginx_conf = write_nginx_config(self.run_dir, self.template, variables)
         envoy_conf = write_envoy_config(self.run_dir, self.envoy_template, variables)
         try:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import http.client
 import json
 import socket
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +37,14 @@ class Client:
         self.source = source
         self.timeout = timeout
 
+    def connect(self) -> http.client.HTTPConnection:
+        """A new connection, established before any request is sent on it."""
+        connection = http.client.HTTPConnection(
+            LOOPBACK, self.port, timeout=self.timeout, source_address=(self.source, 0)
+        )
+        connection.connect()
+        return connection
+
     def request(
         self,
         path: str,
@@ -42,13 +52,9 @@ class Client:
         headers: Mapping[str, str] | None = None,
         body: bytes | None = None,
     ) -> Reply:
-        connection = http.client.HTTPConnection(
-            LOOPBACK, self.port, timeout=self.timeout, source_address=(self.source, 0)
-        )
+        connection = self.connect()
         try:
-            connection.request(method, path, body=body, headers=dict(headers or {}))
-            response = connection.getresponse()
-            return Reply(response.status, response.headers, response.read())
+            return _exchange(connection, path, method, headers, body)
         finally:
             connection.close()
 
@@ -71,3 +77,59 @@ class Client:
             except TimeoutError:
                 closed = False
             return reply, closed
+
+
+def _exchange(
+    connection: http.client.HTTPConnection,
+    path: str,
+    method: str = "GET",
+    headers: Mapping[str, str] | None = None,
+    body: bytes | None = None,
+) -> Reply:
+    connection.request(method, path, body=body, headers=dict(headers or {}))
+    response = connection.getresponse()
+    return Reply(response.status, response.headers, response.read())
+
+
+@dataclass(frozen=True)
+class TimedReply:
+    """A reply and how long the client waited for it, from sending the request."""
+
+    reply: Reply
+    seconds: float
+
+    @property
+    def status(self) -> int:
+        return self.reply.status
+
+
+def send_at_once(requests: Sequence[tuple[Client, str]], at: float) -> list[TimedReply]:
+    """GET every (client, path) at the monotonic time `at`, each on a
+    connection of its own opened beforehand: a burst, as a proxy sees one.
+    The replies come in the order of `requests`.
+
+    Every request and the whole burst are bounded by the clients' timeouts.
+    """
+    connections = [client.connect() for client, _ in requests]
+    outcomes: list[TimedReply | Exception | None] = [None] * len(requests)
+
+    def send(index: int) -> None:
+        try:
+            time.sleep(max(0.0, at - time.monotonic()))
+            started = time.monotonic()
+            reply = _exchange(connections[index], requests[index][1])
+            outcomes[index] = TimedReply(reply, time.monotonic() - started)
+        except Exception as error:  # reported below, with the others
+            outcomes[index] = error
+        finally:
+            connections[index].close()
+
+    threads = [threading.Thread(target=send, args=(index,), daemon=True) for index in range(len(requests))]
+    for thread in threads:
+        thread.start()
+    deadline = max(at, time.monotonic()) + max(client.timeout for client, _ in requests)
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    failed = [(path, outcome) for (_, path), outcome in zip(requests, outcomes) if not isinstance(outcome, TimedReply)]
+    assert not failed, f"requests without a reply: {failed}"
+    return [outcome for outcome in outcomes if isinstance(outcome, TimedReply)]

@@ -9,8 +9,12 @@ share one Sluice, and fresh addresses keep their counters apart too.
 
 from __future__ import annotations
 
+import http.client
 import itertools
+import re
 import socket
+import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
@@ -57,10 +61,44 @@ def fresh_client_address() -> str:
     return f"127.1.{number // 250}.{number % 250 + 1}"
 
 
+def unique_path(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex}"
+
+
+def sluice_metric(stack: Stack, name: str, labels: str = "") -> float:
+    """One sample of Sluice's /metrics, e.g. ("sluice_rule_hits_total", 'rule="x"'); 0 if absent."""
+    connection = http.client.HTTPConnection(LOOPBACK, stack.ports.sluice, timeout=2.0)
+    try:
+        connection.request("GET", "/metrics")
+        text = connection.getresponse().read().decode()
+    finally:
+        connection.close()
+    sample = re.escape(f"{name}{{{labels}}}" if labels else name)
+    found = re.search(rf"^{sample} (\S+)$", text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+def wait_until(condition: Callable[[], bool], what: str, seconds: float) -> None:
+    """Check `condition` every 10 ms until it holds; fail after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"not within {seconds} s: {what}")
+        time.sleep(0.01)
+
+
 @pytest.fixture(scope="session")
 def limits_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """The stack with rules/limits.yaml, shared by every test that only sends requests."""
     stack = start_stack(tmp_path_factory.mktemp("limits-stack"), RULES / "limits.yaml")
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="session")
+def buckets_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The stack with rules/buckets.yaml (token and leaky buckets, SPEC §7)."""
+    stack = start_stack(tmp_path_factory.mktemp("buckets-stack"), RULES / "buckets.yaml")
     yield stack
     stack.stop()
 

@@ -14,7 +14,7 @@ import pytest
 
 from sidecar.launcher import Stack
 from tests.integration.clients import CONNECTION_CLOSED, Client
-from tests.integration.conftest import fresh_client_address
+from tests.integration.conftest import fresh_client_address, unique_path
 
 pytestmark = pytest.mark.integration
 
@@ -22,10 +22,6 @@ pytestmark = pytest.mark.integration
 # Envoy's ext_authz takes any 5xx answer of the check for a failure of Sluice
 # and, failing open, lets the request in. The template restores a 5xx
 # status that Sluice sends as 403 with `x-sluice-status`; Sluice does not yet.
-
-def unique_path(prefix: str) -> str:
-    return f"{prefix}{uuid.uuid4().hex}"
-
 
 def assert_refused_by_closing(client: Client, path: str, front_door: str) -> None:
     """`close: true` and bans (SPEC §6). nginx closes the connection without

@@ -11,45 +11,31 @@ processed; otherwise the next check could run before the count it depends on.
 from __future__ import annotations
 
 import http.client
-import re
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 import pytest
 
 from sidecar.launcher import Stack
 from tests.integration.clients import LOOPBACK, Client, Reply
-from tests.integration.conftest import RULES, free_port, fresh_client_address, front_door_port, start_stack
+from tests.integration.conftest import (
+    RULES,
+    free_port,
+    fresh_client_address,
+    front_door_port,
+    sluice_metric,
+    start_stack,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 
 # Sluice processes a report within milliseconds of the response; this long
 # only on a machine that is badly overloaded.
 REPORT_DEADLINE_SECONDS = 5.0
-
-
-def sluice_metric(stack: Stack, name: str, labels: str = "") -> float:
-    """One sample of Sluice's /metrics, e.g. ("sluice_rule_hits_total", 'rule="x"'); 0 if absent."""
-    connection = http.client.HTTPConnection(LOOPBACK, stack.ports.sluice, timeout=2.0)
-    try:
-        connection.request("GET", "/metrics")
-        text = connection.getresponse().read().decode()
-    finally:
-        connection.close()
-    sample = re.escape(f"{name}{{{labels}}}" if labels else name)
-    found = re.search(rf"^{sample} (\S+)$", text, re.MULTILINE)
-    return float(found.group(1)) if found else 0.0
-
-
-def wait_until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + REPORT_DEADLINE_SECONDS
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"not within {REPORT_DEADLINE_SECONDS} s: {what}")
-        time.sleep(0.01)
 
 
 class ReportedClient:
@@ -69,7 +55,7 @@ class ReportedClient:
         """A request that is allowed with a pending token: returns once Sluice has its report."""
         before = self.reported()
         reply = self.client.request(path, method=method, headers=headers)
-        wait_until(lambda: self.reported() > before, f"the report of {method} {path}")
+        wait_until(lambda: self.reported() > before, f"the report of {method} {path}", REPORT_DEADLINE_SECONDS)
         return reply
 
     def unreported(self, path: str, method: str = "GET") -> Reply:
@@ -79,7 +65,7 @@ class ReportedClient:
 
     def wait_for_hits(self, rule: str, hits: float) -> None:
         # A report is counted as processed before its hits are.
-        wait_until(lambda: self.hits(rule) >= hits, f"{hits:.0f} hits of {rule}")
+        wait_until(lambda: self.hits(rule) >= hits, f"{hits:.0f} hits of {rule}", REPORT_DEADLINE_SECONDS)
 
     def statuses(self, *paths: str) -> list[int]:
         return [self.request(path).status for path in paths]
@@ -295,5 +281,6 @@ def test_responses_are_not_delayed_when_the_hook_is_dead(
     assert sluice_metric(dead_hook_stack, "sluice_responses_reported_total") == 0
     if front_door == "envoy":
         # Envoy did send its reports, to a hook that never answers.
-        wait_until(lambda: len(dead_hook.received()) >= reports_before + REQUESTS, "Envoy's reports")
+        wait_until(lambda: len(dead_hook.received()) >= reports_before + REQUESTS, "Envoy's reports",
+                   REPORT_DEADLINE_SECONDS)
         assert all(report.startswith(b"POST /v1/hook ") for report in dead_hook.received())

@@ -13,7 +13,9 @@ from sidecar.launcher import (
     DEFAULT_TEMPLATE,
     StackError,
     StackPorts,
+    check_timeout_seconds,
     find_envoy,
+    longest_hold_of,
     render_template,
     template_variables,
     write_envoy_config,
@@ -87,3 +89,71 @@ def test_an_envoy_variable_without_value_is_reported(tmp_path: Path) -> None:
 
     with pytest.raises(StackError, match="no value for SLUICE_CHECK_TIMEOUT"):
         write_envoy_config(tmp_path, DEFAULT_ENVOY_TEMPLATE, variables)
+
+
+# Timeouts for Sluice's answer against the holds of leaky bucket rules (SPEC §7).
+
+LEAKY_RULES = """
+rules:
+  - id: slow
+    key: [ip]
+    limit: {rate: 2r/s, burst: 4, delay: 1}     # holds up to (4 - 1) / 2 = 1.5 s
+    action: block
+  - id: fast
+    key: [ip]
+    limit: {rate: 10r/s, burst: 5, nodelay: true}
+    action: block
+"""
+
+
+@pytest.mark.parametrize(
+    ("longest_hold", "seconds"),
+    [(0.0, 1), (0.3, 2), (1.0, 2), (1.5, 3), (59.999, 61)],
+)
+def test_check_timeout_outlasts_the_longest_hold_by_a_second_or_more(longest_hold: float, seconds: int) -> None:
+    assert check_timeout_seconds(longest_hold) == seconds
+
+
+def test_longest_hold_is_read_from_the_rules_file(tmp_path: Path) -> None:
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(LEAKY_RULES)
+
+    assert longest_hold_of(rules) == 1.5
+
+
+def test_built_in_rules_hold_nothing_and_keep_the_one_second_timeouts() -> None:
+    assert longest_hold_of(None) == 0.0
+    variables = template_variables(StackPorts(), "127.0.0.1", longest_hold_of(None))
+
+    assert (variables["SLUICE_READ_TIMEOUT"], variables["SLUICE_CHECK_TIMEOUT"]) == ("1s", "1s")
+
+
+def test_unusable_rules_are_reported_before_anything_starts(tmp_path: Path) -> None:
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("rules:\n  - id: bad\n    key: [ip]\n    limit: {rate: fast, burst: 1}\n")
+
+    with pytest.raises(StackError, match="rules.yaml:4"):
+        longest_hold_of(rules)
+
+
+def test_rendered_front_doors_wait_past_the_longest_hold_but_connect_quickly(tmp_path: Path) -> None:
+    variables = template_variables(
+        StackPorts(nginx=18080, sluice=18181, upstream=19000, envoy=20000, envoy_admin=29901), "127.0.0.1", 1.5
+    )
+
+    write_nginx_config(tmp_path, DEFAULT_TEMPLATE, variables)
+    envoy_config = write_envoy_config(tmp_path, DEFAULT_ENVOY_TEMPLATE, variables)
+
+    site = (tmp_path / "conf.d" / "sluice.conf").read_text()
+    check = site[site.index("location = /_sluice/auth {"):]
+    check = check[: check.index("}")]
+    assert "proxy_connect_timeout 100ms;" in check
+    assert "proxy_read_timeout 3s;" in check
+    assert "proxy_send_timeout 3s;" in check
+    bootstrap = yaml.safe_load(envoy_config.read_text())
+    (listener,) = bootstrap["static_resources"]["listeners"]
+    filters = listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
+    (ext_authz,) = [f["typed_config"] for f in filters if f["name"] == "envoy.filters.http.ext_authz"]
+    assert ext_authz["http_service"]["server_uri"]["timeout"] == "3s"
+    clusters = {cluster["name"]: cluster for cluster in bootstrap["static_resources"]["clusters"]}
+    assert clusters["sluice"]["connect_timeout"] == "0.25s"
