@@ -133,3 +133,18 @@ def send_at_once(requests: Sequence[tuple[Client, str]], at: float) -> list[Time
     failed = [(path, outcome) for (_, path), outcome in zip(requests, outcomes) if not isinstance(outcome, TimedReply)]
     assert not failed, f"requests without a reply: {failed}"
     return [outcome for outcome in outcomes if isinstance(outcome, TimedReply)]
+
+
+def assert_default_block(blocked: Reply, limit: int, reset: int) -> None:
+    """A refusal by a `block` rule with the built-in page (SPEC §6)."""
+    assert blocked.status == 429
+    assert blocked.headers["X-RateLimit"] == "true"
+    assert blocked.headers["X-RateLimit-Limit"] == str(limit)
+    assert blocked.headers["X-RateLimit-Reset"] == str(reset)
+    assert 1 <= int(blocked.headers["Retry-After"]) <= reset
+    assert blocked.headers["Cache-Control"] == "no-store"
+    assert blocked.headers["Content-Type"].startswith("text/html")
+    request_id = blocked.headers["X-Request-Id"]
+    assert request_id
+    assert b"429" in blocked.body
+    assert request_id.encode() in blocked.body

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from sidecar.launcher import START_TIMEOUT_SECONDS, Component, StackError
-from tests.integration.clients import LOOPBACK, Client, Reply
+from tests.integration.clients import LOOPBACK, Client, Reply, assert_default_block
 
 pytestmark = pytest.mark.integration
 
@@ -201,17 +201,7 @@ def test_block_passes_status_headers_and_page_to_the_client_and_spares_the_upstr
     assert [client.request(path).status for _ in range(3)] == [200, 200, 200]
     blocked = client.request(path)
 
-    assert blocked.status == 429
-    assert blocked.headers["X-RateLimit"] == "true"
-    assert blocked.headers["X-RateLimit-Limit"] == "3"
-    assert blocked.headers["X-RateLimit-Reset"] == "3600"
-    assert 1 <= int(blocked.headers["Retry-After"]) <= 3600
-    assert blocked.headers["Cache-Control"] == "no-store"
-    assert blocked.headers["Content-Type"].startswith("text/html")
-    request_id = blocked.headers["X-Request-Id"]
-    assert request_id
-    assert b"429" in blocked.body
-    assert request_id.encode() in blocked.body
+    assert_default_block(blocked, limit=3, reset=3600)
     # The upstream saw the three allowed requests; this one is its fourth.
     assert upstream_hits(trusting, path) == 4
 

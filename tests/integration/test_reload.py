@@ -6,14 +6,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import free_port
+from tests.integration.conftest import free_port, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -40,15 +39,6 @@ def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, str]:
         return error.code, error.read().decode()
 
 
-def wait_until(condition, what: str, deadline: float = 10.0) -> None:
-    end = time.monotonic() + deadline
-    while time.monotonic() < end:
-        if condition():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"not within {deadline} s: {what}")
-
-
 class Sluice:
     def __init__(self, rules: Path, log: Path) -> None:
         self.port = free_port()
@@ -56,7 +46,7 @@ class Sluice:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "sidecar", "serve", "--config", str(rules), "--port", str(self.port),
              "--hook-udp", "off"], stdout=log.open("w"), stderr=subprocess.STDOUT)
-        wait_until(self.up, "sluice answers /healthz")
+        wait_until(self.up, "sluice answers /healthz", 15)
 
     def up(self) -> bool:
         try:
@@ -87,7 +77,7 @@ def test_sighup_runs_the_new_rules_and_keeps_counters(sluice: tuple[Sluice, Path
     assert [server.check("/api/a") for _ in range(2)] == [200, 403]
     rules.write_text(TWO_RULES.replace("requests: 1,", "requests: 5,"))
     os.kill(server.process.pid, signal.SIGHUP)
-    wait_until(lambda: "reloaded 2 rules" in server.log.read_text(), "the reload is logged")
+    wait_until(lambda: "reloaded 2 rules" in server.log.read_text(), "the reload is logged", 10)
     # The key is still in the penalty it entered before the reload.
     assert server.check("/api/a") == 403
     assert [server.check("/api/a", client="192.0.2.2") for _ in range(6)] == [200] * 5 + [403]
@@ -97,7 +87,7 @@ def test_an_invalid_file_on_sighup_keeps_the_old_rules(sluice: tuple[Sluice, Pat
     server, rules = sluice
     rules.write_text(TWO_RULES.replace("per: 1h", "per: whenever", 1))
     os.kill(server.process.pid, signal.SIGHUP)
-    wait_until(lambda: "reload refused" in server.log.read_text(), "the refusal is logged")
+    wait_until(lambda: "reload refused" in server.log.read_text(), "the refusal is logged", 10)
     assert "rules[0].limit.per" in server.log.read_text()
     assert server.process.poll() is None
     assert [server.check("/api/b", client="192.0.2.3") for _ in range(2)] == [200, 403]
