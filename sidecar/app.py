@@ -83,6 +83,9 @@ def allow_headers(decision: Decision) -> list[tuple[str, str]]:
     headers = [] if rule is None else over_limit_headers(decision.limit, decision.reset)
     if decision.pending is not None:
         headers.append(("X-Sluice-Pending", decision.pending))
+    if decision.quota is not None:
+        headers.append(("RateLimit-Policy", decision.quota[0]))
+        headers.append(("RateLimit", decision.quota[1]))
     return headers
 
 

@@ -440,6 +440,9 @@ class Override(Strict):
 
 class RulesFile(Strict):
     node: str | None = Field(None, min_length=1)
+    # draft: allowed responses also carry the IETF RateLimit-Policy and
+    # RateLimit fields (draft-ietf-httpapi-ratelimit-headers) (SPEC §6).
+    headers: Literal["standard", "draft"] = "standard"
     client_ip: ClientIPConfig = ClientIPConfig()
     state: StateConfig = StateConfig()
     exempt: list[Network] = []

@@ -45,6 +45,7 @@ class Decision:
     page: BlockPage | None = None
     pending: str | None = None  # token for the response report (SPEC §8)
     delay: float = 0.0  # hold an allowed request this long first (leaky bucket)
+    quota: tuple[str, str] | None = None  # RateLimit-Policy and RateLimit values
 
     @property
     def over_limit(self) -> bool:
@@ -161,12 +162,27 @@ class Engine:
             if token is None:
                 metrics.unreportable.inc()
         allowed = observed or ALLOWED
-        if token is None and not evaluation.delay:
+        quota = self._quota(matched, checks) if ruleset.draft_headers else None
+        if token is None and not evaluation.delay and quota is None:
             return allowed
         if evaluation.delay:
             metrics.delayed.inc()
         return Decision(ALLOW, allowed.rule, allowed.limit, allowed.reset, pending=token,
-                        delay=evaluation.delay)
+                        delay=evaluation.delay, quota=quota)
+
+    def _quota(self, matched: list[CompiledRule], checks: list[Check]) -> tuple[str, str] | None:
+        """The draft RateLimit-Policy and RateLimit field values for the
+        enforcing request-phase rules of an allowed request."""
+        enforced = [(rule, check) for rule, check in zip(matched, checks)
+                    if check.count and rule.action != "log"]
+        if not enforced:
+            return None
+        quotas = self.store.quotas(self.clock(), [check for _, check in enforced])
+        policies, remaining = [], []
+        for (rule, check), (left, reset, window) in zip(enforced, quotas):
+            policies.append(f'"{rule.id}";q={math.ceil(check.threshold)};w={max(1, math.ceil(window))}')
+            remaining.append(f'"{rule.id}";r={left};t={math.ceil(reset)}')
+        return ", ".join(policies), ", ".join(remaining)
 
     def record_response(self, token: str, status: int, headers: dict[str, str]) -> int:
         """The proxy reports a response (SPEC §8): count it for every pending

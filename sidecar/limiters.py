@@ -97,6 +97,21 @@ class WindowCounter:
             state.penalty_until = now + self.penalty
         return ALLOWED
 
+    def quota(self, state: WindowState, now: float, threshold: float) -> tuple[int, float, float]:
+        """(requests still allowed, seconds until that resets, window) for
+        the draft RateLimit header fields; the request that reaches the
+        threshold is itself allowed."""
+        if now < state.penalty_until:
+            return 0, state.penalty_until - now, self.period
+        window = int(now // self.period)
+        elapsed = now - window * self.period
+        if window == state.window:
+            current, previous = state.current, state.previous
+        else:
+            current, previous = 0, state.current if window == state.window + 1 else 0
+        estimate = current + (previous * (self.period - elapsed) / self.period if self.sliding else 0)
+        return max(0, math.ceil(threshold - estimate)), self.period - elapsed, self.period
+
     def expires_at(self, state: WindowState) -> float:
         """When the state stops mattering: its window no longer weighs in
         and its penalty is over."""
@@ -187,6 +202,17 @@ class LeakyBucket:
     def commit(state: LeakyState, hit: Hit) -> None:
         state.excess, state.last = hit.proposal
 
+    def quota(self, state: LeakyState, now: float, threshold: float) -> tuple[int, float, float]:
+        """Requests that would still be admitted now, the time to drain, and
+        the time the whole burst takes to drain."""
+        full_drain = (self.burst + 1000) / self.rate
+        if now < state.penalty_until:
+            return 0, state.penalty_until - now, full_drain
+        if state.last is None:
+            return self.burst // 1000 + 1, 0.0, full_drain
+        drained = max(0, state.excess - self.rate * max(0, int(now * 1000 + 1e-6) - state.last) // 1000)
+        return max(0, (self.burst - drained) // 1000), drained / self.rate, full_drain
+
     def expires_at(self, state: LeakyState) -> float:
         if state.last is None:
             return state.penalty_until
@@ -241,6 +267,13 @@ class TokenBucket:
     @staticmethod
     def commit(state: TokenState, hit: Hit) -> None:
         state.tokens, state.last = hit.proposal
+
+    def quota(self, state: TokenState, now: float, threshold: float) -> tuple[int, float, float]:
+        """Requests the tokens now cover, and the time until the bucket is full."""
+        if now < state.penalty_until:
+            return 0, state.penalty_until - now, self.capacity / self.refill
+        tokens = self.tokens_at(state, now)
+        return int(tokens // self.cost), (self.capacity - tokens) / self.refill, self.capacity / self.refill
 
     def expires_at(self, state: TokenState) -> float:
         if state.last is None:

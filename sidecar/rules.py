@@ -282,6 +282,7 @@ class Ruleset:
     backend: str
     source: str
     secret: bytes | None  # HMAC key from challenge.secret_file
+    draft_headers: bool  # RateLimit-Policy / RateLimit on allowed responses
 
     @property
     def longest_hold(self) -> float:
@@ -368,6 +369,7 @@ def compile_rules(loaded: LoadedRules) -> Ruleset:
         backend=model.state.backend,
         source=loaded.source,
         secret=_read_secret(model.challenge.secret_file, loaded.base_dir),
+        draft_headers=model.headers == "draft",
     )
 
 

@@ -91,6 +91,20 @@ def test_token_bucket_admits_three_at_once_refuses_the_fourth_and_refills_after_
     assert first_admission(client, path) - refused_at >= 0.4
 
 
+def test_draft_ratelimit_fields_show_the_remaining_budget_on_allowed_responses(
+    buckets_stack: Stack, front_door: str
+) -> None:
+    client = client_of(buckets_stack, front_door)
+    path = unique_path("/tokens/")
+    first, second = client.request(path), client.request(path)
+    assert first.headers["RateLimit-Policy"] == '"tokens";q=3;w=2'
+    # Capacity 3: two tokens left after the first request, then one (a few
+    # milliseconds of refill do not add a whole token).
+    assert first.headers["RateLimit"] == '"tokens";r=2;t=1'
+    assert second.headers["RateLimit"] == '"tokens";r=1;t=1'
+    assert "X-RateLimit" not in first.headers
+
+
 def test_leaky_bucket_holds_requests_within_the_burst_until_their_slot_and_refuses_the_rest(
     buckets_stack: Stack, front_door: str
 ) -> None:

@@ -320,3 +320,35 @@ def test_bounded_map_keeps_recently_read_keys_over_older_ones():
     bounded[10] = "10"  # full: the oldest ones go, down to nine tenths
     assert bounded.get(0) == "0" and bounded.get(1) is None
     assert len(bounded) <= 10
+
+
+DRAFT = """
+headers: draft
+rules:
+  - id: api
+    key: [ip]
+    limit: {requests: 5, per: 10s, window: fixed}
+    action: block
+  - id: tokens
+    key: [ip]
+    limit: {tokens: 4, refill: 2/s, cost: 2}
+    action: block
+  - id: watch
+    key: [ip]
+    limit: {requests: 1, per: 10s}
+    action: log
+"""
+
+
+def test_draft_headers_report_each_enforcing_rules_remaining_budget():
+    h = Harness(DRAFT)
+    h.clock.now = 1003.0  # 3 s into a 10 s window
+    first = h.decide()
+    assert first.quota == ('"api";q=5;w=10, "tokens";q=4;w=2', '"api";r=4;t=7, "tokens";r=1;t=1')
+    second = h.decide()
+    assert second.quota == ('"api";q=5;w=10, "tokens";q=4;w=2', '"api";r=3;t=7, "tokens";r=0;t=2')
+
+
+def test_without_draft_headers_there_is_no_quota():
+    h = Harness(DRAFT.replace("headers: draft\n", ""))
+    assert h.decide().quota is None
