@@ -11,18 +11,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import html
 import logging
 import os
 import signal
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable
+from urllib.parse import parse_qsl
 
 from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from sidecar.admin import Admin
-from sidecar.actions import BlockPage, deny_headers, over_limit_headers
+from sidecar.actions import CHALLENGE_PAGE, CONTENT_TYPE_HTML, BlockPage, deny_headers, over_limit_headers
+from sidecar.challenge import FINGERPRINT_HEADER, SOLUTION_PATH, IssuedChallenge
 from sidecar.engine import ALLOW, CLOSE, DENY, Decision, Engine
 from sidecar.hook import listen_for_reports, report_from_headers
 from sidecar.request import CheckRequest, strip_port
@@ -39,6 +42,10 @@ NGINX_AUTH_PATH = "/v1/nginx/auth"
 ENVOY_AUTH_PREFIX = "/v1/envoy/auth"
 NGINX_DENY_PATH = "/v1/nginx/deny"
 FORWARD_AUTH_PATH = "/v1/check"
+# Where a challenge page's solution arrives; the proxy maps the site's
+# SOLUTION_PATH here, without checking it (SPEC §6).
+CHALLENGE_PATH = "/v1/challenge"
+MAX_SOLUTION_BODY = 8192
 
 # nginx's auth_request understands only 2xx, 401 and 403. Sluice answers 403
 # for "deny with a page" (nginx then fetches the page from NGINX_DENY_PATH,
@@ -107,25 +114,35 @@ async def wait_unless_disconnected(receive: Receive, seconds: float) -> bool:
 class DenyToken:
     """What nginx carries from the auth answer to the page request.
 
-    Plain text ``status limit reset retry-after rule-id client``: rule ids
-    and addresses contain no spaces (rule ids are checked at load).
+    Plain text ``status limit reset retry-after rule-id client``, and for a
+    challenge page ``difficulty challenge`` after them: rule ids, addresses
+    and challenges contain no spaces (rule ids are checked at load).
     """
 
     @staticmethod
     def encode(decision: Decision, client_text: str) -> str:
         rule = decision.rule
         assert rule is not None and decision.page is not None
-        return (f"{decision.page.status} {decision.limit} {decision.reset} {decision.retry_after} "
-                f"{rule.id} {client_text or '-'}")
+        token = (f"{decision.page.status} {decision.limit} {decision.reset} {decision.retry_after} "
+                 f"{rule.id} {client_text or '-'}")
+        if decision.challenge is not None:
+            token += f" {decision.challenge.difficulty} {decision.challenge.text}"
+        return token
 
     @staticmethod
-    def decode(token: str) -> tuple[int, int, int, int, str, str]:
-        status, limit, reset, retry_after, rule_id, client = token.split(" ")
+    def decode(token: str) -> tuple[int, int, int, int, str, str, IssuedChallenge | None]:
+        fields = token.split(" ")
+        status, limit, reset, retry_after, rule_id, client = fields[:6]
+        challenge = None
+        if len(fields) == 8:
+            challenge = IssuedChallenge(fields[7], int(fields[6]))
+        elif len(fields) != 6:
+            raise ValueError(f"{len(fields)} fields")
         status_code = int(status)
         if not 400 <= status_code <= 599:
             raise ValueError(f"status {status_code} out of range")
         return status_code, int(limit), int(reset), int(retry_after), rule_id, \
-            "" if client == "-" else client
+            "" if client == "-" else client, challenge
 
 
 def describe_nginx(engine: Engine, scope: Scope, headers: dict[str, str]) -> CheckRequest:
@@ -180,9 +197,40 @@ async def answer_in_full(send: Send, request: CheckRequest, decision: Decision) 
 def render_deny(request: CheckRequest, decision: Decision) -> tuple[int, list[tuple[str, str]], bytes]:
     """A deny's status, headers and page."""
     assert decision.page is not None and decision.rule is not None
-    body = decision.page.template.render(request.client.text, request.host, request.request_id)
+    body = render_page(decision.page, request.client.text, request.host, request.request_id,
+                       decision.challenge)
     headers = deny_headers(decision.limit, decision.reset, decision.retry_after, request.request_id)
     return decision.page.status, headers, body
+
+
+def render_page(page: BlockPage, remote_addr: str, host: str, request_id: str,
+                challenge: IssuedChallenge | None) -> bytes:
+    if challenge is None:
+        return page.template.render(remote_addr, host, request_id)
+    return CHALLENGE_PAGE.template.render(remote_addr, host, request_id, challenge=challenge.text,
+                                          difficulty=str(challenge.difficulty),
+                                          solution_path=SOLUTION_PATH)
+
+
+async def read_body(receive: Receive, limit: int) -> bytes:
+    """The request body, or b"" when it is longer than ``limit`` bytes."""
+    body = b""
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return b""
+        body += message.get("body", b"")
+        if len(body) > limit:
+            return b""
+        if not message.get("more_body"):
+            return body
+
+
+def refused_solution_page(problem: str, location: str) -> bytes:
+    return (f"<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<title>Verification failed</title></head>\n<body><h1>Verification failed</h1>\n"
+            f"<p>{html.escape(problem)}.</p>\n<p><a href=\"{html.escape(location, quote=True)}\">"
+            f"Try again</a></p></body></html>\n").encode("utf-8")
 
 
 def describe_envoy(engine: Engine, scope: Scope, headers: dict[str, str]) -> CheckRequest:
@@ -256,6 +304,9 @@ class SluiceApp:
             if path == HOOK_PATH:
                 await self._hook(scope, send)
                 return
+            if path == CHALLENGE_PATH:
+                await self._solution(scope, receive, send)
+                return
         await self.api(scope, receive, send)
 
     async def _check(self, scope: Scope, receive: Receive, send: Send, describe: Describe,
@@ -288,17 +339,50 @@ class SluiceApp:
         request_id = headers.get("x-request-id") or new_request_id()
         token = headers.get("x-sluice-deny", "")
         try:
-            status, limit, reset, retry_after, rule_id, client = DenyToken.decode(token)
+            status, limit, reset, retry_after, rule_id, client, challenge = DenyToken.decode(token)
         except ValueError:
             log.warning("deny page asked for with an invalid token %r", token[:200])
-            status, limit, reset, retry_after, rule_id, client = 429, 1, 1, 1, "", ""
+            status, limit, reset, retry_after, rule_id, client, challenge = 429, 1, 1, 1, "", "", None
         rule = self.engine.ruleset.by_id.get(rule_id)
         # The rule may have been reloaded away in between: fall back to the
-        # built-in page for the status nginx was told.
+        # built-in page for the status nginx was told. A challenge page
+        # needs no rule: the challenge carries what it needs.
         page = rule.page if rule is not None and rule.page is not None and not rule.page.close \
             else BlockPage.builtin(status)
-        body = page.template.render(client, headers.get("x-original-host", ""), request_id)
+        body = render_page(page, client, headers.get("x-original-host", ""), request_id, challenge)
         await respond(send, status, deny_headers(limit, reset, retry_after, request_id), body)
+
+    async def _solution(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A challenge page's solution (SPEC §6): a credential cookie and back
+        to the original page, or a refusal."""
+        engine = self.engine
+        headers = header_map(scope)
+        body = await read_body(receive, MAX_SOLUTION_BODY)
+        form = dict(parse_qsl(body.decode("latin-1"))) if scope["method"] == "POST" and body else {}
+        # nginx and Envoy name the client as for a check; a forward-auth
+        # proxy's route to here makes the proxy the peer (SPEC §3, §10).
+        peer = scope.get("client")
+        client = engine.resolve_client(headers.get("x-sluice-client-addr") or (peer[0] if peer else ""),
+                                       headers.get("x-forwarded-for"))
+        fingerprint = headers.get(FINGERPRINT_HEADER, "")
+        ticket, problem = engine.challenges.verify(form.get("challenge", ""), form.get("nonce", ""),
+                                                   client.key, fingerprint)
+        rule = engine.ruleset.by_id.get(ticket.rule_id) if ticket is not None else None
+        # A reload may have removed the rule or changed its action since.
+        settings = rule.challenge if rule is not None else None
+        if ticket is None or problem or rule is None or settings is None:
+            engine.metrics.challenges_failed.inc()
+            await respond(send, 403, [("Cache-Control", "no-store"), ("Content-Type", CONTENT_TYPE_HTML)],
+                          refused_solution_page(problem or "this page no longer asks for a check",
+                                                ticket.location if ticket is not None else "/"))
+            return
+        engine.metrics.challenges_passed.inc()
+        credential = engine.challenges.credential(rule.id, client.key, fingerprint, settings.ttl)
+        proto = headers.get("x-forwarded-proto") or scope.get("scheme", "http")
+        cookie = (f"{settings.cookie}={credential}; Max-Age={int(settings.ttl)}; Path=/; "
+                  "HttpOnly; SameSite=Lax" + ("; Secure" if proto.lower() == "https" else ""))
+        await respond(send, 303, [("Location", ticket.location), ("Set-Cookie", cookie),
+                                  ("Cache-Control", "no-store")])
 
     async def _hook(self, scope: Scope, send: Send) -> None:
         """A response report over HTTP (Envoy's Lua filter); answered at once."""

@@ -365,13 +365,6 @@ class Rule(Strict):
             raise ValueError("a dimension is listed twice")
         return value
 
-    @field_validator("action")
-    @classmethod
-    def _available(cls, value: str) -> str:
-        if value == "challenge":
-            raise ValueError(f"action 'challenge' {NOT_YET}")
-        return value
-
     @model_validator(mode="after")
     def _count_on_needs_a_counter(self) -> "Rule":
         if self.count_on is not None and isinstance(self.limit, (TokenLimit, LeakyLimit)):
@@ -423,6 +416,9 @@ class AutoBan(Strict):
 class ChallengeConfig(Strict):
     secret_file: str | None = None
     auto_ban: AutoBan = AutoBan()
+    # Leading zero bits of the proof of work: 2**D hashes on average. 16 is
+    # about a second in a browser; every bit more doubles it (SPEC §6).
+    difficulty: int = Field(16, ge=1, le=24)
 
     @field_validator("secret_file")
     @classmethod

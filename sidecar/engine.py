@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from sidecar.actions import BlockPage, retry_after_seconds
+from sidecar.challenge import FINGERPRINT_HEADER, Challenges, IssuedChallenge
 from sidecar.clientip import UNKNOWN_CLIENT, ClientAddress, in_networks
 from sidecar.limiters import Hit
 from sidecar.metrics import Metrics
@@ -46,6 +47,7 @@ class Decision:
     pending: str | None = None  # token for the response report (SPEC §8)
     delay: float = 0.0  # hold an allowed request this long first (leaky bucket)
     quota: tuple[str, str] | None = None  # RateLimit-Policy and RateLimit values
+    challenge: IssuedChallenge | None = None  # set for a challenge page
 
     @property
     def over_limit(self) -> bool:
@@ -69,8 +71,12 @@ class Engine:
         self.ruleset = ruleset
         self.clock = clock
         # Without a configured secret, a random one: tokens then do not
-        # outlive this process, which costs at most the counts in flight.
-        self.pending = PendingTokens(secret or ruleset.secret or os.urandom(32), wall_clock=wall_clock)
+        # outlive this process, which costs at most the counts in flight,
+        # and challenge credentials are asked for again after a restart.
+        self.wall_clock = wall_clock
+        key = secret or ruleset.secret or os.urandom(32)
+        self.pending = PendingTokens(key, wall_clock=wall_clock)
+        self.challenges = Challenges(key, wall_clock=wall_clock)
         self.store = store if store is not None else MemoryStore(ruleset.max_keys, ruleset.node, clock)
         self.metrics = metrics if metrics is not None else Metrics()
         self._bad_address_logged = -math.inf
@@ -81,7 +87,8 @@ class Engine:
     def reload(self, ruleset: Ruleset) -> None:
         """Run new rules from the next request on; counters and bans stay."""
         if ruleset.secret is not None:
-            self.pending = PendingTokens(ruleset.secret)
+            self.pending = PendingTokens(ruleset.secret, wall_clock=self.wall_clock)
+            self.challenges = Challenges(ruleset.secret, wall_clock=self.wall_clock)
         self.store.configure(ruleset.max_keys, ruleset.node)
         self.ruleset = ruleset
 
@@ -117,13 +124,22 @@ class Engine:
                 continue
             ban_duration = rule.ban_duration
             stops = rule.action != "log"
+            auto_ban = None
+            if rule.challenge is not None:
+                if self._has_credential(rule, request):
+                    # Passes this rule, and evaluation ends (SPEC §1 step 5).
+                    metrics.credentials.inc()
+                    break
+                # Verified bots are never banned, not even for challenges;
+                # the challenge itself applies to them as block does.
+                auto_ban = None if self._verified_bot(ruleset, request) else ruleset.auto_ban
             if ban_duration is not None and self._verified_bot(ruleset, request):
                 # A verified bot that triggers a ban is let through (SPEC §6).
                 stops, ban_duration = False, None
             matched.append(rule)
             checks.append(Check(rule.id, rule.key(request), rule.limiter,
                                 rule.threshold_for(address), stops, ban_duration,
-                                count=rule.response is None))
+                                count=rule.response is None, auto_ban=auto_ban))
         if not checks and not self.store.may_be_banned():
             return ALLOWED
 
@@ -149,7 +165,7 @@ class Engine:
             # Bucket rules without a penalty report when the next request fits.
             reset = rule.reset if rule.reset is not None else retry_after_seconds(hit.retry_after)
             if check.stops:
-                decision = self._apply(rule, limit, reset, hit)
+                decision = self._apply(request, rule, limit, reset, hit, evaluation.new_ban)
                 self._log(request, rule, check, decision.outcome,
                           banned=evaluation.ban is not None)
                 return decision
@@ -214,11 +230,25 @@ class Engine:
                 self._log_count(rule, count)
         return sum(not hit.over_limit for hit in hits)
 
-    @staticmethod
-    def _apply(rule: CompiledRule, limit: int, reset: int, hit: Hit) -> Decision:
-        if rule.page is None or rule.page.close:
-            return Decision(CLOSE, rule, limit, reset)  # ban, or block with close: true
-        return Decision(DENY, rule, limit, reset, retry_after_seconds(hit.retry_after), rule.page)
+    def _apply(self, request: CheckRequest, rule: CompiledRule, limit: int, reset: int, hit: Hit,
+               banned: bool) -> Decision:
+        if banned or rule.page is None or rule.page.close:
+            # ban, a challenge's auto-ban, or block with close: true
+            return Decision(CLOSE, rule, limit, reset)
+        challenge = None
+        if rule.challenge is not None:
+            self.metrics.challenges_issued.inc()
+            challenge = self.challenges.issue(rule.id, request.client.key,
+                                              request.headers.get(FINGERPRINT_HEADER, ""),
+                                              request.uri, self.ruleset.difficulty)
+        return Decision(DENY, rule, limit, reset, retry_after_seconds(hit.retry_after), rule.page,
+                        challenge=challenge)
+
+    def _has_credential(self, rule: CompiledRule, request: CheckRequest) -> bool:
+        assert rule.challenge is not None
+        credential = request.cookies.get(rule.challenge.cookie) if "cookie" in request.headers else None
+        return credential is not None and self.challenges.accepts(
+            credential, rule.id, request.client.key, request.headers.get(FINGERPRINT_HEADER, ""))
 
     @staticmethod
     def _verified_bot(ruleset: Ruleset, request: CheckRequest) -> bool:

@@ -57,6 +57,13 @@ COUNTERS = {
     "unreportable": ("sluice_pending_too_long",
                      "Requests whose pending counts were too long to carry (their responses go uncounted)."),
     "delayed": ("sluice_delayed", "Requests held by a leaky bucket before being allowed."),
+    "challenges_issued": ("sluice_challenges_issued", "Challenge pages sent (SPEC §6)."),
+    "challenges_passed": ("sluice_challenges_passed",
+                          "Challenges solved: a credential cookie was issued."),
+    "challenges_failed": ("sluice_challenge_solutions_refused",
+                          "Challenge solutions refused: forged, expired, another client's, or wrong."),
+    "credentials": ("sluice_challenge_credentials_accepted",
+                    "Requests that passed a challenge rule with a valid credential."),
 }
 
 
@@ -69,6 +76,10 @@ class Metrics(Collector):
     reports_refused: Tally
     unreportable: Tally
     delayed: Tally
+    challenges_issued: Tally
+    challenges_passed: Tally
+    challenges_failed: Tally
+    credentials: Tally
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         for attribute in COUNTERS:

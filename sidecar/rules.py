@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import Callable, Hashable
 
 from sidecar import config
-from sidecar.actions import BlockPage
+from sidecar.actions import CHALLENGE_PAGE, BlockPage
+from sidecar.challenge import cookie_name
 from sidecar.clientip import ClientIPResolver, IPAddress, IPNetwork, in_networks
 from sidecar.config import ConfigError, ConfigIssue, LoadedRules
 from sidecar.limiters import LeakyBucket, TokenBucket, WindowCounter
-from sidecar.state import Limiter
+from sidecar.state import AutoBan, Limiter
 from sidecar.request import CheckRequest
 
 Predicate = Callable[[CheckRequest], bool]
@@ -247,9 +248,17 @@ class ResponseCounting:
 
 
 @dataclass(frozen=True, slots=True)
+class ChallengeSettings:
+    """A challenge rule's credential: its cookie and how long it lasts (SPEC §6)."""
+
+    cookie: str
+    ttl: float
+
+
+@dataclass(frozen=True, slots=True)
 class CompiledRule:
     id: str
-    action: str  # log | block | ban
+    action: str  # log | block | ban | challenge
     condition: Predicate | None
     key: KeyBuilder
     key_prefix: tuple[str, tuple[str, ...]]  # (rule id, sorted dimension names)
@@ -257,9 +266,10 @@ class CompiledRule:
     threshold: int  # X-RateLimit-Limit (threshold 0 reports 1; bucket capacity or burst + 1)
     reset: int | None  # X-RateLimit-Reset: the penalty length; None: the time until a request fits
     overrides: tuple[Override, ...]
-    page: BlockPage | None  # block: status and page, or close
+    page: BlockPage | None  # block: status and page, or close; challenge: its page
     ban_duration: float | None
     response: ResponseCounting | None  # set: counted when the response is reported
+    challenge: ChallengeSettings | None = None
 
     def threshold_for(self, address: IPAddress | None) -> float:
         if address is not None:
@@ -283,6 +293,8 @@ class Ruleset:
     source: str
     secret: bytes | None  # HMAC key from challenge.secret_file
     draft_headers: bool  # RateLimit-Policy / RateLimit on allowed responses
+    difficulty: int  # proof-of-work zero bits of a challenge
+    auto_ban: AutoBan  # challenges per address before it is banned
 
     @property
     def longest_hold(self) -> float:
@@ -312,6 +324,10 @@ def compile_rules(loaded: LoadedRules) -> Ruleset:
                 issues.append(loaded.issue(loc + ("block", "body_file"),
                                            f"cannot read the page template: {exc}"))
                 continue
+        challenge = None
+        if rule.action == "challenge":
+            page = CHALLENGE_PAGE
+            challenge = ChallengeSettings(cookie_name(rule.id), (rule.challenge or config.ChallengeAction()).ttl)
         limit = rule.limit
         key_prefix, key = compile_key(rule.id, rule.key)
         limiter: Limiter
@@ -352,6 +368,7 @@ def compile_rules(loaded: LoadedRules) -> Ruleset:
             page=page,
             ban_duration=(rule.ban or config.BanAction()).duration if rule.action == "ban" else None,
             response=response,
+            challenge=challenge,
         ))
     if issues:
         raise ConfigError(issues)
@@ -370,6 +387,8 @@ def compile_rules(loaded: LoadedRules) -> Ruleset:
         source=loaded.source,
         secret=_read_secret(model.challenge.secret_file, loaded.base_dir),
         draft_headers=model.headers == "draft",
+        difficulty=model.challenge.difficulty,
+        auto_ban=AutoBan.from_config(model.challenge.auto_ban),
     )
 
 

@@ -13,7 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Protocol, Sequence
 
-from sidecar.limiters import ALLOWED, Hit
+from sidecar.config import AutoBan as AutoBanConfig
+from sidecar.limiters import ALLOWED, Hit, WindowCounter
 
 Clock = Callable[[], float]
 
@@ -33,6 +34,28 @@ class Limiter(Protocol):
     def quota(self, state: Any, now: float, threshold: float) -> tuple[int, float, float]: ...
 
 
+@dataclass(frozen=True, slots=True)
+class AutoBan:
+    """Challenges per address before the address is banned (SPEC §6):
+    ``threshold`` challenges within the counter's period are issued, the
+    next one is a ban of ``duration`` instead."""
+
+    limiter: WindowCounter
+    threshold: int
+    duration: float
+
+    @classmethod
+    def from_config(cls, auto_ban: AutoBanConfig) -> "AutoBan":
+        return cls(WindowCounter(auto_ban.challenges, auto_ban.per, auto_ban.per),
+                   auto_ban.challenges, auto_ban.ban)
+
+    @staticmethod
+    def key(address: str) -> Hashable:
+        # Shaped like a rule's counting key, so logs can describe it; no rule
+        # id has a space, so it is nobody else's key.
+        return (("challenge auto-ban", ("ip",)), address)
+
+
 @dataclass(slots=True)  # not frozen: made per rule per request, and frozen __init__ is slow
 class Check:
     """One matching rule of one request, ready for the store."""
@@ -41,9 +64,10 @@ class Check:
     key: Hashable
     limiter: Limiter
     threshold: float
-    stops: bool  # over limit ends evaluation (block, ban)
+    stops: bool  # over limit ends evaluation (block, ban, challenge)
     ban_duration: float | None = None  # over limit bans the client address
     count: bool = True  # False: a response-phase rule, only its penalty is checked
+    auto_ban: AutoBan | None = None  # over limit issues a challenge, counted per address
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,10 +203,18 @@ class MemoryStore:
             evaluation.hits.append(hit)
             if hit.over_limit and check.stops:
                 refused = True
-                if check.ban_duration is not None and address:
+                ban_key, ban_duration = check.key, check.ban_duration
+                auto_ban = check.auto_ban
+                if auto_ban is not None and address:
+                    # One more challenge for this address: past the auto-ban
+                    # threshold, a ban instead.
+                    ban_key = auto_ban.key(address)
+                    if self._hit(ban_key, auto_ban.limiter, now, auto_ban.threshold, 1).over_limit:
+                        ban_duration = auto_ban.duration
+                if ban_duration is not None and address:
                     # Issuing a ban clears the triggering key (SPEC §6).
-                    self._states.pop(check.key, None)
-                    evaluation.ban = self._ban(now, address, check.rule_id, check.ban_duration)
+                    self._states.pop(ban_key, None)
+                    evaluation.ban = self._ban(now, address, check.rule_id, ban_duration)
                     evaluation.new_ban = True
                 break
         if buckets:

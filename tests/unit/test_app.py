@@ -5,6 +5,7 @@ import asyncio
 import pytest
 
 from sidecar.app import DenyToken, SluiceApp
+from sidecar.challenge import IssuedChallenge
 
 from .conftest import Harness
 
@@ -111,7 +112,11 @@ def test_invalid_deny_token_still_answers_a_refusal(app):
 def test_deny_token_round_trips_and_rejects_bad_status():
     with pytest.raises(ValueError):
         DenyToken.decode("200 1 1 1 rule -")
-    assert DenyToken.decode("429 5 10 3 rule -") == (429, 5, 10, 3, "rule", "")
+    assert DenyToken.decode("429 5 10 3 rule -") == (429, 5, 10, 3, "rule", "", None)
+    assert DenyToken.decode("403 5 10 3 rule 192.0.2.1 4 abc.def") == \
+        (403, 5, 10, 3, "rule", "192.0.2.1", IssuedChallenge("abc.def", 4))
+    with pytest.raises(ValueError):
+        DenyToken.decode("403 5 10 3 rule 192.0.2.1 4")
 
 
 def test_internal_failure_fails_open(app):

@@ -651,15 +651,23 @@ def test_spec_example_copy_matches_the_spec() -> None:
     assert match is not None and match.group(1) == SPEC_EXAMPLE
 
 
-def test_spec_example_validates_except_for_what_this_version_cannot_run() -> None:
-    """The SPEC §12 example is valid schema; what is refused is only the
-    features not available yet and its secret file, absent on this machine."""
+def test_spec_example_validates_except_for_its_absent_secret_file() -> None:
+    """The SPEC §12 example is valid; only its secret file, absent on this
+    machine, is refused."""
     with pytest.raises(ConfigError) as info:
         parse_rules_text(SPEC_EXAMPLE, "spec.yaml", Path("."))
-    fields = {issue.field for issue in info.value.issues}
-    assert fields == {"challenge.secret_file", "rules[4].action"}
-    assert all("not available in this version" in issue.message
-               for issue in info.value.issues if issue.field != "challenge.secret_file")
+    assert {issue.field for issue in info.value.issues} == {"challenge.secret_file"}
+
+
+def test_spec_example_runs_with_its_secret_file(tmp_path: Path) -> None:
+    (tmp_path / "secret").write_text("s3cret\n", encoding="utf-8")
+    text = SPEC_EXAMPLE.replace("/run/secrets/sluice", "secret")
+    ruleset = compile_rules(parse_rules_text(text, "spec.yaml", tmp_path))
+    pages = ruleset.by_id["pages"]
+    assert pages.action == "challenge" and pages.challenge is not None
+    assert (pages.challenge.cookie, pages.challenge.ttl) == ("sluice_pass_pages", 86400)
+    assert ruleset.secret == b"s3cret"
+    assert (ruleset.auto_ban.threshold, ruleset.auto_ban.duration) == (100, 300)
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "examples").glob("*.yaml")) + [REPO / "sidecar/default_rules.yaml"],
@@ -710,13 +718,18 @@ def test_load_ruleset_reports_a_missing_body_file(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("rule", "fragment", "field"), [
-    ("limit: {requests: 1, per: 1s}\naction: challenge\n", "challenge", "rules[1].action"),
+    ("limit: {requests: 1, per: 1s}\naction: challenge\nchallenge: {ttl: 10m}\n", "ttl", "rules[1].challenge.ttl"),
+    ("limit: {requests: 1, per: 1s}\naction: challenge\nchallenge: {ttl: 8d}\n", "ttl", "rules[1].challenge.ttl"),
 ])
-def test_features_not_yet_available_are_refused_at_load(rule: str, fragment: str, field: str) -> None:
+def test_challenge_settings_out_of_range_are_refused(rule: str, fragment: str, field: str) -> None:
     text = rule_file(rule)
-    issues = compile_issues(text)
-    assert located(issues) == {(line_of(text, fragment), field)}
-    assert "not available" in issues[0].message
+    assert located(compile_issues(text)) == {(line_of(text, fragment), field)}
+
+
+@pytest.mark.parametrize("difficulty", [0, 25])
+def test_challenge_difficulty_out_of_range_is_refused(difficulty: int) -> None:
+    text = f"challenge:\n  difficulty: {difficulty}\n" + VALID_RULE
+    assert located(compile_issues(text)) == {(2, "challenge.difficulty")}
 
 
 def test_redis_backend_is_refused_at_load() -> None:
@@ -729,6 +742,7 @@ def test_every_compile_error_is_reported_at_once(tmp_path: Path) -> None:
           - id: a
             limit: {requests: 1, per: 1s}
             action: challenge
+            challenge: {ttl: 1m}
           - id: b
             limit: {tokens: 3, refill: 2/s}
             count_on: {status: [404]}
@@ -744,7 +758,7 @@ def test_every_compile_error_is_reported_at_once(tmp_path: Path) -> None:
         """)
     assert located(compile_issues(text, base_dir=tmp_path)) == {
         (1, "state.backend"),
-        (line_of(text, "challenge"), "rules[1].action"),
+        (line_of(text, "ttl: 1m"), "rules[1].challenge.ttl"),
         (line_of(text, "id: b"), "rules[2]"),
         (line_of(text, "body_file"), "rules[3].block.body_file"),
     }
@@ -805,11 +819,12 @@ def test_check_reports_yaml_problems_as_file_line_without_a_traceback(tmp_path: 
 
 
 def test_check_reports_load_time_errors(tmp_path: Path) -> None:
-    text = rule_file("limit: {requests: 1, per: 1s}\naction: challenge\n")
+    text = rule_file("limit: {requests: 1, per: 1s}\naction: block\nblock: {body_file: gone.html}\n")
     (tmp_path / "r.yaml").write_text(text, encoding="utf-8")
     result = sluice_check("r.yaml", tmp_path)
     assert result.returncode == 1
-    assert result.stderr.splitlines()[0].startswith(f"r.yaml:{line_of(text, 'challenge')}: rules[1].action: ")
+    assert result.stderr.splitlines()[0].startswith(
+        f"r.yaml:{line_of(text, 'gone.html')}: rules[1].block.body_file: ")
 
 
 def test_check_reports_schema_and_load_time_errors_together(tmp_path: Path) -> None:
