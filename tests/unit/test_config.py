@@ -865,9 +865,9 @@ def test_check_accepts_an_existing_secret_file(tmp_path: Path) -> None:
 
 
 def test_check_console_script_reports_errors_with_the_file_as_given(tmp_path: Path) -> None:
+    # `make test` installs the project into the interpreter's venv.
     script = Path(sys.executable).with_name("sluice")
-    if not script.exists():
-        pytest.skip("the sluice console script is not installed beside this interpreter")
+    assert script.exists(), f"the sluice console script is not installed beside {sys.executable}"
     (tmp_path / "bad.yaml").write_text("bogus: 1\n", encoding="utf-8")
     result = subprocess.run([str(script), "check", "./bad.yaml"], cwd=tmp_path,
                             capture_output=True, text=True, timeout=60)
