@@ -25,6 +25,7 @@ import pytest
 
 from sidecar.launcher import START_TIMEOUT_SECONDS, Component, StackError
 from tests.integration.clients import LOOPBACK, Client, Reply, assert_default_block
+from tests.integration.test_challenge import pass_challenge
 
 pytestmark = pytest.mark.integration
 
@@ -320,3 +321,16 @@ def test_a_stuck_sluice_delays_requests_by_the_read_timeout_only(own_stack: Cadd
         (200, "/block/stuck-0"),
         (200, "/block/stuck-1"),
     ]
+
+
+def test_a_challenge_solved_through_caddy_sets_a_credential_that_passes(trusting: CaddyStack) -> None:
+    # The shipped Caddyfile routes /.sluice/challenge to Sluice, unchecked.
+    client = new_client(trusting)
+    path = unique_path("/challenge/")
+    cookie = pass_challenge(client, path)
+    assert [client.request(path, headers={"Cookie": cookie}).status for _ in range(3)] == [200, 200, 200]
+    # The same cookie from another address behind Caddy is no credential.
+    other = new_client(trusting)
+    for _ in range(2):
+        other.request(path)
+    assert other.request(path, headers={"Cookie": cookie}).status == 403
