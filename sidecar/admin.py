@@ -77,7 +77,7 @@ class Admin:
             "over_limit": metrics.over_limit_of(rule.id),
         } for rule in self.engine.ruleset.rules]
 
-    def bans(self) -> list[dict]:
+    async def bans(self) -> list[dict]:
         now = self.engine.clock()
         return [{
             "address": ban.address,
@@ -86,10 +86,10 @@ class Admin:
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ban.started_wall)),
             "duration_seconds": ban.duration,
             "remaining_seconds": round(ban.expires - now, 3),
-        } for ban in self.engine.store.active_bans(now)]
+        } for ban in await self.engine.active_bans()]
 
-    def lift_ban(self, address: str) -> bool:
-        return self.engine.store.lift_ban(address)
+    async def lift_ban(self, address: str) -> bool:
+        return await self.engine.lift_ban(address)
 
 
 def read_token(path: str | None) -> bytes | None:

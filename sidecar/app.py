@@ -122,9 +122,11 @@ class DenyToken:
     @staticmethod
     def encode(decision: Decision, client_text: str) -> str:
         rule = decision.rule
-        assert rule is not None and decision.page is not None
+        assert decision.page is not None
+        # No rule: refused because the shared store is unavailable (fail:
+        # closed); the page request then gets the built-in page.
         token = (f"{decision.page.status} {decision.limit} {decision.reset} {decision.retry_after} "
-                 f"{rule.id} {client_text or '-'}")
+                 f"{rule.id if rule is not None else '-'} {client_text or '-'}")
         if decision.challenge is not None:
             token += f" {decision.challenge.difficulty} {decision.challenge.text}"
         return token
@@ -196,7 +198,7 @@ async def answer_in_full(send: Send, request: CheckRequest, decision: Decision) 
 
 def render_deny(request: CheckRequest, decision: Decision) -> tuple[int, list[tuple[str, str]], bytes]:
     """A deny's status, headers and page."""
-    assert decision.page is not None and decision.rule is not None
+    assert decision.page is not None
     body = render_page(decision.page, request.client.text, request.host, request.request_id,
                        decision.challenge)
     headers = deny_headers(decision.limit, decision.reset, decision.retry_after, request.request_id)
@@ -278,9 +280,9 @@ class SluiceApp:
     """The ASGI application uvicorn runs."""
 
     def __init__(self, engine: Engine, report_udp: tuple[str, int] | None = None,
-                 admin: Admin | None = None) -> None:
+                 admin: Admin | None = None, share_report_port: bool = False) -> None:
         self.engine = engine
-        self.api = build_api(engine, report_udp, admin)
+        self.api = build_api(engine, report_udp, admin, share_report_port)
         self._last_error_log = -60.0
         self._checks: dict[str, tuple[Describe, Answer]] = {
             NGINX_AUTH_PATH: (describe_nginx, answer_nginx),
@@ -315,7 +317,7 @@ class SluiceApp:
         started = time.perf_counter()
         try:
             request = describe(engine, scope, header_map(scope))
-            decision = engine.decide(request)
+            decision = await engine.decide_async(request)
         except Exception:
             self._internal_error()
             await respond(send, 200, [])
@@ -387,7 +389,7 @@ class SluiceApp:
     async def _hook(self, scope: Scope, send: Send) -> None:
         """A response report over HTTP (Envoy's Lua filter); answered at once."""
         try:
-            report_from_headers(self.engine, header_map(scope))
+            await report_from_headers(self.engine, header_map(scope))
         except Exception:
             self._internal_error()
         await respond(send, 204, [])
@@ -401,10 +403,11 @@ class SluiceApp:
 
 
 def build_api(engine: Engine, report_udp: tuple[str, int] | None = None,
-              admin: Admin | None = None) -> FastAPI:
+              admin: Admin | None = None, share_report_port: bool = False) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_api: FastAPI) -> AsyncIterator[None]:
-        transport = await listen_for_reports(engine, *report_udp) if report_udp else None
+        transport = await listen_for_reports(engine, *report_udp, reuse_port=share_report_port) \
+            if report_udp else None
         loop = asyncio.get_running_loop()
         if admin is not None:
             loop.add_signal_handler(signal.SIGHUP, admin.reload)
@@ -417,10 +420,13 @@ def build_api(engine: Engine, report_udp: tuple[str, int] | None = None,
                 transport.close()
 
     api = FastAPI(title="Sluice", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
-    engine.metrics.watch("sluice_active_bans", "IP bans in force on this node.",
-                         lambda: len(engine.store.active_bans(engine.clock())))
-    engine.metrics.watch("sluice_tracked_keys", "Counting keys held in memory.",
-                         engine.store.tracked_keys)
+    if not engine.shared_store:
+        # A shared store's bans and keys are Redis's to count, not a node's.
+        store = engine.store
+        engine.metrics.watch("sluice_active_bans", "IP bans in force on this node.",
+                             lambda: len(store.active_bans(engine.clock())))  # type: ignore[arg-type]
+        engine.metrics.watch("sluice_tracked_keys", "Counting keys held in memory.",
+                             store.tracked_keys)  # type: ignore[attr-defined]
     engine.metrics.watch("sluice_waiting_requests", "Requests held by a leaky bucket right now.",
                          lambda: engine.delayed)
 
@@ -458,12 +464,12 @@ def admin_routes(admin: Admin) -> APIRouter:
 
     @router.get("/bans")
     async def bans() -> list[dict]:
-        return admin.bans()
+        return await admin.bans()
 
     @router.delete("/bans", status_code=204)
     async def lift_ban(address: str) -> Response:
         """Lift the ban of one address (as listed: an IPv6 /64 as ``2001:db8::/64``)."""
-        if not admin.lift_ban(address):
+        if not await admin.lift_ban(address):
             raise HTTPException(404, f"no active ban for {address!r}")
         return Response(status_code=204)
 
@@ -478,7 +484,8 @@ def admin_routes(admin: Admin) -> APIRouter:
 
 
 def create_app(engine: Engine, report_udp: tuple[str, int] | None = None,
-               admin: Admin | None = None) -> SluiceApp:
-    """``report_udp``: where to receive nginx's response reports (syslog/UDP);
+               admin: Admin | None = None, share_report_port: bool = False) -> SluiceApp:
+    """``report_udp``: where to receive nginx's response reports (syslog/UDP),
+    a port several worker processes share with ``share_report_port``;
     ``admin``: reload on SIGHUP and serve the admin API."""
-    return SluiceApp(engine, report_udp, admin)
+    return SluiceApp(engine, report_udp, admin, share_report_port)

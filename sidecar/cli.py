@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import ipaddress
+import json
 import logging
+import os
 import sys
+from typing import Any
 
 import click
 
@@ -96,9 +99,7 @@ def serve(config: str | None, host: str, port: int, uds: str | None, hook_udp: s
     """Run the check service."""
     import uvicorn
 
-    from sidecar.admin import Admin, read_token
-    from sidecar.app import create_app
-    from sidecar.engine import Engine, configure_decision_log
+    from sidecar.admin import read_token
 
     ruleset = _load(config)
     if workers > 1 and ruleset.backend == "memory":
@@ -106,21 +107,56 @@ def serve(config: str | None, host: str, port: int, uds: str | None, hook_udp: s
                    "with the memory backend each worker would keep its own counters and "
                    "silently multiply every limit", err=True)
         raise SystemExit(2)
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    configure_decision_log()
     try:
-        token = read_token(admin_token_file)
+        read_token(admin_token_file)
     except (OSError, ValueError) as exc:
         raise click.BadParameter(str(exc), param_hint="--admin-token-file") from None
+    settings = {"config": config, "admin_token_file": admin_token_file, "hook_udp": _host_port(hook_udp),
+                "loopback": uds is not None or _is_loopback(host), "log_level": log_level,
+                "workers": workers}
+    click.echo(f"sluice: {len(ruleset.rules)} rules from {ruleset.source}, node {ruleset.node}"
+               + (f", {workers} workers" if workers > 1 else ""), err=True)
+    options: dict[str, Any] = dict(
+        host=host, port=port, uds=uds, access_log=False, log_level=log_level, lifespan="on",
+        server_header=False, date_header=False,
+        # The client address is Sluice's business (SPEC §3): uvicorn must
+        # not rewrite the peer from X-Forwarded-For by itself.
+        proxy_headers=False)
+    if workers == 1:
+        uvicorn.run(service(settings, ruleset), **options)
+        return
+    # Worker processes build their own application from an import string;
+    # the settings travel in the environment.
+    os.environ[SERVE_SETTINGS] = json.dumps(settings)
+    uvicorn.run("sidecar.cli:worker_service", factory=True, workers=workers, **options)
+
+
+SERVE_SETTINGS = "SLUICE_SERVE_SETTINGS"
+
+
+def service(settings: dict[str, Any], ruleset: Ruleset | None = None) -> Any:
+    """The application ``serve`` runs, in this process or in each worker."""
+    from sidecar.admin import Admin, read_token
+    from sidecar.app import create_app
+    from sidecar.engine import Engine, configure_decision_log
+
+    logging.basicConfig(level=settings["log_level"].upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_decision_log()
+    ruleset = ruleset or _load(settings["config"])
     engine = Engine(ruleset)
-    admin = Admin(engine, config, token, loopback_listener=uds is not None or _is_loopback(host))
-    app = create_app(engine, _host_port(hook_udp), admin)
-    click.echo(f"sluice: {len(ruleset.rules)} rules from {ruleset.source}, node {ruleset.node}", err=True)
-    uvicorn.run(app, host=host, port=port, uds=uds, access_log=False, log_level=log_level,
-                lifespan="on", server_header=False, date_header=False,
-                # The client address is Sluice's business (SPEC §3): uvicorn
-                # must not rewrite the peer from X-Forwarded-For by itself.
-                proxy_headers=False)
+    admin = Admin(engine, settings["config"], read_token(settings["admin_token_file"]),
+                  loopback_listener=settings["loopback"])
+    hook_udp = settings["hook_udp"]
+    # Several workers share the report port: the kernel spreads datagrams
+    # over them (SO_REUSEPORT).
+    return create_app(engine, tuple(hook_udp) if hook_udp else None, admin,
+                      share_report_port=settings["workers"] > 1)
+
+
+def worker_service() -> Any:
+    """The factory uvicorn's worker processes call."""
+    return service(json.loads(os.environ[SERVE_SETTINGS]))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -387,19 +387,12 @@ class ClientIPConfig(Strict):
 
 class StateConfig(Strict):
     backend: Literal["memory", "redis"] = "memory"
-    url: str | None = None
+    url: str = "redis://127.0.0.1:6379/0"  # with backend: redis
     max_keys: int = Field(100_000, ge=1)
     # Requests a leaky bucket may hold at once on this node (SPEC §7): when
     # all are taken, a request that would have to wait is refused instead.
     max_delayed: int = Field(1_000, ge=0)
     fail: Literal["open", "closed"] = "open"
-
-    @field_validator("backend")
-    @classmethod
-    def _available(cls, value: str) -> str:
-        if value != "memory":
-            raise ValueError(f"backend {value!r} {NOT_YET}")
-        return value
 
 
 class VerifiedBots(Strict):
@@ -446,11 +439,6 @@ class RulesFile(Strict):
     challenge: ChallengeConfig = ChallengeConfig()
     overrides: list[Override] = []
     rules: list[Rule] = []
-
-
-# Features of the rules file that later versions implement: a file using them
-# is refused rather than silently not doing what it says.
-NOT_YET = "is not available in this version of Sluice"
 
 
 def resolve_file(name: str, base_dir: Path) -> Path:

@@ -19,7 +19,8 @@ from sidecar.metrics import Metrics
 from sidecar.request import CheckRequest
 from sidecar.rules import CompiledRule, Ruleset, describe_key
 from sidecar.pending import PendingEntry, PendingTokens
-from sidecar.state import Check, MemoryStore, ResponseCount, StateStore
+from sidecar.redis_store import RedisStore, StoreUnavailable
+from sidecar.state import BanRecord, Check, Evaluation, MemoryStore, ResponseCount, StateStore
 
 Clock = Callable[[], float]
 
@@ -56,6 +57,9 @@ class Decision:
 
 ALLOWED = Decision(ALLOW)
 CLOSED = Decision(CLOSE)
+# fail: closed and the shared store unavailable (SPEC §9): a refusal no rule
+# made, with the built-in 503 page.
+STORE_UNAVAILABLE = Decision(DENY, None, 0, 0, 1, BlockPage.builtin(503))
 
 
 class Engine:
@@ -77,7 +81,13 @@ class Engine:
         key = secret or ruleset.secret or os.urandom(32)
         self.pending = PendingTokens(key, wall_clock=wall_clock)
         self.challenges = Challenges(key, wall_clock=wall_clock)
-        self.store = store if store is not None else MemoryStore(ruleset.max_keys, ruleset.node, clock)
+        if store is None:
+            store = RedisStore.from_url(ruleset.url, ruleset.node) if ruleset.backend == "redis" \
+                else MemoryStore(ruleset.max_keys, ruleset.node, clock)
+        self.store = store
+        # A shared store answers with coroutines: decide_async awaits them.
+        self.shared_store: bool = getattr(store, "is_async", False)
+        self._store_error_logged = -math.inf
         self.metrics = metrics if metrics is not None else Metrics()
         self._bad_address_logged = -math.inf
         # Requests held by a leaky bucket right now; the application counts
@@ -110,6 +120,42 @@ class Engine:
     # -- the decision -----------------------------------------------------
 
     def decide(self, request: CheckRequest) -> Decision:
+        """The decision, with a store that answers at once (memory)."""
+        prepared = self._prepare(request)
+        if isinstance(prepared, Decision):
+            return prepared
+        evaluation = self.store.evaluate(self.clock(), request.client.key, prepared[1],
+                                         can_delay=self.delayed < self.ruleset.max_delayed)
+        return self._conclude(request, *prepared, evaluation)
+
+    async def decide_async(self, request: CheckRequest) -> Decision:
+        """The decision, awaiting the store when it is a shared one; the
+        same steps as ``decide`` around the store's answer."""
+        if not self.shared_store:
+            return self.decide(request)
+        prepared = self._prepare(request)
+        if isinstance(prepared, Decision):
+            return prepared
+        try:
+            evaluation = await self.store.evaluate(self.clock(), request.client.key, prepared[1])  # type: ignore[misc]
+        except StoreUnavailable as exc:
+            self._store_failed(exc)
+            return ALLOWED if self.ruleset.fail == "open" else STORE_UNAVAILABLE
+        return self._conclude(request, *prepared, evaluation)
+
+    def _store_failed(self, exc: Exception) -> None:
+        # SPEC §9: counted always, logged at most every 10 s.
+        self.metrics.store_errors.inc()
+        now = time.monotonic()
+        if now - self._store_error_logged >= 10:
+            self._store_error_logged = now
+            log.warning("state store unavailable (%s); requests %s until it answers again "
+                        "(reported every 10 s at most)", exc,
+                        "are allowed" if self.ruleset.fail == "open" else "are refused")
+
+    def _prepare(self, request: CheckRequest) -> Decision | tuple[list[CompiledRule], list[Check]]:
+        """The matching rules and their checks, or the decision when the
+        store need not be asked."""
         ruleset = self.ruleset
         metrics = self.metrics
         metrics.checks.inc()
@@ -142,9 +188,13 @@ class Engine:
                                 count=rule.response is None, auto_ban=auto_ban))
         if not checks and not self.store.may_be_banned():
             return ALLOWED
+        return matched, checks
 
-        evaluation = self.store.evaluate(self.clock(), request.client.key, checks,
-                                         can_delay=self.delayed < ruleset.max_delayed)
+    def _conclude(self, request: CheckRequest, matched: list[CompiledRule], checks: list[Check],
+                  evaluation: Evaluation) -> Decision:
+        """The decision from the store's evaluation."""
+        ruleset = self.ruleset
+        metrics = self.metrics
         if evaluation.ban is not None and not evaluation.new_ban:
             # Banned: no evaluation, no counting, no per-request log (SPEC §1).
             metrics.banned_requests.inc()
@@ -203,11 +253,33 @@ class Engine:
     def record_response(self, token: str, status: int, headers: dict[str, str]) -> int:
         """The proxy reports a response (SPEC §8): count it for every pending
         rule whose response condition matches. Returns how many counted."""
+        prepared = self._response_counts(token, status, headers)
+        if prepared is None:
+            return 0
+        return self._counted(*prepared, self.store.record(self.clock(), prepared[1]))
+
+    async def record_response_async(self, token: str, status: int, headers: dict[str, str]) -> int:
+        """``record_response``, awaiting a shared store."""
+        if not self.shared_store:
+            return self.record_response(token, status, headers)
+        prepared = self._response_counts(token, status, headers)
+        if prepared is None:
+            return 0
+        try:
+            hits = await self.store.record(self.clock(), prepared[1])  # type: ignore[misc]
+        except StoreUnavailable as exc:
+            self._store_failed(exc)  # the counts are lost, as with a lost report
+            return 0
+        return self._counted(*prepared, hits)
+
+    def _response_counts(self, token: str, status: int, headers: dict[str, str]
+                         ) -> tuple[list[CompiledRule], list[ResponseCount]] | None:
+        """The counts a report makes, or None when it makes none."""
         entries = self.pending.open(token)
         metrics = self.metrics
         if entries is None:
             metrics.reports_refused.inc()
-            return 0
+            return None
         metrics.reports.inc()
         ruleset = self.ruleset
         rules: list[CompiledRule] = []
@@ -221,14 +293,25 @@ class Engine:
             if amount:
                 rules.append(rule)
                 counts.append(ResponseCount((rule.key_prefix, *values), rule.limiter, threshold, amount))
-        if not counts:
-            return 0
-        hits = self.store.record(self.clock(), counts)
+        return (rules, counts) if counts else None
+
+    def _counted(self, rules: list[CompiledRule], counts: list[ResponseCount], hits: list[Hit]) -> int:
+        metrics = self.metrics
         for rule, count, hit in zip(rules, counts, hits):
             if not hit.over_limit:
                 metrics.hit(rule.id)
                 self._log_count(rule, count)
         return sum(not hit.over_limit for hit in hits)
+
+    # -- bans, for the admin API --------------------------------------------
+
+    async def active_bans(self) -> list[BanRecord]:
+        bans = self.store.active_bans(self.clock())
+        return await bans if self.shared_store else bans  # type: ignore[misc,return-value]
+
+    async def lift_ban(self, address: str) -> bool:
+        lifted = self.store.lift_ban(address)
+        return await lifted if self.shared_store else lifted  # type: ignore[misc,return-value]
 
     def _apply(self, request: CheckRequest, rule: CompiledRule, limit: int, reset: int, hit: Hit,
                banned: bool) -> Decision:

@@ -26,7 +26,7 @@ log = logging.getLogger("sluice")
 RESPONSE_HEADER_PREFIX = "x-sluice-response-"
 
 
-def report_from_headers(engine: Engine, headers: dict[str, str]) -> int:
+async def report_from_headers(engine: Engine, headers: dict[str, str]) -> int:
     status = _status(headers.get("x-sluice-status"))
     token = headers.get("x-sluice-pending", "")
     if status is None or not token:
@@ -34,11 +34,18 @@ def report_from_headers(engine: Engine, headers: dict[str, str]) -> int:
         return 0
     response_headers = {name[len(RESPONSE_HEADER_PREFIX):]: value for name, value in headers.items()
                         if name.startswith(RESPONSE_HEADER_PREFIX)}
-    return engine.record_response(token, status, response_headers)
+    return await engine.record_response_async(token, status, response_headers)
 
 
 def report_from_datagram(engine: Engine, data: bytes) -> int:
-    """One syslog datagram from nginx: ``<PRI>TIMESTAMP TAG: {json}``."""
+    """Count one syslog datagram's report, with a memory store."""
+    report = datagram_report(engine, data)
+    return engine.record_response(*report) if report is not None else 0
+
+
+def datagram_report(engine: Engine, data: bytes) -> tuple[str, int, dict[str, str]] | None:
+    """The report in one syslog datagram from nginx (``<PRI>TIMESTAMP TAG:
+    {json}``): token, status and response headers; None for a bad one."""
     start = data.find(b"{")
     try:
         report: Any = json.loads(data[start:]) if start != -1 else None
@@ -46,15 +53,15 @@ def report_from_datagram(engine: Engine, data: bytes) -> int:
         report = None
     if not isinstance(report, dict):
         engine.metrics.reports_refused.inc()
-        return 0
+        return None
     token, status, headers = report.get("token"), _status(report.get("status")), report.get("headers")
     if not isinstance(token, str) or not token or status is None:
         engine.metrics.reports_refused.inc()
-        return 0
+        return None
     # nginx logs an absent header as an empty string.
     response_headers = {str(name).lower(): value for name, value in (headers or {}).items()
                         if isinstance(value, str) and value != ""} if isinstance(headers, dict) else {}
-    return engine.record_response(token, status, response_headers)
+    return token, status, response_headers
 
 
 def _status(value: Any) -> int | None:
@@ -70,17 +77,36 @@ class HookDatagrams(asyncio.DatagramProtocol):
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self._recording: set[asyncio.Task] = set()  # strong references until done
 
     def datagram_received(self, data: bytes, addr: Any) -> None:
         try:
-            report_from_datagram(self.engine, data)
+            if not self.engine.shared_store:
+                report_from_datagram(self.engine, data)
+                return
+            report = datagram_report(self.engine, data)
+            if report is None:
+                return
+            # A shared store answers later: count in a task of its own.
+            task = asyncio.ensure_future(self.engine.record_response_async(*report))
+            self._recording.add(task)
+            task.add_done_callback(self._recorded)
         except Exception:  # a report must never take the listener down
-            self.engine.metrics.errors.inc()
-            log.exception("response report failed")
+            self._failed()
+
+    def _recorded(self, task: asyncio.Task) -> None:
+        self._recording.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self._failed()
+
+    def _failed(self) -> None:
+        self.engine.metrics.errors.inc()
+        log.error("response report failed", exc_info=True)
 
 
-async def listen_for_reports(engine: Engine, host: str, port: int) -> asyncio.DatagramTransport:
+async def listen_for_reports(engine: Engine, host: str, port: int,
+                             reuse_port: bool = False) -> asyncio.DatagramTransport:
     loop = asyncio.get_running_loop()
     transport, _ = await loop.create_datagram_endpoint(lambda: HookDatagrams(engine),
-                                                       local_addr=(host, port))
+                                                       local_addr=(host, port), reuse_port=reuse_port)
     return transport

@@ -51,6 +51,8 @@ COUNTERS = {
     "invalid_address": ("sluice_invalid_client_address",
                         "Requests whose client address was missing or invalid."),
     "errors": ("sluice_internal_errors", "Checks that failed inside Sluice and were allowed (fail open)."),
+    "store_errors": ("sluice_store_errors",
+                     "Store operations that failed because the shared store was unavailable (SPEC §9)."),
     "reports": ("sluice_responses_reported", "Responses reported through the post-response hook."),
     "reports_refused": ("sluice_responses_refused",
                         "Response reports with a missing, forged or expired token."),

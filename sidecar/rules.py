@@ -290,6 +290,8 @@ class Ruleset:
     max_keys: int
     max_delayed: int
     backend: str
+    url: str  # the shared store's, with backend redis
+    fail: str  # open | closed: a request when the shared store is unavailable (SPEC §9)
     source: str
     secret: bytes | None  # HMAC key from challenge.secret_file
     draft_headers: bool  # RateLimit-Policy / RateLimit on allowed responses
@@ -338,6 +340,10 @@ def compile_rules(loaded: LoadedRules) -> Ruleset:
             issues.append(loaded.issue(loc + ("limit",), "overrides scale request and score "
                                        "thresholds; a bucket rule cannot be listed in overrides"))
             continue
+        if model.state.backend == "redis" and isinstance(limit, (config.LeakyLimit, config.TokenLimit)):
+            issues.append(loaded.issue(loc + ("limit",), "bucket limits (rate, tokens) are not "
+                                       "available with the redis backend; use requests or score"))
+            continue
         if isinstance(limit, config.LeakyLimit):
             limiter = LeakyBucket(limit.rate, limit.burst, None if limit.nodelay else (limit.delay or 0),
                                   penalty)
@@ -370,6 +376,9 @@ def compile_rules(loaded: LoadedRules) -> Ruleset:
             response=response,
             challenge=challenge,
         ))
+    if model.state.backend == "redis" and model.headers == "draft":
+        issues.append(loaded.issue(("headers",), "draft RateLimit headers are not available with "
+                                   "the redis backend; use standard"))
     if issues:
         raise ConfigError(issues)
     client_ip = model.client_ip
@@ -384,6 +393,8 @@ def compile_rules(loaded: LoadedRules) -> Ruleset:
         max_keys=model.state.max_keys,
         max_delayed=model.state.max_delayed,
         backend=model.state.backend,
+        url=model.state.url,
+        fail=model.state.fail,
         source=loaded.source,
         secret=_read_secret(model.challenge.secret_file, loaded.base_dir),
         draft_headers=model.headers == "draft",

@@ -732,13 +732,29 @@ def test_challenge_difficulty_out_of_range_is_refused(difficulty: int) -> None:
     assert located(compile_issues(text)) == {(2, "challenge.difficulty")}
 
 
-def test_redis_backend_is_refused_at_load() -> None:
-    text = "state:\n  backend: redis\n  url: redis://127.0.0.1:6379/0\n" + VALID_RULE
-    assert located(compile_issues(text)) == {(2, "state.backend")}
+def test_redis_backend_loads_with_its_url_and_fail_mode() -> None:
+    text = "state:\n  backend: redis\n  url: redis://127.0.0.1:6390/2\n  fail: closed\n" + VALID_RULE
+    ruleset = compile_rules(parse(text))
+    assert (ruleset.backend, ruleset.url, ruleset.fail) == ("redis", "redis://127.0.0.1:6390/2", "closed")
+
+
+@pytest.mark.parametrize("limit", ["{rate: 10r/s, burst: 5}", "{tokens: 10, refill: 1/s}"])
+def test_bucket_rules_are_refused_with_the_redis_backend(limit: str) -> None:
+    text = "state: {backend: redis}\n" + rule_file(f"limit: {limit}\naction: block\n")
+    issues = compile_issues(text)
+    assert located(issues) == {(line_of(text, f"limit: {limit}"), "rules[1].limit")}
+    assert "not available with the redis backend" in issues[0].message
+
+
+def test_draft_headers_are_refused_with_the_redis_backend() -> None:
+    text = "headers: draft\nstate: {backend: redis}\n" + VALID_RULE
+    issues = compile_issues(text)
+    assert located(issues) == {(1, "headers")}
+    assert "not available with the redis backend" in issues[0].message
 
 
 def test_every_compile_error_is_reported_at_once(tmp_path: Path) -> None:
-    text = "state: {backend: redis}\n" + VALID_RULE + more_rules("""\
+    text = "state: {backend: valkey}\n" + VALID_RULE + more_rules("""\
           - id: a
             limit: {requests: 1, per: 1s}
             action: challenge

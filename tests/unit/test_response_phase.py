@@ -1,5 +1,6 @@
 """Response-phase counting and score budgets (SPEC §7, §8) on a fake clock."""
 
+import asyncio
 import json
 
 import pytest
@@ -186,8 +187,8 @@ rules:
 def test_report_from_envoy_headers():
     h = Harness(SCORE)
     token = h.decide().pending
-    counted = report_from_headers(h.engine, {"x-sluice-pending": token, "x-sluice-status": "200",
-                                             "x-sluice-response-x-score": "500"})
+    counted = asyncio.run(report_from_headers(h.engine, {"x-sluice-pending": token, "x-sluice-status": "200",
+                                                         "x-sluice-response-x-score": "500"}))
     assert counted == 1 and h.decide().outcome == DENY
 
 

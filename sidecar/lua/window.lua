@@ -1,0 +1,96 @@
+-- Shared by every Sluice script (prepended when the store loads them): the
+-- window counter of sidecar/limiters.py WindowCounter, step for step, and
+-- Sluice's time. Numbers cross the Redis boundary as strings printed with
+-- 17 significant digits, so every double survives the trip exactly.
+
+local function num(x)
+  return string.format('%.17g', x)
+end
+
+-- Seconds: the caller's clock (tests), or the Redis server's, which every
+-- node and worker sharing this Redis shares.
+local function clock(arg)
+  if arg ~= '' then
+    return tonumber(arg)
+  end
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+
+-- Python's float floor division (CPython float_floor_div), so that a window
+-- index is the same number the memory store computes.
+local function floordiv(a, b)
+  local mod = math.fmod(a, b)
+  local div = (a - mod) / b
+  if mod ~= 0 and ((b < 0) ~= (mod < 0)) then
+    div = div - 1.0
+  end
+  if div == 0 then
+    return 0.0
+  end
+  local floored = math.floor(div)
+  if div - floored > 0.5 then
+    floored = floored + 1.0
+  end
+  return floored
+end
+
+-- Milliseconds from now until `at`, at least 1: every key expires.
+local function pexpire_at(key, now, at)
+  redis.call('PEXPIRE', key, math.max(1, math.ceil((at - now) * 1000)))
+end
+
+-- Is the key in its penalty? Returns (over, retry_after).
+local function peek(key, now)
+  local until_ = tonumber(redis.call('HGET', key, 'u') or '-inf') or -math.huge
+  if now < until_ then
+    return true, until_ - now
+  end
+  return false, 0
+end
+
+-- Count `amount` for the key: WindowCounter.hit. `limit` is the table
+-- {threshold, period, penalty, sliding, exceed}.
+local function hit(key, now, limit, amount)
+  local threshold, period, penalty, sliding, exceed = limit[1], limit[2], limit[3], limit[4], limit[5]
+  local state = redis.call('HMGET', key, 'w', 'p', 'c', 'u')
+  local window = tonumber(state[1]) or -2
+  local previous = tonumber(state[2]) or 0
+  local current = tonumber(state[3]) or 0
+  local until_ = tonumber(state[4]) or -math.huge
+  if now < until_ then
+    return true, until_ - now
+  end
+  local index = floordiv(now, period)
+  if index ~= window then
+    if index == window + 1 then previous = current else previous = 0 end
+    current = 0
+    window = index
+  end
+  current = current + amount
+  local estimate = current
+  if sliding and previous ~= 0 then
+    local elapsed = now - window * period
+    estimate = estimate + previous * (period - elapsed) / period
+  end
+  -- Compared as a real number, never rounded (SPEC §2).
+  local reached
+  if exceed then reached = estimate > threshold else reached = estimate >= threshold end
+  if reached then
+    until_ = now + penalty
+  end
+  local fields = {'w', num(window), 'p', num(previous), 'c', num(current)}
+  if until_ > -math.huge then
+    table.insert(fields, 'u')
+    table.insert(fields, num(until_))
+  end
+  redis.call('HSET', key, unpack(fields))
+  local horizon = (window + (sliding and 2 or 1)) * period
+  pexpire_at(key, now, math.max(horizon, until_))
+  return false, 0
+end
+
+local function limit_from(argv, at)
+  return {tonumber(argv[at]), tonumber(argv[at + 1]), tonumber(argv[at + 2]),
+          argv[at + 3] == '1', argv[at + 4] == '1'}
+end

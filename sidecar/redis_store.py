@@ -1,0 +1,161 @@
+"""Counts and bans in Redis (or Valkey), shared by every node and worker (SPEC §9).
+
+Each operation is one Lua script, shipped as a file under ``sidecar/lua/``,
+registered once and called by its digest (EVALSHA, loaded again after
+NOSCRIPT): a request's ban check and all its checks are one atomic step and
+one round trip. The scripts are the window counter of ``limiters.py`` line
+for line; buckets are refused at load with this backend (see ``rules.py``).
+
+Every key carries the hash tag ``{sluice}``, so the multi-key scripts are
+valid on Redis Cluster; the price is that all of Sluice's keys live in one
+slot, on one shard. Every key has an expiry: a counter's when its window no
+longer weighs in and its penalty is over, a ban's when it ends.
+
+Time is the Redis server's (``TIME``), which all nodes share; with
+``server_time=False`` the scripts use the ``now`` the engine passes (tests
+with a fake clock). Durations come back, never instants, and are turned
+into the caller's clock, so ban records look as they do from MemoryStore.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from importlib import resources
+from typing import Any, Hashable, Sequence
+
+import redis.asyncio as aioredis
+import redis.exceptions
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from sidecar.limiters import ALLOWED, Hit, WindowCounter
+from sidecar.state import BanRecord, Check, Clock, Evaluation, ResponseCount
+
+PREFIX = "{sluice}:"
+COUNT_PREFIX = PREFIX + "count:"
+BAN_PREFIX = PREFIX + "ban:"
+BAN_INDEX = PREFIX + "bans"
+
+# A store that does not answer within this is unavailable for this request
+# (SPEC §9): the request fails open (or closed) instead of waiting.
+DEFAULT_TIMEOUT = 0.1
+
+
+class StoreUnavailable(Exception):
+    """The shared store did not answer; the caller fails open or closed."""
+
+
+def counting_key(key: Hashable) -> str:
+    """The Redis key of a counting key tuple: its JSON, which is readable in
+    redis-cli and unambiguous (strings are quoted and escaped)."""
+    return COUNT_PREFIX + json.dumps(key, separators=(",", ":"))
+
+
+def ban_key(address: str) -> str:
+    return BAN_PREFIX + address
+
+
+def _script(name: str) -> str:
+    lua = resources.files("sidecar") / "lua"
+    return (lua / "window.lua").read_text() + "\n" + (lua / f"{name}.lua").read_text()
+
+
+def _flag(value: bool) -> str:
+    return "1" if value else "0"
+
+
+def _limit_args(limiter: WindowCounter, threshold: float) -> list[str]:
+    return [repr(float(threshold)), repr(float(limiter.period)), repr(float(limiter.penalty)),
+            _flag(limiter.sliding), _flag(limiter.exceed)]
+
+
+def _hits(values: Sequence[Any]) -> list[Hit]:
+    return [Hit(True, float(values[i + 1])) if int(values[i]) else ALLOWED
+            for i in range(0, len(values), 2)]
+
+
+class RedisStore:
+    """The shared state store; its operations are coroutines."""
+
+    is_async = True
+
+    def __init__(self, client: aioredis.Redis, node: str, server_time: bool = True,
+                 wall_clock: Clock = time.time) -> None:
+        self.client = client
+        self.node = node
+        self.server_time = server_time
+        self._wall_clock = wall_clock
+        self._evaluate = client.register_script(_script("evaluate"))
+        self._record = client.register_script(_script("record"))
+        self._bans = client.register_script(_script("bans"))
+        self._lift_ban = client.register_script(_script("lift_ban"))
+
+    @classmethod
+    def from_url(cls, url: str, node: str, timeout: float = DEFAULT_TIMEOUT, **kwargs: Any) -> "RedisStore":
+        # No retries: a request waits at most one timeout, then fails open;
+        # the pool reconnects by itself when Redis is back.
+        client = aioredis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
+                                         retry=Retry(NoBackoff(), 0), decode_responses=True)
+        return cls(client, node, **kwargs)
+
+    def _now(self, now: float) -> str:
+        return "" if self.server_time else repr(now)
+
+    async def _call(self, script: Any, keys: list[str], args: list[str]) -> Any:
+        try:
+            return await script(keys=keys, args=args)
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
+            raise StoreUnavailable(str(exc) or type(exc).__name__) from exc
+
+    async def evaluate(self, now: float, address: str, checks: Sequence[Check],
+                       can_delay: bool = True) -> Evaluation:
+        auto_ban = next((check.auto_ban for check in checks if check.auto_ban is not None), None)
+        keys = [ban_key(address), BAN_INDEX, counting_key(auto_ban.key(address)) if auto_ban else BAN_INDEX]
+        args = [self._now(now), address, self.node, repr(self._wall_clock())]
+        if auto_ban is not None:
+            args += _limit_args(auto_ban.limiter, auto_ban.threshold) + [repr(float(auto_ban.duration))]
+        else:
+            args += ["1", "1", "0", "0", "0", ""]
+        for check in checks:
+            keys.append(counting_key(check.key))
+            args += [check.rule_id, _flag(check.count), _flag(check.stops),
+                     "" if check.ban_duration is None else repr(float(check.ban_duration)),
+                     _flag(check.auto_ban is not None)]
+            args += _limit_args(check.limiter, check.threshold)  # type: ignore[arg-type]
+        result = await self._call(self._evaluate, keys, args)
+        banned, new_ban, rule_id, node, started, remaining, duration = result[:7]
+        evaluation = Evaluation(new_ban=bool(int(new_ban)), hits=_hits(result[7:]))
+        if int(banned) or evaluation.new_ban:
+            evaluation.ban = BanRecord(address, rule_id, node, float(started), now + float(remaining),
+                                       float(duration))
+        return evaluation
+
+    async def record(self, now: float, counts: Sequence[ResponseCount]) -> list[Hit]:
+        args = [self._now(now)]
+        for count in counts:
+            args += [str(count.amount)] + _limit_args(count.limiter, count.threshold)  # type: ignore[arg-type]
+        result = await self._call(self._record, [counting_key(count.key) for count in counts], args)
+        return _hits(result)
+
+    async def active_bans(self, now: float) -> list[BanRecord]:
+        # The script reads the records by name under the ban prefix: they
+        # share the index's hash slot, so this holds on a cluster too.
+        values = await self._call(self._bans, [BAN_INDEX, BAN_PREFIX], [self._now(now)])
+        return [BanRecord(values[i], values[i + 1], values[i + 2], float(values[i + 3]),
+                          now + float(values[i + 4]), float(values[i + 5]))
+                for i in range(0, len(values), 6)]
+
+    async def lift_ban(self, address: str) -> bool:
+        return bool(await self._call(self._lift_ban, [ban_key(address), BAN_INDEX], [address]))
+
+    def may_be_banned(self) -> bool:
+        return True  # another node may have banned anyone: the script checks
+
+    def configure(self, max_keys: int, node: str) -> None:
+        """New settings from a reload. ``max_keys`` does not apply: Redis's
+        own ``maxmemory`` bounds it, and every key expires."""
+        self.node = node
+
+    async def close(self) -> None:
+        await self.client.aclose()

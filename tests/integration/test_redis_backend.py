@@ -1,0 +1,387 @@
+"""The shared Redis backend (SPEC §9) against a real redis-server on loopback.
+
+Each test runs its engines in one event loop (the redis client's
+connections belong to the loop that made them). Engines share a fake clock
+passed to the scripts (``server_time=False``), so windows and penalties are
+exact; one test uses the server's own TIME.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from sidecar.app import DenyToken
+from sidecar.engine import ALLOW, CLOSE, DENY, Engine
+from sidecar.redis_store import RedisStore
+from sidecar.request import CheckRequest
+from sidecar.state import MemoryStore
+from tests.integration.clients import LOOPBACK
+from tests.integration.conftest import free_port
+from tests.unit.conftest import FakeClock, ruleset_from
+
+pytestmark = pytest.mark.integration
+
+REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
+
+
+class RedisServer:
+    """A throwaway redis-server: loopback only, nothing saved to disk."""
+
+    def __init__(self, directory: Path) -> None:
+        self.port = free_port()
+        self.directory = directory
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{LOOPBACK}:{self.port}/0"
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            [REDIS_SERVER, "--port", str(self.port), "--bind", LOOPBACK, "--save", "",
+             "--appendonly", "no", "--dir", str(self.directory)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(host=LOOPBACK, port=self.port, socket_timeout=0.5)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                return
+            except redis.exceptions.ConnectionError:
+                if time.monotonic() > deadline or self.process.poll() is not None:
+                    raise RuntimeError("redis-server did not start")
+                time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=10)
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(host=LOOPBACK, port=self.port, decode_responses=True)
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    if not Path(REDIS_SERVER).exists():
+        pytest.fail("redis-server is not installed (make test installs Debian's redis-server)")
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def url(redis_server: RedisServer) -> str:
+    redis_server.client().flushdb()
+    return redis_server.url
+
+
+def engine(url: str, rules: str, clock: FakeClock, node: str = "a", server_time: bool = False) -> Engine:
+    ruleset = ruleset_from(f"node: {node}\nstate: {{backend: redis, url: '{url}'}}\n" + rules)
+    store = RedisStore.from_url(url, node, server_time=server_time)
+    return Engine(ruleset, store=store, clock=clock)
+
+
+def request(e: Engine, ip: str = "192.0.2.1", path: str = "/", headers: dict | None = None) -> CheckRequest:
+    return CheckRequest("GET", "example.com", path, dict(headers or {}), e.resolve_client(ip, None), "r")
+
+
+async def outcomes(e: Engine, count: int, **kwargs) -> list[str]:
+    return [(await e.decide_async(request(e, **kwargs))).outcome for _ in range(count)]
+
+
+AXIS_NOW = """\
+rules:
+  - id: api-key
+    match: {header: {name: x-api-key, present: true}}
+    key: [ip, "header:x-api-key"]
+    limit: {requests: 2, per: 10s, window: fixed}
+    action: block
+"""
+
+
+def test_axis_now_example_only_key_a_third_request_is_refused(url: str) -> None:
+    async def run() -> list[str]:
+        e = engine(url, AXIS_NOW, FakeClock())
+        keys = ["A", "A", "B", "A", "B"]
+        return [(await e.decide_async(request(e, headers={"x-api-key": k}))).outcome for k in keys]
+    assert asyncio.run(run()) == [ALLOW, ALLOW, ALLOW, DENY, ALLOW]
+
+
+def test_server_time_counts_too(url: str) -> None:
+    async def run() -> list[str]:
+        e = engine(url, AXIS_NOW, FakeClock(), server_time=True)
+        return await outcomes(e, 3, headers={"x-api-key": "A"})
+    assert asyncio.run(run()) == [ALLOW, ALLOW, DENY]
+
+
+SLIDING = """\
+rules:
+  - id: pages
+    key: [ip]
+    limit: {requests: 3, per: 10s}
+    penalty: 30s
+    action: block
+"""
+
+
+def test_threshold_reaching_request_is_allowed_and_starts_the_penalty(url: str) -> None:
+    async def run() -> tuple[list[str], list[str], list[str], int]:
+        clock = FakeClock(1000.0)
+        e = engine(url, SLIDING, clock)
+        first = await outcomes(e, 4)
+        clock.advance(29.9)
+        during = await outcomes(e, 1)
+        deny = await e.decide_async(request(e))
+        clock.advance(0.2)
+        after = await outcomes(e, 1)
+        return first, during, after, deny.retry_after
+    first, during, after, retry_after = asyncio.run(run())
+    assert first == [ALLOW, ALLOW, ALLOW, DENY]
+    assert during == [DENY] and retry_after == 1
+    assert after == [ALLOW]
+
+
+def test_sliding_estimate_is_compared_as_a_real_number(url: str) -> None:
+    # Threshold 4. Three requests in the window [1000, 1010); at 1012.5 they
+    # weigh 3 * 0.75 = 2.25: the first request there estimates 3.25 (under),
+    # the second 4.25 (reaches it: allowed, and the penalty starts).
+    async def run() -> list[str]:
+        clock = FakeClock(1005.0)
+        e = engine(url, SLIDING.replace("requests: 3", "requests: 4"), clock)
+        result = await outcomes(e, 3)
+        clock.now = 1012.5
+        return result + await outcomes(e, 3)
+    assert asyncio.run(run()) == [ALLOW] * 5 + [DENY]
+
+
+BAN = """\
+rules:
+  - id: flood
+    key: [ip]
+    limit: {requests: 2, per: 10s}
+    action: ban
+    ban: {duration: 1h}
+"""
+
+
+def test_a_ban_issued_by_one_node_is_seen_by_another(url: str, redis_server: RedisServer) -> None:
+    async def run() -> tuple[list[str], list[str], list[str], list, bool, list[str]]:
+        clock = FakeClock()
+        a, b = engine(url, BAN, clock, node="a"), engine(url, BAN, clock, node="b")
+        on_a = await outcomes(a, 3)
+        on_b = await outcomes(b, 1)
+        other = await outcomes(b, 1, ip="192.0.2.2")
+        bans = await b.active_bans()
+        lifted = await b.lift_ban("192.0.2.1")
+        after = await outcomes(a, 1)
+        return on_a, on_b, other, bans, lifted, after
+    on_a, on_b, other, bans, lifted, after = asyncio.run(run())
+    assert on_a == [ALLOW, ALLOW, CLOSE]
+    assert on_b == [CLOSE] and other == [ALLOW]
+    assert [(ban.address, ban.rule_id, ban.node, ban.duration) for ban in bans] == [
+        ("192.0.2.1", "flood", "a", 3600.0)]
+    assert bans[0].expires == pytest.approx(1000.0 + 3600.0)
+    # Issuing the ban cleared the triggering key: the first request after
+    # the ban is lifted counts from zero.
+    assert lifted and after == [ALLOW]
+
+
+SCORE = """\
+rules:
+  - id: not-found
+    key: [ip]
+    limit: {requests: 2, per: 10s}
+    count_on: {status: [404]}
+    action: block
+"""
+
+
+def test_response_phase_counts_arrive_through_record(url: str) -> None:
+    async def run() -> list[str]:
+        clock = FakeClock()
+        a, b = engine(url, SCORE, clock, node="a"), engine(url, SCORE, clock, node="b")
+        seen = []
+        for node in (a, b):
+            decision = await node.decide_async(request(node))
+            seen.append(decision.outcome)
+            assert decision.pending is not None
+            assert await node.record_response_async(decision.pending, 404, {}) == 1
+        seen += await outcomes(a, 1)
+        return seen
+    assert asyncio.run(run()) == [ALLOW, ALLOW, DENY]
+
+
+def test_two_engines_share_one_budget(url: str) -> None:
+    async def run() -> list[str]:
+        clock = FakeClock()
+        a, b = engine(url, SLIDING, clock, node="a"), engine(url, SLIDING, clock, node="b")
+        return [(await node.decide_async(request(node))).outcome for node in (a, b, a, b)]
+    assert asyncio.run(run()) == [ALLOW, ALLOW, ALLOW, DENY]
+
+
+def test_every_key_expires(url: str, redis_server: RedisServer) -> None:
+    async def run() -> None:
+        e = engine(url, BAN + SLIDING.replace("rules:\n", ""), FakeClock())
+        await outcomes(e, 3)
+        await outcomes(e, 2, ip="192.0.2.7", path="/x")
+    asyncio.run(run())
+    client = redis_server.client()
+    keys = client.keys("*")
+    assert keys and all(key.startswith("{sluice}:") for key in keys)
+    assert all(client.pttl(key) > 0 for key in keys), {key: client.pttl(key) for key in keys}
+
+
+CHALLENGE = """\
+challenge:
+  auto_ban: {challenges: 2, per: 60s, ban: 10m}
+rules:
+  - id: gate
+    key: [ip]
+    limit: {requests: 1, per: 10s}
+    action: challenge
+"""
+
+
+def test_challenges_past_the_auto_ban_threshold_ban_the_address(url: str) -> None:
+    async def run() -> list[str]:
+        e = engine(url, CHALLENGE, FakeClock())
+        return await outcomes(e, 5)
+    # 1 allowed (it reaches the threshold), 2 challenges, then the ban.
+    assert asyncio.run(run()) == [ALLOW, DENY, DENY, CLOSE, CLOSE]
+
+
+def test_same_decisions_as_the_memory_store(url: str) -> None:
+    """One random trace through MemoryStore and RedisStore on the same clock."""
+    rules = BAN.replace("requests: 2", "requests: 9") + SLIDING.replace("rules:\n", "") + """\
+  - id: fixed
+    key: [ip, path]
+    limit: {requests: 2, per: 3s, window: fixed}
+    penalty: 2s
+    action: block
+  - id: watch
+    key: [path]
+    limit: {requests: 3, per: 2s}
+    action: log
+"""
+    rng = random.Random(7)
+    trace = [(rng.choice(["192.0.2.1", "192.0.2.2", "192.0.2.3"]), rng.choice(["/a", "/b"]),
+              rng.choice([0.0, 0.05, 0.4, 1.3, 2.9])) for _ in range(300)]
+
+    async def run() -> tuple[list, list]:
+        clock = FakeClock()
+        shared = engine(url, rules, clock)
+        local = Engine(shared.ruleset, store=MemoryStore(1000, "a", clock), clock=clock)
+        got, expected = [], []
+        for ip, path, step in trace:
+            clock.advance(step)
+            for e, into in ((shared, got), (local, expected)):
+                decision = await e.decide_async(request(e, ip=ip, path=path))
+                into.append((decision.outcome, decision.rule.id if decision.rule else None,
+                             decision.retry_after))
+        return got, expected
+    got, expected = asyncio.run(run())
+    assert got == expected
+    assert {outcome for outcome, _, _ in got} == {ALLOW, DENY, CLOSE}
+
+
+def test_fail_open_then_recover_when_redis_returns(url: str, redis_server: RedisServer) -> None:
+    async def run() -> tuple[list[str], float, list[str], int, list[str]]:
+        e = engine(url, AXIS_NOW, FakeClock())
+        before = await outcomes(e, 1, headers={"x-api-key": "A"})
+        redis_server.stop()
+        started = time.monotonic()
+        down = await outcomes(e, 3, headers={"x-api-key": "A"})
+        took = time.monotonic() - started
+        errors = e.metrics.store_errors.value
+        redis_server.start()
+        after = await outcomes(e, 3, headers={"x-api-key": "A"})
+        return before, took, down, errors, after
+    before, took, down, errors, after = asyncio.run(run())
+    assert before == [ALLOW] and down == [ALLOW] * 3 and errors == 3
+    assert took < 2.0
+    # A fresh server has no counts: two more allowed, then refused.
+    assert after == [ALLOW, ALLOW, DENY]
+
+
+def test_a_stuck_redis_fails_open_within_the_timeout_and_recovers(url: str, redis_server: RedisServer) -> None:
+    async def run() -> tuple[list[str], float, list[str]]:
+        e = engine(url, AXIS_NOW, FakeClock())
+        assert await outcomes(e, 1, headers={"x-api-key": "A"}) == [ALLOW]
+        assert redis_server.process is not None
+        redis_server.process.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            stuck = await outcomes(e, 2, headers={"x-api-key": "A"})
+            took = time.monotonic() - started
+        finally:
+            redis_server.process.send_signal(signal.SIGCONT)
+        return stuck, took, await outcomes(e, 3, headers={"x-api-key": "B"})
+    stuck, took, after = asyncio.run(run())
+    assert stuck == [ALLOW, ALLOW] and took < 1.5
+    # Answers come from Redis again. (Requests that timed out may have been
+    # counted all the same: Redis runs what it had already received.)
+    assert after == [ALLOW, ALLOW, DENY]
+
+
+def test_fail_closed_refuses_with_a_503_page(url: str, redis_server: RedisServer) -> None:
+    async def run():
+        e = Engine(ruleset_from(f"state: {{backend: redis, url: '{url}', fail: closed}}\n" + AXIS_NOW),
+                   store=RedisStore.from_url(url, "a", server_time=False), clock=FakeClock())
+        redis_server.stop()
+        try:
+            return await e.decide_async(request(e, headers={"x-api-key": "A"}))
+        finally:
+            redis_server.start()
+    decision = asyncio.run(run())
+    assert decision.outcome == DENY and decision.page is not None and decision.page.status == 503
+    # nginx fetches the page with the deny token; no rule made the refusal.
+    assert DenyToken.decode(DenyToken.encode(decision, "192.0.2.1"))[:5] == (503, 0, 0, 1, "-")
+
+
+def test_workers_of_sluice_serve_share_one_budget(url: str, tmp_path: Path) -> None:
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(f"state: {{backend: redis, url: '{url}'}}\n" + SLIDING.replace("requests: 3", "requests: 5"))
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "sidecar", "serve", "--config", str(rules),
+                                "--port", str(port), "--workers", "3", "--hook-udp",
+                                f"{LOOPBACK}:{free_port(socket.SOCK_DGRAM)}"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                status = check(port, "/healthz")
+                break
+            except OSError:
+                assert process.poll() is None and time.monotonic() < deadline, process.stderr.read().decode()
+                time.sleep(0.05)
+        assert status == 200
+        # A fresh connection per request: uvicorn's workers take turns.
+        assert [check(port, "/v1/check") for _ in range(7)] == [200] * 5 + [429] * 2
+    finally:
+        process.terminate()
+        process.wait(timeout=20)
+
+
+def check(port: int, path: str) -> int:
+    connection = http.client.HTTPConnection(LOOPBACK, port, timeout=5)
+    try:
+        connection.request("GET", path, headers={"x-forwarded-uri": "/"})
+        return connection.getresponse().status
+    finally:
+        connection.close()

@@ -1,0 +1,28 @@
+"""Redis key names of the shared backend (SPEC §9)."""
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sidecar.redis_store import BAN_INDEX, PREFIX, ban_key, counting_key
+from sidecar.state import AutoBan
+
+values = st.text(max_size=12)
+keys = st.tuples(st.tuples(st.text(min_size=1, max_size=8), st.lists(values, max_size=3).map(tuple)),
+                 values, values)
+
+
+def test_a_counting_key_is_the_json_of_its_tuple_under_the_hash_tag() -> None:
+    assert counting_key((("pages", ("ip",)), "192.0.2.1")) == '{sluice}:count:[["pages",["ip"]],"192.0.2.1"]'
+
+
+@given(keys, keys)
+def test_different_counting_keys_never_share_a_name(a, b) -> None:
+    assert (counting_key(a) == counting_key(b)) == (a == b)
+
+
+@given(keys)
+def test_every_key_shares_one_cluster_hash_tag(key) -> None:
+    # Redis Cluster hashes only what is inside the first {...}: one slot for
+    # all, so the multi-key scripts are valid there.
+    for name in (counting_key(key), ban_key("192.0.2.1"), BAN_INDEX, counting_key(AutoBan.key("x"))):
+        assert name.startswith(PREFIX) and PREFIX == "{sluice}:"
