@@ -137,7 +137,9 @@ class Engine:
         if isinstance(prepared, Decision):
             return prepared
         try:
-            evaluation = await self.store.evaluate(self.clock(), request.client.key, prepared[1])  # type: ignore[misc]
+            evaluation = await self.store.evaluate(  # type: ignore[call-arg,misc]
+                self.clock(), request.client.key, prepared[1],
+                can_delay=self.delayed < self.ruleset.max_delayed, quotas=self.ruleset.draft_headers)
         except StoreUnavailable as exc:
             self._store_failed(exc)
             return ALLOWED if self.ruleset.fail == "open" else STORE_UNAVAILABLE
@@ -228,7 +230,7 @@ class Engine:
             if token is None:
                 metrics.unreportable.inc()
         allowed = observed or ALLOWED
-        quota = self._quota(matched, checks) if ruleset.draft_headers else None
+        quota = self._quota(matched, checks, evaluation) if ruleset.draft_headers else None
         if token is None and not evaluation.delay and quota is None:
             return allowed
         if evaluation.delay:
@@ -236,16 +238,23 @@ class Engine:
         return Decision(ALLOW, allowed.rule, allowed.limit, allowed.reset, pending=token,
                         delay=evaluation.delay, quota=quota)
 
-    def _quota(self, matched: list[CompiledRule], checks: list[Check]) -> tuple[str, str] | None:
+    def _quota(self, matched: list[CompiledRule], checks: list[Check],
+               evaluation: Evaluation) -> tuple[str, str] | None:
         """The draft RateLimit-Policy and RateLimit field values for the
         enforcing request-phase rules of an allowed request."""
-        enforced = [(rule, check) for rule, check in zip(matched, checks)
+        enforced = [index for index, (rule, check) in enumerate(zip(matched, checks))
                     if check.count and rule.action != "log"]
         if not enforced:
             return None
-        quotas = self.store.quotas(self.clock(), [check for _, check in enforced])
+        if evaluation.quotas is not None:
+            # A shared store answered with the evaluation, in the same step.
+            quotas = [evaluation.quotas[index] for index in enforced]
+        else:
+            quotas = self.store.quotas(self.clock(), [checks[index] for index in enforced])
         policies, remaining = [], []
-        for (rule, check), (left, reset, window) in zip(enforced, quotas):
+        for index, quota in zip(enforced, quotas):
+            assert quota is not None
+            rule, check, (left, reset, window) = matched[index], checks[index], quota
             policies.append(f'"{rule.id}";q={math.ceil(check.threshold)};w={max(1, math.ceil(window))}')
             remaining.append(f'"{rule.id}";r={left};t={math.ceil(reset)}')
         return ", ".join(policies), ", ".join(remaining)

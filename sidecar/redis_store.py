@@ -3,8 +3,10 @@
 Each operation is one Lua script, shipped as a file under ``sidecar/lua/``,
 registered once and called by its digest (EVALSHA, loaded again after
 NOSCRIPT): a request's ban check and all its checks are one atomic step and
-one round trip. The scripts are the window counter of ``limiters.py`` line
-for line; buckets are refused at load with this backend (see ``rules.py``).
+one round trip. The scripts are the window counter and the buckets of
+``limiters.py`` line for line (``window.lua`` and ``buckets.lua`` are
+prepended to every script), with the memory store's deferred charging of
+buckets; the draft RateLimit quotas come back with the decision.
 
 Every key carries the hash tag ``{sluice}``, so the multi-key scripts are
 valid on Redis Cluster; the price is that all of Sluice's keys live in one
@@ -29,8 +31,8 @@ import redis.exceptions
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from sidecar.limiters import ALLOWED, Hit, WindowCounter
-from sidecar.state import BanRecord, Check, Clock, Evaluation, ResponseCount
+from sidecar.limiters import ALLOWED, Hit, LeakyBucket, TokenBucket, WindowCounter
+from sidecar.state import BanRecord, Check, Clock, Evaluation, Limiter, ResponseCount
 
 PREFIX = "{sluice}:"
 COUNT_PREFIX = PREFIX + "count:"
@@ -58,7 +60,7 @@ def ban_key(address: str) -> str:
 
 def _script(name: str) -> str:
     lua = resources.files("sidecar") / "lua"
-    return (lua / "window.lua").read_text() + "\n" + (lua / f"{name}.lua").read_text()
+    return "\n".join((lua / f"{part}.lua").read_text() for part in ("window", "buckets", name))
 
 
 def _flag(value: bool) -> str:
@@ -68,6 +70,19 @@ def _flag(value: bool) -> str:
 def _limit_args(limiter: WindowCounter, threshold: float) -> list[str]:
     return [repr(float(threshold)), repr(float(limiter.period)), repr(float(limiter.penalty)),
             _flag(limiter.sliding), _flag(limiter.exceed)]
+
+
+def _check_limit_args(limiter: Limiter, threshold: float) -> list[str]:
+    """A check's kind and limit: a window's, or a bucket's parameters in
+    the bucket's own units (see buckets.lua)."""
+    if isinstance(limiter, WindowCounter):
+        return ["W"] + _limit_args(limiter, threshold)
+    penalty = "" if limiter.penalty is None else repr(float(limiter.penalty))  # type: ignore[attr-defined]
+    if isinstance(limiter, LeakyBucket):
+        return ["L", str(limiter.rate), str(limiter.burst), str(limiter.delay), penalty, ""]
+    if isinstance(limiter, TokenBucket):
+        return ["T", str(limiter.capacity), repr(float(limiter.refill)), str(limiter.cost), penalty, ""]
+    raise TypeError(f"no Redis script for {type(limiter).__name__}")
 
 
 def _hits(values: Sequence[Any]) -> list[Hit]:
@@ -109,7 +124,10 @@ class RedisStore:
             raise StoreUnavailable(str(exc) or type(exc).__name__) from exc
 
     async def evaluate(self, now: float, address: str, checks: Sequence[Check],
-                       can_delay: bool = True) -> Evaluation:
+                       can_delay: bool = True, quotas: bool = False) -> Evaluation:
+        """MemoryStore.evaluate in one script; with ``quotas``, also every
+        counting check's (remaining, reset, window) after the decision, as
+        ``MemoryStore.quotas`` would answer next (None for the others)."""
         auto_ban = next((check.auto_ban for check in checks if check.auto_ban is not None), None)
         keys = [ban_key(address), BAN_INDEX, counting_key(auto_ban.key(address)) if auto_ban else BAN_INDEX]
         args = [self._now(now), address, self.node, repr(self._wall_clock())]
@@ -117,15 +135,21 @@ class RedisStore:
             args += _limit_args(auto_ban.limiter, auto_ban.threshold) + [repr(float(auto_ban.duration))]
         else:
             args += ["1", "1", "0", "0", "0", ""]
+        args += [_flag(can_delay), _flag(quotas)]
         for check in checks:
             keys.append(counting_key(check.key))
             args += [check.rule_id, _flag(check.count), _flag(check.stops),
                      "" if check.ban_duration is None else repr(float(check.ban_duration)),
                      _flag(check.auto_ban is not None)]
-            args += _limit_args(check.limiter, check.threshold)  # type: ignore[arg-type]
+            args += _check_limit_args(check.limiter, check.threshold)
         result = await self._call(self._evaluate, keys, args)
-        banned, new_ban, rule_id, node, started, remaining, duration = result[:7]
-        evaluation = Evaluation(new_ban=bool(int(new_ban)), hits=_hits(result[7:]))
+        banned, new_ban, rule_id, node, started, remaining, duration, delay, evaluated = result[:9]
+        end = 9 + 2 * int(evaluated)
+        evaluation = Evaluation(new_ban=bool(int(new_ban)), hits=_hits(result[9:end]), delay=float(delay))
+        if quotas and not int(banned):
+            values = result[end:]
+            evaluation.quotas = [(int(values[i]), float(values[i + 1]), float(values[i + 2]))
+                                 if values[i] != "" else None for i in range(0, len(values), 3)]
         if int(banned) or evaluation.new_ban:
             evaluation.ban = BanRecord(address, rule_id, node, float(started), now + float(remaining),
                                        float(duration))

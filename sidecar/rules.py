@@ -340,10 +340,6 @@ def compile_rules(loaded: LoadedRules) -> Ruleset:
             issues.append(loaded.issue(loc + ("limit",), "overrides scale request and score "
                                        "thresholds; a bucket rule cannot be listed in overrides"))
             continue
-        if model.state.backend == "redis" and isinstance(limit, (config.LeakyLimit, config.TokenLimit)):
-            issues.append(loaded.issue(loc + ("limit",), "bucket limits (rate, tokens) are not "
-                                       "available with the redis backend; use requests or score"))
-            continue
         if isinstance(limit, config.LeakyLimit):
             limiter = LeakyBucket(limit.rate, limit.burst, None if limit.nodelay else (limit.delay or 0),
                                   penalty)
@@ -376,9 +372,6 @@ def compile_rules(loaded: LoadedRules) -> Ruleset:
             response=response,
             challenge=challenge,
         ))
-    if model.state.backend == "redis" and model.headers == "draft":
-        issues.append(loaded.issue(("headers",), "draft RateLimit headers are not available with "
-                                   "the redis backend; use standard"))
     if issues:
         raise ConfigError(issues)
     client_ip = model.client_ip

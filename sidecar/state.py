@@ -103,6 +103,9 @@ class Evaluation:
     new_ban: bool = False
     hits: list[Hit] = field(default_factory=list)
     delay: float = 0.0  # how long to hold the admitted request (leaky buckets)
+    # A shared store's answer to ``quotas`` for every check (None for one
+    # that does not count), when asked for with the evaluation.
+    quotas: list[tuple[int, float, float] | None] | None = None
 
 
 class StateStore(Protocol):
@@ -236,12 +239,9 @@ class MemoryStore:
 
     def quotas(self, now: float, checks: Sequence[Check]) -> list[tuple[int, float, float]]:
         """What is left of each check's budget (remaining, reset, window)."""
-        quotas = []
-        for check in checks:
-            entry = self._states.get(check.key)
-            state = entry[1] if entry is not None and entry[0] is check.limiter else check.limiter.new_state()
-            quotas.append(check.limiter.quota(state, now, check.threshold))
-        return quotas
+        # The state a decision would use: carried over a reload like in _entry.
+        return [check.limiter.quota(self._entry(check.key, check.limiter)[0][1], now, check.threshold)
+                for check in checks]
 
     def _entry(self, key: Hashable, limiter: Limiter) -> tuple[tuple[Limiter, Any], bool]:
         """The key's (limiter, state) entry, and whether it is stored yet."""

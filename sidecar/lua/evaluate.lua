@@ -1,28 +1,39 @@
 -- One request's decision (SPEC §9): the ban check for the address, then
 -- every check in rule order, as MemoryStore.evaluate does, in one step.
+-- Buckets are assessed in order and charged at the end, only when the
+-- request is admitted by all of them and no check refused it.
 --
 -- KEYS: 1 the address's ban record, 2 the ban index (address -> expiry),
 --       3 the address's challenge counter (auto-ban), 4.. one per check.
 -- ARGV: now ('' = server time), address ('' = unknown), node, wall clock,
 --       auto-ban {threshold, period, penalty, sliding, exceed, duration},
+--       can delay (1/0: a bucket may hold the request), quotas (1/0),
 --       then per check: rule id, count (1/0), stops (1/0), ban duration
---       ('' = none), auto-ban (1/0), {threshold, period, penalty, sliding, exceed}.
+--       ('' = none), auto-ban (1/0), kind ('W' window, 'L' leaky, 'T' token),
+--       then for a window {threshold, period, penalty, sliding, exceed},
+--       for a bucket its four parameters (see buckets.lua) and ''.
 -- Returns {banned, new ban, rule, node, started, remaining, duration,
---          then per evaluated check: over (1/0), retry after}.
+--          delay, number of evaluated checks, then per evaluated check:
+--          over (1/0), retry after; then with quotas, per check:
+--          remaining, reset, window ('' for a check that does not count)}.
 
 local now = clock(ARGV[1])
 local address, node, wall = ARGV[2], ARGV[3], ARGV[4]
 local auto_limit = limit_from(ARGV, 5)
 local auto_duration = ARGV[10]
-local FIRST, WIDTH = 11, 10
+local can_delay, want_quotas = ARGV[11] == '1', ARGV[12] == '1'
+local FIRST, WIDTH = 13, 11
 
 if address ~= '' then
   local ban = redis.call('HMGET', KEYS[1], 'rule', 'node', 'started', 'expires', 'duration')
   if ban[1] and now < tonumber(ban[4]) then
-    return {1, 0, ban[1], ban[2], ban[3], num(tonumber(ban[4]) - now), ban[5]}
+    return {1, 0, ban[1], ban[2], ban[3], num(tonumber(ban[4]) - now), ban[5], '0', 0}
   end
 end
 
+local hits = {}
+local buckets = {}
+local refused = false
 local result = {0, 0, '', '', '', '', ''}
 local checks = (#ARGV - FIRST + 1) / WIDTH
 for i = 0, checks - 1 do
@@ -30,14 +41,25 @@ for i = 0, checks - 1 do
   local key = KEYS[4 + i]
   local rule_id, count, stops, ban_duration = ARGV[at], ARGV[at + 1], ARGV[at + 2], ARGV[at + 3]
   local over, retry
-  if count == '1' then
-    over, retry = hit(key, now, limit_from(ARGV, at + 5), 1)
-  else
+  if count ~= '1' then
     over, retry = peek(key, now)
+  elseif ARGV[at + 5] == 'W' then
+    over, retry = hit(key, now, limit_from(ARGV, at + 6), 1)
+  else
+    local bucket = bucket_from(ARGV, at + 5)
+    local state = bucket_state(key, bucket)
+    local delay, proposal
+    over, retry, delay, proposal = bucket_assess(key, bucket, state, now)
+    if delay > 0 and not can_delay then
+      -- The wait queue is full: a refusal, and nothing charged.
+      over, retry = true, delay
+    end
+    table.insert(buckets, {key, bucket, state, over, delay, proposal})
   end
-  table.insert(result, over and 1 or 0)
-  table.insert(result, num(retry))
+  table.insert(hits, over and 1 or 0)
+  table.insert(hits, num(retry))
   if over and stops == '1' then
+    refused = true
     local ban_key = key
     if ARGV[at + 4] == '1' and address ~= '' then
       -- One more challenge for this address: past the auto-ban threshold,
@@ -62,6 +84,44 @@ for i = 0, checks - 1 do
       result[5], result[6], result[7] = wall, num(duration), ban_duration
     end
     break
+  end
+end
+
+-- Like nginx with several limit_req zones: buckets are charged only when
+-- the request is admitted by all of them (SPEC §7).
+local admitted = not refused
+for _, b in ipairs(buckets) do
+  if b[4] then admitted = false end
+end
+local delay = 0
+if admitted then
+  for _, b in ipairs(buckets) do
+    bucket_commit(b[1], b[2], b[3], now, b[6])
+    delay = math.max(delay, b[5])
+  end
+end
+table.insert(result, num(delay))
+table.insert(result, #hits / 2)
+for _, value in ipairs(hits) do
+  table.insert(result, value)
+end
+
+if want_quotas then
+  for i = 0, checks - 1 do
+    local at = FIRST + i * WIDTH
+    local remaining, reset, window = '', '', ''
+    if ARGV[at + 1] == '1' then
+      if ARGV[at + 5] == 'W' then
+        remaining, reset, window = window_quota(KEYS[4 + i], now, limit_from(ARGV, at + 6),
+                                                tonumber(ARGV[at + 6]))
+      else
+        remaining, reset, window = bucket_quota(KEYS[4 + i], bucket_from(ARGV, at + 5), now)
+      end
+      remaining, reset, window = num(remaining), num(reset), num(window)
+    end
+    table.insert(result, remaining)
+    table.insert(result, reset)
+    table.insert(result, window)
   end
 end
 return result

@@ -53,7 +53,13 @@ end
 -- {threshold, period, penalty, sliding, exceed}.
 local function hit(key, now, limit, amount)
   local threshold, period, penalty, sliding, exceed = limit[1], limit[2], limit[3], limit[4], limit[5]
-  local state = redis.call('HMGET', key, 'w', 'p', 'c', 'u')
+  local state = redis.call('HMGET', key, 'w', 'p', 'c', 'u', 'k')
+  if state[5] then
+    -- A bucket's state (the rule was reloaded as a window): start afresh,
+    -- as the memory store does for a state of another kind.
+    redis.call('DEL', key)
+    state = {false, false, false, false}
+  end
   local window = tonumber(state[1]) or -2
   local previous = tonumber(state[2]) or 0
   local current = tonumber(state[3]) or 0
@@ -93,4 +99,32 @@ end
 local function limit_from(argv, at)
   return {tonumber(argv[at]), tonumber(argv[at + 1]), tonumber(argv[at + 2]),
           argv[at + 3] == '1', argv[at + 4] == '1'}
+end
+
+-- (remaining, reset, window) for the draft RateLimit fields:
+-- WindowCounter.quota. Changes nothing.
+local function window_quota(key, now, limit, threshold)
+  local period, sliding = limit[2], limit[4]
+  local state = redis.call('HMGET', key, 'w', 'p', 'c', 'u', 'k')
+  if state[5] then
+    state = {false, false, false, false}
+  end
+  local window = tonumber(state[1]) or -2
+  local previous = tonumber(state[2]) or 0
+  local current = tonumber(state[3]) or 0
+  local until_ = tonumber(state[4]) or -math.huge
+  if now < until_ then
+    return 0, until_ - now, period
+  end
+  local index = floordiv(now, period)
+  local elapsed = now - index * period
+  if index ~= window then
+    if index == window + 1 then previous = current else previous = 0 end
+    current = 0
+  end
+  local estimate = current
+  if sliding then
+    estimate = current + previous * (period - elapsed) / period
+  end
+  return math.max(0, math.ceil(threshold - estimate)), period - elapsed, period
 end

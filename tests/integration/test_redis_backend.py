@@ -299,6 +299,176 @@ def test_same_decisions_as_the_memory_store(url: str) -> None:
     assert {outcome for outcome, _, _ in got} == {ALLOW, DENY, CLOSE}
 
 
+BUCKETS = """\
+headers: draft
+rules:
+  - id: paced
+    key: [ip]
+    limit: {rate: 5r/s, burst: 4, delay: 1}
+    action: block
+  - id: minute
+    match: {path: {prefix: /a}}
+    key: [ip, path]
+    limit: {rate: 6r/m, burst: 2, nodelay: true}
+    penalty: 2s
+    action: block
+  - id: tokens
+    key: [path]
+    limit: {tokens: 5, refill: 3/s, cost: 2}
+    action: block
+  - id: held
+    match: {path: {prefix: /b}}
+    key: [ip]
+    limit: {rate: 2r/s, burst: 6}
+    action: block
+  - id: watch
+    key: [ip]
+    limit: {tokens: 3, refill: 1/s}
+    penalty: 1500ms
+    action: log
+  - id: window
+    key: [ip]
+    limit: {requests: 12, per: 5s}
+    penalty: 3s
+    action: block
+"""
+
+
+class Recording:
+    """A store that keeps every evaluation it answers, exact floats and all."""
+
+    def __init__(self, store) -> None:
+        self.store = store
+        self.is_async = getattr(store, "is_async", False)
+        self.evaluations: list[tuple] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self.store, name)
+
+    def _keep(self, evaluation):
+        self.evaluations.append(([(hit.over_limit, hit.retry_after) for hit in evaluation.hits],
+                                 evaluation.delay, evaluation.new_ban))
+        return evaluation
+
+    def evaluate(self, *args, **kwargs):
+        if not self.is_async:
+            return self._keep(self.store.evaluate(*args, **kwargs))
+
+        async def run():
+            return self._keep(await self.store.evaluate(*args, **kwargs))
+        return run()
+
+
+def test_buckets_make_the_same_decisions_as_the_memory_store(url: str) -> None:
+    """A random trace through MemoryStore and RedisStore on the same clock:
+    leaky buckets (delay and nodelay, r/s and r/m, an explicit penalty),
+    token buckets, several bucket rules on one request, a full wait queue
+    now and then, and the draft headers. Outcomes, hits with their exact
+    retry times, exact delays and the RateLimit fields must all be equal."""
+    rng = random.Random(11)
+    trace = [(rng.choice(["192.0.2.1", "192.0.2.2"]), rng.choice(["/a", "/b", "/c"]),
+              rng.choice([0.0, 0.0, 0.001, 0.0305, 0.1, 0.13, 0.25, 0.6, 1.7, 4.2]),
+              rng.random() < 0.15) for _ in range(500)]
+
+    async def run() -> tuple[list, list, Recording, Recording]:
+        clock = FakeClock()
+        shared = engine(url, BUCKETS, clock)
+        shared.store = Recording(shared.store)
+        local = Engine(shared.ruleset, store=Recording(MemoryStore(1000, "a", clock)), clock=clock)
+        got, expected = [], []
+        for ip, path, step, queue_full in trace:
+            clock.advance(step)
+            for e, into in ((shared, got), (local, expected)):
+                e.delayed = e.ruleset.max_delayed if queue_full else 0
+                decision = await e.decide_async(request(e, ip=ip, path=path))
+                into.append((decision.outcome, decision.rule.id if decision.rule else None,
+                             decision.retry_after, decision.reset, decision.delay, decision.quota))
+        return got, expected, shared.store, local.store
+    got, expected, shared_store, local_store = asyncio.run(run())
+    assert got == expected
+    assert shared_store.evaluations == local_store.evaluations
+    # The trace exercises what it is meant to.
+    assert {outcome for outcome, *_ in got} == {ALLOW, DENY}
+    assert {rule for outcome, rule, *_ in got if outcome == DENY} >= {"paced", "minute", "tokens", "held"}
+    assert any(rule == "watch" for outcome, rule, *_ in got if outcome == ALLOW)
+    delays = {delay for *_, delay, _ in got}
+    assert len(delays) > 3 and 0.0 in delays
+    assert all(quota is not None for outcome, *_, quota in got if outcome == ALLOW)
+    # Some requests were admitted with a hold by several buckets at once.
+    assert any(sum(1 for over, _ in hits if not over) >= 4 and delay > 0
+               for hits, delay, _ in shared_store.evaluations)
+
+
+TOKENS = """\
+rules:
+  - id: tokens
+    key: [ip, path]
+    limit: {tokens: 3, refill: 2/s}
+    action: block
+"""
+
+
+def test_token_bucket_seed_example_shared_by_two_nodes(url: str) -> None:
+    """Capacity 3, refill 2/s: three pass at once, the fourth fails, one
+    more passes after half a second, wherever each request lands."""
+    async def run() -> tuple[list[str], list[str], int, int]:
+        clock = FakeClock()
+        a, b = engine(url, TOKENS, clock, node="a"), engine(url, TOKENS, clock, node="b")
+        first = [(await node.decide_async(request(node))).outcome for node in (a, b, a, b)]
+        clock.advance(0.5)
+        later = [(await node.decide_async(request(node))).outcome for node in (b, a)]
+        decision = await a.decide_async(request(a))
+        return first, later, decision.limit, decision.retry_after
+    first, later, limit, retry_after = asyncio.run(run())
+    assert first == [ALLOW, ALLOW, ALLOW, DENY]
+    assert later == [ALLOW, DENY]
+    assert limit == 3 and retry_after == 1
+
+
+LEAKY = """\
+rules:
+  - id: like-nginx
+    key: [ip]
+    limit: {rate: 10r/s, burst: 3, delay: 1}
+    action: block
+"""
+
+
+def test_leaky_bucket_holds_and_refuses_like_the_memory_store(url: str) -> None:
+    # 10r/s: 100 ms per request. The first passes, the second is within the
+    # delay, the next two are held 100 and 200 ms, the fifth is refused.
+    async def run() -> tuple[list[tuple[str, float]], list[str]]:
+        clock = FakeClock()
+        e = engine(url, LEAKY, clock)
+        decisions = [await e.decide_async(request(e)) for _ in range(5)]
+        e.delayed = e.ruleset.max_delayed  # the wait queue is full now
+        clock.advance(0.1)
+        full = [(await e.decide_async(request(e))).outcome]
+        e.delayed = 0
+        full.append((await e.decide_async(request(e))).outcome)
+        return [(d.outcome, d.delay) for d in decisions], full
+    decisions, full = asyncio.run(run())
+    assert decisions == [(ALLOW, 0.0), (ALLOW, 0.0), (ALLOW, 0.1), (ALLOW, 0.2), (DENY, 0.0)]
+    # A request that would be held with the queue full is refused and
+    # charges nothing: the next one still gets the slot.
+    assert full == [DENY, ALLOW]
+
+
+def test_bucket_keys_expire(url: str, redis_server: RedisServer) -> None:
+    async def run() -> None:
+        e = engine(url, LEAKY + TOKENS.replace("rules:\n", ""), FakeClock(), server_time=True)
+        await outcomes(e, 4)
+    asyncio.run(run())
+    client = redis_server.client()
+    keys = client.keys("*")
+    assert len(keys) == 2
+    ttls = {key: client.pttl(key) for key in keys}
+    # The leaky key lives 60 s after its last request (like nginx), the
+    # token key until it is full again (3 tokens spent at 2/s: 1.5 s; the
+    # fourth request was refused by the token bucket and charged neither).
+    assert sorted(ttls.values())[0] in range(1, 1501) and 59_000 < sorted(ttls.values())[1] <= 60_000, ttls
+
+
 def test_fail_open_then_recover_when_redis_returns(url: str, redis_server: RedisServer) -> None:
     async def run() -> tuple[list[str], float, list[str], int, list[str]]:
         e = engine(url, AXIS_NOW, FakeClock())
