@@ -113,7 +113,11 @@ def serve(config: str | None, host: str, port: int, uds: str | None, hook_udp: s
         raise click.BadParameter(str(exc), param_hint="--admin-token-file") from None
     settings = {"config": config, "admin_token_file": admin_token_file, "hook_udp": _host_port(hook_udp),
                 "loopback": uds is not None or _is_loopback(host), "log_level": log_level,
-                "workers": workers}
+                "workers": workers,
+                # Workers must sign and verify pending-count tokens and
+                # challenge credentials alike: without challenge.secret_file,
+                # one random key for all of them.
+                "secret": None if ruleset.secret is not None else os.urandom(32).hex()}
     click.echo(f"sluice: {len(ruleset.rules)} rules from {ruleset.source}, node {ruleset.node}"
                + (f", {workers} workers" if workers > 1 else ""), err=True)
     options: dict[str, Any] = dict(
@@ -144,7 +148,7 @@ def service(settings: dict[str, Any], ruleset: Ruleset | None = None) -> Any:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     configure_decision_log()
     ruleset = ruleset or _load(settings["config"])
-    engine = Engine(ruleset)
+    engine = Engine(ruleset, secret=bytes.fromhex(settings["secret"]) if settings.get("secret") else None)
     admin = Admin(engine, settings["config"], read_token(settings["admin_token_file"]),
                   loopback_listener=settings["loopback"])
     hook_udp = settings["hook_udp"]
