@@ -49,21 +49,26 @@ local function peek(key, now)
   return false, 0
 end
 
+-- The key's window state: (foreign, window, previous, current, penalty
+-- end). A bucket's state under the key (the rule was reloaded as a window)
+-- reads as a fresh one, as the memory store treats a state of another kind.
+local function read_window(key)
+  local state = redis.call('HMGET', key, 'w', 'p', 'c', 'u', 'k')
+  if state[5] then
+    return true, -2, 0, 0, -math.huge
+  end
+  return false, tonumber(state[1]) or -2, tonumber(state[2]) or 0, tonumber(state[3]) or 0,
+    tonumber(state[4]) or -math.huge
+end
+
 -- Count `amount` for the key: WindowCounter.hit. `limit` is the table
 -- {threshold, period, penalty, sliding, exceed}.
 local function hit(key, now, limit, amount)
   local threshold, period, penalty, sliding, exceed = limit[1], limit[2], limit[3], limit[4], limit[5]
-  local state = redis.call('HMGET', key, 'w', 'p', 'c', 'u', 'k')
-  if state[5] then
-    -- A bucket's state (the rule was reloaded as a window): start afresh,
-    -- as the memory store does for a state of another kind.
+  local foreign, window, previous, current, until_ = read_window(key)
+  if foreign then
     redis.call('DEL', key)
-    state = {false, false, false, false}
   end
-  local window = tonumber(state[1]) or -2
-  local previous = tonumber(state[2]) or 0
-  local current = tonumber(state[3]) or 0
-  local until_ = tonumber(state[4]) or -math.huge
   if now < until_ then
     return true, until_ - now
   end
@@ -105,14 +110,7 @@ end
 -- WindowCounter.quota. Changes nothing.
 local function window_quota(key, now, limit, threshold)
   local period, sliding = limit[2], limit[4]
-  local state = redis.call('HMGET', key, 'w', 'p', 'c', 'u', 'k')
-  if state[5] then
-    state = {false, false, false, false}
-  end
-  local window = tonumber(state[1]) or -2
-  local previous = tonumber(state[2]) or 0
-  local current = tonumber(state[3]) or 0
-  local until_ = tonumber(state[4]) or -math.huge
+  local _, window, previous, current, until_ = read_window(key)
   if now < until_ then
     return 0, until_ - now, period
   end
