@@ -20,12 +20,12 @@ RULES ?= examples/default.yaml
 # Re-installed whenever pyproject.toml changes.
 INSTALLED := $(VENV)/.installed
 
-.PHONY: run test nginx caddy redis-server
+.PHONY: run test nginx caddy redis-server nodejs
 
 run: $(INSTALLED) nginx
 	$(VENV)/bin/python -m sidecar.launcher --rules "$(RULES)"
 
-test: $(INSTALLED) nginx caddy redis-server
+test: $(INSTALLED) nginx caddy redis-server nodejs
 	$(VENV)/bin/python -m pytest -q
 
 $(INSTALLED): pyproject.toml
@@ -41,13 +41,14 @@ $(INSTALLED): pyproject.toml
 	$(VENV)/bin/python -m pip install --quiet -e '.[test,proxies]'
 	touch $@
 
-# Debian's packages of the same name as their command. Debian installs nginx
+# Debian's packages, named like their command except nodejs (command node,
+# which runs the challenge page's script in a unit test). Debian installs nginx
 # outside the PATH of ordinary users (/usr/sbin). Installing must not start
 # the system's own nginx, caddy or redis service (port 80, caddy's admin
 # endpoint on 2019, Redis on 6379): a policy-rc.d that refuses service starts
 # is the Debian way to ask for that.
-nginx caddy redis-server:
-	@if command -v $@ >/dev/null || [ -x /usr/sbin/$@ ]; then exit 0; fi
+nginx caddy redis-server nodejs:
+	@if command -v $(if $(filter nodejs,$@),node,$@) >/dev/null || [ -x /usr/sbin/$@ ]; then exit 0; fi
 	if [ "$$(id -u)" != 0 ]; then \
 	  echo "make: $@ is not installed; install Debian's $@ package (as root: apt-get install $@)" >&2; \
 	  exit 1; \

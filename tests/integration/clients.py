@@ -148,3 +148,11 @@ def assert_default_block(blocked: Reply, limit: int, reset: int) -> None:
     assert request_id
     assert b"429" in blocked.body
     assert request_id.encode() in blocked.body
+
+
+def assert_observed(reply: Reply, limit: int, reset: int) -> None:
+    """An over-limit request in observe mode: let through, with the headers."""
+    assert reply.status == 200
+    assert reply.headers["X-RateLimit"] == "true"
+    assert reply.headers["X-RateLimit-Limit"] == str(limit)
+    assert reply.headers["X-RateLimit-Reset"] == str(reset)

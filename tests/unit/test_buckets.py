@@ -30,17 +30,20 @@ class NginxZone:
         self.delay = (NGX_MAX_INT_T_VALUE // 1000) * 1000 if delay is None else delay * 1000
         self.nodes: dict[str, list[int]] = {}  # key -> [excess, last]
 
+    def excess_at(self, node, now):
+        """(ms since the node's last request, the excess this request makes)."""
+        ms = now - node[1]
+        if ms < -60000:
+            ms = 1
+        elif ms < 0:
+            ms = 0
+        excess = node[0] - self.rate * ms // 1000 + 1000
+        return ms, max(excess, 0)
+
     def lookup(self, key, now, account):
         node = self.nodes.get(key)
         if node is not None:
-            ms = now - node[1]
-            if ms < -60000:
-                ms = 1
-            elif ms < 0:
-                ms = 0
-            excess = node[0] - self.rate * ms // 1000 + 1000
-            if excess < 0:
-                excess = 0
+            ms, excess = self.excess_at(node, now)
             if excess > self.burst:
                 return "BUSY", excess
             if account:
@@ -57,14 +60,7 @@ class NginxZone:
 
     def account(self, key, now):
         node = self.nodes.setdefault(key, [0, 0])  # a node created by lookup: last = 0
-        ms = now - node[1]
-        if ms < -60000:
-            ms = 1
-        elif ms < 0:
-            ms = 0
-        excess = node[0] - self.rate * ms // 1000 + 1000
-        if excess < 0:
-            excess = 0
+        ms, excess = self.excess_at(node, now)
         if ms:
             node[1] = now
         node[0] = excess
