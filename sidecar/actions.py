@@ -55,7 +55,9 @@ class PageTemplate:
         out = []
         for index, part in enumerate(self._parts):
             # Odd positions hold variable names, even ones literal text.
-            out.append(html.escape(values[part], quote=True) if index % 2 else part)
+            # A variable without a value (a challenge page asked for
+            # without its challenge) renders empty, never a KeyError.
+            out.append(html.escape(values.get(part, ""), quote=True) if index % 2 else part)
         return "".join(out).encode("utf-8")
 
 
@@ -228,11 +230,16 @@ def retry_after_seconds(wait: float) -> int:
     return max(1, math.ceil(wait))
 
 
+# What an HTTP server refuses to send in a header value (uvicorn answers 500).
+_UNSENDABLE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
 def deny_headers(limit: int, reset: int, retry_after: int, request_id: str) -> list[tuple[str, str]]:
-    """Headers of a deny page: over-limit headers and Sluice's additions."""
+    """Headers of a deny page: over-limit headers and Sluice's additions.
+    The request id is the proxy's: control characters in it are dropped."""
     return over_limit_headers(limit, reset) + [
         ("Retry-After", str(retry_after)),
         ("Cache-Control", "no-store"),
-        ("X-Request-Id", request_id),
+        ("X-Request-Id", _UNSENDABLE.sub("", request_id)),
         ("Content-Type", CONTENT_TYPE_HTML),
     ]

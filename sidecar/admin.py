@@ -48,14 +48,22 @@ class Admin:
             return errors
         self.engine.reload(ruleset)
         log.info("reloaded %d rules from %s", len(ruleset.rules), ruleset.source)
+        for warning in ruleset.warnings:
+            log.warning("%s", warning)
         return []
 
     # -- access --------------------------------------------------------------
 
+    @property
+    def needs_token(self) -> bool:
+        """A bearer token is configured: refusals are 401, not 403."""
+        return self._token is not None
+
     def allows(self, authorization: str | None, peer: str | None) -> bool:
         if self._token is not None:
             scheme, _, given = (authorization or "").partition(" ")
-            return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self._token)
+            return scheme.lower() == "bearer" and hmac.compare_digest(
+                given.strip().encode("utf-8", "surrogateescape"), self._token)
         if not self.loopback_listener or peer is None:
             return False
         try:

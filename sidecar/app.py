@@ -14,6 +14,7 @@ import contextlib
 import html
 import logging
 import os
+import re
 import signal
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable
@@ -25,10 +26,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from sidecar.admin import Admin
 from sidecar.actions import CHALLENGE_PAGE, CONTENT_TYPE_HTML, BlockPage, deny_headers, over_limit_headers
-from sidecar.challenge import FINGERPRINT_HEADER, SOLUTION_PATH, IssuedChallenge
+from sidecar.challenge import FINGERPRINT_HEADER, MAX_CHALLENGE_LENGTH, SOLUTION_PATH, IssuedChallenge
+from sidecar.clientip import parse_address
+from sidecar.config import RULE_ID_RE
 from sidecar.engine import ALLOW, CLOSE, DENY, Decision, Engine
+from sidecar.health import HealthListener, Heartbeat
 from sidecar.hook import listen_for_reports, report_from_headers
+from sidecar.ratelog import RateLimitedLog
 from sidecar.request import CheckRequest, strip_port
+from sidecar.rules import CompiledRule
 
 log = logging.getLogger("sluice")
 
@@ -133,18 +139,61 @@ class DenyToken:
 
     @staticmethod
     def decode(token: str) -> tuple[int, int, int, int, str, str, IssuedChallenge | None]:
+        """The token's fields; ValueError for anything ``encode`` does not
+        write (a token is checked field by field, never trusted)."""
+        if len(token) > MAX_DENY_TOKEN:
+            raise ValueError("token too long")
         fields = token.split(" ")
-        status, limit, reset, retry_after, rule_id, client = fields[:6]
-        challenge = None
-        if len(fields) == 8:
-            challenge = IssuedChallenge(fields[7], int(fields[6]))
-        elif len(fields) != 6:
+        if len(fields) not in (6, 8):
             raise ValueError(f"{len(fields)} fields")
-        status_code = int(status)
+        status, limit, reset, retry_after, rule_id, client = fields[:6]
+        status_code = _token_number(status, 3)
         if not 400 <= status_code <= 599:
             raise ValueError(f"status {status_code} out of range")
-        return status_code, int(limit), int(reset), int(retry_after), rule_id, \
-            "" if client == "-" else client, challenge
+        if rule_id != "-" and not RULE_ID_RE.fullmatch(rule_id):
+            raise ValueError("not a rule id")
+        address = parse_address(client) if client != "-" else None
+        if client != "-" and address is None:
+            raise ValueError("not a client address")
+        challenge = None
+        if len(fields) == 8:
+            if not (0 < len(fields[7]) <= MAX_CHALLENGE_LENGTH and _CHALLENGE_TEXT.fullmatch(fields[7])):
+                raise ValueError("not a challenge")
+            challenge = IssuedChallenge(fields[7], _token_number(fields[6], 3))
+        return status_code, _token_number(limit), _token_number(reset), _token_number(retry_after), \
+            rule_id, "" if address is None else str(address), challenge
+
+
+# Longer than any token encode writes (a challenge is at most
+# MAX_CHALLENGE_LENGTH); numbers are plain decimal digits, never signs,
+# spaces, underscores or exponents, and at most 20 digits (64 bits).
+MAX_DENY_TOKEN = MAX_CHALLENGE_LENGTH + 256
+_CHALLENGE_TEXT = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def _token_number(text: str, digits: int = 20) -> int:
+    if not (0 < len(text) <= digits and text.isascii() and text.isdigit()):
+        raise ValueError(f"not a number of at most {digits} digits")
+    return int(text)
+
+
+# A client that reaches the deny endpoint can send bad tokens as fast as it likes.
+_bad_token_log = RateLimitedLog(log, 60.0)
+
+
+def _deny_page(rule: CompiledRule | None, status: int, challenge: IssuedChallenge | None
+               ) -> tuple[BlockPage, IssuedChallenge | None]:
+    """The page (and challenge) for a deny token whose rule may have been
+    reloaded since nginx was told: the rule's own page while it still gives
+    one for that status, else the built-in page for the status. A challenge
+    is shown only while its rule still challenges (a solution would be
+    refused otherwise), and a challenge rule's token without one (the rule
+    blocked when nginx asked) gets the built-in page."""
+    if rule is None or rule.page is None or rule.page.close:
+        return BlockPage.builtin(status), None
+    if rule.challenge is not None:
+        return (rule.page, challenge) if challenge is not None else (BlockPage.builtin(status), None)
+    return (rule.page if rule.page.status == status else BlockPage.builtin(status)), None
 
 
 def describe_nginx(engine: Engine, scope: Scope, headers: dict[str, str]) -> CheckRequest:
@@ -280,10 +329,11 @@ class SluiceApp:
     """The ASGI application uvicorn runs."""
 
     def __init__(self, engine: Engine, report_udp: tuple[str, int] | None = None,
-                 admin: Admin | None = None, share_report_port: bool = False) -> None:
+                 admin: Admin | None = None, share_report_port: bool = False,
+                 health: tuple[str, int] | None = None) -> None:
         self.engine = engine
-        self.api = build_api(engine, report_udp, admin, share_report_port)
-        self._last_error_log = -60.0
+        self.api = build_api(engine, report_udp, admin, share_report_port, health)
+        self._error_log = RateLimitedLog(log, 10)
         self._checks: dict[str, tuple[Describe, Answer]] = {
             NGINX_AUTH_PATH: (describe_nginx, answer_nginx),
             FORWARD_AUTH_PATH: (describe_forward_auth, answer_in_full),
@@ -325,33 +375,37 @@ class SluiceApp:
         engine.metrics.latency.observe(time.perf_counter() - started)
         if decision.delay > 0:
             # A leaky bucket admitted the request at a later slot: the proxy
-            # waits for our answer (SPEC §7). The slot is counted until the
-            # wait ends or the proxy goes away.
-            engine.delayed += 1
+            # waits for our answer (SPEC §7). The decision took a hold slot;
+            # it is given back when the wait ends or the proxy goes away.
             try:
                 if not await wait_unless_disconnected(receive, decision.delay):
                     return
             finally:
-                engine.delayed -= 1
+                engine.release_hold()
         await answer(send, request, decision)
 
     async def _nginx_deny(self, scope: Scope, send: Send) -> None:
-        """The page for a deny nginx was told about (see NGINX_DENY_STATUS)."""
+        """The page for a deny nginx was told about (see NGINX_DENY_STATUS).
+
+        Every token gets a page: a malformed one the built-in 429, a stale
+        one (its rule reloaded away or changed) the built-in page for the
+        status nginx was told."""
         headers = header_map(scope)
         request_id = headers.get("x-request-id") or new_request_id()
         token = headers.get("x-sluice-deny", "")
         try:
             status, limit, reset, retry_after, rule_id, client, challenge = DenyToken.decode(token)
-        except ValueError:
-            log.warning("deny page asked for with an invalid token %r", token[:200])
+        except ValueError as exc:
+            _bad_token_log.warning("deny page asked for with an invalid token %r (%s; reported once "
+                                   "per minute)", token[:200], exc)
             status, limit, reset, retry_after, rule_id, client, challenge = 429, 1, 1, 1, "", "", None
-        rule = self.engine.ruleset.by_id.get(rule_id)
-        # The rule may have been reloaded away in between: fall back to the
-        # built-in page for the status nginx was told. A challenge page
-        # needs no rule: the challenge carries what it needs.
-        page = rule.page if rule is not None and rule.page is not None and not rule.page.close \
-            else BlockPage.builtin(status)
-        body = render_page(page, client, headers.get("x-original-host", ""), request_id, challenge)
+        try:
+            page, challenge = _deny_page(self.engine.ruleset.by_id.get(rule_id), status, challenge)
+            body = render_page(page, client, headers.get("x-original-host", ""), request_id, challenge)
+        except Exception:  # a bug: still a refusal, never a 500 for nginx to show
+            self._internal_error()
+            status, limit, reset, retry_after = 429, 1, 1, 1
+            body = BlockPage.builtin(status).template.render(client, "", request_id)
         await respond(send, status, deny_headers(limit, reset, retry_after, request_id), body)
 
     async def _solution(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -396,14 +450,16 @@ class SluiceApp:
 
     def _internal_error(self) -> None:
         self.engine.metrics.errors.inc()
-        now = time.monotonic()
-        if now - self._last_error_log >= 10:
-            self._last_error_log = now
-            log.exception("check failed inside Sluice; the request was allowed (fail open)")
+        self._error_log.error("check failed inside Sluice; the request was allowed (fail open)",
+                              exc_info=True)
 
 
 def build_api(engine: Engine, report_udp: tuple[str, int] | None = None,
-              admin: Admin | None = None, share_report_port: bool = False) -> FastAPI:
+              admin: Admin | None = None, share_report_port: bool = False,
+              health: tuple[str, int] | None = None) -> FastAPI:
+    def readiness() -> str:
+        return f"ok: {len(engine.ruleset.rules)} rules from {engine.ruleset.source}\n"
+
     @contextlib.asynccontextmanager
     async def lifespan(_api: FastAPI) -> AsyncIterator[None]:
         transport = await listen_for_reports(engine, *report_udp, reuse_port=share_report_port) \
@@ -411,9 +467,17 @@ def build_api(engine: Engine, report_udp: tuple[str, int] | None = None,
         loop = asyncio.get_running_loop()
         if admin is not None:
             loop.add_signal_handler(signal.SIGHUP, admin.reload)
+        heartbeat, probes = Heartbeat(), None
+        if health is not None:
+            heartbeat.start(loop)
+            probes = HealthListener(*health, heartbeat, readiness, reuse_port=share_report_port)
+            probes.start()
         try:
             yield
         finally:
+            if probes is not None:
+                heartbeat.stop()
+                await asyncio.to_thread(probes.stop)
             if admin is not None:
                 loop.remove_signal_handler(signal.SIGHUP)
             if transport is not None:
@@ -436,7 +500,7 @@ def build_api(engine: Engine, report_udp: tuple[str, int] | None = None,
 
     @api.get("/readyz", response_class=PlainTextResponse)
     def readyz() -> str:
-        return f"ok: {len(engine.ruleset.rules)} rules from {engine.ruleset.source}\n"
+        return readiness()
 
     @api.get("/metrics")
     async def metrics() -> Response:
@@ -452,9 +516,15 @@ def admin_routes(admin: Admin) -> APIRouter:
 
     def authorized(request: Request, authorization: str | None = Header(None)) -> None:
         peer = request.client.host if request.client else None
-        if not admin.allows(authorization, peer):
-            raise HTTPException(403, "the admin API needs a bearer token (--admin-token-file), "
-                                     "or a loopback listener and peer")
+        if admin.allows(authorization, peer):
+            return
+        if admin.needs_token:
+            # RFC 6750: no token, or one that is not the admin token.
+            challenge = 'Bearer realm="sluice"' + (', error="invalid_token"' if authorization else "")
+            raise HTTPException(401, "the admin API needs its bearer token (Authorization: Bearer ...)",
+                                headers={"WWW-Authenticate": challenge})
+        raise HTTPException(403, "the admin API needs a bearer token (--admin-token-file), "
+                                 "or a loopback listener and peer")
 
     router = APIRouter(prefix="/v1/admin", dependencies=[Depends(authorized)])
 
@@ -484,8 +554,10 @@ def admin_routes(admin: Admin) -> APIRouter:
 
 
 def create_app(engine: Engine, report_udp: tuple[str, int] | None = None,
-               admin: Admin | None = None, share_report_port: bool = False) -> SluiceApp:
+               admin: Admin | None = None, share_report_port: bool = False,
+               health: tuple[str, int] | None = None) -> SluiceApp:
     """``report_udp``: where to receive nginx's response reports (syslog/UDP),
-    a port several worker processes share with ``share_report_port``;
-    ``admin``: reload on SIGHUP and serve the admin API."""
-    return SluiceApp(engine, report_udp, admin, share_report_port)
+    a port several worker processes share with ``share_report_port`` (the
+    health listener's too); ``admin``: reload on SIGHUP and serve the admin
+    API; ``health``: where the probe listener answers (see sidecar.health)."""
+    return SluiceApp(engine, report_udp, admin, share_report_port, health)

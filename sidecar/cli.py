@@ -24,12 +24,12 @@ def _load(config: str | None) -> Ruleset:
         raise SystemExit(1) from None
 
 
-def _host_port(value: str) -> tuple[str, int] | None:
+def _host_port(value: str, option: str = "--hook-udp") -> tuple[str, int] | None:
     if value == "off":
         return None
     host, sep, port = value.rpartition(":")
     if not sep or not port.isdigit():
-        raise click.BadParameter(f"expected HOST:PORT or 'off', got {value!r}", param_hint="--hook-udp")
+        raise click.BadParameter(f"expected HOST:PORT or 'off', got {value!r}", param_hint=option)
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
@@ -51,6 +51,8 @@ def check(file: str) -> None:
     """Validate a rules file: exit 0, or 1 with every error as FILE:LINE: field: message."""
     ruleset = _load(file)
     click.echo(f"{file}: OK, {len(ruleset.rules)} rules")
+    for warning in ruleset.warnings:
+        click.echo(f"warning: {warning}", err=True)
     if ruleset.longest_hold:
         click.echo(f"leaky buckets hold requests up to {ruleset.longest_hold:g} s: the proxy's "
                    "timeout for Sluice must be longer, or held requests fail open")
@@ -91,11 +93,20 @@ def replay(config: str, as_json: bool, top: int, host: str, logs: tuple[str, ...
 @click.option("--admin-token-file", type=click.Path(dir_okay=False, exists=True),
               help="File holding the bearer token of the admin API (at least 16 characters). "
                    "Without it the admin API answers only loopback peers of a loopback listener.")
+@click.option("--health", default="off", show_default=True,
+              help="HOST:PORT of a listener of its own for /healthz and /readyz, answered "
+                   "even while the main port is flooded (point liveness probes here), or 'off'.")
 @click.option("--workers", default=1, show_default=True, type=click.IntRange(min=1))
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
+@click.option("--max-header-bytes", default=128 * 1024, show_default=True, type=click.IntRange(min=1024),
+              help="Longest request head (request line and header fields) Sluice reads; a longer one "
+                   "gets 431. Keep it above what the proxy forwards (sidecar/server.py).")
+@click.option("--max-headers", default=16_384, show_default=True, type=click.IntRange(min=1),
+              help="Most header fields of one request; more get 431. Keep it above what the proxy forwards.")
 def serve(config: str | None, host: str, port: int, uds: str | None, hook_udp: str,
-          admin_token_file: str | None, workers: int, log_level: str) -> None:
+          admin_token_file: str | None, health: str, workers: int, log_level: str,
+          max_header_bytes: int, max_headers: int) -> None:
     """Run the check service."""
     import uvicorn
 
@@ -113,19 +124,23 @@ def serve(config: str | None, host: str, port: int, uds: str | None, hook_udp: s
         raise click.BadParameter(str(exc), param_hint="--admin-token-file") from None
     settings = {"config": config, "admin_token_file": admin_token_file, "hook_udp": _host_port(hook_udp),
                 "loopback": uds is not None or _is_loopback(host), "log_level": log_level,
-                "workers": workers,
+                "workers": workers, "health": _host_port(health, "--health"),
                 # Workers must sign and verify pending-count tokens and
                 # challenge credentials alike: without challenge.secret_file,
                 # one random key for all of them.
                 "secret": None if ruleset.secret is not None else os.urandom(32).hex()}
     click.echo(f"sluice: {len(ruleset.rules)} rules from {ruleset.source}, node {ruleset.node}"
                + (f", {workers} workers" if workers > 1 else ""), err=True)
+    for warning in ruleset.warnings:
+        click.echo(f"sluice: warning: {warning}", err=True)
     options: dict[str, Any] = dict(
         host=host, port=port, uds=uds, access_log=False, log_level=log_level, lifespan="on",
         server_header=False, date_header=False,
         # The client address is Sluice's business (SPEC §3): uvicorn must
         # not rewrite the peer from X-Forwarded-For by itself.
-        proxy_headers=False)
+        proxy_headers=False,
+        # uvicorn's httptools protocol with a bounded request head (431).
+        http=_http_protocol(max_header_bytes, max_headers))
     if workers == 1:
         uvicorn.run(service(settings, ruleset), **options)
         return
@@ -136,6 +151,12 @@ def serve(config: str | None, host: str, port: int, uds: str | None, hook_udp: s
 
 
 SERVE_SETTINGS = "SLUICE_SERVE_SETTINGS"
+
+
+def _http_protocol(max_header_bytes: int, max_headers: int) -> Any:
+    from sidecar.server import protocol_factory
+
+    return protocol_factory(max_header_bytes, max_headers)
 
 
 def service(settings: dict[str, Any], ruleset: Ruleset | None = None) -> Any:
@@ -154,8 +175,9 @@ def service(settings: dict[str, Any], ruleset: Ruleset | None = None) -> Any:
     hook_udp = settings["hook_udp"]
     # Several workers share the report port: the kernel spreads datagrams
     # over them (SO_REUSEPORT).
+    health = settings.get("health")
     return create_app(engine, tuple(hook_udp) if hook_udp else None, admin,
-                      share_report_port=settings["workers"] > 1)
+                      share_report_port=settings["workers"] > 1, health=tuple(health) if health else None)
 
 
 def worker_service() -> Any:

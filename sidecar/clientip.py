@@ -5,17 +5,35 @@ address belongs to a configured trusted proxy do we look at X-Forwarded-For,
 walking it from right to left exactly like nginx's ``real_ip_recursive on``.
 The result is then normalised so that every spelling of one client (or of one
 IPv6 /64) becomes one counting key.
+
+Both the peer and X-Forwarded-For come from the network, and the header can be
+as long as a proxy lets a client make it (Envoy: 60 KiB, nginx: 8 KiB per
+line). Nothing here is ever keyed on, copied from or proportional to the whole
+header: see ``ClientIPResolver`` for the bounds.
 """
 
 from __future__ import annotations
 
-import functools
 import ipaddress
+import re
+import socket
 from dataclasses import dataclass
 from typing import Sequence, Union
 
 IPAddress = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
 IPNetwork = Union[ipaddress.IPv4Network, ipaddress.IPv6Network]
+
+# How many comma-separated fields of X-Forwarded-For the trusted walk looks at,
+# from the right, at most (see ClientIPResolver).
+MAX_FORWARDED_HOPS = 32
+# Fields (and peers) of at most this many characters are remembered between
+# requests. The longest spelling of an address is 45 characters
+# (0000:0000:0000:0000:0000:ffff:255.255.255.255); the rest leaves room for a
+# little white space or a short zone id.
+MAX_CACHED_ENTRY = 64
+_LONGEST_ADDRESS = 45
+_NON_SPACE = re.compile(r"\S")
+_SPACES = re.compile(r"\s*")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,11 +76,61 @@ def in_networks(address: IPAddress, networks: Sequence[IPNetwork]) -> bool:
     return any(version == net.version and address in net for net in networks)
 
 
+def _canonical_ipv4(text: str) -> int | None:
+    """The value of ``text`` when it is an IPv4 address in canonical dotted
+    form (which is the only form ``ipaddress`` accepts: four decimal octets,
+    no leading zeros), else None, meaning "ask ``ipaddress``".
+
+    inet_pton is lenient or strict depending on the C library; the round
+    trip through inet_ntop makes the answer exact whatever it accepts.
+    """
+    if len(text) > 15 or ":" in text:
+        return None
+    try:
+        packed = socket.inet_pton(socket.AF_INET, text)
+    except (OSError, ValueError):  # ValueError: NUL or a surrogate in the text
+        return None
+    if socket.inet_ntop(socket.AF_INET, packed) != text:
+        return None
+    return int.from_bytes(packed, "big")
+
+
+# What one field (or the peer) is, once classified: a usable address with
+# whether it is a trusted proxy, nothing but white space, or malformed.
+_Entry = tuple[ClientAddress | None, bool]
+_BLANK: _Entry = (None, True)
+_MALFORMED: _Entry = (None, False)
+
+
 class ClientIPResolver:
     """Turns (connecting peer, X-Forwarded-For) into a ClientAddress.
 
-    Results are memoised in a bounded LRU: the same few proxies and clients
-    repeat constantly, and ``ipaddress`` parsing is the slowest step here.
+    Without trusted proxies, or when the peer is not one, X-Forwarded-For is
+    not looked at at all (not even for its length).
+
+    With a trusted peer the header is walked from the right, one
+    comma-separated field at a time, as nginx's ``real_ip_recursive on``
+    does: white-space-only fields are skipped, the first untrusted address is
+    the client, a field that is no address stops the walk and the last
+    address that parsed (possibly the peer) is the client, and if every
+    address is trusted the leftmost one is. The walk looks at no more than
+    ``MAX_FORWARDED_HOPS`` (32) fields, empty ones included; past them it
+    stops, and the client is the last address it accepted (a trusted one,
+    or the peer): the same answer as for a header holding only its rightmost
+    32 fields. (No real chain of proxies comes near 32, and a client that
+    can put trusted addresses into the header can name any of them anyway.)
+    Fields are found with ``rfind``; the header is never split or copied.
+
+    Memory is bounded whatever the header sizes: the only state is a cache
+    from the text of one field or peer of at most ``MAX_CACHED_ENTRY`` (64)
+    characters to what it is (address, key, trusted), emptied whenever it
+    holds ``cache_size`` entries (at most about 400 bytes an entry: 1.6 MB
+    with the default 4096). A longer field is classified without being
+    remembered and without copying more than 45 characters of it (the longest
+    address; a zone id after ``%`` is checked in place, as counting drops it).
+
+    ``ipaddress`` is the reference for what an address is; canonical dotted
+    IPv4, the common case, is recognised without it.
     """
 
     def __init__(
@@ -70,47 +138,142 @@ class ClientIPResolver:
         trusted_proxies: Sequence[IPNetwork] = (),
         ipv4_prefix: int = 32,
         ipv6_prefix: int = 64,
-        cache_size: int = 8192,
+        cache_size: int = 4096,
     ) -> None:
         self.trusted_proxies = tuple(trusted_proxies)
         self.ipv4_prefix = ipv4_prefix
         self.ipv6_prefix = ipv6_prefix
-        self.resolve = functools.lru_cache(maxsize=cache_size)(self._resolve)
+        self.cache_size = cache_size
+        self._cache: dict[str, _Entry] = {}
+        self._ipv4_mask = (0xFFFFFFFF << (32 - ipv4_prefix)) & 0xFFFFFFFF
+        self._ipv6_mask = ((1 << 128) - 1) ^ ((1 << (128 - ipv6_prefix)) - 1)
+        # (netmask, network) as integers, per IP version: `address in net`
+        # without building anything.
+        self._trusted_ints: dict[int, tuple[tuple[int, int], ...]] = {
+            version: tuple((int(net.netmask), int(net.network_address))
+                           for net in self.trusted_proxies if net.version == version)
+            for version in (4, 6)
+        }
 
-    def _resolve(self, peer: str, forwarded_for: str | None) -> ClientAddress:
-        address = parse_address(peer) if peer else None
-        if address is None:
+    def resolve(self, peer: str, forwarded_for: str | None) -> ClientAddress:
+        if not peer:
             return UNKNOWN_CLIENT
-        if forwarded_for and self.trusted_proxies and self._trusted(address):
-            address = self._walk_forwarded_for(address, forwarded_for)
-        return ClientAddress(address, self.key_for(address))
+        # The cache lookups are written out here and in the walk: this runs
+        # for every request.
+        entry = self._cache.get(peer) if len(peer) <= MAX_CACHED_ENTRY else None
+        if entry is None:
+            entry = self._entry(peer, 0, len(peer))
+        client = entry[0]
+        if client is None:
+            return UNKNOWN_CLIENT
+        # Untrusted (always so without trusted proxies): the header is
+        # not touched.
+        if not entry[1] or not forwarded_for:
+            return client
+        return self._walk_forwarded_for(client, forwarded_for)
 
-    def _trusted(self, address: IPAddress) -> bool:
-        return in_networks(address, self.trusted_proxies)
-
-    def _walk_forwarded_for(self, peer: IPAddress, header: str) -> IPAddress:
+    def _walk_forwarded_for(self, client: ClientAddress, header: str) -> ClientAddress:
         """nginx ``real_ip_recursive``: the rightmost untrusted entry wins.
 
         A malformed entry stops the walk and the last address that parsed is
-        the client; if every entry is trusted, the leftmost one is.
+        the client; if every entry is trusted, the leftmost one is. At most
+        MAX_FORWARDED_HOPS fields are looked at (see the class).
         """
-        client = peer
-        for entry in reversed(header.split(",")):
-            if not entry.strip():
-                continue  # "a, , b," has empty entries; nginx skips them too
-            address = parse_address(entry)
+        cache = self._cache
+        end = len(header)
+        hops = MAX_FORWARDED_HOPS
+        while True:
+            start = header.rfind(",", 0, end) + 1
+            entry = cache.get(header[start:end]) if end - start <= MAX_CACHED_ENTRY else None
+            if entry is None:
+                entry = self._entry(header, start, end)
+            if entry is not _BLANK:  # "a, , b," has empty entries; nginx skips them too
+                if entry[0] is None:
+                    return client
+                client = entry[0]
+                if not entry[1]:
+                    return client
+            hops -= 1
+            if start == 0 or hops == 0:
+                return client
+            end = start - 1
+
+    def _entry(self, text: str, start: int, end: int) -> _Entry:
+        """What text[start:end] is: remembered when short, else classified
+        on its own."""
+        if end - start <= MAX_CACHED_ENTRY:
+            field = text[start:end]
+            entry = self._cache.get(field)
+            if entry is None:
+                entry = self._classify(field)
+                if self.cache_size > 0:
+                    if len(self._cache) >= self.cache_size:
+                        self._cache.clear()
+                    self._cache[field] = entry
+            return entry
+        return self._long_entry(text, start, end)
+
+    def _long_entry(self, text: str, start: int, end: int) -> _Entry:
+        """What a field longer than MAX_CACHED_ENTRY is, found without
+        copying more than an address's worth of it, and not remembered.
+
+        Once stripped of white space (``\\s`` is exactly what ``str.strip``
+        removes), it is an address only if it is at most _LONGEST_ADDRESS
+        characters, or that many followed by a zone id: ``%`` and then
+        anything without ``%``, which counting drops.
+        """
+        first = _NON_SPACE.search(text, start, end)
+        if first is None:
+            return _BLANK
+        begin = first.start()
+        percent = text.find("%", begin, end)
+        if percent < 0:
+            if end - begin > _LONGEST_ADDRESS and not _SPACES.fullmatch(text, begin + _LONGEST_ADDRESS, end):
+                return _MALFORMED
+            return self._classify(text[begin:min(end, begin + _LONGEST_ADDRESS)])
+        if (percent - begin > _LONGEST_ADDRESS or text.find("%", percent + 1, end) >= 0
+                or _NON_SPACE.search(text, percent + 1, end) is None):
+            return _MALFORMED
+        # The zone id only has to be there: any one gives the same address.
+        return self._classify(text[begin:percent] + "%z")
+
+    def _classify(self, field: str) -> _Entry:
+        text = field.strip()
+        if not text:
+            return _BLANK
+        value = _canonical_ipv4(text)
+        address: IPAddress | None
+        if value is not None:
+            address = ipaddress.IPv4Address(value)
+            key = text if self.ipv4_prefix == 32 else self._ipv4_key(value)
+        else:
+            address = parse_address(text)
             if address is None:
-                return client
-            client = address
-            if not self._trusted(address):
-                return client
-        return client
+                return _MALFORMED
+            key = self.key_for(address)
+        return ClientAddress(address, key), self._trusted(address)
+
+    def _trusted(self, address: IPAddress) -> bool:
+        networks = self._trusted_ints[address.version]
+        if networks:
+            value = int(address)
+            for mask, network in networks:
+                if value & mask == network:
+                    return True
+        return False
+
+    def _ipv4_key(self, value: int) -> str:
+        network = socket.inet_ntop(socket.AF_INET, (value & self._ipv4_mask).to_bytes(4, "big"))
+        return f"{network}/{self.ipv4_prefix}"
 
     def key_for(self, address: IPAddress) -> str:
         """Canonical key text: the address, or its network when reduced."""
-        prefix = self.ipv4_prefix if address.version == 4 else self.ipv6_prefix
-        if prefix == address.max_prefixlen:
+        if address.version == 4:
+            if self.ipv4_prefix == 32:
+                return str(address)
+            # Arithmetic on the value, never string cuts.
+            return self._ipv4_key(int(address))
+        if self.ipv6_prefix == 128:
             return str(address)
-        network_type = ipaddress.IPv4Network if address.version == 4 else ipaddress.IPv6Network
-        # The constructor masks the host bits: arithmetic, never string cuts.
-        return network_type((int(address), prefix), strict=False).compressed
+        network = ipaddress.IPv6Address(int(address) & self._ipv6_mask)
+        return f"{network.compressed}/{self.ipv6_prefix}"

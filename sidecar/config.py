@@ -394,6 +394,18 @@ class StateConfig(Strict):
     max_delayed: int = Field(1_000, ge=0)
     fail: Literal["open", "closed"] = "open"
 
+    @field_validator("url")
+    @classmethod
+    def _redis_url(cls, url: str) -> str:
+        from sidecar.redis_pipeline import RedisAddress
+
+        try:
+            RedisAddress(url)
+        except ValueError as exc:  # a bad scheme, port or database number
+            raise ValueError(str(exc) if "redis://" in str(exc) else
+                             f"expected a URL like redis://HOST:PORT/DB or unix:///PATH, got {url!r}") from None
+        return url
+
 
 class VerifiedBots(Strict):
     cidrs: list[Network] = Field(min_length=1)
@@ -620,6 +632,11 @@ def parse_rules_text(text: str, source: str, base_dir: Path) -> LoadedRules:
     if not isinstance(document.data, dict):
         issues.append(ConfigIssue(source, 1, "", "the rules file must be a mapping"))
         raise ConfigError(issues)
+    if "rules" not in document.data and not document.issues:
+        # An empty or truncated file must not turn rate limiting off
+        # silently: no rules at all has to be said, as `rules: []`.
+        issues.append(ConfigIssue(source, 1, "rules", "the rules file is empty" if not document.data else
+                                  "field required (write `rules: []` to run without rules on purpose)"))
     model: RulesFile | None = None
     try:
         # Keep the field order YAML gave us: ``dict`` already does.

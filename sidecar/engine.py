@@ -19,6 +19,7 @@ from sidecar.metrics import Metrics
 from sidecar.request import CheckRequest
 from sidecar.rules import CompiledRule, Ruleset, describe_key
 from sidecar.pending import PendingEntry, PendingTokens
+from sidecar.ratelog import RateLimitedLog
 from sidecar.redis_store import RedisStore, StoreUnavailable
 from sidecar.state import BanRecord, Check, Evaluation, MemoryStore, ResponseCount, StateStore
 
@@ -87,11 +88,13 @@ class Engine:
         self.store = store
         # A shared store answers with coroutines: decide_async awaits them.
         self.shared_store: bool = getattr(store, "is_async", False)
-        self._store_error_logged = -math.inf
         self.metrics = metrics if metrics is not None else Metrics()
-        self._bad_address_logged = -math.inf
-        # Requests held by a leaky bucket right now; the application counts
-        # them in and out around the wait (bounded by state.max_delayed).
+        # SPEC §9 and §3: counted always, logged at most every 10 s / 60 s.
+        self._store_error_log = RateLimitedLog(log, 10)
+        self._bad_address_log = RateLimitedLog(log, 60, clock)
+        # Requests held by a leaky bucket right now, or about to be: a
+        # decision takes a slot before asking the store, and a decision that
+        # holds keeps it until the caller's release_hold (state.max_delayed).
         self.delayed = 0
 
     def reload(self, ruleset: Ruleset) -> None:
@@ -110,11 +113,8 @@ class Engine:
             # SPEC §3: counted as the empty value, in a metric always and in
             # the log at most once per minute.
             self.metrics.invalid_address.inc()
-            now = self.clock()
-            if now - self._bad_address_logged >= 60:
-                self._bad_address_logged = now
-                log.warning("client address missing or invalid (%r); counting it as the empty "
-                            "value (reported once per minute)", peer)
+            self._bad_address_log.warning("client address missing or invalid (%r); counting it as the "
+                                          "empty value (reported once per minute)", peer[:100])
         return client
 
     # -- the decision -----------------------------------------------------
@@ -124,9 +124,15 @@ class Engine:
         prepared = self._prepare(request)
         if isinstance(prepared, Decision):
             return prepared
-        evaluation = self.store.evaluate(self.clock(), request.client.key, prepared[1],
-                                         can_delay=self.delayed < self.ruleset.max_delayed)
-        return self._conclude(request, *prepared, evaluation)
+        held = self._reserve_hold(prepared[1])
+        try:
+            evaluation = self.store.evaluate(self.clock(), request.client.key, prepared[1], can_delay=held)
+            decision = self._conclude(request, *prepared, evaluation)
+        except BaseException:
+            self._release_unless_held(held, None)
+            raise
+        self._release_unless_held(held, decision)
+        return decision
 
     async def decide_async(self, request: CheckRequest) -> Decision:
         """The decision, awaiting the store when it is a shared one; the
@@ -136,24 +142,49 @@ class Engine:
         prepared = self._prepare(request)
         if isinstance(prepared, Decision):
             return prepared
+        # The hold slot is taken before the store is asked: decisions in
+        # flight at once must not all see the same free room.
+        held = self._reserve_hold(prepared[1])
+        decision: Decision | None = None
         try:
             evaluation = await self.store.evaluate(  # type: ignore[call-arg,misc]
                 self.clock(), request.client.key, prepared[1],
-                can_delay=self.delayed < self.ruleset.max_delayed, quotas=self.ruleset.draft_headers)
+                can_delay=held, quotas=self.ruleset.draft_headers)
+            decision = self._conclude(request, *prepared, evaluation)
         except StoreUnavailable as exc:
             self._store_failed(exc)
-            return ALLOWED if self.ruleset.fail == "open" else STORE_UNAVAILABLE
-        return self._conclude(request, *prepared, evaluation)
+            decision = ALLOWED if self.ruleset.fail == "open" else STORE_UNAVAILABLE
+        finally:
+            self._release_unless_held(held, decision)
+        return decision
+
+    # -- held requests (leaky-bucket delays) ---------------------------------
+
+    def _reserve_hold(self, checks: list[Check]) -> bool:
+        """Take one of ``state.max_delayed`` hold slots for a request that a
+        leaky bucket may hold; False when it may not be held (queue full,
+        or no rule that holds)."""
+        if self.delayed >= self.ruleset.max_delayed or \
+                not any(check.limiter.holds for check in checks):
+            return False
+        self.delayed += 1
+        return True
+
+    def _release_unless_held(self, reserved: bool, decision: Decision | None) -> None:
+        """A reserved slot stays taken only by a decision that holds the
+        request; the caller releases it with ``release_hold`` after the wait."""
+        if reserved and (decision is None or decision.delay <= 0):
+            self.delayed -= 1
+
+    def release_hold(self) -> None:
+        """The wait of a decision with a ``delay`` ended (or was abandoned)."""
+        self.delayed -= 1
 
     def _store_failed(self, exc: Exception) -> None:
-        # SPEC §9: counted always, logged at most every 10 s.
         self.metrics.store_errors.inc()
-        now = time.monotonic()
-        if now - self._store_error_logged >= 10:
-            self._store_error_logged = now
-            log.warning("state store unavailable (%s); requests %s until it answers again "
-                        "(reported every 10 s at most)", exc,
-                        "are allowed" if self.ruleset.fail == "open" else "are refused")
+        self._store_error_log.warning("state store unavailable (%s); requests %s until it answers again "
+                                      "(reported every 10 s at most)", exc,
+                                      "are allowed" if self.ruleset.fail == "open" else "are refused")
 
     def _prepare(self, request: CheckRequest) -> Decision | tuple[list[CompiledRule], list[Check]]:
         """The matching rules and their checks, or the decision when the
@@ -350,7 +381,7 @@ class Engine:
         if decision_log.isEnabledFor(logging.INFO):
             decision_log.info(json.dumps({
                 "ts": round(time.time(), 3), "rule": rule.id, "outcome": "counted",
-                "amount": count.amount, "key": describe_key(count.key), "node": self.ruleset.node,
+                "amount": count.amount, "key": logged_key(count.key), "node": self.ruleset.node,
             }, separators=(",", ":")))
 
     def _log(self, request: CheckRequest, rule: CompiledRule, check: Check, outcome: str,
@@ -363,13 +394,23 @@ class Engine:
             "rule": rule.id,
             "action": rule.action,
             "outcome": outcome,
-            "key": describe_key(check.key),
+            "key": logged_key(check.key),
             "client": request.client.key,
             "node": self.ruleset.node,
         }
         if banned:
             entry["ban_seconds"] = check.ban_duration
         decision_log.info(json.dumps(entry, separators=(",", ":")))
+
+
+# A counting key's values come from the client (a header, a cookie): a
+# decision line shows at most this much of them, however long they are.
+LOGGED_KEY_CHARS = 256
+
+
+def logged_key(key: object) -> str:
+    text = describe_key(key)
+    return text if len(text) <= LOGGED_KEY_CHARS else text[:LOGGED_KEY_CHARS] + "…"
 
 
 def configure_decision_log(stream=sys.stderr) -> None:

@@ -10,6 +10,13 @@ request time, the response status and response headers.
   ``{"token": ..., "status": N, "headers": {...}}``: nginx's ``access_log
   syslog:`` writes them after the response has been sent, so the client
   never waits for Sluice, and a stopped Sluice costs nothing but the counts.
+
+Anyone who can reach the port can send anything: a report that is not of
+this shape (too long, nested, non-finite or fractional numbers, a status
+other than 100-599, headers other than a flat object of strings) is refused
+before or while parsing, counted in ``sluice_responses_refused`` and logged
+at most once a minute, never with a traceback. Only a failure inside Sluice
+counts as an internal error.
 """
 
 from __future__ import annotations
@@ -17,23 +24,54 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any
+from typing import Any, NoReturn
 
 from sidecar.engine import Engine
+from sidecar.ratelog import RateLimitedLog
 
 log = logging.getLogger("sluice")
 
 RESPONSE_HEADER_PREFIX = "x-sluice-response-"
+
+# A report is a token (at most sidecar.pending.MAX_TOKEN_LENGTH characters), a
+# status and a few response headers: anything longer is not one of nginx's.
+MAX_REPORT_BYTES = 16384
+# Nesting deeper than this cannot be a report (which nests two levels); each
+# "{" or "[" can open at most one level, so counting them before parsing
+# keeps the JSON parser's recursion shallow whatever the datagram holds.
+MAX_REPORT_BRACKETS = 64
+MAX_REPORT_HEADERS = 64
+# Integers in a report are statuses: a longer one is refused while parsing.
+_MAX_INTEGER_DIGITS = 6
+
+# A client can send bad reports as fast as it likes: they are counted in
+# sluice_responses_refused, and said in the log at most once per minute.
+refused_log = RateLimitedLog(log, 60.0)
+failed_log = RateLimitedLog(log, 10.0)
+
+
+class BadReport(ValueError):
+    """A report that is not the shape nginx or Envoy sends."""
+
+
+def refuse(engine: Engine, why: str) -> None:
+    """Count a malformed report as refused; said in the log once a minute."""
+    engine.metrics.reports_refused.inc()
+    refused_log.warning("response report refused: %s (counted in sluice_responses_refused; "
+                        "reported once per minute)", why)
 
 
 async def report_from_headers(engine: Engine, headers: dict[str, str]) -> int:
     status = _status(headers.get("x-sluice-status"))
     token = headers.get("x-sluice-pending", "")
     if status is None or not token:
-        engine.metrics.reports_refused.inc()
+        refuse(engine, "no token" if not token else "no status 100-599")
         return 0
     response_headers = {name[len(RESPONSE_HEADER_PREFIX):]: value for name, value in headers.items()
                         if name.startswith(RESPONSE_HEADER_PREFIX)}
+    if len(response_headers) > MAX_REPORT_HEADERS:
+        refuse(engine, f"more than {MAX_REPORT_HEADERS} response headers")
+        return 0
     return await engine.record_response_async(token, status, response_headers)
 
 
@@ -45,29 +83,70 @@ def report_from_datagram(engine: Engine, data: bytes) -> int:
 
 def datagram_report(engine: Engine, data: bytes) -> tuple[str, int, dict[str, str]] | None:
     """The report in one syslog datagram from nginx (``<PRI>TIMESTAMP TAG:
-    {json}``): token, status and response headers; None for a bad one."""
-    start = data.find(b"{")
+    {json}``): token, status and response headers; None for a bad one,
+    which is counted as refused (never raised, never a traceback)."""
     try:
-        report: Any = json.loads(data[start:]) if start != -1 else None
-    except ValueError:
-        report = None
+        return _parse_datagram(data)
+    except BadReport as exc:
+        refuse(engine, str(exc))
+        return None
+
+
+def _parse_datagram(data: bytes) -> tuple[str, int, dict[str, str]]:
+    if len(data) > MAX_REPORT_BYTES:
+        raise BadReport(f"datagram longer than {MAX_REPORT_BYTES} bytes")
+    start = data.find(b"{")
+    if start == -1:
+        raise BadReport("no JSON object in the datagram")
+    body = data[start:]
+    # Cheap checks first: the parser never sees deep nesting.
+    if body.count(b"{") + body.count(b"[") > MAX_REPORT_BRACKETS:
+        raise BadReport("too many nested objects or arrays")
+    try:
+        text = body.decode("utf-8")
+        report: Any = json.loads(text, parse_float=_no_float, parse_constant=_no_float,
+                                 parse_int=_small_int)
+    except BadReport:
+        raise
+    except ValueError:  # also UnicodeDecodeError
+        raise BadReport("not one JSON object") from None
     if not isinstance(report, dict):
-        engine.metrics.reports_refused.inc()
-        return None
+        raise BadReport("not one JSON object")
     token, status, headers = report.get("token"), _status(report.get("status")), report.get("headers")
-    if not isinstance(token, str) or not token or status is None:
-        engine.metrics.reports_refused.inc()
-        return None
+    if not isinstance(token, str) or not token:
+        raise BadReport("no token")
+    if status is None:
+        raise BadReport("no status 100-599")
+    if headers is None:
+        headers = {}
+    if not isinstance(headers, dict) or len(headers) > MAX_REPORT_HEADERS or \
+            not all(isinstance(value, str) for value in headers.values()):
+        raise BadReport("headers are not a flat object of strings")
     # nginx logs an absent header as an empty string.
-    response_headers = {str(name).lower(): value for name, value in (headers or {}).items()
-                        if isinstance(value, str) and value != ""} if isinstance(headers, dict) else {}
-    return token, status, response_headers
+    return token, status, {name.lower(): value for name, value in headers.items() if value != ""}
+
+
+def _no_float(text: str) -> NoReturn:
+    raise BadReport(f"a non-integer number ({text[:20]})")
+
+
+def _small_int(text: str) -> int:
+    if len(text) > _MAX_INTEGER_DIGITS:
+        raise BadReport("an integer too long to be a status")
+    return int(text)
 
 
 def _status(value: Any) -> int | None:
-    try:
+    """An HTTP status 100-599: an integer, or its three digits as text
+    (nginx's ``"$status"``, Envoy's header); None for anything else."""
+    if isinstance(value, str):
+        value = value.strip()
+        if not (len(value) == 3 and value.isascii() and value.isdigit()):
+            return None
         status = int(value)
-    except (TypeError, ValueError):
+    elif isinstance(value, int) and not isinstance(value, bool):
+        status = value
+    else:
         return None
     return status if 100 <= status <= 599 else None
 
@@ -96,12 +175,18 @@ class HookDatagrams(asyncio.DatagramProtocol):
 
     def _recorded(self, task: asyncio.Task) -> None:
         self._recording.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            self._failed()
+        error = None if task.cancelled() else task.exception()
+        if error is not None:
+            try:
+                raise error
+            except Exception:
+                self._failed()
 
     def _failed(self) -> None:
+        # A bug, not bad input (that is refused above): counted, and its
+        # traceback logged at most every 10 s.
         self.engine.metrics.errors.inc()
-        log.error("response report failed", exc_info=True)
+        failed_log.error("response report failed inside Sluice", exc_info=True)
 
 
 async def listen_for_reports(engine: Engine, host: str, port: int,

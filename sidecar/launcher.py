@@ -177,10 +177,14 @@ def nginx_main_config(run_dir: Path, site_config: Path) -> str:
         "# Written by sidecar.launcher for the local stack; rewritten at every start.\n"
         f"{user}"
         "worker_processes 1;\n"
+        # A checked request holds up to three connections at once (the
+        # client's, the check's and the application's): room for bursts of
+        # a few thousand clients.
+        "worker_rlimit_nofile 16384;\n"
         f"pid {_nginx_path(run_dir / 'nginx.pid')};\n"
         "error_log stderr warn;\n"
         "events {\n"
-        "    worker_connections 1024;\n"
+        "    worker_connections 8192;\n"
         "}\n"
         "http {\n"
         f"    access_log {_nginx_path(run_dir / 'logs' / 'access.log')};\n"

@@ -59,6 +59,7 @@ class WindowCounter:
 
     __slots__ = ("threshold", "period", "penalty", "sliding", "exceed")
     deferred = False  # counts at once; buckets commit only admitted requests
+    holds = False  # never asks to hold a request
 
     def __init__(self, threshold: int, period: float, penalty: float, sliding: bool = True,
                  exceed: bool = False) -> None:
@@ -154,7 +155,7 @@ class LeakyBucket:
     (``nodelay``: never held). A rejection changes nothing.
     """
 
-    __slots__ = ("rate", "burst", "delay", "penalty")
+    __slots__ = ("rate", "burst", "delay", "penalty", "holds")
     deferred = True
 
     def __init__(self, rate: Rate, burst: int, delay: int | None, penalty: float | None) -> None:
@@ -163,6 +164,7 @@ class LeakyBucket:
         # nodelay (delay None) admits the whole burst at once.
         self.delay = burst * 1000 if delay is None else delay * 1000
         self.penalty = penalty
+        self.holds = self.longest_hold() > 0  # may ask to hold a request
 
     def longest_hold(self) -> float:
         """Seconds the longest-held request waits: the excess is at most
@@ -237,6 +239,7 @@ class TokenBucket:
 
     __slots__ = ("capacity", "refill", "cost", "penalty")
     deferred = True
+    holds = False
 
     def __init__(self, capacity: int, refill: float, cost: int, penalty: float | None) -> None:
         self.capacity = capacity

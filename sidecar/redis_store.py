@@ -26,13 +26,11 @@ import time
 from importlib import resources
 from typing import Any, Hashable, Sequence
 
-import redis.asyncio as aioredis
-import redis.exceptions
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-
 from sidecar.limiters import ALLOWED, Hit, LeakyBucket, TokenBucket, WindowCounter
+from sidecar.redis_pipeline import PipelinedRedis, StoreUnavailable
 from sidecar.state import BanRecord, Check, Clock, Evaluation, Limiter, ResponseCount
+
+__all__ = ["RedisStore", "StoreUnavailable", "counting_key", "ban_key"]
 
 PREFIX = "{sluice}:"
 COUNT_PREFIX = PREFIX + "count:"
@@ -42,10 +40,6 @@ BAN_INDEX = PREFIX + "bans"
 # A store that does not answer within this is unavailable for this request
 # (SPEC §9): the request fails open (or closed) instead of waiting.
 DEFAULT_TIMEOUT = 0.1
-
-
-class StoreUnavailable(Exception):
-    """The shared store did not answer; the caller fails open or closed."""
 
 
 def counting_key(key: Hashable) -> str:
@@ -95,33 +89,29 @@ class RedisStore:
 
     is_async = True
 
-    def __init__(self, client: aioredis.Redis, node: str, server_time: bool = True,
+    def __init__(self, client: PipelinedRedis, node: str, server_time: bool = True,
                  wall_clock: Clock = time.time) -> None:
         self.client = client
         self.node = node
         self.server_time = server_time
         self._wall_clock = wall_clock
-        self._evaluate = client.register_script(_script("evaluate"))
-        self._record = client.register_script(_script("record"))
-        self._bans = client.register_script(_script("bans"))
-        self._lift_ban = client.register_script(_script("lift_ban"))
+        self._evaluate = client.script(_script("evaluate"))
+        self._record = client.script(_script("record"))
+        self._bans = client.script(_script("bans"))
+        self._lift_ban = client.script(_script("lift_ban"))
 
     @classmethod
     def from_url(cls, url: str, node: str, timeout: float = DEFAULT_TIMEOUT, **kwargs: Any) -> "RedisStore":
-        # No retries: a request waits at most one timeout, then fails open;
-        # the pool reconnects by itself when Redis is back.
-        client = aioredis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
-                                         retry=Retry(NoBackoff(), 0), decode_responses=True)
-        return cls(client, node, **kwargs)
+        # One pipelined connection carries every decision in flight (see
+        # redis_pipeline): a burst is a queue Redis works through, never a
+        # pool that runs out and fails requests open while Redis is fine.
+        return cls(PipelinedRedis(url, timeout), node, **kwargs)
 
     def _now(self, now: float) -> str:
         return "" if self.server_time else repr(now)
 
-    async def _call(self, script: Any, keys: list[str], args: list[str]) -> Any:
-        try:
-            return await script(keys=keys, args=args)
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
-            raise StoreUnavailable(str(exc) or type(exc).__name__) from exc
+    async def _call(self, script: str, keys: list[str], args: list[str]) -> Any:
+        return await self.client.evalsha(script, keys, args)
 
     async def evaluate(self, now: float, address: str, checks: Sequence[Check],
                        can_delay: bool = True, quotas: bool = False) -> Evaluation:
@@ -182,4 +172,4 @@ class RedisStore:
         self.node = node
 
     async def close(self) -> None:
-        await self.client.aclose()
+        await self.client.close()

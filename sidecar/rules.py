@@ -299,6 +299,13 @@ class Ruleset:
     auto_ban: AutoBan  # challenges per address before it is banned
 
     @property
+    def warnings(self) -> list[str]:
+        """What is valid but probably not meant, said at load and reload."""
+        if not self.rules:
+            return [f"{self.source}: no rules (`rules: []`): every request is allowed"]
+        return []
+
+    @property
     def longest_hold(self) -> float:
         """The longest a leaky bucket rule may hold a request, in seconds."""
         return max((rule.limiter.longest_hold() for rule in self.rules

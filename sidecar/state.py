@@ -24,6 +24,7 @@ class Limiter(Protocol):
     and are ``commit``ted only when the whole request is admitted."""
 
     deferred: bool
+    holds: bool  # may ask to hold an admitted request (a leaky bucket's delay)
 
     def new_state(self) -> Any: ...
     def peek(self, state: Any, now: float) -> Hit: ...

@@ -71,11 +71,33 @@ def test_an_invalid_file_is_refused_and_the_old_rules_keep_running(harness, rule
     assert [harness.decide(path="/api/x").outcome for _ in range(3)] == [ALLOW, ALLOW, DENY]
 
 
+@pytest.mark.parametrize("text", ["", "# rules moved elsewhere\n", "node: a\n"])
+def test_an_emptied_or_truncated_file_is_refused_and_the_rules_keep_running(harness, rules_file, text):
+    admin, _ = admin_app(harness, rules_file)
+    rules_file.write_text(text)
+    errors = admin.reload()
+    assert len(errors) == 1 and ": rules: " in errors[0]
+    assert len(harness.engine.ruleset.rules) == 2
+    assert [harness.decide(path="/api/x").outcome for _ in range(3)] == [ALLOW, ALLOW, DENY]
+
+
+def test_a_deliberate_empty_rules_list_reloads_with_a_warning(harness, rules_file, caplog):
+    admin, _ = admin_app(harness, rules_file)
+    rules_file.write_text("rules: []\n")
+    assert admin.reload() == []
+    assert harness.engine.ruleset.rules == ()
+    assert any("no rules" in record.getMessage() and record.levelname == "WARNING" for record in caplog.records)
+
+
 def test_admin_api_needs_the_bearer_token(harness, rules_file):
+    """RFC 6750: a missing or wrong token is a 401 that names the scheme."""
     _, app = admin_app(harness, rules_file)
-    assert call(app, "/v1/admin/rules", {})[0] == 403
-    assert call(app, "/v1/admin/rules", bearer(b"a-wrong-admin-token-of-length"))[0] == 403
-    assert call(app, "/v1/admin/rules", {"Authorization": TOKEN.decode()})[0] == 403
+    missing = call(app, "/v1/admin/rules", {})
+    assert missing[0] == 401 and missing[1]["www-authenticate"] == 'Bearer realm="sluice"'
+    wrong = call(app, "/v1/admin/rules", bearer(b"a-wrong-admin-token-of-length"))
+    assert wrong[0] == 401
+    assert wrong[1]["www-authenticate"] == 'Bearer realm="sluice", error="invalid_token"'
+    assert call(app, "/v1/admin/rules", {"Authorization": TOKEN.decode()})[0] == 401
     assert call(app, "/v1/admin/rules", bearer())[0] == 200
 
 

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import gc
 import ipaddress
+import tracemalloc
 from ipaddress import IPv4Address, IPv6Address, ip_network
 
 import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from sidecar.clientip import ClientAddress, ClientIPResolver
+from sidecar.clientip import MAX_CACHED_ENTRY, MAX_FORWARDED_HOPS, ClientAddress, ClientIPResolver
 
 # --------------------------------------------------------------------------
 # Strategies: addresses and every legal way of writing them
@@ -278,3 +280,248 @@ def test_empty_trusted_list_never_reads_forwarded_for(peer: str, forwarded_for: 
     resolver = ClientIPResolver([])
     assert resolver.resolve(peer, forwarded_for) == resolver.resolve(peer, None)
     assert resolver.resolve(peer, forwarded_for).key == _key(peer)
+
+
+# --------------------------------------------------------------------------
+# Bounds (D3): X-Forwarded-For of any size costs bounded memory and work
+# --------------------------------------------------------------------------
+
+# The reference: what the resolver must answer, written with ipaddress only
+# and the obvious split of the header, capped at the rightmost
+# MAX_FORWARDED_HOPS fields as documented.
+
+
+def _reference_parse(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        address = ipaddress.ip_address(text.strip())
+    except ValueError:
+        return None
+    if isinstance(address, IPv6Address):
+        if address.ipv4_mapped is not None:
+            return address.ipv4_mapped
+        if address.scope_id is not None:
+            return IPv6Address(int(address))
+    return address
+
+
+def _reference_resolve(trusted: list, peer: str, forwarded_for: str | None,
+                       ipv4_prefix: int = 32, ipv6_prefix: int = 64) -> ClientAddress:
+    def is_trusted(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+        return any(address.version == net.version and address in net for net in trusted)
+
+    address = _reference_parse(peer) if peer else None
+    if address is None:
+        return ClientAddress(None, "")
+    if forwarded_for and trusted and is_trusted(address):
+        for entry in reversed(forwarded_for.split(",")[-MAX_FORWARDED_HOPS:]):
+            if not entry.strip():
+                continue
+            parsed = _reference_parse(entry)
+            if parsed is None:
+                break
+            address = parsed
+            if not is_trusted(parsed):
+                break
+    prefix = ipv4_prefix if address.version == 4 else ipv6_prefix
+    if prefix == address.max_prefixlen:
+        return ClientAddress(address, str(address))
+    network_type = ipaddress.IPv4Network if address.version == 4 else ipaddress.IPv6Network
+    return ClientAddress(address, network_type((int(address), prefix), strict=False).compressed)
+
+
+white_space = st.text(alphabet=" \t\xa0\u2003", max_size=3)
+long_white_space = st.integers(60, 300).map(lambda n: " " * n)
+near_ipv4 = st.text(alphabet="0123456789.", min_size=1, max_size=16)
+# Text that may or may not be an address, IPv4 or IPv6.
+junk = st.text(alphabet=" \t.:%0123456789abcdefABCDEFx\u0661\xb2", max_size=24)
+zoned = st.tuples(st.sampled_from(["fe80::1", "2001:db8:ffff::9", "::ffff:10.0.0.1", "junk"]),
+                  st.text(alphabet="abcdefgh0123456789", min_size=1, max_size=120)
+                  ).map(lambda parts: f"{parts[0]}%{parts[1]}")
+spelled_address = st.one_of(
+    trusted_entry, untrusted_entry,
+    trusted_v4.map(lambda text: f"::ffff:{text}"), trusted_v4.map(lambda text: f"::FFFF:{text}"),
+    st.just("2001:db8:ffff::5"), st.just("2001:DB8:FFFF:0:0:0:0:5"),
+)
+forwarded_field = st.one_of(
+    spelled_address,
+    st.tuples(white_space, spelled_address, white_space).map("".join),
+    st.tuples(long_white_space, spelled_address, long_white_space).map("".join),
+    st.tuples(long_white_space, spelled_address | zoned).map("".join),
+    st.tuples(spelled_address | zoned, long_white_space).map("".join),
+    st.just(""), white_space, long_white_space,
+    near_ipv4, junk, zoned,
+    st.integers(65, 400).map(lambda n: "1" * n),
+)
+forwarded_header = st.lists(forwarded_field, max_size=MAX_FORWARDED_HOPS + 8).map(",".join)
+peers = st.one_of(spelled_address, st.tuples(white_space, spelled_address, white_space).map("".join),
+                  st.tuples(long_white_space, trusted_entry, long_white_space).map("".join),
+                  near_ipv4, junk, zoned, st.just(""))
+TRUST_SETS = {
+    "none": [],
+    "some": TRUSTED,
+    "everything": [ip_network("0.0.0.0/0"), ip_network("::/0")],
+}
+# One resolver per case for the whole run, with a cache small enough to be
+# emptied now and then: cached and fresh answers are both compared.
+_RESOLVERS = {(name, v4, v6): ClientIPResolver(trusted, v4, v6, cache_size=16)
+              for name, trusted in TRUST_SETS.items() for v4, v6 in ((32, 64), (24, 48), (32, 128))}
+
+
+@given(st.sampled_from(sorted(_RESOLVERS)), peers, st.none() | forwarded_header)
+def test_resolve_agrees_with_the_ipaddress_reference(case: tuple[str, int, int], peer: str,
+                                                     forwarded_for: str | None) -> None:
+    name, v4, v6 = case
+    resolver = _RESOLVERS[case]
+    expected = _reference_resolve(TRUST_SETS[name], peer, forwarded_for, v4, v6)
+    assert resolver.resolve(peer, forwarded_for) == expected
+    assert resolver.resolve(peer, forwarded_for) == expected  # now from the cache
+
+
+@given(st.one_of(near_ipv4, st.tuples(white_space, near_ipv4, white_space).map("".join),
+                 ipv4_ints.map(lambda value: str(IPv4Address(value))),
+                 st.text(max_size=16)),
+       st.sampled_from([32, 24, 1]))
+def test_the_fast_ipv4_path_agrees_with_ipaddress(text: str, ipv4_prefix: int) -> None:
+    expected = _reference_resolve([], text, None, ipv4_prefix)
+    assert ClientIPResolver(ipv4_prefix=ipv4_prefix).resolve(text, None) == expected
+
+
+@pytest.mark.parametrize("text", ["01.2.3.4", "1.2.3.04", "00.0.0.0", "0.0.0.0", "255.255.255.255",
+                                  "256.0.0.0", "1.2.3", "1.2.3.4.5", "1..2.3", "1.2.3.4.",
+                                  "\u0661.\u0662.\u0663.\u0664", "1.2.3.\xb2", "1.2.3.4\x00", "\ud800",
+                                  "0x1.2.3.4", "1.2.3.4/32", " 1.2.3.4\t", "1.2.3.4:80", "+1.2.3.4"])
+def test_ipv4_edge_spellings_agree_with_ipaddress(text: str) -> None:
+    resolver = ClientIPResolver(TRUSTED)
+    assert resolver.resolve(text, None) == _reference_resolve(TRUSTED, text, None)
+    assert resolver.resolve("127.0.0.1", text) == _reference_resolve(TRUSTED, "127.0.0.1", text)
+
+
+class Untouchable:
+    """A header that must not be looked at: every use of it fails the test."""
+
+    def _touched(self, *args: object, **kwargs: object) -> None:
+        raise AssertionError("X-Forwarded-For was read")
+
+    __bool__ = __len__ = __str__ = __hash__ = __eq__ = __getitem__ = __iter__ = _touched
+    __getattr__ = _touched  # split, rfind, strip, ...
+
+
+@pytest.mark.parametrize("peer", ["127.0.0.1", "10.0.0.1", "198.51.100.7", "2001:db8::1", "junk", ""])
+def test_without_trusted_proxies_forwarded_for_is_never_read(peer: str) -> None:
+    resolver = ClientIPResolver([])
+    assert resolver.resolve(peer, Untouchable()) == resolver.resolve(peer, None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("peer", ["198.51.100.7", "::ffff:198.51.100.7", "2001:db8:1::1", "junk", ""])
+def test_forwarded_for_from_an_untrusted_peer_is_never_read(peer: str) -> None:
+    resolver = ClientIPResolver(TRUSTED)
+    assert resolver.resolve(peer, Untouchable()) == resolver.resolve(peer, None)  # type: ignore[arg-type]
+
+
+def _trusted_chain(count: int) -> list[str]:
+    return [f"10.0.{index // 250}.{index % 250 + 1}" for index in range(count)]
+
+
+def test_the_walk_stops_after_max_forwarded_hops_fields() -> None:
+    resolver = ClientIPResolver(TRUSTED)
+    chain = _trusted_chain(MAX_FORWARDED_HOPS + 8)
+    header = ", ".join(["198.51.100.1"] + chain)
+    # The 32nd field from the right, a trusted one, as though the header
+    # held only its last 32 fields; the untrusted client further left is
+    # never reached.
+    assert resolver.resolve("127.0.0.1", header).key == chain[-MAX_FORWARDED_HOPS]
+    assert resolver.resolve("127.0.0.1", header) == _reference_resolve(TRUSTED, "127.0.0.1", header)
+
+
+def test_a_client_exactly_max_forwarded_hops_fields_from_the_right_is_found() -> None:
+    resolver = ClientIPResolver(TRUSTED)
+    header = ", ".join(["198.51.100.1"] + _trusted_chain(MAX_FORWARDED_HOPS - 1))
+    assert resolver.resolve("127.0.0.1", header).key == "198.51.100.1"
+
+
+def test_empty_fields_count_towards_max_forwarded_hops() -> None:
+    resolver = ClientIPResolver(TRUSTED)
+    assert resolver.resolve("127.0.0.1", "198.51.100.1" + "," * (MAX_FORWARDED_HOPS - 1)).key == "198.51.100.1"
+    assert resolver.resolve("127.0.0.1", "198.51.100.1" + "," * MAX_FORWARDED_HOPS).key == "127.0.0.1"
+    assert resolver.resolve("127.0.0.1", "198.51.100.1" + ", " * 30_000).key == "127.0.0.1"
+
+
+class WatchedHeader(str):
+    """A header that records how it is used."""
+
+    def __new__(cls, text: str) -> "WatchedHeader":
+        header = super().__new__(cls, text)
+        header.searches = 0
+        header.longest_copy = 0
+        return header
+
+    def rfind(self, *args: object) -> int:  # type: ignore[override]
+        self.searches += 1
+        return super().rfind(*args)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: object) -> str:  # type: ignore[override]
+        part = super().__getitem__(index)  # type: ignore[index]
+        self.longest_copy = max(self.longest_copy, len(part))
+        return part
+
+    def split(self, *args: object, **kwargs: object) -> list[str]:  # type: ignore[override]
+        raise AssertionError("the header was split")
+
+
+@pytest.mark.parametrize("header", [
+    "198.51.100.1, " * 5_000 + "10.0.0.1",                 # 70 KB of real-looking entries
+    ", ".join(_trusted_chain(4_000)),                       # all trusted: walks until the cap
+    "," * 60_000,                                           # nothing but empty fields
+    "a" * 60_000,                                           # one huge malformed field
+    "1" * 30_000 + ", 10.0.0.1, " + "2" * 30_000,           # huge fields around a trusted one
+    "203.0.113.9," + " " * 30_000 + "10.0.0.1" + " " * 30_000,  # a padded trusted one
+    "203.0.113.9," + " " * 100 + "10.0.0.1",                # padded on the left only
+    " " * 100 + "203.0.113.9, 10.0.0.1",                    # the same, not the last field
+    "10.0.0.1, fe80::1%" + "z" * 60_000,                    # a long zone id
+    "10.0.0.1, fe80::1%" + " " * 60_000,                    # an empty one
+])
+def test_the_walk_looks_at_few_fields_and_copies_only_short_ones(header: str) -> None:
+    watched = WatchedHeader(header)
+    resolved = ClientIPResolver(TRUSTED).resolve("127.0.0.1", watched)
+    assert resolved == _reference_resolve(TRUSTED, "127.0.0.1", header)
+    assert watched.searches <= MAX_FORWARDED_HOPS
+    assert watched.longest_copy <= MAX_CACHED_ENTRY
+
+
+def test_long_fields_keep_their_meaning() -> None:
+    resolver = ClientIPResolver(TRUSTED)
+    padded = " " * 30_000 + "203.0.113.5" + "\t" * 30_000
+    assert resolver.resolve("127.0.0.1", padded).key == "203.0.113.5"
+    zoned_peer = "fe80::1%" + "z" * 10_000
+    assert resolver.resolve(zoned_peer, None) == ClientAddress(IPv6Address("fe80::1"), "fe80::/64")
+    assert resolver.resolve("127.0.0.1", "203.0.113.5, " + "x" * 60_000).key == "127.0.0.1"
+    assert resolver.resolve("a" * 60_000, None) == ClientAddress(None, "")
+
+
+def _traced_growth(action) -> int:
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        action()
+        gc.collect()
+        return tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("trusted", [[], TRUSTED], ids=["no trusted proxies", "trusted proxies"])
+def test_memory_stays_bounded_with_distinct_huge_headers(trusted: list) -> None:
+    resolver = ClientIPResolver(trusted)
+    filler = "198.51.100.1, " * 3_600  # ~50 KB
+
+    def send() -> None:
+        for number in range(2_000):
+            # Distinct everywhere, the rightmost fields included.
+            header = f"{number}, {filler}{IPv4Address(0xC6120000 + number)}, 10.0.{number % 250}.1"
+            peer = str(IPv4Address(0x7F000000 + number))
+            resolver.resolve(peer, header)
+
+    # 2,000 headers of 50 KB are 100 MB; the resolver may keep a few
+    # thousand short entries of some hundred bytes.
+    assert _traced_growth(send) < 3_000_000

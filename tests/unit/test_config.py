@@ -28,7 +28,11 @@ rules:
 
 
 def parse(text: str, source: str = "rules.yaml", base_dir: Path = Path(".")) -> LoadedRules:
-    return parse_rules_text(textwrap.dedent(text), source, base_dir)
+    """A fragment without rules is checked inside a file that has them."""
+    text = textwrap.dedent(text)
+    if re.search(r"^\w+:", text, re.MULTILINE) and not re.search(r"^rules:", text, re.MULTILINE):
+        text += "\nrules: []\n"
+    return parse_rules_text(text, source, base_dir)
 
 
 def issues_of(text: str, source: str = "rules.yaml", base_dir: Path = Path(".")) -> list[ConfigIssue]:
@@ -533,8 +537,26 @@ def test_non_mapping_document_is_an_error() -> None:
     assert issue.line == 1
 
 
-def test_empty_file_is_a_valid_file_without_rules() -> None:
-    assert parse("").model.rules == []
+@pytest.mark.parametrize("text", ["", "# all rules removed\n", "\n\n"])
+def test_an_empty_file_is_an_error_not_a_file_without_rules(text: str) -> None:
+    # A truncated or emptied file must not turn rate limiting off.
+    assert [str(issue) for issue in parse_issues(text)] == ["rules.yaml:1: rules: the rules file is empty"]
+
+
+def test_a_file_without_a_rules_list_is_an_error() -> None:
+    issues = parse_issues("node: a\n")
+    assert [str(issue) for issue in issues] == [
+        "rules.yaml:1: rules: field required (write `rules: []` to run without rules on purpose)"]
+
+
+def test_an_explicit_empty_rules_list_is_accepted() -> None:
+    assert parse("rules: []\n").model.rules == []
+
+
+def parse_issues(text: str) -> list[ConfigIssue]:
+    with pytest.raises(ConfigError) as info:
+        parse_rules_text(text, "rules.yaml", Path("."))
+    return info.value.issues
 
 
 # --------------------------------------------------------------------------
@@ -882,8 +904,20 @@ def test_check_console_script_reports_errors_with_the_file_as_given(tmp_path: Pa
     # `make test` installs the project into the interpreter's venv.
     script = Path(sys.executable).with_name("sluice")
     assert script.exists(), f"the sluice console script is not installed beside {sys.executable}"
-    (tmp_path / "bad.yaml").write_text("bogus: 1\n", encoding="utf-8")
+    (tmp_path / "bad.yaml").write_text("bogus: 1\nrules: []\n", encoding="utf-8")
     result = subprocess.run([str(script), "check", "./bad.yaml"], cwd=tmp_path,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
     assert result.stderr.splitlines() == ["./bad.yaml:1: bogus: unknown field"]
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:6379", "redis://h:99999/0", "redis://h/db"])
+def test_a_state_url_that_is_no_redis_url_is_an_error(url: str) -> None:
+    issues = issues_of(f"state: {{backend: redis, url: '{url}'}}\n")
+    assert [issue.field for issue in issues] == ["state.url"]
+
+
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:6379/0", "rediss://user:pw@h:6380/1",
+                                 "unix:///run/redis/redis.sock?db=2"])
+def test_redis_and_unix_socket_urls_are_accepted(url: str) -> None:
+    assert parse(f"state: {{backend: redis, url: '{url}'}}\n").model.state.url == url

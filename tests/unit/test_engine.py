@@ -352,3 +352,19 @@ def test_draft_headers_report_each_enforcing_rules_remaining_budget():
 def test_without_draft_headers_there_is_no_quota():
     h = Harness(DRAFT.replace("headers: draft\n", ""))
     assert h.decide().quota is None
+
+
+def test_a_decision_line_shows_a_bounded_part_of_a_huge_key_value(caplog):
+    h = Harness("""
+rules:
+  - id: keyed
+    key: ["header:x-k"]
+    limit: {requests: 1, per: 60s}
+    action: block
+""")
+    caplog.set_level(logging.INFO, logger="sluice.decisions")
+    huge = "v" * 60_000
+    assert h.outcomes(2, headers={"x-k": huge}) == [ALLOW, DENY]
+    entry = json.loads(caplog.records[-1].getMessage())
+    assert entry["rule"] == "keyed" and entry["key"].startswith("header:x-k=vvv")
+    assert len(entry["key"]) <= 257

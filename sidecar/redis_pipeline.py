@@ -1,0 +1,243 @@
+"""One pipelined connection to Redis for every decision in flight.
+
+Every caller's command is written to the same connection as soon as it is
+made, and Redis answers in order, so a burst of a thousand concurrent
+decisions is a thousand pipelined commands on one socket, not a thousand
+connections. There is no pool to run out of: being busy never looks like
+being down, and only a real failure makes the store unavailable:
+
+* the connection is refused, reset or closed, or cannot be made within the
+  timeout;
+* Redis has answered nothing for ``timeout`` seconds while commands wait.
+  The clock starts at the oldest unanswered command, or at the last reply
+  if that came later: a long queue that Redis works through is progress,
+  not a failure.
+
+Either way every waiting command fails at once with ``StoreUnavailable``
+(the caller fails open or closed), and the next command connects again.
+Replies are parsed by hiredis's C reader and commands packed by its
+``pack_command``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import socket
+import ssl
+from typing import Any, Callable, cast
+from urllib.parse import unquote, urlsplit, parse_qs
+
+import hiredis
+
+
+class StoreUnavailable(Exception):
+    """The shared store did not answer; the caller fails open or closed."""
+
+
+class RedisReplyError(Exception):
+    """Redis answered a command with an error (a script's bug, a wrong
+    password): not an outage, so it is not hidden by failing open."""
+
+
+class NoScriptError(RedisReplyError):
+    """EVALSHA named a script this Redis does not have (yet)."""
+
+
+class RedisAddress:
+    """Where and how to connect, from a ``redis://``, ``rediss://`` or
+    ``unix://`` URL: host and port or socket path, database, credentials."""
+
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("redis", "rediss", "unix"):
+            raise ValueError(f"expected a redis://, rediss:// or unix:// URL, got {url!r}")
+        query = parse_qs(parts.query)
+        self.tls = parts.scheme == "rediss"
+        self.path: str | None = unquote(parts.path) if parts.scheme == "unix" else None
+        self.host = parts.hostname or "127.0.0.1"
+        self.port = parts.port or 6379
+        database = query.get("db", [""])[0] if parts.scheme == "unix" else parts.path.lstrip("/")
+        self.db = int(database or 0)
+        self.username = unquote(parts.username) if parts.username else None
+        self.password = unquote(parts.password) if parts.password else None
+
+    def setup_commands(self) -> list[tuple[Any, ...]]:
+        commands: list[tuple[Any, ...]] = []
+        if self.password is not None:
+            commands.append(("AUTH", self.username, self.password) if self.username
+                            else ("AUTH", self.password))
+        if self.db:
+            commands.append(("SELECT", self.db))
+        return commands
+
+
+class _ReplyProtocol(asyncio.Protocol):
+    """Hands replies, in order, to the futures of the commands sent."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, lost: Callable[["_ReplyProtocol"], None]) -> None:
+        self.loop = loop
+        self.lost = lost
+        self.reader = hiredis.Reader(encoding="utf-8", errors="replace")
+        self.waiting: collections.deque[asyncio.Future[Any]] = collections.deque()
+        self.transport: asyncio.Transport | None = None
+        self.progress = 0.0  # loop time of the last reply, or of a send into an empty queue
+        self._outgoing: list[bytes] = []
+        self._watchdog: asyncio.TimerHandle | None = None
+        self.timeout = 0.1
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def send(self, command: bytes) -> asyncio.Future[Any]:
+        future = self.loop.create_future()
+        if not self.waiting:
+            self.progress = self.loop.time()
+            if self._watchdog is None:
+                self._watchdog = self.loop.call_at(self.progress + self.timeout, self._check)
+        self.waiting.append(future)
+        if not self._outgoing:
+            # Commands made in one turn of the loop leave in one write.
+            self.loop.call_soon(self._flush)
+        self._outgoing.append(command)
+        return future
+
+    def _flush(self) -> None:
+        if self.transport is not None and self._outgoing:
+            self.transport.write(b"".join(self._outgoing))
+        self._outgoing.clear()
+
+    def data_received(self, data: bytes) -> None:
+        self.reader.feed(data)
+        waiting = self.waiting
+        try:
+            while (reply := self.reader.gets()) is not False:
+                future = waiting.popleft()
+                if future.done():
+                    continue  # its caller gave up
+                if isinstance(reply, hiredis.ReplyError):
+                    error_class = NoScriptError if str(reply).startswith("NOSCRIPT") else RedisReplyError
+                    future.set_exception(error_class(str(reply)))
+                else:
+                    future.set_result(reply)
+        except (hiredis.ProtocolError, IndexError) as exc:
+            self.fail(StoreUnavailable(f"unreadable reply from Redis: {exc}"))
+            return
+        self.progress = self.loop.time()
+
+    def _check(self) -> None:
+        """Redis is unavailable when it answered nothing for ``timeout``
+        while commands waited."""
+        self._watchdog = None
+        if not self.waiting:
+            return
+        silent_until = self.progress + self.timeout
+        if self.loop.time() >= silent_until:
+            self.fail(StoreUnavailable(f"Redis answered nothing for {self.timeout:g} s"))
+        else:
+            self._watchdog = self.loop.call_at(silent_until, self._check)
+
+    def fail(self, error: StoreUnavailable) -> None:
+        """Give up the connection: every waiting command fails now."""
+        if self.transport is not None:
+            self.transport.abort()
+        self._fail_waiting(error)
+
+    def _fail_waiting(self, error: StoreUnavailable) -> None:
+        self.lost(self)
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        self._outgoing.clear()
+        while self.waiting:
+            future = self.waiting.popleft()
+            if not future.done():
+                future.set_exception(error)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        self._fail_waiting(StoreUnavailable(f"connection to Redis lost ({exc or 'closed'})"))
+
+
+class PipelinedRedis:
+    """The commands of every caller on one connection, made on first use
+    and again after a failure; ``timeout`` bounds connecting and silence."""
+
+    def __init__(self, url: str, timeout: float) -> None:
+        self.address = RedisAddress(url)
+        self.timeout = timeout
+        self._protocol: _ReplyProtocol | None = None
+        self._connecting: asyncio.Future[_ReplyProtocol] | None = None
+        self._scripts: dict[str, str] = {}  # digest -> source, loaded on each new connection
+
+    def script(self, source: str) -> str:
+        """Register a Lua script; its digest names it in ``evalsha``."""
+        digest = hashlib.sha1(source.encode()).hexdigest()
+        self._scripts[digest] = source
+        return digest
+
+    async def execute(self, *command: Any) -> Any:
+        protocol = self._protocol
+        if protocol is None:
+            protocol = await self._connected()
+        return await protocol.send(hiredis.pack_command(command))
+
+    async def evalsha(self, digest: str, keys: list[str], args: list[Any]) -> Any:
+        try:
+            return await self.execute("EVALSHA", digest, len(keys), *keys, *args)
+        except NoScriptError:
+            # SCRIPT FLUSH, or a failover to a replica without it: EVAL
+            # runs it and caches it again.
+            return await self.execute("EVAL", self._scripts[digest], len(keys), *keys, *args)
+
+    async def _connected(self) -> _ReplyProtocol:
+        # Callers that arrive while a connection is being made share it.
+        if self._connecting is None:
+            self._connecting = asyncio.ensure_future(self._connect())
+        connecting = self._connecting
+        try:
+            return await asyncio.shield(connecting)
+        finally:
+            if connecting.done() and self._connecting is connecting:
+                self._connecting = None
+
+    async def _connect(self) -> _ReplyProtocol:
+        loop = asyncio.get_running_loop()
+        protocol = _ReplyProtocol(loop, self._forget)
+        protocol.timeout = self.timeout
+        address = self.address
+        try:
+            if address.path is not None:
+                connecting = loop.create_unix_connection(lambda: protocol, address.path)
+            else:
+                connecting = loop.create_connection(
+                    lambda: protocol, address.host, address.port,
+                    ssl=ssl.create_default_context() if address.tls else None)
+            await asyncio.wait_for(connecting, self.timeout)
+        except (OSError, asyncio.TimeoutError, ssl.SSLError) as exc:
+            raise StoreUnavailable(f"cannot connect to Redis ({exc or type(exc).__name__})") from exc
+        setup = [protocol.send(hiredis.pack_command(command)) for command in address.setup_commands()]
+        setup += [protocol.send(hiredis.pack_command(("SCRIPT", "LOAD", source)))
+                  for source in self._scripts.values()]
+        try:
+            await asyncio.gather(*setup)
+        except RedisReplyError as exc:
+            # A wrong password or database: the store is unusable, and the
+            # reason is in the store-unavailable warning.
+            protocol.fail(StoreUnavailable(f"Redis refused the connection's setup ({exc})"))
+            raise StoreUnavailable(f"Redis refused the connection's setup ({exc})") from exc
+        self._protocol = protocol
+        return protocol
+
+    def _forget(self, protocol: _ReplyProtocol) -> None:
+        if self._protocol is protocol:
+            self._protocol = None
+
+    async def close(self) -> None:
+        protocol, self._protocol = self._protocol, None
+        if protocol is not None and protocol.transport is not None:
+            protocol.transport.close()

@@ -1,0 +1,209 @@
+"""The pipelined Redis connection against a scripted fake server: what is a
+failure (refused, reset, silence) and what is only a queue (slow progress)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+import hiredis
+import pytest
+
+from sidecar.redis_pipeline import NoScriptError, PipelinedRedis, RedisAddress, StoreUnavailable
+
+TIMEOUT = 0.1
+
+Reply = Callable[[list[str]], Awaitable[bytes | None]]
+
+
+class FakeRedis:
+    """Answers each command with what ``reply`` returns (None: says nothing)."""
+
+    def __init__(self, reply: Reply) -> None:
+        self.reply = reply
+        self.commands: list[list[str]] = []
+        self.connections = 0
+        self.server: asyncio.base_events.Server | None = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = self.server.sockets[0].getsockname()[1]
+        return f"redis://127.0.0.1:{port}/0"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        parser = hiredis.Reader(encoding="utf-8")
+        try:
+            while data := await reader.read(65536):
+                parser.feed(data)
+                while (command := parser.gets()) is not False:
+                    self.commands.append(command)
+                    answer = await self.reply(command)
+                    if answer is not None:
+                        writer.write(answer)
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    async def stop(self) -> None:
+        assert self.server is not None
+        self.server.close()
+
+
+def ok(value: str = "ok") -> bytes:
+    return f"${len(value)}\r\n{value}\r\n".encode()
+
+
+async def answer_at_once(command: list[str]) -> bytes:
+    return ok(command[-1])
+
+
+def run(test: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(test())
+
+
+def test_many_callers_share_one_connection_and_get_their_own_replies() -> None:
+    async def test() -> None:
+        fake = FakeRedis(answer_at_once)
+        client = PipelinedRedis(await fake.start(), TIMEOUT)
+        replies = await asyncio.gather(*(client.execute("ECHO", str(n)) for n in range(1000)))
+        assert replies == [str(n) for n in range(1000)]
+        assert fake.connections == 1
+        await client.close()
+        await fake.stop()
+    run(test)
+
+
+def test_a_slow_redis_that_keeps_answering_is_a_queue_not_a_failure() -> None:
+    async def slow(command: list[str]) -> bytes:
+        await asyncio.sleep(TIMEOUT * 0.6)  # each answer well inside the timeout
+        return ok(command[-1])
+
+    async def test() -> None:
+        fake = FakeRedis(slow)
+        client = PipelinedRedis(await fake.start(), TIMEOUT)
+        started = time.monotonic()
+        # The last reply comes after 5 x 0.6 timeouts: more than the timeout
+        # after it was sent, but Redis answered something all along.
+        replies = await asyncio.gather(*(client.execute("ECHO", str(n)) for n in range(5)))
+        assert replies == ["0", "1", "2", "3", "4"]
+        assert time.monotonic() - started > 2 * TIMEOUT
+        await client.close()
+        await fake.stop()
+    run(test)
+
+
+def test_a_silent_redis_fails_every_waiting_command_after_the_timeout() -> None:
+    async def silent(command: list[str]) -> None:
+        return None
+
+    async def test() -> None:
+        fake = FakeRedis(silent)
+        client = PipelinedRedis(await fake.start(), TIMEOUT)
+        started = time.monotonic()
+        results = await asyncio.gather(*(client.execute("ECHO", "x") for _ in range(50)),
+                                       return_exceptions=True)
+        took = time.monotonic() - started
+        assert all(isinstance(result, StoreUnavailable) for result in results)
+        assert TIMEOUT <= took < 3 * TIMEOUT
+        await fake.stop()
+    run(test)
+
+
+def test_a_reset_fails_at_once_and_the_next_command_connects_again() -> None:
+    calls = 0
+
+    async def reset_first(command: list[str]) -> bytes:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise ConnectionResetError  # the fake server drops the connection
+        return ok(command[-1])
+
+    async def test() -> None:
+        fake = FakeRedis(reset_first)
+        client = PipelinedRedis(await fake.start(), TIMEOUT)
+        with pytest.raises(StoreUnavailable):
+            await client.execute("ECHO", "lost")
+        assert await client.execute("ECHO", "again") == "again"
+        assert fake.connections == 2
+        await client.close()
+        await fake.stop()
+    run(test)
+
+
+def test_a_refused_connection_is_unavailable_at_once() -> None:
+    async def test() -> None:
+        fake = FakeRedis(answer_at_once)
+        url = await fake.start()
+        await fake.stop()
+        client = PipelinedRedis(url, TIMEOUT)
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable):
+            await client.execute("PING")
+        assert time.monotonic() - started < TIMEOUT
+    run(test)
+
+
+def test_an_error_reply_is_an_error_not_an_outage() -> None:
+    async def error(command: list[str]) -> bytes:
+        return b"-ERR user_script:1: boom\r\n"
+
+    async def test() -> None:
+        fake = FakeRedis(error)
+        client = PipelinedRedis(await fake.start(), TIMEOUT)
+        with pytest.raises(Exception) as info:
+            await client.execute("EVAL", "x", 0)
+        assert not isinstance(info.value, StoreUnavailable) and "boom" in str(info.value)
+        await client.close()
+        await fake.stop()
+    run(test)
+
+
+def test_an_unknown_script_digest_runs_the_script_by_its_source() -> None:
+    async def no_script_cache(command: list[str]) -> bytes:
+        if command[0] == "EVALSHA":
+            return b"-NOSCRIPT No matching script\r\n"
+        return ok(command[0])
+
+    async def test() -> None:
+        fake = FakeRedis(no_script_cache)
+        client = PipelinedRedis(await fake.start(), TIMEOUT)
+        digest = client.script("return 1")
+        assert await client.evalsha(digest, ["k"], ["a"]) == "EVAL"
+        assert fake.commands[-1] == ["EVAL", "return 1", "1", "k", "a"]
+        with pytest.raises(NoScriptError):
+            await client.execute("EVALSHA", digest, 0)
+        await client.close()
+        await fake.stop()
+    run(test)
+
+
+def test_a_password_and_database_are_sent_when_connecting() -> None:
+    async def test() -> None:
+        fake = FakeRedis(lambda command: asyncio.sleep(0, ok()))
+        port = (await fake.start()).rsplit(":", 1)[1].split("/")[0]
+        client = PipelinedRedis(f"redis://app:s%40cret@127.0.0.1:{port}/3", TIMEOUT)
+        client.script("return 2")
+        await client.execute("PING")
+        assert fake.commands[:3] == [["AUTH", "app", "s@cret"], ["SELECT", "3"], ["SCRIPT", "LOAD", "return 2"]]
+        await client.close()
+        await fake.stop()
+    run(test)
+
+
+@pytest.mark.parametrize("url, where", [
+    ("redis://10.1.2.3:6380/2", ("10.1.2.3", 6380, None, 2)),
+    ("redis://[::1]/0", ("::1", 6379, None, 0)),
+    ("unix:///run/valkey.sock?db=4", ("127.0.0.1", 6379, "/run/valkey.sock", 4)),
+])
+def test_addresses_from_urls(url: str, where: tuple) -> None:
+    address = RedisAddress(url)
+    assert (address.host, address.port, address.path, address.db) == where
+
+
+def test_an_unknown_scheme_is_refused() -> None:
+    with pytest.raises(ValueError, match="redis://"):
+        RedisAddress("http://127.0.0.1:6379")
