@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from sidecar.admin import Admin
+from sidecar.asgi import Receive, Scope, Send
 from sidecar.actions import CHALLENGE_PAGE, CONTENT_TYPE_HTML, BlockPage, deny_headers, over_limit_headers
 from sidecar.challenge import FINGERPRINT_HEADER, MAX_CHALLENGE_LENGTH, SOLUTION_PATH, IssuedChallenge
 from sidecar.clientip import parse_address
@@ -38,9 +39,6 @@ from sidecar.rules import CompiledRule
 
 log = logging.getLogger("sluice")
 
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 HOOK_PATH = "/v1/hook"
 NGINX_AUTH_PATH = "/v1/nginx/auth"

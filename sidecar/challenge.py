@@ -22,16 +22,16 @@ can stand in for the other or for a pending-counts token (``sidecar.pending``).
 
 from __future__ import annotations
 
-import base64
 import binascii
 import hashlib
-import hmac
 import json
 import os
 import time
 from dataclasses import dataclass
 from typing import Callable
 from urllib.parse import quote
+
+from sidecar.signing import Signer, b64decode, b64encode
 
 # A challenge must be solved and posted within this many seconds.
 CHALLENGE_MAX_AGE = 300.0
@@ -52,14 +52,6 @@ FINGERPRINT_HEADER = "x-sluice-tls-fingerprint"
 def cookie_name(rule_id: str) -> str:
     """One credential cookie per rule: rule ids are valid cookie-name text."""
     return COOKIE_PREFIX + rule_id
-
-
-def _b64(data: bytes) -> str:
-    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
-
-
-def _unb64(text: str) -> bytes:
-    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 
 def leading_zero_bits(digest: bytes) -> int:
@@ -121,23 +113,23 @@ class Challenges:
     """Issues and checks challenges and credentials with one secret."""
 
     def __init__(self, secret: bytes, wall_clock: Callable[[], float] = time.time) -> None:
-        self._challenge_key = hmac.new(secret, b"sluice challenge", hashlib.sha256).digest()
-        self._credential_key = hmac.new(secret, b"sluice challenge credential", hashlib.sha256).digest()
+        self._challenges = Signer(secret, b"sluice challenge")
+        self._credentials = Signer(secret, b"sluice challenge credential", length=32)
         self._wall_clock = wall_clock
 
     # -- challenges -------------------------------------------------------
 
-    def _challenge_signature(self, encoded: str, client_key: str, fingerprint: str) -> bytes:
-        binding = json.dumps([encoded, client_key, fingerprint], separators=(",", ":"))
-        return hmac.new(self._challenge_key, binding.encode("utf-8"), hashlib.sha256).digest()[:16]
+    @staticmethod
+    def _challenge_binding(encoded: str, client_key: str, fingerprint: str) -> bytes:
+        return json.dumps([encoded, client_key, fingerprint], separators=(",", ":")).encode("utf-8")
 
     def issue(self, rule_id: str, client_key: str, fingerprint: str, uri: str,
               difficulty: int) -> IssuedChallenge:
         payload = [rule_id, int(self._wall_clock()), difficulty, safe_return_uri(uri),
                    os.urandom(6).hex()]
-        encoded = _b64(json.dumps(payload, separators=(",", ":")).encode("ascii"))
-        signature = self._challenge_signature(encoded, client_key, fingerprint)
-        return IssuedChallenge(f"{encoded}.{_b64(signature)}", difficulty)
+        encoded = b64encode(json.dumps(payload, separators=(",", ":")).encode("ascii"))
+        signature = self._challenges.sign(self._challenge_binding(encoded, client_key, fingerprint))
+        return IssuedChallenge(f"{encoded}.{signature}", difficulty)
 
     def open(self, challenge: str, client_key: str, fingerprint: str) -> Ticket | None:
         """The ticket of a challenge signed for this client; None for anything
@@ -146,10 +138,10 @@ class Challenges:
         if not encoded or not signature or len(challenge) > MAX_CHALLENGE_LENGTH:
             return None
         try:
-            expected = self._challenge_signature(encoded, client_key, fingerprint)
-            if not hmac.compare_digest(_unb64(signature), expected):
+            if not self._challenges.verifies(self._challenge_binding(encoded, client_key, fingerprint),
+                                             signature):
                 return None
-            rule_id, issued, difficulty, location, _ = json.loads(_unb64(encoded))
+            rule_id, issued, difficulty, location, _ = json.loads(b64decode(encoded))
         except (ValueError, UnicodeError, binascii.Error, TypeError):
             return None
         return Ticket(rule_id, float(issued), int(difficulty), location)
@@ -169,13 +161,13 @@ class Challenges:
 
     # -- credentials ------------------------------------------------------
 
-    def _credential_signature(self, rule_id: str, client_key: str, fingerprint: str, expires: int) -> str:
-        binding = json.dumps([rule_id, client_key, fingerprint, expires], separators=(",", ":"))
-        return _b64(hmac.new(self._credential_key, binding.encode("utf-8"), hashlib.sha256).digest())
+    @staticmethod
+    def _credential_binding(rule_id: str, client_key: str, fingerprint: str, expires: int) -> bytes:
+        return json.dumps([rule_id, client_key, fingerprint, expires], separators=(",", ":")).encode("utf-8")
 
     def credential(self, rule_id: str, client_key: str, fingerprint: str, ttl: float) -> str:
         expires = int(self._wall_clock() + ttl)
-        return f"{expires}.{self._credential_signature(rule_id, client_key, fingerprint, expires)}"
+        return f"{expires}.{self._credentials.sign(self._credential_binding(rule_id, client_key, fingerprint, expires))}"
 
     def accepts(self, credential: str, rule_id: str, client_key: str, fingerprint: str) -> bool:
         expires_text, _, signature = credential.partition(".")
@@ -184,5 +176,5 @@ class Challenges:
         expires = int(expires_text)
         if expires <= self._wall_clock():
             return False
-        expected = self._credential_signature(rule_id, client_key, fingerprint, expires)
-        return hmac.compare_digest(signature.encode("ascii", "replace"), expected.encode("ascii"))
+        return self._credentials.verifies(self._credential_binding(rule_id, client_key, fingerprint, expires),
+                                          signature)

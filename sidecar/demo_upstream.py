@@ -13,16 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import parse_qs
 
 import uvicorn
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
+from sidecar.asgi import Message, Receive, Scope, Send
 
 # Paths remembered for `hits`; the oldest is forgotten first, so a client
 # walking through endless paths cannot grow memory.

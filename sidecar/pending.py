@@ -16,13 +16,12 @@ after a while (and can only ever count against its own keys).
 
 from __future__ import annotations
 
-import base64
 import binascii
-import hashlib
-import hmac
 import json
 import time
 from typing import Any, Callable, Hashable
+
+from sidecar.signing import Signer, b64decode, b64encode
 
 # A counting key's values (after the rule prefix): text, or a tagged pair
 # for the session fallback (see rules._dimension_value).
@@ -32,14 +31,6 @@ PendingEntry = tuple[str, float, KeyValues]
 MAX_TOKEN_LENGTH = 4096
 
 
-def _b64(data: bytes) -> str:
-    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
-
-
-def _unb64(text: str) -> bytes:
-    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
-
-
 def _thaw(value: Any) -> Hashable:
     return tuple(value) if isinstance(value, list) else value
 
@@ -47,12 +38,9 @@ def _thaw(value: Any) -> Hashable:
 class PendingTokens:
     def __init__(self, secret: bytes, max_age: float = 600.0,
                  wall_clock: Callable[[], float] = time.time) -> None:
-        self._key = hmac.new(secret, b"sluice pending responses", hashlib.sha256).digest()
+        self._signer = Signer(secret, b"sluice pending responses")
         self.max_age = max_age
         self._wall_clock = wall_clock
-
-    def _sign(self, payload: bytes) -> bytes:
-        return hmac.new(self._key, payload, hashlib.sha256).digest()[:16]
 
     def issue(self, entries: list[PendingEntry]) -> str | None:
         """A token for these entries, or None when it would be too long to
@@ -60,8 +48,8 @@ class PendingTokens:
         payload = json.dumps([int(self._wall_clock()),
                               [[rule_id, threshold, *values] for rule_id, threshold, values in entries]],
                              separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-        encoded = _b64(payload)
-        token = f"{encoded}.{_b64(self._sign(encoded.encode('ascii')))}"
+        encoded = b64encode(payload)
+        token = f"{encoded}.{self._signer.sign(encoded.encode('ascii'))}"
         return token if len(token) <= MAX_TOKEN_LENGTH else None
 
     def open(self, token: str) -> list[PendingEntry] | None:
@@ -70,9 +58,9 @@ class PendingTokens:
         if not encoded or not signature or len(token) > MAX_TOKEN_LENGTH:
             return None
         try:
-            if not hmac.compare_digest(_unb64(signature), self._sign(encoded.encode("ascii"))):
+            if not self._signer.verifies(encoded.encode("ascii"), signature):
                 return None
-            issued, raw_entries = json.loads(_unb64(encoded))
+            issued, raw_entries = json.loads(b64decode(encoded))
         except (ValueError, UnicodeError, binascii.Error, TypeError):
             return None
         age = self._wall_clock() - issued
