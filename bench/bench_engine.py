@@ -1,0 +1,244 @@
+"""How does the in-process decision hold up under address rotation?
+
+Like bench/bench_check.py, every number is printed beside a reference
+measured in the same run, passes interleaved so that a noisy machine hurts
+both sides alike, and the ratio is what to read:
+
+1. ``Engine.decide`` with ten realistic rules for one client against the same
+   under rotating IPv4 and IPv6 clients (``--clients``, 1M by default) with
+   ``state.max_keys`` 100,000: eviction must not make an attack dearer,
+2. one rule and the ten rules against one hit of the ``limits`` library's
+   ``SlidingWindowCounterRateLimiter`` in memory (the Python reference),
+3. ``resolve_client`` with a trusted X-Forwarded-For against the same hit,
+4. memory per tracked key at 100,000 keys (tracemalloc), and the process's
+   RSS while the rotation runs: flat once the cap is reached.
+
+Usage: ``.venv/bin/python bench/bench_engine.py [--clients 1000000]``
+(``make bench`` installs ``limits`` into the virtualenv for it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from sidecar.config import parse_rules_text  # noqa: E402
+from sidecar.engine import Engine  # noqa: E402
+from sidecar.request import CheckRequest  # noqa: E402
+from sidecar.rules import compile_rules  # noqa: E402
+
+HIGH = 1_000_000_000  # far above the load: every rule evaluated, every request allowed
+
+TEN_RULES = f"""
+client_ip:
+  trusted_proxies: [127.0.0.0/8]
+state: {{max_keys: 100000}}
+rules:
+  - id: login
+    match: {{all: [{{path: {{equals: /api/login}}}}, {{method: [POST]}}]}}
+    key: [ip]
+    limit: {{requests: {HIGH}, per: 15m}}
+    count_on: {{status: [401, 403]}}
+    action: block
+  - id: api-key
+    key: [ip, "header:x-api-key"]
+    limit: {{requests: {HIGH}, per: 10s}}
+    action: block
+  - id: observe
+    key: [ip]
+    limit: {{requests: {HIGH}, per: 60s}}
+    action: log
+  - id: pages
+    match: {{header: {{name: accept, prefix: text/html}}}}
+    key: [ip]
+    limit: {{requests: {HIGH}, per: 10s}}
+    action: challenge
+  - id: scrapers
+    key: [ip]
+    limit: {{requests: {HIGH}, per: 60s}}
+    action: ban
+    ban: {{duration: 1h}}
+  - id: like-nginx
+    key: [ip]
+    limit: {{rate: 1000000r/s, burst: 1000000, nodelay: true}}
+    action: block
+  - id: tokens
+    key: [ip, path]
+    limit: {{tokens: {HIGH}, refill: 1000000/s}}
+    action: block
+  - id: fixed
+    key: [host, ip]
+    limit: {{requests: {HIGH}, per: 60s, window: fixed}}
+    action: block
+  - id: search
+    match: {{path: {{regex: "^/api/(items|search)"}}}}
+    key: [ip, "query:q"]
+    limit: {{requests: {HIGH}, per: 60s}}
+    action: block
+  - id: sessions
+    key: ["session:sid"]
+    limit: {{requests: {HIGH}, per: 60s}}
+    action: block
+"""
+
+ONE_RULE = f"""
+rules:
+  - id: per-ip
+    key: [ip]
+    limit: {{requests: {HIGH}, per: 60s}}
+    action: block
+"""
+
+HEADERS = {"x-api-key": "k", "user-agent": "bench", "accept": "application/json",
+           "cookie": "sid=s1"}
+PATH = "/api/items?page=2&q=shoes"
+
+
+def address(i: int) -> str:
+    """The i-th rotating client: IPv4 and IPv6 (distinct /64s) in turn."""
+    if i % 2:
+        return f"2001:db8:{(i >> 16) & 0xffff:x}:{i & 0xffff:x}::1"
+    return f"10.{(i >> 16) & 255}.{(i >> 8) & 255}.{i & 255}"
+
+
+def engine_for(text: str) -> Engine:
+    return Engine(compile_rules(parse_rules_text(text, "bench", ROOT)))
+
+
+def requests_for(engine: Engine, addresses: list[str]) -> list[CheckRequest]:
+    return [CheckRequest("GET", "example.com", PATH, dict(HEADERS), engine.resolve_client(a, None), "r")
+            for a in addresses]
+
+
+def time_decisions(engine: Engine, requests: list[CheckRequest]) -> float:
+    """µs per decision over the requests."""
+    decide = engine.decide
+    started = time.perf_counter()
+    for request in requests:
+        decide(request)
+    return (time.perf_counter() - started) / len(requests) * 1e6
+
+
+def rss_mb() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
+
+
+def limits_hit():
+    """One in-memory sliding-window-counter hit of the ``limits`` library,
+    or None when it is not installed."""
+    try:
+        from limits import parse, storage, strategies
+    except ImportError:
+        return None
+    limiter = strategies.SlidingWindowCounterRateLimiter(storage.MemoryStorage())
+    item = parse(f"{HIGH}/minute")
+    return lambda: limiter.hit(item, "bench", "192.0.2.1")
+
+
+def time_calls(call, rounds: int) -> float:
+    started = time.perf_counter()
+    for _ in range(rounds):
+        call()
+    return (time.perf_counter() - started) / rounds * 1e6
+
+
+def rotation(clients: int, batch: int) -> None:
+    print(f"== 10 rules: one client vs {clients:,} rotating IPv4+IPv6 clients, max_keys 100,000")
+    single_engine, rotating_engine = engine_for(TEN_RULES), engine_for(TEN_RULES)
+    single = requests_for(single_engine, ["192.0.2.1"] * batch)
+    single_us, rotating_us, rss = [], [], []
+    done = 0
+    while done < clients:
+        count = min(batch, clients - done)
+        rotating = requests_for(rotating_engine, [address(i) for i in range(done, done + count)])
+        done += count
+        single_us.append(time_decisions(single_engine, single))
+        rotating_us.append(time_decisions(rotating_engine, rotating))
+        del rotating
+        rss.append((done, rotating_engine.store.tracked_keys(), rss_mb()))
+    # The first passes fill the map; steady state is what an attack costs.
+    full = [i for i, (_, keys, _) in enumerate(rss) if keys >= 90_000]
+    steady = full[1:] or list(range(len(rss)))
+    one = statistics.median(single_us[i] for i in steady)
+    many = statistics.median(rotating_us[i] for i in steady)
+    print(f"one client:        {one:8.1f} µs per decision (median of {len(steady)} passes)")
+    print(f"rotating clients:  {many:8.1f} µs per decision   ratio {many / one:.2f} of one client")
+    print("RSS during the rotation (clients so far, tracked keys, MB):")
+    step = max(1, len(rss) // 10)
+    for done_so_far, keys, mb in rss[::step] + ([rss[-1]] if (len(rss) - 1) % step else []):
+        print(f"    {done_so_far:>10,}  {keys:>8,}  {mb:8.1f}")
+    if len(steady) > 1:
+        first, last = rss[steady[0]][2], rss[steady[-1]][2]
+        print(f"RSS from the cap on: {first:.1f} MB -> {last:.1f} MB ({last - first:+.1f} MB)")
+
+
+def against_limits(rounds: int, passes: int) -> None:
+    hit = limits_hit()
+    if hit is None:
+        print("== limits is not installed (pip install limits): no reference, absolute figures only")
+    else:
+        print("== against one limits SlidingWindowCounterRateLimiter hit (memory storage)")
+    one, ten = engine_for(ONE_RULE), engine_for(TEN_RULES)
+    one_requests, ten_requests = requests_for(one, ["192.0.2.1"] * rounds), requests_for(ten, ["192.0.2.1"] * rounds)
+    resolve = ten.resolve_client
+    figures: dict[str, list[float]] = {"limits": [], "1 rule": [], "10 rules": [], "resolve_client": []}
+    for _ in range(passes):
+        if hit is not None:
+            figures["limits"].append(time_calls(hit, rounds))
+        figures["1 rule"].append(time_decisions(one, one_requests))
+        figures["10 rules"].append(time_decisions(ten, ten_requests))
+        figures["resolve_client"].append(
+            time_calls(lambda: resolve("127.0.0.1", "198.51.100.7, 127.0.0.2"), rounds))
+    reference = statistics.median(figures["limits"]) if hit is not None else None
+    for name, values in figures.items():
+        if not values:
+            continue
+        median = statistics.median(values)
+        ratio = f"   ratio {median / reference:.2f} of limits" if reference and name != "limits" else ""
+        print(f"{name + ':':18} {median:8.2f} µs{ratio}")
+
+
+def memory_per_key(keys: int = 100_000) -> None:
+    print(f"== memory per tracked key at {keys:,} keys (10 rules, tracemalloc)")
+    engine = engine_for(TEN_RULES.replace("max_keys: 100000", f"max_keys: {keys}"))
+    warm = requests_for(engine, [address(10_000_000)])
+    engine.decide(warm[0])  # lazily made structures are not per key
+    per_request = engine.store.tracked_keys()
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    i = 0
+    while engine.store.tracked_keys() + per_request <= keys:
+        engine.decide(requests_for(engine, [address(i)])[0])
+        i += 1
+    gc.collect()
+    after = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    tracked = engine.store.tracked_keys()
+    print(f"{tracked:,} keys from {i:,} clients: {(after - before) / tracked:.0f} bytes per key"
+          " (everything the store keeps: key tuples, addresses, entries, states, dict slots)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, default=1_000_000, help="rotating clients")
+    parser.add_argument("--batch", type=int, default=20_000, help="decisions per timed pass")
+    args = parser.parse_args()
+    print(f"Python {sys.version.split()[0]}, {os.cpu_count()} cores")
+    rotation(args.clients, args.batch)
+    against_limits(rounds=20_000, passes=5)
+    memory_per_key()
+
+
+if __name__ == "__main__":
+    main()
