@@ -465,8 +465,9 @@ def build_api(engine: Engine, report_udp: tuple[str, int] | None = None,
         loop = asyncio.get_running_loop()
         if admin is not None:
             loop.add_signal_handler(signal.SIGHUP, admin.reload)
-        heartbeat, probes = Heartbeat(), None
+        probes = None
         if health is not None:
+            heartbeat = Heartbeat()
             heartbeat.start(loop)
             probes = HealthListener(*health, heartbeat, readiness, reuse_port=share_report_port)
             probes.start()
@@ -474,7 +475,7 @@ def build_api(engine: Engine, report_udp: tuple[str, int] | None = None,
             yield
         finally:
             if probes is not None:
-                heartbeat.stop()
+                probes.heartbeat.stop()
                 await asyncio.to_thread(probes.stop)
             if admin is not None:
                 loop.remove_signal_handler(signal.SIGHUP)

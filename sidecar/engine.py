@@ -125,13 +125,12 @@ class Engine:
         if isinstance(prepared, Decision):
             return prepared
         held = self._reserve_hold(prepared[1])
+        decision: Decision | None = None
         try:
             evaluation = self.store.evaluate(self.clock(), request.client.key, prepared[1], can_delay=held)
             decision = self._conclude(request, *prepared, evaluation)
-        except BaseException:
-            self._release_unless_held(held, None)
-            raise
-        self._release_unless_held(held, decision)
+        finally:
+            self._release_unless_held(held, decision)
         return decision
 
     async def decide_async(self, request: CheckRequest) -> Decision:

@@ -50,7 +50,7 @@ refused_log = RateLimitedLog(log, 60.0)
 failed_log = RateLimitedLog(log, 10.0)
 
 
-class BadReport(ValueError):
+class BadReport(Exception):
     """A report that is not the shape nginx or Envoy sends."""
 
 
@@ -106,8 +106,6 @@ def _parse_datagram(data: bytes) -> tuple[str, int, dict[str, str]]:
         text = body.decode("utf-8")
         report: Any = json.loads(text, parse_float=_no_float, parse_constant=_no_float,
                                  parse_int=_small_int)
-    except BadReport:
-        raise
     except ValueError:  # also UnicodeDecodeError
         raise BadReport("not one JSON object") from None
     if not isinstance(report, dict):
@@ -177,16 +175,13 @@ class HookDatagrams(asyncio.DatagramProtocol):
         self._recording.discard(task)
         error = None if task.cancelled() else task.exception()
         if error is not None:
-            try:
-                raise error
-            except Exception:
-                self._failed()
+            self._failed(error)
 
-    def _failed(self) -> None:
+    def _failed(self, error: BaseException | bool = True) -> None:
         # A bug, not bad input (that is refused above): counted, and its
         # traceback logged at most every 10 s.
         self.engine.metrics.errors.inc()
-        failed_log.error("response report failed inside Sluice", exc_info=True)
+        failed_log.error("response report failed inside Sluice", exc_info=error)
 
 
 async def listen_for_reports(engine: Engine, host: str, port: int,

@@ -27,7 +27,7 @@ class RateLimitedLog:
         self._last = -math.inf
         self._suppressed = 0
 
-    def log(self, level: int, message: str, *args: Any, exc_info: bool = False) -> bool:
+    def log(self, level: int, message: str, *args: Any, exc_info: BaseException | bool = False) -> bool:
         """Write the line if the interval has passed; True if it was written."""
         now = self.clock()
         if now - self._last < self.interval:
@@ -44,5 +44,5 @@ class RateLimitedLog:
     def warning(self, message: str, *args: Any) -> bool:
         return self.log(logging.WARNING, message, *args)
 
-    def error(self, message: str, *args: Any, exc_info: bool = False) -> bool:
+    def error(self, message: str, *args: Any, exc_info: BaseException | bool = False) -> bool:
         return self.log(logging.ERROR, message, *args, exc_info=exc_info)

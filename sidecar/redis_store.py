@@ -110,9 +110,6 @@ class RedisStore:
     def _now(self, now: float) -> str:
         return "" if self.server_time else repr(now)
 
-    async def _call(self, script: str, keys: list[str], args: list[str]) -> Any:
-        return await self.client.evalsha(script, keys, args)
-
     async def evaluate(self, now: float, address: str, checks: Sequence[Check],
                        can_delay: bool = True, quotas: bool = False) -> Evaluation:
         """MemoryStore.evaluate in one script; with ``quotas``, also every
@@ -132,7 +129,7 @@ class RedisStore:
                      "" if check.ban_duration is None else repr(float(check.ban_duration)),
                      _flag(check.auto_ban is not None)]
             args += _check_limit_args(check.limiter, check.threshold)
-        result = await self._call(self._evaluate, keys, args)
+        result = await self.client.evalsha(self._evaluate, keys, args)
         banned, new_ban, rule_id, node, started, remaining, duration, delay, evaluated = result[:9]
         end = 9 + 2 * int(evaluated)
         evaluation = Evaluation(new_ban=bool(int(new_ban)), hits=_hits(result[9:end]), delay=float(delay))
@@ -149,19 +146,19 @@ class RedisStore:
         args = [self._now(now)]
         for count in counts:
             args += [str(count.amount)] + _limit_args(count.limiter, count.threshold)  # type: ignore[arg-type]
-        result = await self._call(self._record, [counting_key(count.key) for count in counts], args)
+        result = await self.client.evalsha(self._record, [counting_key(count.key) for count in counts], args)
         return _hits(result)
 
     async def active_bans(self, now: float) -> list[BanRecord]:
         # The script reads the records by name under the ban prefix: they
         # share the index's hash slot, so this holds on a cluster too.
-        values = await self._call(self._bans, [BAN_INDEX, BAN_PREFIX], [self._now(now)])
+        values = await self.client.evalsha(self._bans, [BAN_INDEX, BAN_PREFIX], [self._now(now)])
         return [BanRecord(values[i], values[i + 1], values[i + 2], float(values[i + 3]),
                           now + float(values[i + 4]), float(values[i + 5]))
                 for i in range(0, len(values), 6)]
 
     async def lift_ban(self, address: str) -> bool:
-        return bool(await self._call(self._lift_ban, [ban_key(address), BAN_INDEX], [address]))
+        return bool(await self.client.evalsha(self._lift_ban, [ban_key(address), BAN_INDEX], [address]))
 
     def may_be_banned(self) -> bool:
         return True  # another node may have banned anyone: the script checks
