@@ -28,6 +28,8 @@ class WindowState:
     previous: int
     current: int
     penalty_until: float
+    # The limiter the state belongs to: a reload may give the key another.
+    limiter: Any = None
 
 
 @dataclass(slots=True)  # not frozen: made per bucket hit, and frozen __init__ is slow
@@ -75,7 +77,7 @@ class WindowCounter:
         self.exceed = exceed
 
     def new_state(self) -> WindowState:
-        return WindowState(window=-2, previous=0, current=0, penalty_until=NO_PENALTY)
+        return WindowState(window=-2, previous=0, current=0, penalty_until=NO_PENALTY, limiter=self)
 
     def peek(self, state: WindowState, now: float) -> Hit:
         """Is the key in its penalty? Counts nothing (response-phase rules
@@ -145,6 +147,8 @@ class LeakyState:
     excess: int
     last: int | None  # None: a key never seen
     penalty_until: float
+    # The limiter the state belongs to: a reload may give the key another.
+    limiter: Any = None
 
 
 class LeakyBucket:
@@ -176,7 +180,7 @@ class LeakyBucket:
         return max(0, self.burst - self.delay) * 1000 // self.rate / 1000
 
     def new_state(self) -> LeakyState:
-        return LeakyState(0, None, NO_PENALTY)
+        return LeakyState(0, None, NO_PENALTY, self)
 
     def peek(self, state: LeakyState, now: float) -> Hit:
         return _in_penalty(state, now) or ALLOWED
@@ -234,6 +238,8 @@ class TokenState:
     tokens: float
     last: float | None
     penalty_until: float
+    # The limiter the state belongs to: a reload may give the key another.
+    limiter: Any = None
 
 
 class TokenBucket:
@@ -252,7 +258,7 @@ class TokenBucket:
         self.penalty = penalty
 
     def new_state(self) -> TokenState:
-        return TokenState(float(self.capacity), None, NO_PENALTY)
+        return TokenState(float(self.capacity), None, NO_PENALTY, self)
 
     def peek(self, state: TokenState, now: float) -> Hit:
         return _in_penalty(state, now) or ALLOWED

@@ -8,6 +8,7 @@ neither evaluated nor counted.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -125,19 +126,32 @@ class BoundedMap:
     """A dict of at most ``max_keys`` entries: when full, expired entries go
     first, then the least recently used (SPEC §9).
 
-    Recency is the dict's order (an entry read is moved to the end). Room is
-    made in one sweep that drops every expired entry and, if that frees
-    less than a tenth of the map, the oldest entries down to nine tenths:
-    the cost of a sweep is spread over the insertions that fill the room it
-    made, so an attack rotating through millions of addresses costs O(1) per
-    request and never more memory than the cap.
+    Recency is the dict's order (an entry read is moved to the end). Expiry
+    is found through a wheel of one-second slots: each key is filed under
+    the slot of its expiry when it is stored. A value's expiry only moves
+    later while it is counted, so the slot is a time before which the key
+    cannot have expired, and only the keys of slots already past need a
+    look: one whose expiry moved on is filed again under its new slot.
+
+    When the map is full, the keys of past slots that have really expired
+    go, then the oldest entries down to nine tenths. Each key costs one
+    ``expires_at`` when stored and one per slot it outlives; entries read or
+    dropped leave stale wheel references, which are skipped, and the wheel
+    is rebuilt from the map when they outnumber its keys. So an attack
+    rotating through millions of addresses costs O(1) per request, with no
+    sweep over the map, and never more memory than the cap.
     """
+
+    SLOT_SECONDS = 1.0
 
     def __init__(self, max_keys: int, expires_at: Callable[[Any], float], clock: Clock) -> None:
         self.max_keys = max_keys
         self._expires_at = expires_at
         self._clock = clock
         self._data: dict[Hashable, Any] = {}
+        self._wheel: dict[int, list[Hashable]] = {}  # slot -> keys filed there
+        self._slots: list[int] = []  # heap of the wheel's slots
+        self._filed = 0  # references in the wheel, stale ones included
 
     def get(self, key: Hashable) -> Any:
         data = self._data
@@ -148,8 +162,12 @@ class BoundedMap:
 
     def __setitem__(self, key: Hashable, value: Any) -> None:
         data = self._data
-        if key not in data and len(data) >= self.max_keys:
+        stored = data.get(key)
+        if stored is value:
+            return
+        if stored is None and len(data) >= self.max_keys:
             self._make_room()
+        self._file(key, self._expires_at(value))
         data[key] = value
 
     def pop(self, key: Hashable, default: Any = None) -> Any:
@@ -161,16 +179,54 @@ class BoundedMap:
     def __len__(self) -> int:
         return len(self._data)
 
+    def _slot(self, when: float) -> int:
+        try:
+            return int(when // self.SLOT_SECONDS)
+        except OverflowError:  # -inf: a state never counted, expired since ever
+            return -1 if when < 0 else 1 << 62
+
+    def _file(self, key: Hashable, expires: float) -> None:
+        slot = self._slot(expires)
+        keys = self._wheel.get(slot)
+        if keys is None:
+            self._wheel[slot] = [key]
+            heapq.heappush(self._slots, slot)
+        else:
+            keys.append(key)
+        self._filed += 1
+
     def _make_room(self) -> None:
         data = self._data
         now = self._clock()
-        expires_at = self._expires_at
-        for key in [key for key, value in data.items() if expires_at(value) <= now]:
-            del data[key]
+        if self._filed > 2 * len(data) + 1024:
+            self._rebuild_wheel()
+        expires_at, wheel, slots = self._expires_at, self._wheel, self._slots
+        current = self._slot(now)
+        outlived: list[tuple[Hashable, float]] = []
+        while slots and slots[0] <= current:
+            keys = wheel.pop(heapq.heappop(slots))
+            self._filed -= len(keys)
+            for key in keys:
+                value = data.get(key)
+                if value is None:
+                    continue  # dropped or forgotten since it was filed
+                expires = expires_at(value)
+                if expires <= now:
+                    del data[key]
+                else:
+                    outlived.append((key, expires))
+        for key, expires in outlived:
+            self._file(key, expires)
         target = max(0, min(self.max_keys - 1, self.max_keys * 9 // 10))
         if len(data) > target:
             for key in list(itertools.islice(data, len(data) - target)):
                 del data[key]
+
+    def _rebuild_wheel(self) -> None:
+        self._wheel, self._slots, self._filed = {}, [], 0
+        expires_at = self._expires_at
+        for key, value in self._data.items():
+            self._file(key, expires_at(value))
 
 
 class MemoryStore:
@@ -180,7 +236,8 @@ class MemoryStore:
                  wall_clock: Clock = time.time) -> None:
         self.node = node
         self._wall_clock = wall_clock
-        self._states = BoundedMap(max_keys, lambda entry: entry[0].expires_at(entry[1]), clock)
+        # Each state carries its limiter: a reload may change it.
+        self._states = BoundedMap(max_keys, lambda state: state.limiter.expires_at(state), clock)
         self._bans = BoundedMap(max_keys, lambda ban: ban.expires, clock)
 
     def evaluate(self, now: float, address: str, checks: Sequence[Check],
@@ -190,18 +247,18 @@ class MemoryStore:
             if ban is not None and now < ban.expires:
                 return Evaluation(ban=ban)
         evaluation = Evaluation()
-        buckets: list[tuple[Check, tuple[Limiter, Any], bool, Hit]] = []
+        buckets: list[tuple[Check, Any, bool, Hit]] = []
         refused = False
         for check in checks:
             if not check.count:
-                entry = self._states.get(check.key)
-                hit = check.limiter.peek(entry[1], now) if entry is not None else ALLOWED
+                state = self._states.get(check.key)
+                hit = check.limiter.peek(state, now) if state is not None else ALLOWED
             elif check.limiter.deferred:
-                entry, stored = self._entry(check.key, check.limiter)
-                hit = check.limiter.assess(entry[1], now)
+                state, stored = self._state(check.key, check.limiter)
+                hit = check.limiter.assess(state, now)
                 if hit.delay and not can_delay:
                     hit = Hit(True, hit.delay)  # the wait queue is full: refuse
-                buckets.append((check, entry, stored, hit))
+                buckets.append((check, state, stored, hit))
             else:
                 hit = self._hit(check.key, check.limiter, now, check.threshold, 1)
             evaluation.hits.append(hit)
@@ -225,12 +282,12 @@ class MemoryStore:
             # Like nginx with several limit_req zones: buckets are charged
             # only when the request is admitted by all of them (SPEC §7).
             admitted = not refused and not any(bucket[3].over_limit for bucket in buckets)
-            for check, entry, stored, hit in buckets:
+            for check, state, stored, hit in buckets:
                 if admitted:
-                    check.limiter.commit(entry[1], hit)
+                    check.limiter.commit(state, hit)
                     evaluation.delay = max(evaluation.delay, hit.delay)
                     if not stored:
-                        self._states[check.key] = entry
+                        self._states[check.key] = state
                 # A refused request leaves no new key (a new key is never
                 # refused by its own bucket, and a ban cleared its key).
         return evaluation
@@ -240,25 +297,29 @@ class MemoryStore:
 
     def quotas(self, now: float, checks: Sequence[Check]) -> list[tuple[int, float, float]]:
         """What is left of each check's budget (remaining, reset, window)."""
-        # The state a decision would use: carried over a reload like in _entry.
-        return [check.limiter.quota(self._entry(check.key, check.limiter)[0][1], now, check.threshold)
+        # The state a decision would use: carried over a reload like in _state.
+        return [check.limiter.quota(self._state(check.key, check.limiter)[0], now, check.threshold)
                 for check in checks]
 
-    def _entry(self, key: Hashable, limiter: Limiter) -> tuple[tuple[Limiter, Any], bool]:
-        """The key's (limiter, state) entry, and whether it is stored yet."""
-        entry = self._states.get(key)
-        if entry is not None and entry[0] is limiter:
-            return entry, True
-        # New key, or the rule was reloaded with other settings: the counts
-        # carry over when the state still fits the limiter.
-        state = entry[1] if entry is not None and _same_kind(entry[0], limiter) else limiter.new_state()
-        return (limiter, state), False
+    def _state(self, key: Hashable, limiter: Limiter) -> tuple[Any, bool]:
+        """The key's state for this limiter, and whether it is stored yet."""
+        state = self._states.get(key)
+        if state is not None:
+            if state.limiter is not limiter:
+                if type(state.limiter) is not type(limiter):
+                    state = None  # the rule was reloaded as another algorithm
+                else:
+                    # Reloaded with other settings: the counts carry over.
+                    state.limiter = limiter
+            if state is not None:
+                return state, True
+        return limiter.new_state(), False
 
     def _hit(self, key: Hashable, limiter: Limiter, now: float, threshold: float, amount: int) -> Hit:
-        entry, stored = self._entry(key, limiter)
-        hit = limiter.hit(entry[1], now, threshold, amount)
+        state, stored = self._state(key, limiter)
+        hit = limiter.hit(state, now, threshold, amount)
         if not stored:
-            self._states[key] = entry
+            self._states[key] = state
         return hit
 
     def _ban(self, now: float, address: str, rule_id: str, duration: float) -> BanRecord:
@@ -282,7 +343,3 @@ class MemoryStore:
 
     def tracked_keys(self) -> int:
         return len(self._states)
-
-
-def _same_kind(old: Limiter, new: Limiter) -> bool:
-    return type(old) is type(new)

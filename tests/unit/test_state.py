@@ -65,3 +65,34 @@ def test_sweeps_stay_amortized_when_entries_expire():
         m[key] = Expiring(clock[0] + 0.5)  # expire half a second later
         assert len(m) <= 1000
     assert Expiring.calls <= 100_000 * 11
+
+
+def test_rotation_asks_each_expiry_about_once_per_insertion():
+    """No sweep over the map: a key's expiry is asked when it is stored and
+    when its slot has passed, not at every eviction."""
+    clock = [0.0]
+    m = bounded(1000, clock)
+    Expiring.calls = 0
+    for key in range(100_000):
+        clock[0] = key / 1000
+        # Half expire within a second, half outlive the run.
+        m[key] = Expiring(clock[0] + (0.5 if key % 2 else 1e6))
+    assert len(m) <= 1000
+    # One when stored, one or two for a slot passed, and the wheel's
+    # rebuilds; a sweep over the map at each eviction costs about 11.
+    assert Expiring.calls <= 100_000 * 4
+
+
+def test_an_entry_read_often_keeps_its_place_and_stale_references_stay_bounded():
+    clock = [0.0]
+    m = bounded(100, clock)
+    kept = Expiring(1e9)
+    m["kept"] = kept
+    for key in range(50_000):
+        m.get("kept")
+        m[key] = Expiring(1e9)
+        assert len(m) <= 100
+    assert m.get("kept") is kept
+    # Keys forgotten by recency leave references in the expiry wheel; the
+    # wheel is rebuilt before they outnumber the map's keys by much.
+    assert m._filed <= 2 * len(m) + 1024 + 1
