@@ -201,7 +201,7 @@ class Engine:
             if rule.condition is not None and not rule.condition(request):
                 continue
             ban_duration = rule.ban_duration
-            stops = rule.action != "log"
+            stops = rule.stops
             auto_ban = None
             if rule.challenge is not None:
                 if self._has_credential(rule, request):
@@ -215,9 +215,8 @@ class Engine:
                 # A verified bot that triggers a ban is let through (SPEC §6).
                 stops, ban_duration = False, None
             matched.append(rule)
-            checks.append(Check(rule.id, rule.key(request), rule.limiter,
-                                rule.threshold_for(address), stops, ban_duration,
-                                count=rule.response is None, auto_ban=auto_ban))
+            checks.append(Check(rule.id, rule.key(request), rule.limiter, rule.threshold_for(address),
+                                stops, ban_duration, rule.counts, auto_ban))
         if not checks and not self.store.may_be_banned():
             return ALLOWED
         return matched, checks
@@ -234,10 +233,11 @@ class Engine:
 
         observed: Decision | None = None
         pending: list[PendingEntry] = []
+        rule_hits = metrics.rule_hits
         for rule, check, hit in zip(matched, checks, evaluation.hits):
             if not hit.over_limit:
-                if rule.response is None:
-                    metrics.hit(rule.id)
+                if rule.counts:
+                    rule_hits[rule.id] += 1
                 else:
                     # Counted, maybe, when the response is reported.
                     pending.append((rule.id, check.threshold, check.key[1:]))  # type: ignore[index]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Callable, Hashable
@@ -155,9 +155,17 @@ def compile_key(rule_id: str, dimensions: list[str]) -> tuple[tuple[str, tuple[s
     names = tuple(sorted(dimensions or ["host", "ip"]))
     prefix = (rule_id, names)
     extractors = tuple(_dimension_value(name) for name in names)
+    # Written out for one to three dimensions: this runs for every matching
+    # rule of every request.
     if len(extractors) == 1:
-        only = extractors[0]
-        return prefix, lambda request: (prefix, only(request))
+        (first,) = extractors
+        return prefix, lambda request: (prefix, first(request))
+    if len(extractors) == 2:
+        first, second = extractors
+        return prefix, lambda request: (prefix, first(request), second(request))
+    if len(extractors) == 3:
+        first, second, third = extractors
+        return prefix, lambda request: (prefix, first(request), second(request), third(request))
     return prefix, lambda request: (prefix, *(extract(request) for extract in extractors))
 
 
@@ -270,13 +278,22 @@ class CompiledRule:
     ban_duration: float | None
     response: ResponseCounting | None  # set: counted when the response is reported
     challenge: ChallengeSettings | None = None
+    # Derived once, read on every request.
+    stops: bool = field(init=False)  # over limit ends evaluation: every action but log
+    counts: bool = field(init=False)  # counted at request time (no count_on, no score)
+    _threshold: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stops", self.action != "log")
+        object.__setattr__(self, "counts", self.response is None)
+        object.__setattr__(self, "_threshold", float(self.threshold))
 
     def threshold_for(self, address: IPAddress | None) -> float:
-        if address is not None:
+        if address is not None and self.overrides:
             for override in self.overrides:
                 if in_networks(address, override.networks):
                     return self.threshold * override.multiply
-        return float(self.threshold)
+        return self._threshold
 
 
 @dataclass(frozen=True, slots=True)

@@ -316,6 +316,9 @@ class MemoryStore:
         return limiter.new_state(), False
 
     def _hit(self, key: Hashable, limiter: Limiter, now: float, threshold: float, amount: int) -> Hit:
+        state = self._states.get(key)
+        if state is not None and state.limiter is limiter:  # the common case, first
+            return limiter.hit(state, now, threshold, amount)
         state, stored = self._state(key, limiter)
         hit = limiter.hit(state, now, threshold, amount)
         if not stored:
