@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from sidecar.actions import BlockPage, retry_after_seconds
-from sidecar.challenge import FINGERPRINT_HEADER, Challenges, IssuedChallenge
+from sidecar.challenge import Challenges, IssuedChallenge
 from sidecar.clientip import UNKNOWN_CLIENT, ClientAddress, in_networks
 from sidecar.limiters import Hit
 from sidecar.metrics import Metrics
@@ -361,7 +361,7 @@ class Engine:
         if rule.challenge is not None:
             self.metrics.challenges_issued.inc()
             challenge = self.challenges.issue(rule.id, request.client.key,
-                                              request.headers.get(FINGERPRINT_HEADER, ""),
+                                              request.tls_fingerprint,
                                               request.uri, self.ruleset.difficulty)
         return Decision(DENY, rule, limit, reset, retry_after_seconds(hit.retry_after), rule.page,
                         challenge=challenge)
@@ -370,7 +370,7 @@ class Engine:
         assert rule.challenge is not None
         credential = request.cookies.get(rule.challenge.cookie) if "cookie" in request.headers else None
         return credential is not None and self.challenges.accepts(
-            credential, rule.id, request.client.key, request.headers.get(FINGERPRINT_HEADER, ""))
+            credential, rule.id, request.client.key, request.tls_fingerprint)
 
     @staticmethod
     def _verified_bot(ruleset: Ruleset, request: CheckRequest) -> bool:

@@ -26,6 +26,7 @@ from heapq import nlargest
 from typing import Any, Hashable, Sequence
 
 from sidecar.accesslog import AccessLogs, LogEntry
+from sidecar.challenge import FINGERPRINT_HEADER
 from sidecar.clientip import in_networks
 from sidecar.engine import ALLOW, DENY, Decision, Engine
 from sidecar.limiters import Hit, LeakyBucket, TokenBucket, WindowCounter
@@ -180,7 +181,8 @@ class Replay:
         if host:
             headers.setdefault("host", host)
         client = self.engine.resolve_client(entry.peer, headers.get("x-forwarded-for"))
-        return CheckRequest(entry.method, host, entry.uri, headers, client, entry.request_id or "replay")
+        return CheckRequest(entry.method, host, entry.uri, headers, client, entry.request_id or "replay",
+                            tls_fingerprint=headers.get(FINGERPRINT_HEADER, ""))
 
     def _tally_answer(self, request: CheckRequest, decision: Decision) -> None:
         answers = self.answers

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from sidecar.app import DenyToken
 from sidecar.engine import ALLOW, CLOSE, DENY, Engine
+from sidecar.frontdoors.nginx import DenyToken
 from sidecar.redis_store import RedisStore
 from sidecar.request import CheckRequest
 from sidecar.state import MemoryStore

@@ -4,8 +4,9 @@ import asyncio
 
 import pytest
 
-from sidecar.app import DenyToken, SluiceApp
+from sidecar.app import SluiceApp
 from sidecar.challenge import IssuedChallenge
+from sidecar.frontdoors.nginx import DenyToken
 
 from .conftest import Harness
 

@@ -1,0 +1,179 @@
+"""What the front doors share: the route table's types, reading an ASGI
+request, writing an answer, and the parts of a ``CheckRequest`` and of a
+refusal that every proxy fills the same way."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Iterable, Protocol
+
+from sidecar.actions import CHALLENGE_PAGE, BlockPage, deny_headers, over_limit_headers
+from sidecar.asgi import Receive, Scope, Send
+from sidecar.challenge import FINGERPRINT_HEADER, SOLUTION_PATH, IssuedChallenge
+from sidecar.clientip import ClientAddress
+from sidecar.engine import Decision, Engine
+from sidecar.request import CheckRequest
+
+
+class Service(Protocol):
+    """What an endpoint is handed: the engine, and where a failure inside
+    Sluice is counted and logged (see ``sidecar.app.SluiceApp``)."""
+
+    engine: Engine
+
+    def internal_error(self) -> None: ...
+
+
+# A check front door: the proxy's request as one CheckRequest, and the
+# engine's Decision as the proxy's answer.
+Describe = Callable[[Engine, Scope, dict[str, str]], CheckRequest]
+Answer = Callable[[Send, CheckRequest, Decision], Awaitable[None]]
+# Any other endpoint on the bare ASGI path (deny page, solution, report).
+Endpoint = Callable[[Service, Scope, Receive, Send], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class Check:
+    describe: Describe
+    answer: Answer
+
+
+@dataclass(frozen=True)
+class Route:
+    """``path`` → a check or an endpoint; with ``prefix`` also every path
+    under it (``path`` + ``/...``)."""
+
+    path: str
+    handler: Check | Endpoint
+    prefix: bool = False
+
+
+class RouteTable:
+    """The front doors' routes, answered before any framework code runs."""
+
+    def __init__(self, routes: Iterable[Route]) -> None:
+        self.exact: dict[str, Check | Endpoint] = {}
+        self.prefixes: list[tuple[str, Check | Endpoint]] = []
+        seen: set[str] = set()
+        for route in routes:
+            if route.path in seen:
+                raise ValueError(f"two front doors answer {route.path}")
+            seen.add(route.path)
+            if route.prefix:
+                self.prefixes.append((route.path, route.handler))
+            else:
+                self.exact[route.path] = route.handler
+
+    def find(self, path: str) -> Check | Endpoint | None:
+        handler = self.exact.get(path)
+        if handler is not None:
+            return handler
+        for prefix, handler in self.prefixes:
+            if path.startswith(prefix) and (len(path) == len(prefix) or path[len(prefix)] == "/"):
+                return handler
+        return None
+
+
+def header_map(scope: Scope) -> dict[str, str]:
+    """Request headers by lower-case name; repeated headers are joined."""
+    headers: dict[str, str] = {}
+    for raw_name, raw_value in scope["headers"]:
+        name = raw_name.decode("latin-1").lower()
+        value = raw_value.decode("latin-1")
+        if name in headers:
+            headers[name] += ("; " if name == "cookie" else ", ") + value
+        else:
+            headers[name] = value
+    return headers
+
+
+def new_request_id() -> str:
+    return os.urandom(10).hex()
+
+
+def request_id_of(headers: dict[str, str]) -> str:
+    """The proxy's request id, or a new one."""
+    return headers.get("x-request-id") or new_request_id()
+
+
+def check_request(headers: dict[str, str], method: str, host: str, uri: str,
+                  client: ClientAddress) -> CheckRequest:
+    """A CheckRequest with what every proxy sends the same way: the headers,
+    the request id and the TLS fingerprint."""
+    return CheckRequest(method=method, host=host, uri=uri, headers=headers, client=client,
+                        request_id=request_id_of(headers),
+                        tls_fingerprint=headers.get(FINGERPRINT_HEADER, ""))
+
+
+def _encode(headers: list[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
+    return [(name.lower().encode("latin-1"), value.encode("latin-1", "replace"))
+            for name, value in headers]
+
+
+async def respond(send: Send, status: int, headers: list[tuple[str, str]], body: bytes = b"") -> None:
+    raw = _encode(headers)
+    raw.append((b"content-length", str(len(body)).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
+
+
+def allow_headers(decision: Decision) -> list[tuple[str, str]]:
+    """Over-limit headers in observe mode, and the pending-counts token the
+    proxy hands back with the response report (SPEC §8)."""
+    rule = decision.rule
+    headers = [] if rule is None else over_limit_headers(decision.limit, decision.reset)
+    if decision.pending is not None:
+        headers.append(("X-Sluice-Pending", decision.pending))
+    if decision.quota is not None:
+        headers.append(("RateLimit-Policy", decision.quota[0]))
+        headers.append(("RateLimit", decision.quota[1]))
+    return headers
+
+
+async def wait_unless_disconnected(receive: Receive, seconds: float) -> bool:
+    """Sleep ``seconds``; False as soon as the client disconnects."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while (remaining := deadline - loop.time()) > 0:
+        message = asyncio.ensure_future(receive())
+        done, _ = await asyncio.wait({message}, timeout=remaining)
+        if not done:
+            message.cancel()
+            return True
+        if message.result()["type"] == "http.disconnect":
+            return False
+    return True
+
+
+def render_deny(request: CheckRequest, decision: Decision) -> tuple[int, list[tuple[str, str]], bytes]:
+    """A deny's status, headers and page."""
+    assert decision.page is not None
+    body = render_page(decision.page, request.client.text, request.host, request.request_id,
+                       decision.challenge)
+    headers = deny_headers(decision.limit, decision.reset, decision.retry_after, request.request_id)
+    return decision.page.status, headers, body
+
+
+def render_page(page: BlockPage, remote_addr: str, host: str, request_id: str,
+                challenge: IssuedChallenge | None) -> bytes:
+    if challenge is None:
+        return page.template.render(remote_addr, host, request_id)
+    return CHALLENGE_PAGE.template.render(remote_addr, host, request_id, challenge=challenge.text,
+                                          difficulty=str(challenge.difficulty),
+                                          solution_path=SOLUTION_PATH)
+
+
+async def read_body(receive: Receive, limit: int) -> bytes:
+    """The request body, or b"" when it is longer than ``limit`` bytes."""
+    body = b""
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return b""
+        body += message.get("body", b"")
+        if len(body) > limit:
+            return b""
+        if not message.get("more_body"):
+            return body

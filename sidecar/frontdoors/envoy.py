@@ -1,0 +1,49 @@
+"""Envoy HTTP ext_authz: the original path after ENVOY_AUTH_PREFIX."""
+
+from __future__ import annotations
+
+from sidecar.asgi import Scope, Send
+from sidecar.engine import DENY, Decision, Engine
+from sidecar.frontdoors.common import Check, Route, check_request, render_deny, respond
+from sidecar.frontdoors.forward_auth import answer_in_full
+from sidecar.request import CheckRequest, strip_port
+
+# Envoy's HTTP ext_authz appends the original path to a prefix.
+ENVOY_AUTH_PREFIX = "/v1/envoy/auth"
+# Envoy's ext_authz takes any 5xx from the authorization service for a
+# failure of the service itself and, failing open, lets the request in. A
+# refusal with such a status is sent as 403 carrying the real status, which
+# the shipped Envoy template's Lua filter puts back.
+ENVOY_STATUS_HEADER = "X-Sluice-Status"
+
+
+def describe_envoy(engine: Engine, scope: Scope, headers: dict[str, str]) -> CheckRequest:
+    """Envoy HTTP ext_authz: the original method, the original path after
+    ENVOY_AUTH_PREFIX, the original Host, and the direct peer's address
+    added by the filter as ``x-sluice-client-addr``."""
+    raw_path = scope.get("raw_path") or scope["path"].encode()
+    uri = raw_path[len(ENVOY_AUTH_PREFIX):].decode("latin-1") or "/"
+    if scope.get("query_string"):
+        uri += "?" + scope["query_string"].decode("latin-1")
+    return check_request(
+        headers,
+        method=scope["method"],
+        host=strip_port(headers.get("host", "")),
+        uri=uri,
+        client=engine.resolve_client(headers.get("x-sluice-client-addr", ""),
+                                     headers.get("x-forwarded-for")),
+    )
+
+
+async def answer_envoy(send: Send, request: CheckRequest, decision: Decision) -> None:
+    if decision.outcome != DENY:
+        await answer_in_full(send, request, decision)
+        return
+    status, headers, body = render_deny(request, decision)
+    if status >= 500:
+        headers.append((ENVOY_STATUS_HEADER, str(status)))
+        status = 403
+    await respond(send, status, headers, body)
+
+
+ROUTES = (Route(ENVOY_AUTH_PREFIX, Check(describe_envoy, answer_envoy), prefix=True),)

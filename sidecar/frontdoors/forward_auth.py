@@ -1,0 +1,38 @@
+"""Forward-auth (Traefik, Caddy): ``/v1/check``, answered in full."""
+
+from __future__ import annotations
+
+from sidecar.asgi import Scope, Send
+from sidecar.engine import ALLOW, CLOSE, Decision, Engine
+from sidecar.frontdoors.common import Check, Route, allow_headers, check_request, render_deny, respond
+from sidecar.request import CheckRequest, strip_port
+
+FORWARD_AUTH_PATH = "/v1/check"
+
+
+def describe_forward_auth(engine: Engine, scope: Scope, headers: dict[str, str]) -> CheckRequest:
+    """Traefik/Caddy conventions; the client is the connecting peer (SPEC §10)."""
+    peer = scope.get("client")
+    return check_request(
+        headers,
+        method=headers.get("x-forwarded-method", "GET"),
+        host=strip_port(headers.get("x-forwarded-host") or headers.get("host", "")),
+        uri=headers.get("x-forwarded-uri", "/"),
+        client=engine.resolve_client(peer[0] if peer else "", headers.get("x-forwarded-for")),
+    )
+
+
+async def answer_in_full(send: Send, request: CheckRequest, decision: Decision) -> None:
+    """For proxies that pass a refusal to the client as it is (forward-auth,
+    Envoy ext_authz): status, headers and page in this one answer."""
+    if decision.outcome == ALLOW:
+        await respond(send, 200, allow_headers(decision))
+    elif decision.outcome == CLOSE:
+        # Neither a forward-auth subrequest nor ext_authz can close the
+        # client's connection: an empty 403 asking for a close (SPEC §6).
+        await respond(send, 403, [("Connection", "close"), ("Cache-Control", "no-store")])
+    else:
+        await respond(send, *render_deny(request, decision))
+
+
+ROUTES = (Route(FORWARD_AUTH_PATH, Check(describe_forward_auth, answer_in_full)),)

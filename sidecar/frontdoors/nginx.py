@@ -1,0 +1,163 @@
+"""nginx ``auth_request``: the check, and the deny page nginx fetches after it.
+
+nginx's auth_request understands only 2xx, 401 and 403. Sluice answers 403
+for "deny with a page" (nginx then fetches the page from NGINX_DENY_PATH,
+which answers with the real status) and 401 for "close the connection".
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from sidecar.actions import BlockPage, deny_headers
+from sidecar.asgi import Receive, Scope, Send
+from sidecar.challenge import MAX_CHALLENGE_LENGTH, IssuedChallenge
+from sidecar.clientip import parse_address
+from sidecar.config import RULE_ID_RE
+from sidecar.engine import ALLOW, CLOSE, Decision, Engine
+from sidecar.frontdoors.common import (
+    Check, Route, Service, allow_headers, check_request, header_map, render_page, request_id_of, respond,
+)
+from sidecar.ratelog import RateLimitedLog
+from sidecar.request import CheckRequest, strip_port
+from sidecar.rules import CompiledRule
+
+log = logging.getLogger("sluice")
+
+NGINX_AUTH_PATH = "/v1/nginx/auth"
+NGINX_DENY_PATH = "/v1/nginx/deny"
+NGINX_DENY_STATUS = 403
+NGINX_CLOSE_STATUS = 401
+
+
+class DenyToken:
+    """What nginx carries from the auth answer to the page request.
+
+    Plain text ``status limit reset retry-after rule-id client``, and for a
+    challenge page ``difficulty challenge`` after them: rule ids, addresses
+    and challenges contain no spaces (rule ids are checked at load).
+    """
+
+    @staticmethod
+    def encode(decision: Decision, client_text: str) -> str:
+        rule = decision.rule
+        assert decision.page is not None
+        # No rule: refused because the shared store is unavailable (fail:
+        # closed); the page request then gets the built-in page.
+        token = (f"{decision.page.status} {decision.limit} {decision.reset} {decision.retry_after} "
+                 f"{rule.id if rule is not None else '-'} {client_text or '-'}")
+        if decision.challenge is not None:
+            token += f" {decision.challenge.difficulty} {decision.challenge.text}"
+        return token
+
+    @staticmethod
+    def decode(token: str) -> tuple[int, int, int, int, str, str, IssuedChallenge | None]:
+        """The token's fields; ValueError for anything ``encode`` does not
+        write (a token is checked field by field, never trusted)."""
+        if len(token) > MAX_DENY_TOKEN:
+            raise ValueError("token too long")
+        fields = token.split(" ")
+        if len(fields) not in (6, 8):
+            raise ValueError(f"{len(fields)} fields")
+        status, limit, reset, retry_after, rule_id, client = fields[:6]
+        status_code = _token_number(status, 3)
+        if not 400 <= status_code <= 599:
+            raise ValueError(f"status {status_code} out of range")
+        if rule_id != "-" and not RULE_ID_RE.fullmatch(rule_id):
+            raise ValueError("not a rule id")
+        address = parse_address(client) if client != "-" else None
+        if client != "-" and address is None:
+            raise ValueError("not a client address")
+        challenge = None
+        if len(fields) == 8:
+            if not (0 < len(fields[7]) <= MAX_CHALLENGE_LENGTH and _CHALLENGE_TEXT.fullmatch(fields[7])):
+                raise ValueError("not a challenge")
+            challenge = IssuedChallenge(fields[7], _token_number(fields[6], 3))
+        return status_code, _token_number(limit), _token_number(reset), _token_number(retry_after), \
+            rule_id, "" if address is None else str(address), challenge
+
+
+# Longer than any token encode writes (a challenge is at most
+# MAX_CHALLENGE_LENGTH); numbers are plain decimal digits, never signs,
+# spaces, underscores or exponents, and at most 20 digits (64 bits).
+MAX_DENY_TOKEN = MAX_CHALLENGE_LENGTH + 256
+_CHALLENGE_TEXT = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def _token_number(text: str, digits: int = 20) -> int:
+    if not (0 < len(text) <= digits and text.isascii() and text.isdigit()):
+        raise ValueError(f"not a number of at most {digits} digits")
+    return int(text)
+
+
+# A client that reaches the deny endpoint can send bad tokens as fast as it likes.
+_bad_token_log = RateLimitedLog(log, 60.0)
+
+
+def describe_nginx(engine: Engine, scope: Scope, headers: dict[str, str]) -> CheckRequest:
+    """nginx sends the original request line and client address as headers."""
+    return check_request(
+        headers,
+        method=headers.get("x-original-method", "GET"),
+        host=headers.get("x-original-host") or strip_port(headers.get("host", "")),
+        uri=headers.get("x-original-uri", "/"),
+        client=engine.resolve_client(headers.get("x-sluice-client-addr", ""),
+                                     headers.get("x-forwarded-for")),
+    )
+
+
+async def answer_nginx(send: Send, request: CheckRequest, decision: Decision) -> None:
+    if decision.outcome == ALLOW:
+        await respond(send, 200, allow_headers(decision))
+    elif decision.outcome == CLOSE:
+        await respond(send, NGINX_CLOSE_STATUS, [])
+    else:
+        token = DenyToken.encode(decision, request.client.text)
+        await respond(send, NGINX_DENY_STATUS, [("X-Sluice-Deny", token)])
+
+
+def _deny_page(rule: CompiledRule | None, status: int, challenge: IssuedChallenge | None
+               ) -> tuple[BlockPage, IssuedChallenge | None]:
+    """The page (and challenge) for a deny token whose rule may have been
+    reloaded since nginx was told: the rule's own page while it still gives
+    one for that status, else the built-in page for the status. A challenge
+    is shown only while its rule still challenges (a solution would be
+    refused otherwise), and a challenge rule's token without one (the rule
+    blocked when nginx asked) gets the built-in page."""
+    if rule is None or rule.page is None or rule.page.close:
+        return BlockPage.builtin(status), None
+    if rule.challenge is not None:
+        return (rule.page, challenge) if challenge is not None else (BlockPage.builtin(status), None)
+    return (rule.page if rule.page.status == status else BlockPage.builtin(status)), None
+
+
+async def deny_page(service: Service, scope: Scope, receive: Receive, send: Send) -> None:
+    """The page for a deny nginx was told about (see NGINX_DENY_STATUS).
+
+    Every token gets a page: a malformed one the built-in 429, a stale
+    one (its rule reloaded away or changed) the built-in page for the
+    status nginx was told."""
+    headers = header_map(scope)
+    request_id = request_id_of(headers)
+    token = headers.get("x-sluice-deny", "")
+    try:
+        status, limit, reset, retry_after, rule_id, client, challenge = DenyToken.decode(token)
+    except ValueError as exc:
+        _bad_token_log.warning("deny page asked for with an invalid token %r (%s; reported once "
+                               "per minute)", token[:200], exc)
+        status, limit, reset, retry_after, rule_id, client, challenge = 429, 1, 1, 1, "", "", None
+    try:
+        page, challenge = _deny_page(service.engine.ruleset.by_id.get(rule_id), status, challenge)
+        body = render_page(page, client, headers.get("x-original-host", ""), request_id, challenge)
+    except Exception:  # a bug: still a refusal, never a 500 for nginx to show
+        service.internal_error()
+        status, limit, reset, retry_after = 429, 1, 1, 1
+        body = BlockPage.builtin(status).template.render(client, "", request_id)
+    await respond(send, status, deny_headers(limit, reset, retry_after, request_id), body)
+
+
+ROUTES = (
+    Route(NGINX_AUTH_PATH, Check(describe_nginx, answer_nginx)),
+    Route(NGINX_DENY_PATH, deny_page),
+)

@@ -1,0 +1,119 @@
+"""The FastAPI service beside the front doors: health, readiness, metrics,
+the admin API, and the lifespan (the UDP report listener, SIGHUP, the
+``--health`` probe listener)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from typing import AsyncIterator
+
+from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from sidecar.admin import Admin
+from sidecar.engine import Engine
+from sidecar.health import HealthListener, Heartbeat
+from sidecar.hook import listen_for_reports
+
+
+def build_api(engine: Engine, report_udp: tuple[str, int] | None = None,
+              admin: Admin | None = None, share_report_port: bool = False,
+              health: tuple[str, int] | None = None) -> FastAPI:
+    def readiness() -> str:
+        return f"ok: {len(engine.ruleset.rules)} rules from {engine.ruleset.source}\n"
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_api: FastAPI) -> AsyncIterator[None]:
+        transport = await listen_for_reports(engine, *report_udp, reuse_port=share_report_port) \
+            if report_udp else None
+        loop = asyncio.get_running_loop()
+        if admin is not None:
+            loop.add_signal_handler(signal.SIGHUP, admin.reload)
+        probes = None
+        if health is not None:
+            heartbeat = Heartbeat()
+            heartbeat.start(loop)
+            probes = HealthListener(*health, heartbeat, readiness, reuse_port=share_report_port)
+            probes.start()
+        try:
+            yield
+        finally:
+            if probes is not None:
+                probes.heartbeat.stop()
+                await asyncio.to_thread(probes.stop)
+            if admin is not None:
+                loop.remove_signal_handler(signal.SIGHUP)
+            if transport is not None:
+                transport.close()
+
+    api = FastAPI(title="Sluice", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    if not engine.shared_store:
+        # A shared store's bans and keys are Redis's to count, not a node's.
+        store = engine.store
+        engine.metrics.watch("sluice_active_bans", "IP bans in force on this node.",
+                             lambda: len(store.active_bans(engine.clock())))  # type: ignore[arg-type]
+        engine.metrics.watch("sluice_tracked_keys", "Counting keys held in memory.",
+                             store.tracked_keys)  # type: ignore[attr-defined]
+    engine.metrics.watch("sluice_waiting_requests", "Requests held by a leaky bucket right now.",
+                         lambda: engine.delayed)
+
+    @api.get("/healthz", response_class=PlainTextResponse)
+    def healthz() -> str:
+        return "ok\n"
+
+    @api.get("/readyz", response_class=PlainTextResponse)
+    def readyz() -> str:
+        return readiness()
+
+    @api.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    if admin is not None:
+        api.include_router(admin_routes(admin))
+    return api
+
+
+def admin_routes(admin: Admin) -> APIRouter:
+    """``/v1/admin/...``: rules with their statistics, bans, unban, reload."""
+
+    def authorized(request: Request, authorization: str | None = Header(None)) -> None:
+        peer = request.client.host if request.client else None
+        if admin.allows(authorization, peer):
+            return
+        if admin.needs_token:
+            # RFC 6750: no token, or one that is not the admin token.
+            challenge = 'Bearer realm="sluice"' + (', error="invalid_token"' if authorization else "")
+            raise HTTPException(401, "the admin API needs its bearer token (Authorization: Bearer ...)",
+                                headers={"WWW-Authenticate": challenge})
+        raise HTTPException(403, "the admin API needs a bearer token (--admin-token-file), "
+                                 "or a loopback listener and peer")
+
+    router = APIRouter(prefix="/v1/admin", dependencies=[Depends(authorized)])
+
+    @router.get("/rules")
+    async def rules() -> list[dict]:
+        return admin.rules()
+
+    @router.get("/bans")
+    async def bans() -> list[dict]:
+        return await admin.bans()
+
+    @router.delete("/bans", status_code=204)
+    async def lift_ban(address: str) -> Response:
+        """Lift the ban of one address (as listed: an IPv6 /64 as ``2001:db8::/64``)."""
+        if not await admin.lift_ban(address):
+            raise HTTPException(404, f"no active ban for {address!r}")
+        return Response(status_code=204)
+
+    @router.post("/reload")
+    async def reload() -> JSONResponse:
+        errors = admin.reload()
+        if errors:
+            return JSONResponse({"reloaded": False, "errors": errors}, status_code=422)
+        return JSONResponse({"reloaded": True, "rules": len(admin.engine.ruleset.rules)})
+
+    return router
