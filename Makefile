@@ -30,6 +30,8 @@ test: $(INSTALLED) nginx caddy redis-server nodejs
 	$(VENV)/bin/python -m pytest -q
 
 # limits is the Python reference of bench/bench_engine.py, for the benchmarks only.
+# bench/bench_check.py runs the shipped nginx and Envoy templates with Sluice and
+# with a trivial ASGI app (wrk with bench/rotate.lua, loopback only, about 3 minutes).
 bench: $(INSTALLED) nginx wrk
 	$(VENV)/bin/python -m pip install --quiet limits
 	$(VENV)/bin/python bench/bench_engine.py

