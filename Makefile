@@ -27,6 +27,7 @@ run: $(INSTALLED) nginx
 	$(VENV)/bin/python -m sidecar.launcher --rules "$(RULES)"
 
 test: $(INSTALLED) nginx caddy redis-server nodejs
+	$(VENV)/bin/python -m mypy
 	$(VENV)/bin/python -m pytest -q
 
 # limits is the Python reference of bench/bench_engine.py, for the benchmarks only.

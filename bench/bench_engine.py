@@ -121,7 +121,7 @@ def requests_for(engine: Engine, addresses: list[str]) -> list[CheckRequest]:
 
 def time_decisions(engine: Engine, requests: list[CheckRequest]) -> float:
     """µs per decision over the requests."""
-    decide = engine.decide
+    decide = engine.decide_now
     started = time.perf_counter()
     for request in requests:
         decide(request)
@@ -212,14 +212,14 @@ def memory_per_key(keys: int = 100_000) -> None:
     print(f"== memory per tracked key at {keys:,} keys (10 rules, tracemalloc)")
     engine = engine_for(TEN_RULES.replace("max_keys: 100000", f"max_keys: {keys}"))
     warm = requests_for(engine, [address(10_000_000)])
-    engine.decide(warm[0])  # lazily made structures are not per key
+    engine.decide_now(warm[0])  # lazily made structures are not per key
     per_request = engine.store.tracked_keys()
     gc.collect()
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
     i = 0
     while engine.store.tracked_keys() + per_request <= keys:
-        engine.decide(requests_for(engine, [address(i)])[0])
+        engine.decide_now(requests_for(engine, [address(i)])[0])
         i += 1
     gc.collect()
     after = tracemalloc.get_traced_memory()[0]

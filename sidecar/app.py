@@ -54,7 +54,7 @@ class SluiceApp:
         started = time.perf_counter()
         try:
             request = describe(engine, scope, header_map(scope))
-            decision = await engine.decide_async(request)
+            decision = await engine.decide(request)
         except Exception:
             self.internal_error()
             await respond(send, 200, [])

@@ -13,7 +13,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Mapping
 
 import yaml
 from pydantic import (
@@ -397,7 +397,7 @@ class StateConfig(Strict):
     @field_validator("url")
     @classmethod
     def _redis_url(cls, url: str) -> str:
-        from sidecar.redis_pipeline import RedisAddress
+        from sidecar.store.redis_pipeline import RedisAddress
 
         try:
             RedisAddress(url)
@@ -592,7 +592,7 @@ _SHOW_INPUT = {"literal_error", "greater_than", "greater_than_equal", "less_than
                "less_than_equal", "too_short", "too_long", "string_too_short"}
 
 
-def _message(error: dict[str, Any]) -> str:
+def _message(error: Mapping[str, Any]) -> str:
     kind = error["type"]
     if kind in _MESSAGES:
         return _MESSAGES[kind]

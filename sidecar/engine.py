@@ -1,4 +1,7 @@
-"""The request-phase pipeline (SPEC §1): exempt, ban, rules in order, answer."""
+"""The request-phase pipeline (SPEC §1): exempt, ban, rules in order, answer.
+
+The engine talks to one ``StateStore`` and awaits it; it never learns which
+backend it has."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Hashable
 
 from sidecar.actions import BlockPage, retry_after_seconds
 from sidecar.challenge import Challenges, IssuedChallenge
@@ -20,8 +23,9 @@ from sidecar.request import CheckRequest
 from sidecar.rules import CompiledRule, Ruleset, describe_key
 from sidecar.pending import PendingEntry, PendingTokens
 from sidecar.ratelog import RateLimitedLog
-from sidecar.redis_store import RedisStore, StoreUnavailable
-from sidecar.state import BanRecord, Check, Evaluation, MemoryStore, ResponseCount, StateStore
+from sidecar.state import BanRecord, Check, Evaluation, ResponseCount
+from sidecar.store import StateStore, StoreUnavailable, open_store
+from sidecar.store.memory import run_at_once
 
 Clock = Callable[[], float]
 
@@ -82,12 +86,8 @@ class Engine:
         key = secret or ruleset.secret or os.urandom(32)
         self.pending = PendingTokens(key, wall_clock=wall_clock)
         self.challenges = Challenges(key, wall_clock=wall_clock)
-        if store is None:
-            store = RedisStore.from_url(ruleset.url, ruleset.node) if ruleset.backend == "redis" \
-                else MemoryStore(ruleset.max_keys, ruleset.node, clock)
-        self.store = store
-        # A shared store answers with coroutines: decide_async awaits them.
-        self.shared_store: bool = getattr(store, "is_async", False)
+        self.store: StateStore = store if store is not None else \
+            open_store(ruleset.backend, ruleset.url, ruleset.max_keys, ruleset.node, clock)
         self.metrics = metrics if metrics is not None else Metrics()
         # SPEC §9 and §3: counted always, logged at most every 10 s / 60 s.
         self._store_error_log = RateLimitedLog(log, 10)
@@ -119,25 +119,8 @@ class Engine:
 
     # -- the decision -----------------------------------------------------
 
-    def decide(self, request: CheckRequest) -> Decision:
-        """The decision, with a store that answers at once (memory)."""
-        prepared = self._prepare(request)
-        if isinstance(prepared, Decision):
-            return prepared
-        held = self._reserve_hold(prepared[1])
-        decision: Decision | None = None
-        try:
-            evaluation = self.store.evaluate(self.clock(), request.client.key, prepared[1], can_delay=held)
-            decision = self._conclude(request, *prepared, evaluation)
-        finally:
-            self._release_unless_held(held, decision)
-        return decision
-
-    async def decide_async(self, request: CheckRequest) -> Decision:
-        """The decision, awaiting the store when it is a shared one; the
-        same steps as ``decide`` around the store's answer."""
-        if not self.shared_store:
-            return self.decide(request)
+    async def decide(self, request: CheckRequest) -> Decision:
+        """The decision for one request: one call to the store."""
         prepared = self._prepare(request)
         if isinstance(prepared, Decision):
             return prepared
@@ -146,9 +129,8 @@ class Engine:
         held = self._reserve_hold(prepared[1])
         decision: Decision | None = None
         try:
-            evaluation = await self.store.evaluate(  # type: ignore[call-arg,misc]
-                self.clock(), request.client.key, prepared[1],
-                can_delay=held, quotas=self.ruleset.draft_headers)
+            evaluation = await self.store.evaluate(self.clock(), request.client.key, prepared[1],
+                                                   can_delay=held, quotas=self.ruleset.draft_headers)
             decision = self._conclude(request, *prepared, evaluation)
         except StoreUnavailable as exc:
             self._store_failed(exc)
@@ -156,6 +138,11 @@ class Engine:
         finally:
             self._release_unless_held(held, decision)
         return decision
+
+    def decide_now(self, request: CheckRequest) -> Decision:
+        """``decide`` without an event loop, over a store that answers at
+        once (the memory store): for replay and tests."""
+        return run_at_once(self.decide(request))
 
     # -- held requests (leaky-bucket delays) ---------------------------------
 
@@ -276,11 +263,9 @@ class Engine:
                     if check.count and rule.action != "log"]
         if not enforced:
             return None
-        if evaluation.quotas is not None:
-            # A shared store answered with the evaluation, in the same step.
-            quotas = [evaluation.quotas[index] for index in enforced]
-        else:
-            quotas = self.store.quotas(self.clock(), [checks[index] for index in enforced])
+        # The store answered them with the evaluation, in the same step.
+        assert evaluation.quotas is not None
+        quotas = [evaluation.quotas[index] for index in enforced]
         policies, remaining = [], []
         for index, quota in zip(enforced, quotas):
             assert quota is not None
@@ -289,27 +274,22 @@ class Engine:
             remaining.append(f'"{rule.id}";r={left};t={math.ceil(reset)}')
         return ", ".join(policies), ", ".join(remaining)
 
-    def record_response(self, token: str, status: int, headers: dict[str, str]) -> int:
+    async def record_response(self, token: str, status: int, headers: dict[str, str]) -> int:
         """The proxy reports a response (SPEC §8): count it for every pending
         rule whose response condition matches. Returns how many counted."""
         prepared = self._response_counts(token, status, headers)
         if prepared is None:
             return 0
-        return self._counted(*prepared, self.store.record(self.clock(), prepared[1]))
-
-    async def record_response_async(self, token: str, status: int, headers: dict[str, str]) -> int:
-        """``record_response``, awaiting a shared store."""
-        if not self.shared_store:
-            return self.record_response(token, status, headers)
-        prepared = self._response_counts(token, status, headers)
-        if prepared is None:
-            return 0
         try:
-            hits = await self.store.record(self.clock(), prepared[1])  # type: ignore[misc]
+            hits = await self.store.record(self.clock(), prepared[1])
         except StoreUnavailable as exc:
             self._store_failed(exc)  # the counts are lost, as with a lost report
             return 0
         return self._counted(*prepared, hits)
+
+    def record_response_now(self, token: str, status: int, headers: dict[str, str]) -> int:
+        """``record_response`` without an event loop (memory store)."""
+        return run_at_once(self.record_response(token, status, headers))
 
     def _response_counts(self, token: str, status: int, headers: dict[str, str]
                          ) -> tuple[list[CompiledRule], list[ResponseCount]] | None:
@@ -345,12 +325,10 @@ class Engine:
     # -- bans, for the admin API --------------------------------------------
 
     async def active_bans(self) -> list[BanRecord]:
-        bans = self.store.active_bans(self.clock())
-        return await bans if self.shared_store else bans  # type: ignore[misc,return-value]
+        return await self.store.active_bans(self.clock())
 
     async def lift_ban(self, address: str) -> bool:
-        lifted = self.store.lift_ban(address)
-        return await lifted if self.shared_store else lifted  # type: ignore[misc,return-value]
+        return await self.store.lift_ban(address)
 
     def _apply(self, request: CheckRequest, rule: CompiledRule, limit: int, reset: int, hit: Hit,
                banned: bool) -> Decision:
@@ -407,7 +385,7 @@ class Engine:
 LOGGED_KEY_CHARS = 256
 
 
-def logged_key(key: object) -> str:
+def logged_key(key: Hashable) -> str:
     text = describe_key(key)
     return text if len(text) <= LOGGED_KEY_CHARS else text[:LOGGED_KEY_CHARS] + "…"
 

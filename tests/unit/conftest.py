@@ -38,11 +38,11 @@ class Harness:
         client = self.engine.resolve_client(ip, forwarded_for)
         return CheckRequest(method, host, path, dict(headers or {}), client, "req-1")
 
-    def decide(self, **kwargs):
-        return self.engine.decide(self.request(**kwargs))
+    def decide_now(self, **kwargs):
+        return self.engine.decide_now(self.request(**kwargs))
 
     def outcomes(self, count: int, **kwargs) -> list[str]:
-        return [self.decide(**kwargs).outcome for _ in range(count)]
+        return [self.decide_now(**kwargs).outcome for _ in range(count)]
 
 
 @pytest.fixture

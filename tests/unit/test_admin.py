@@ -55,11 +55,11 @@ def bearer(token=TOKEN):
 
 def test_reload_replaces_rules_and_keeps_counters(harness, rules_file):
     admin, _ = admin_app(harness, rules_file)
-    assert harness.decide(path="/api/x").outcome == ALLOW
+    assert harness.decide_now(path="/api/x").outcome == ALLOW
     rules_file.write_text(RULES.replace("requests: 2", "requests: 3"))
     assert admin.reload() == []
     # The same rule id and dimensions: the request counted before still counts.
-    assert [harness.decide(path="/api/x").outcome for _ in range(3)] == [ALLOW, ALLOW, DENY]
+    assert [harness.decide_now(path="/api/x").outcome for _ in range(3)] == [ALLOW, ALLOW, DENY]
     assert harness.engine.ruleset.rules[0].threshold == 3
 
 
@@ -68,7 +68,7 @@ def test_an_invalid_file_is_refused_and_the_old_rules_keep_running(harness, rule
     rules_file.write_text(RULES.replace("per: 1h", "per: soon", 1))
     errors = admin.reload()
     assert len(errors) == 1 and "rules[0].limit.per" in errors[0]
-    assert [harness.decide(path="/api/x").outcome for _ in range(3)] == [ALLOW, ALLOW, DENY]
+    assert [harness.decide_now(path="/api/x").outcome for _ in range(3)] == [ALLOW, ALLOW, DENY]
 
 
 @pytest.mark.parametrize("text", ["", "# rules moved elsewhere\n", "node: a\n"])
@@ -78,7 +78,7 @@ def test_an_emptied_or_truncated_file_is_refused_and_the_rules_keep_running(harn
     errors = admin.reload()
     assert len(errors) == 1 and ": rules: " in errors[0]
     assert len(harness.engine.ruleset.rules) == 2
-    assert [harness.decide(path="/api/x").outcome for _ in range(3)] == [ALLOW, ALLOW, DENY]
+    assert [harness.decide_now(path="/api/x").outcome for _ in range(3)] == [ALLOW, ALLOW, DENY]
 
 
 def test_a_deliberate_empty_rules_list_reloads_with_a_warning(harness, rules_file, caplog):
@@ -113,7 +113,7 @@ def test_without_a_token_only_loopback_peers_of_a_loopback_listener(harness, rul
 def test_rules_are_listed_with_their_statistics(harness, rules_file):
     _, app = admin_app(harness, rules_file)
     for _ in range(3):
-        harness.decide(path="/api/x")
+        harness.decide_now(path="/api/x")
     status, _, body = call(app, "/v1/admin/rules", bearer())
     import json
     listing = {rule["id"]: rule for rule in json.loads(body)}
@@ -125,14 +125,14 @@ def test_rules_are_listed_with_their_statistics(harness, rules_file):
 def test_bans_are_listed_and_can_be_lifted(harness, rules_file):
     import json
     _, app = admin_app(harness, rules_file)
-    assert [harness.decide(ip="203.0.113.9", path="/scrape/a").outcome for _ in range(2)] == [ALLOW, CLOSE]
+    assert [harness.decide_now(ip="203.0.113.9", path="/scrape/a").outcome for _ in range(2)] == [ALLOW, CLOSE]
     status, _, body = call(app, "/v1/admin/bans", bearer())
     [ban] = json.loads(body)
     assert (ban["address"], ban["rule"], ban["duration_seconds"]) == ("203.0.113.9", "scrapers", 600)
     assert 0 < ban["remaining_seconds"] <= 600
-    assert harness.decide(ip="203.0.113.9", path="/elsewhere").outcome == CLOSE
+    assert harness.decide_now(ip="203.0.113.9", path="/elsewhere").outcome == CLOSE
     assert call(app, "/v1/admin/bans?address=203.0.113.9", bearer(), method="DELETE")[0] == 204
-    assert harness.decide(ip="203.0.113.9", path="/elsewhere").outcome == ALLOW
+    assert harness.decide_now(ip="203.0.113.9", path="/elsewhere").outcome == ALLOW
     assert call(app, "/v1/admin/bans?address=203.0.113.9", bearer(), method="DELETE")[0] == 404
 
 

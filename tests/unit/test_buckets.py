@@ -98,7 +98,7 @@ def leaky_rules(zones) -> str:
 
 def sluice_handle(h: Harness, now_ms: int):
     h.clock.now = now_ms / 1000
-    decision = h.decide()
+    decision = h.decide_now()
     if decision.outcome == DENY:
         return "reject", None
     return "pass", round(decision.delay * 1000)
@@ -151,7 +151,7 @@ def test_leaky_bucket_headers_report_burst_plus_one_and_time_to_fit():
     for _ in range(2):
         sluice_handle(h, 9_000_000)
     h.clock.now = 9_000_000 / 1000
-    decision = h.decide()
+    decision = h.decide_now()
     assert decision.outcome == DENY
     assert decision.limit == 2  # burst + 1
     assert decision.reset == 1 and decision.retry_after == 1  # 500 ms to drain, rounded up
@@ -170,11 +170,11 @@ rules:
     limit: {rate: 1r/m, burst: 0}
     action: block
 """)
-    assert h.decide(path="/narrow").outcome == ALLOW
+    assert h.decide_now(path="/narrow").outcome == ALLOW
     for _ in range(5):
-        assert h.decide(path="/narrow").outcome == DENY
+        assert h.decide_now(path="/narrow").outcome == DENY
     # "wide" was charged once; ten more fit its burst.
-    assert [h.decide().outcome for _ in range(11)] == [ALLOW] * 10 + [DENY]
+    assert [h.decide_now().outcome for _ in range(11)] == [ALLOW] * 10 + [DENY]
 
 
 def test_a_request_refused_by_a_window_rule_charges_no_bucket():
@@ -190,10 +190,10 @@ rules:
     limit: {requests: 0, per: 1h}
     action: block
 """)
-    h.decide(path="/closed")  # starts the gate's penalty, spends a token
+    h.decide_now(path="/closed")  # starts the gate's penalty, spends a token
     for _ in range(5):
-        assert h.decide(path="/closed").outcome == DENY
-    assert [h.decide().outcome for _ in range(2)] == [ALLOW, DENY]
+        assert h.decide_now(path="/closed").outcome == DENY
+    assert [h.decide_now().outcome for _ in range(2)] == [ALLOW, DENY]
 
 
 def test_full_wait_queue_rejects_instead_of_queueing():
@@ -205,12 +205,12 @@ rules:
     limit: {rate: 1r/s, burst: 10}
     action: block
 """)
-    h.decide()  # free
+    h.decide_now()  # free
     h.engine.delayed = 2  # two requests are waiting already
-    decision = h.decide()
+    decision = h.decide_now()
     assert decision.outcome == DENY
     h.engine.delayed = 1
-    assert h.decide().delay == 1.0  # refused ones changed nothing
+    assert h.decide_now().delay == 1.0  # refused ones changed nothing
 
 
 def test_explicit_penalty_on_a_bucket_rule():
@@ -222,9 +222,9 @@ rules:
     penalty: 1m
     action: block
 """)
-    assert [h.decide().outcome for _ in range(2)] == [ALLOW, DENY]
+    assert [h.decide_now().outcome for _ in range(2)] == [ALLOW, DENY]
     h.clock.advance(30)
-    decision = h.decide()
+    decision = h.decide_now()
     assert decision.outcome == DENY and decision.reset == 60 and decision.retry_after == 30
 
 
@@ -241,10 +241,10 @@ rules:
     limit: {tokens: 3, refill: 2/s}
     action: block
 """)
-    assert [h.decide().outcome for _ in range(4)] == [ALLOW, ALLOW, ALLOW, DENY]
+    assert [h.decide_now().outcome for _ in range(4)] == [ALLOW, ALLOW, ALLOW, DENY]
     h.clock.advance(0.5)
-    assert [h.decide().outcome for _ in range(2)] == [ALLOW, DENY]
-    decision = h.decide()
+    assert [h.decide_now().outcome for _ in range(2)] == [ALLOW, DENY]
+    decision = h.decide_now()
     assert decision.limit == 3 and decision.retry_after == 1
 
 
@@ -256,11 +256,11 @@ rules:
     limit: {tokens: 10, refill: 1/s, cost: 4}
     action: block
 """)
-    assert [h.decide().outcome for _ in range(3)] == [ALLOW, ALLOW, DENY]
+    assert [h.decide_now().outcome for _ in range(3)] == [ALLOW, ALLOW, DENY]
     h.clock.advance(1.9)
-    assert h.decide().outcome == DENY  # 3.9 tokens
+    assert h.decide_now().outcome == DENY  # 3.9 tokens
     h.clock.advance(0.1)
-    assert h.decide().outcome == ALLOW
+    assert h.decide_now().outcome == ALLOW
 
 
 @settings(max_examples=300, deadline=None)

@@ -156,7 +156,7 @@ rules:
 
 
 def solved_cookie(harness: Harness, ip: str = "192.0.2.1", fingerprint: str = "") -> str:
-    decision = harness.decide(ip=ip, path="/page")
+    decision = harness.decide_now(ip=ip, path="/page")
     assert decision.outcome == DENY and decision.challenge is not None
     challenges = harness.engine.challenges
     ticket, problem = challenges.verify(decision.challenge.text, solve(decision.challenge.text, 4), ip, fingerprint)
@@ -167,7 +167,7 @@ def solved_cookie(harness: Harness, ip: str = "192.0.2.1", fingerprint: str = ""
 def test_a_key_in_penalty_gets_a_challenge_page_with_the_over_limit_headers() -> None:
     harness = Harness(RULES)
     assert harness.outcomes(2, path="/page") == [ALLOW, ALLOW]
-    decision = harness.decide(path="/page?x=1")
+    decision = harness.decide_now(path="/page?x=1")
     assert decision.outcome == DENY and decision.page is CHALLENGE_PAGE and decision.page.status == 403
     assert (decision.limit, decision.reset, decision.retry_after) == (2, 10, 10)
     assert decision.challenge is not None and decision.challenge.difficulty == 4
@@ -185,7 +185,7 @@ def test_a_valid_credential_passes_the_rule_and_ends_evaluation() -> None:
     cookie = solved_cookie(harness)
     # "after" allows one request per 10 s: it would block the second if it
     # were evaluated; nothing is counted for "pages" either.
-    decisions = [harness.decide(path="/after", headers={"cookie": f"a=b; {cookie}"}) for _ in range(5)]
+    decisions = [harness.decide_now(path="/after", headers={"cookie": f"a=b; {cookie}"}) for _ in range(5)]
     assert [d.outcome for d in decisions] == [ALLOW] * 5 and all(not d.over_limit for d in decisions)
     assert harness.engine.metrics.credentials.value == 5
     assert harness.engine.metrics.hits_of("after") == 0
@@ -197,9 +197,9 @@ def test_a_credential_does_not_pass_from_another_address_nor_when_forged() -> No
     harness.outcomes(2, path="/page")
     cookie = solved_cookie(harness)
     harness.outcomes(2, ip="192.0.2.2", path="/page")
-    assert harness.decide(ip="192.0.2.2", headers={"cookie": cookie}).outcome == DENY
+    assert harness.decide_now(ip="192.0.2.2", headers={"cookie": cookie}).outcome == DENY
     forged = cookie[:-3] + ("AAA" if not cookie.endswith("AAA") else "BBB")
-    assert harness.decide(headers={"cookie": forged}).outcome == DENY
+    assert harness.decide_now(headers={"cookie": forged}).outcome == DENY
 
 
 def test_a_credential_expires() -> None:
@@ -207,7 +207,7 @@ def test_a_credential_expires() -> None:
     harness.engine = Engine(ruleset_from(RULES), clock=harness.clock, wall_clock=harness.clock)
     harness.outcomes(2, path="/page")
     cookie = solved_cookie(harness)
-    assert harness.decide(headers={"cookie": cookie}).outcome == ALLOW
+    assert harness.decide_now(headers={"cookie": cookie}).outcome == ALLOW
     harness.clock.advance(3600)
     assert harness.outcomes(3, headers={"cookie": cookie}) == [ALLOW, ALLOW, DENY]
 
@@ -215,15 +215,15 @@ def test_a_credential_expires() -> None:
 def test_too_many_challenges_ban_the_address() -> None:
     harness = Harness(RULES)
     assert harness.outcomes(2 + 3, path="/page") == [ALLOW, ALLOW, DENY, DENY, DENY]
-    decision = harness.decide(path="/page")
+    decision = harness.decide_now(path="/page")
     assert decision.outcome == CLOSE and decision.rule is not None and decision.rule.id == "pages"
-    (ban,) = harness.engine.store.active_bans(harness.clock())
+    (ban,) = harness.engine.store.bans_in_force(harness.clock())
     assert (ban.address, ban.rule_id, ban.duration) == ("192.0.2.1", "pages", 300)
-    assert harness.decide(path="/elsewhere").outcome == CLOSE
+    assert harness.decide_now(path="/elsewhere").outcome == CLOSE
     assert harness.engine.metrics.challenges_issued.value == 3
     harness.clock.advance(300)
-    assert harness.engine.store.active_bans(harness.clock()) == []
-    assert harness.decide(path="/page").outcome == ALLOW
+    assert harness.engine.store.bans_in_force(harness.clock()) == []
+    assert harness.decide_now(path="/page").outcome == ALLOW
 
 
 def test_challenges_older_than_the_auto_ban_period_do_not_count() -> None:
@@ -231,15 +231,15 @@ def test_challenges_older_than_the_auto_ban_period_do_not_count() -> None:
     assert harness.outcomes(4, path="/page") == [ALLOW, ALLOW, DENY, DENY]
     harness.clock.advance(120)
     assert harness.outcomes(5, path="/page") == [ALLOW, ALLOW, DENY, DENY, DENY]
-    assert harness.engine.store.active_bans(harness.clock()) == []
-    assert harness.decide(path="/page").outcome == CLOSE
+    assert harness.engine.store.bans_in_force(harness.clock()) == []
+    assert harness.decide_now(path="/page").outcome == CLOSE
 
 
 def test_a_verified_bot_is_challenged_but_never_banned() -> None:
     harness = Harness(RULES)
     outcomes = harness.outcomes(20, ip="198.51.100.7", path="/page")
     assert outcomes == [ALLOW, ALLOW] + [DENY] * 18
-    assert harness.engine.store.active_bans(harness.clock()) == []
+    assert harness.engine.store.bans_in_force(harness.clock()) == []
 
 
 # --------------------------------------------------------------------------
@@ -273,7 +273,7 @@ def test_the_solution_endpoint_sets_the_credential_and_goes_back() -> None:
     harness = Harness(RULES)
     app = SluiceApp(harness.engine)
     harness.outcomes(2, path="/page")
-    challenge = harness.decide(path="/page?q=1").challenge
+    challenge = harness.decide_now(path="/page?q=1").challenge
     assert challenge is not None
     form = {"challenge": challenge.text, "nonce": solve(challenge.text, 4)}
     status, headers, _ = post_solution(app, form, proto="https")
@@ -282,7 +282,7 @@ def test_the_solution_endpoint_sets_the_credential_and_goes_back() -> None:
     value, *attributes = rest.split("; ")
     assert name == "sluice_pass_pages"
     assert set(attributes) == {"Max-Age=3600", "Path=/", "HttpOnly", "SameSite=Lax", "Secure"}
-    assert harness.decide(path="/page", headers={"cookie": f"{name}={value}"}).outcome == ALLOW
+    assert harness.decide_now(path="/page", headers={"cookie": f"{name}={value}"}).outcome == ALLOW
     assert harness.engine.metrics.challenges_passed.value == 1
     assert "Secure" not in post_solution(app, form)[1]["set-cookie"]
 
@@ -292,7 +292,7 @@ def test_the_solution_endpoint_refuses_what_does_not_verify(change: str) -> None
     harness = Harness(RULES)
     app = SluiceApp(harness.engine)
     harness.outcomes(2, path="/page")
-    challenge = harness.decide(path="/page").challenge
+    challenge = harness.decide_now(path="/page").challenge
     assert challenge is not None
     text, address = challenge.text, "192.0.2.1"
     nonce = solve(text, 4)

@@ -27,7 +27,7 @@ def test_axisnow_five_requests_only_key_a_is_blocked():
     sequence = [key_a, key_b, key_a, key_c, key_a]
     results = []
     for request in sequence:
-        results.append(h.decide(**request).outcome)
+        results.append(h.decide_now(**request).outcome)
         h.clock.advance(1)
     assert results == [ALLOW, ALLOW, ALLOW, ALLOW, DENY]
 
@@ -36,7 +36,7 @@ def test_block_decision_carries_limit_reset_and_retry_after():
     h = Harness(AXISNOW)
     h.outcomes(2, headers={"x-api-key": "k"})
     h.clock.advance(3.2)
-    decision = h.decide(headers={"x-api-key": "k"})
+    decision = h.decide_now(headers={"x-api-key": "k"})
     assert decision.outcome == DENY
     assert decision.page.status == 429
     assert decision.limit == 2
@@ -48,7 +48,7 @@ def test_penalty_ends_and_counting_resumes():
     h = Harness(AXISNOW)
     assert h.outcomes(3, headers={"x-api-key": "k"}) == [ALLOW, ALLOW, DENY]
     h.clock.advance(10)
-    assert h.decide(headers={"x-api-key": "k"}).outcome == ALLOW
+    assert h.decide_now(headers={"x-api-key": "k"}).outcome == ALLOW
 
 
 def test_custom_status_and_close():
@@ -66,7 +66,7 @@ rules:
     block: {close: true}
 """)
     assert h.outcomes(2, path="/busy") == [ALLOW, DENY]
-    decision = h.decide(path="/busy")
+    decision = h.decide_now(path="/busy")
     assert decision.page.status == 503
     assert decision.page.template.render("<1>", "h", "r") == b"busy, &lt;1&gt;"
     assert h.outcomes(2, path="/quiet") == [ALLOW, CLOSE]
@@ -90,9 +90,9 @@ rules:
 def test_ban_closes_trigger_and_every_later_request_of_the_address():
     h = Harness(BAN)
     assert h.outcomes(3, path="/scrape") == [ALLOW, ALLOW, CLOSE]
-    assert h.decide(path="/anything-else", host="other.example").outcome == CLOSE
-    assert h.decide(ip="192.0.2.99", path="/scrape").outcome == ALLOW
-    [ban] = h.engine.store.active_bans(h.clock())
+    assert h.decide_now(path="/anything-else", host="other.example").outcome == CLOSE
+    assert h.decide_now(ip="192.0.2.99", path="/scrape").outcome == ALLOW
+    [ban] = h.engine.store.bans_in_force(h.clock())
     assert (ban.address, ban.rule_id, ban.duration) == ("192.0.2.1", "scrapers", 300)
 
 
@@ -103,7 +103,7 @@ def test_banned_requests_are_not_evaluated_counted_or_logged(caplog):
     caplog.clear()
     before = h.engine.metrics.checks.value
     for _ in range(50):
-        assert h.decide(path="/x").outcome == CLOSE
+        assert h.decide_now(path="/x").outcome == CLOSE
     assert caplog.records == []
     assert h.engine.metrics.banned_requests.value == 50
     # The per-IP rule saw none of them: after the ban it has its full budget.
@@ -115,7 +115,7 @@ def test_ban_expires_and_counting_starts_afresh():
     h = Harness(BAN)
     h.outcomes(3, path="/scrape")
     h.clock.advance(299.9)
-    assert h.decide(path="/scrape").outcome == CLOSE
+    assert h.decide_now(path="/scrape").outcome == CLOSE
     h.clock.advance(0.1)
     # The triggering key's counters were cleared when the ban was issued.
     assert h.outcomes(3, path="/scrape") == [ALLOW, ALLOW, CLOSE]
@@ -139,7 +139,7 @@ rules:
 """)
     bot = dict(ip="66.249.66.1", headers={"user-agent": "Mozilla/5.0 (compatible; Googlebot/2.1)"})
     assert h.outcomes(3, **bot) == [ALLOW] * 3
-    assert h.engine.store.active_bans(h.clock()) == []
+    assert h.engine.store.bans_in_force(h.clock()) == []
     # block still applies to verified bots
     assert h.outcomes(2, path="/strict", **bot) == [ALLOW, DENY]
     # same address without the user agent is not a verified bot
@@ -159,8 +159,8 @@ rules:
     action: log
 """)
     caplog.set_level(logging.INFO, logger="sluice.decisions")
-    assert h.decide().rule is None
-    decision = h.decide()
+    assert h.decide_now().rule is None
+    decision = h.decide_now()
     assert decision.outcome == ALLOW
     assert (decision.rule.id, decision.limit, decision.rule.reset) == ("watch-a", 1, 60)
     lines = [json.loads(r.getMessage()) for r in caplog.records]
@@ -182,8 +182,8 @@ rules:
     assert h.outcomes(5) == [ALLOW, DENY, DENY, DENY, DENY]
     h.clock.advance(60)
     # "second" counted only the first request, so one more passes before it limits.
-    assert h.decide().outcome == ALLOW
-    assert h.decide().rule.id == "first"
+    assert h.decide_now().outcome == ALLOW
+    assert h.decide_now().rule.id == "first"
 
 
 def test_headers_describe_the_stopping_rule_even_after_an_observe_rule():
@@ -198,8 +198,8 @@ rules:
     limit: {requests: 1, per: 5s}
     action: block
 """)
-    h.decide()
-    decision = h.decide()
+    h.decide_now()
+    decision = h.decide_now()
     assert decision.outcome == DENY and decision.rule.id == "stop"
 
 
@@ -231,13 +231,13 @@ rules:
     action: block
 """)
     assert h.outcomes(21, ip="203.0.113.5")[-2:] == [ALLOW, DENY]
-    assert h.decide(ip="203.0.113.5").limit == 20
+    assert h.decide_now(ip="203.0.113.5").limit == 20
     assert h.outcomes(3, ip="192.0.2.5") == [ALLOW, ALLOW, DENY]
 
 
 def test_xff_is_ignored_without_trusted_proxies():
     h = Harness(AXISNOW)
-    results = [h.decide(headers={"x-api-key": "k"}, forwarded_for=f"198.51.100.{i}").outcome
+    results = [h.decide_now(headers={"x-api-key": "k"}, forwarded_for=f"198.51.100.{i}").outcome
                for i in range(4)]
     assert results == [ALLOW, ALLOW, DENY, DENY]
 
@@ -251,29 +251,29 @@ rules:
     limit: {requests: 1, per: 60s}
     action: block
 """)
-    assert h.decide(ip="127.0.0.1", forwarded_for="198.51.100.1").outcome == ALLOW
-    assert h.decide(ip="127.0.0.1", forwarded_for="198.51.100.2").outcome == ALLOW
-    assert h.decide(ip="127.0.0.1", forwarded_for="198.51.100.1").outcome == DENY
+    assert h.decide_now(ip="127.0.0.1", forwarded_for="198.51.100.1").outcome == ALLOW
+    assert h.decide_now(ip="127.0.0.1", forwarded_for="198.51.100.2").outcome == ALLOW
+    assert h.decide_now(ip="127.0.0.1", forwarded_for="198.51.100.1").outcome == DENY
 
 
 def test_ipv6_clients_in_one_64_share_a_counter():
     h = Harness(AXISNOW.replace('[ip, "header:x-api-key"]', "[ip]"))
-    assert h.decide(ip="2001:db8:1:2::1").outcome == ALLOW
-    assert h.decide(ip="2001:DB8:1:2:ffff:0:0:9").outcome == ALLOW
-    assert h.decide(ip="2001:db8:1:2:0000::77").outcome == DENY
-    assert h.decide(ip="2001:db8:1:3::1").outcome == ALLOW
+    assert h.decide_now(ip="2001:db8:1:2::1").outcome == ALLOW
+    assert h.decide_now(ip="2001:DB8:1:2:ffff:0:0:9").outcome == ALLOW
+    assert h.decide_now(ip="2001:db8:1:2:0000::77").outcome == DENY
+    assert h.decide_now(ip="2001:db8:1:3::1").outcome == ALLOW
 
 
 def test_invalid_client_address_counts_as_the_empty_value():
     h = Harness(AXISNOW.replace('[ip, "header:x-api-key"]', "[ip]"))
-    assert [h.decide(ip=bad).outcome for bad in ("", "junk", "999.1.1.1")] == [ALLOW, ALLOW, DENY]
+    assert [h.decide_now(ip=bad).outcome for bad in ("", "junk", "999.1.1.1")] == [ALLOW, ALLOW, DENY]
     assert h.engine.metrics.invalid_address.value == 3
 
 
 def test_ban_of_an_unknown_address_closes_but_bans_nobody():
     h = Harness(BAN)
     assert h.outcomes(3, ip="", path="/scrape") == [ALLOW, ALLOW, CLOSE]
-    assert h.engine.store.active_bans(h.clock()) == []
+    assert h.engine.store.bans_in_force(h.clock()) == []
 
 
 def test_memory_stays_bounded_under_address_rotation():
@@ -286,7 +286,7 @@ rules:
     action: block
 """)
     for i in range(5000):
-        h.decide(ip=f"10.{i // 65536}.{(i // 256) % 256}.{i % 256}")
+        h.decide_now(ip=f"10.{i // 65536}.{(i // 256) % 256}.{i % 256}")
     assert h.engine.store.tracked_keys() <= 100
 
 
@@ -299,18 +299,18 @@ rules:
     limit: {requests: 1, per: 10s}
     action: block
 """)
-    h.decide(ip="192.0.2.1")  # in penalty for 10 s
+    h.decide_now(ip="192.0.2.1")  # in penalty for 10 s
     h.clock.advance(5)
-    h.decide(ip="192.0.2.2")
-    h.decide(ip="192.0.2.3")
+    h.decide_now(ip="192.0.2.2")
+    h.decide_now(ip="192.0.2.3")
     h.clock.advance(6)  # .1 has expired (penalty over, window gone); .2/.3 still in penalty
-    h.decide(ip="192.0.2.4")
-    assert h.decide(ip="192.0.2.2").outcome == DENY
-    assert h.decide(ip="192.0.2.3").outcome == DENY
+    h.decide_now(ip="192.0.2.4")
+    assert h.decide_now(ip="192.0.2.2").outcome == DENY
+    assert h.decide_now(ip="192.0.2.3").outcome == DENY
 
 
 def test_bounded_map_keeps_recently_read_keys_over_older_ones():
-    from sidecar.state import BoundedMap
+    from sidecar.store.memory import BoundedMap
 
     clock = [0.0]
     bounded = BoundedMap(10, lambda value: 1e9, lambda: clock[0])  # nothing ever expires
@@ -343,15 +343,15 @@ rules:
 def test_draft_headers_report_each_enforcing_rules_remaining_budget():
     h = Harness(DRAFT)
     h.clock.now = 1003.0  # 3 s into a 10 s window
-    first = h.decide()
+    first = h.decide_now()
     assert first.quota == ('"api";q=5;w=10, "tokens";q=4;w=2', '"api";r=4;t=7, "tokens";r=1;t=1')
-    second = h.decide()
+    second = h.decide_now()
     assert second.quota == ('"api";q=5;w=10, "tokens";q=4;w=2', '"api";r=3;t=7, "tokens";r=0;t=2')
 
 
 def test_without_draft_headers_there_is_no_quota():
     h = Harness(DRAFT.replace("headers: draft\n", ""))
-    assert h.decide().quota is None
+    assert h.decide_now().quota is None
 
 
 def test_a_decision_line_shows_a_bounded_part_of_a_huge_key_value(caplog):

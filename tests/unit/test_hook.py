@@ -110,7 +110,7 @@ def test_good_reports_still_count_with_integer_or_text_status(quiet_clock):
     h = Harness(RULES)
     receiver = HookDatagrams(h.engine)
     for status in ('401', '"401"', '" 401"'):
-        token = h.decide(path="/api/login").pending
+        token = h.decide_now(path="/api/login").pending
         receiver.datagram_received(PREFIX + f'{{"token":"{token}","status":{status},'
                                             f'"headers":{{"x-score":"100"}}}}'.encode(), ("127.0.0.1", 1))
     assert h.engine.metrics.reports.value == 3
@@ -121,7 +121,7 @@ def test_good_reports_still_count_with_integer_or_text_status(quiet_clock):
                                     "099", "Infinity"])
 def test_http_hook_refuses_a_status_that_is_not_three_digits(status, caplog, quiet_clock):
     h = Harness(RULES)
-    token = h.decide(path="/api/login").pending
+    token = h.decide_now(path="/api/login").pending
     with caplog.at_level(logging.DEBUG, logger="sluice"):
         counted = asyncio.run(report_from_headers(h.engine, {"x-sluice-pending": token, "x-sluice-status": status}))
     assert counted == 0
@@ -131,7 +131,7 @@ def test_http_hook_refuses_a_status_that_is_not_three_digits(status, caplog, qui
 
 def test_http_hook_refuses_too_many_response_headers(quiet_clock):
     h = Harness(RULES)
-    token = h.decide(path="/api/login").pending
+    token = h.decide_now(path="/api/login").pending
     headers = {"x-sluice-pending": token, "x-sluice-status": "401",
                **{f"x-sluice-response-h{i}": "v" for i in range(hook.MAX_REPORT_HEADERS + 1)}}
     assert asyncio.run(report_from_headers(h.engine, headers)) == 0
@@ -148,7 +148,7 @@ def test_a_failure_inside_sluice_is_still_an_internal_error_logged_with_its_trac
         raise RuntimeError("boom")
 
     monkeypatch.setattr(h.engine, "record_response", broken)
-    token = h.decide(path="/api/login").pending
+    token = h.decide_now(path="/api/login").pending
     with caplog.at_level(logging.DEBUG, logger="sluice"):
         for _ in range(3):
             HookDatagrams(h.engine).datagram_received(PREFIX + json.dumps({"token": token, "status": 401})

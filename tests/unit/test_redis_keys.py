@@ -3,7 +3,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sidecar.redis_store import BAN_INDEX, PREFIX, ban_key, counting_key
+from sidecar.store.redis import BAN_INDEX, PREFIX, ban_key, counting_key
 from sidecar.state import AutoBan
 
 values = st.text(max_size=12)

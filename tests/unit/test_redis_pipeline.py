@@ -10,7 +10,8 @@ from collections.abc import Awaitable, Callable
 import hiredis
 import pytest
 
-from sidecar.redis_pipeline import NoScriptError, PipelinedRedis, RedisAddress, StoreUnavailable
+from sidecar.store import StoreUnavailable
+from sidecar.store.redis_pipeline import NoScriptError, PipelinedRedis, RedisAddress
 
 TIMEOUT = 0.1
 

@@ -34,9 +34,9 @@ rules:
 
 def exchange(h: Harness, status: int, response_headers=None, **request):
     """One request through the check and, when allowed, its response report."""
-    decision = h.decide(**request)
+    decision = h.decide_now(**request)
     if decision.outcome == ALLOW and decision.pending:
-        h.engine.record_response(decision.pending, status, response_headers or {})
+        h.engine.record_response_now(decision.pending, status, response_headers or {})
     return decision.outcome
 
 
@@ -50,7 +50,7 @@ def test_login_worked_example_counts_only_401s():
 def test_response_phase_rule_counts_nothing_at_request_time():
     h = Harness(LOGIN)
     for _ in range(10):
-        assert h.decide(path="/api/login").outcome == ALLOW  # no reports: nothing counted
+        assert h.decide_now(path="/api/login").outcome == ALLOW  # no reports: nothing counted
     assert h.engine.store.tracked_keys() == 0
 
 
@@ -63,18 +63,18 @@ def test_score_worked_example_blocks_after_the_total_exceeds_the_budget():
     h = Harness(SCORE)
     outcomes = [exchange(h, 200, {"x-score": score}) for score in ("100", "200", "150")]
     assert outcomes == [ALLOW] * 3
-    assert h.decide().outcome == DENY
+    assert h.decide_now().outcome == DENY
     h.clock.advance(599)
-    decision = h.decide()
+    decision = h.decide_now()
     assert decision.outcome == DENY and decision.limit == 400 and decision.rule.reset == 600
     h.clock.advance(1)
-    assert h.decide().outcome == ALLOW
+    assert h.decide_now().outcome == ALLOW
 
 
 def test_score_equal_to_the_budget_is_not_over_it():
     h = Harness(SCORE)
     exchange(h, 200, {"x-score": "400"})
-    assert h.decide().outcome == ALLOW
+    assert h.decide_now().outcome == ALLOW
 
 
 @pytest.mark.parametrize("score", ["0", "1000001", "abc", "", "-5", "1.5", " ", "١٢"])
@@ -83,7 +83,7 @@ def test_out_of_range_or_invalid_scores_do_not_count(score):
     for _ in range(5):
         exchange(h, 200, {"x-score": score})
     exchange(h, 200, {"x-score": "400"})
-    assert h.decide().outcome == ALLOW
+    assert h.decide_now().outcome == ALLOW
 
 
 def test_score_limits():
@@ -102,7 +102,7 @@ rules:
     assert exchange(h, 200, {"x-suspicious": "no"}) == ALLOW
     assert exchange(h, 200, {}) == ALLOW
     assert exchange(h, 200, {"x-suspicious": "yes"}) == ALLOW
-    assert h.decide().outcome == DENY
+    assert h.decide_now().outcome == DENY
 
 
 def test_status_and_header_conditions_must_both_hold():
@@ -117,7 +117,7 @@ rules:
     assert exchange(h, 404, {"x-cache": "HIT"}) == ALLOW
     assert exchange(h, 200, {}) == ALLOW
     assert exchange(h, 404, {}) == ALLOW
-    assert h.decide().outcome == DENY
+    assert h.decide_now().outcome == DENY
 
 
 def test_request_conditions_and_count_on_together():
@@ -127,8 +127,8 @@ def test_request_conditions_and_count_on_together():
         assert exchange(h, 401, path="/api/other") == ALLOW
     assert exchange(h, 401, path="/api/login") == ALLOW
     assert exchange(h, 401, path="/api/login") == ALLOW
-    assert h.decide(path="/api/login").outcome == DENY
-    assert h.decide(path="/api/other").outcome == ALLOW
+    assert h.decide_now(path="/api/login").outcome == DENY
+    assert h.decide_now(path="/api/other").outcome == ALLOW
 
 
 def test_a_request_phase_block_leaves_no_pending_token():
@@ -138,26 +138,26 @@ def test_a_request_phase_block_leaves_no_pending_token():
     limit: {requests: 1, per: 60s}
     action: block
 """)
-    assert h.decide(path="/api/login").pending
-    decision = h.decide(path="/api/login")
+    assert h.decide_now(path="/api/login").pending
+    decision = h.decide_now(path="/api/login")
     assert decision.outcome == DENY and decision.pending is None
 
 
 def test_reports_arriving_after_the_penalty_started_do_not_count():
     h = Harness(LOGIN)
-    tokens = [h.decide(path="/api/login").pending for _ in range(5)]  # five in flight
-    counted = [h.engine.record_response(token, 401, {}) for token in tokens]
+    tokens = [h.decide_now(path="/api/login").pending for _ in range(5)]  # five in flight
+    counted = [h.engine.record_response_now(token, 401, {}) for token in tokens]
     assert counted == [1, 1, 0, 0, 0]
 
 
 def test_forged_or_stale_tokens_are_refused():
     h = Harness(LOGIN)
-    token = h.decide(path="/api/login").pending
+    token = h.decide_now(path="/api/login").pending
     payload, signature = token.split(".")
-    assert h.engine.record_response(payload + "." + signature[::-1], 401, {}) == 0
-    assert h.engine.record_response("garbage", 401, {}) == 0
+    assert h.engine.record_response_now(payload + "." + signature[::-1], 401, {}) == 0
+    assert h.engine.record_response_now("garbage", 401, {}) == 0
     other = PendingTokens(b"another secret")
-    assert h.engine.record_response(other.issue([("login", 2.0, ("192.0.2.1",))]), 401, {}) == 0
+    assert h.engine.record_response_now(other.issue([("login", 2.0, ("192.0.2.1",))]), 401, {}) == 0
     assert h.engine.metrics.reports_refused.value == 3
 
 
@@ -179,27 +179,27 @@ rules:
     count_on: {status: [401]}
     action: block
 """)
-    decision = h.decide(headers={"x-api-key": "k" * 10_000})
+    decision = h.decide_now(headers={"x-api-key": "k" * 10_000})
     assert decision.outcome == ALLOW and decision.pending is None
     assert h.engine.metrics.unreportable.value == 1
 
 
 def test_report_from_envoy_headers():
     h = Harness(SCORE)
-    token = h.decide().pending
+    token = h.decide_now().pending
     counted = asyncio.run(report_from_headers(h.engine, {"x-sluice-pending": token, "x-sluice-status": "200",
                                                          "x-sluice-response-x-score": "500"}))
-    assert counted == 1 and h.decide().outcome == DENY
+    assert counted == 1 and h.decide_now().outcome == DENY
 
 
 def test_report_from_nginx_syslog_datagram():
     h = Harness(LOGIN)
     for _ in range(2):
-        token = h.decide(path="/api/login").pending
+        token = h.decide_now(path="/api/login").pending
         line = json.dumps({"token": token, "status": 401, "headers": {"x-score": ""}})
         datagram = f"<190>Nov 30 04:53:59 sluice: {line}".encode()
         assert report_from_datagram(h.engine, datagram) == 1
-    assert h.decide(path="/api/login").outcome == DENY
+    assert h.decide_now(path="/api/login").outcome == DENY
 
 
 @pytest.mark.parametrize("datagram", [b"", b"<190>junk", b"<190>x: {not json", b'{"token": 5, "status": 200}',

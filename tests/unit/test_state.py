@@ -1,7 +1,7 @@
 """BoundedMap: expired entries go first, then the least recently used, at
 O(1) cost per insertion (SPEC §9)."""
 
-from sidecar.state import BoundedMap
+from sidecar.store.memory import BoundedMap
 
 
 class Expiring:

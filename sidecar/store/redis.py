@@ -24,10 +24,11 @@ from __future__ import annotations
 import json
 import time
 from importlib import resources
-from typing import Any, Hashable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 from sidecar.limiters import ALLOWED, Hit, LeakyBucket, TokenBucket, WindowCounter
-from sidecar.redis_pipeline import PipelinedRedis, StoreUnavailable
+from sidecar.store import StoreUnavailable
+from sidecar.store.redis_pipeline import PipelinedRedis
 from sidecar.state import BanRecord, Check, Clock, Evaluation, Limiter, ResponseCount
 
 __all__ = ["RedisStore", "StoreUnavailable", "counting_key", "ban_key"]
@@ -85,9 +86,9 @@ def _hits(values: Sequence[Any]) -> list[Hit]:
 
 
 class RedisStore:
-    """The shared state store; its operations are coroutines."""
+    """The shared state store: each operation is one round trip."""
 
-    is_async = True
+    answers_at_once = False
 
     def __init__(self, client: PipelinedRedis, node: str, server_time: bool = True,
                  wall_clock: Clock = time.time) -> None:
@@ -103,7 +104,7 @@ class RedisStore:
     @classmethod
     def from_url(cls, url: str, node: str, timeout: float = DEFAULT_TIMEOUT, **kwargs: Any) -> "RedisStore":
         # One pipelined connection carries every decision in flight (see
-        # redis_pipeline): a burst is a queue Redis works through, never a
+        # sidecar.store.redis_pipeline): a burst is a queue Redis works through, never a
         # pool that runs out and fails requests open while Redis is fine.
         return cls(PipelinedRedis(url, timeout), node, **kwargs)
 
@@ -114,7 +115,7 @@ class RedisStore:
                        can_delay: bool = True, quotas: bool = False) -> Evaluation:
         """MemoryStore.evaluate in one script; with ``quotas``, also every
         counting check's (remaining, reset, window) after the decision, as
-        ``MemoryStore.quotas`` would answer next (None for the others)."""
+        the memory store answers (None for the others)."""
         auto_ban = next((check.auto_ban for check in checks if check.auto_ban is not None), None)
         keys = [ban_key(address), BAN_INDEX, counting_key(auto_ban.key(address)) if auto_ban else BAN_INDEX]
         args = [self._now(now), address, self.node, repr(self._wall_clock())]
@@ -167,6 +168,9 @@ class RedisStore:
         """New settings from a reload. ``max_keys`` does not apply: Redis's
         own ``maxmemory`` bounds it, and every key expires."""
         self.node = node
+
+    def gauges(self) -> dict[str, tuple[str, Callable[[], float]]]:
+        return {}  # bans and keys are Redis's to count: see INFO keyspace
 
     async def close(self) -> None:
         await self.client.close()

@@ -31,9 +31,7 @@ from urllib.parse import unquote, urlsplit, parse_qs
 
 import hiredis
 
-
-class StoreUnavailable(Exception):
-    """The shared store did not answer; the caller fails open or closed."""
+from sidecar.store import StoreUnavailable
 
 
 class RedisReplyError(Exception):
@@ -220,9 +218,8 @@ class PipelinedRedis:
             await asyncio.wait_for(connecting, self.timeout)
         except (OSError, asyncio.TimeoutError, ssl.SSLError) as exc:
             raise StoreUnavailable(f"cannot connect to Redis ({exc or type(exc).__name__})") from exc
-        setup = [protocol.send(hiredis.pack_command(command)) for command in address.setup_commands()]
-        setup += [protocol.send(hiredis.pack_command(("SCRIPT", "LOAD", source)))
-                  for source in self._scripts.values()]
+        commands = address.setup_commands() + [("SCRIPT", "LOAD", source) for source in self._scripts.values()]
+        setup = [protocol.send(hiredis.pack_command(command)) for command in commands]
         try:
             await asyncio.gather(*setup)
         except RedisReplyError as exc:

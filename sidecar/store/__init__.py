@@ -1,0 +1,53 @@
+"""Where counts and bans live: one interface, two backends (SPEC §9).
+
+``StateStore`` is what the engine talks to; it never learns which backend
+it has. ``MemoryStore`` (``sidecar.store.memory``) keeps the state of one
+process and answers at once; ``RedisStore`` (``sidecar.store.redis``)
+shares it between every worker and node through Redis or Valkey, one round
+trip per request. ``open_store`` builds the one a ruleset asks for.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol, Sequence
+
+from sidecar.limiters import Hit
+from sidecar.state import BanRecord, Check, Evaluation, ResponseCount
+
+
+class StoreUnavailable(Exception):
+    """The shared store did not answer; the caller fails open or closed."""
+
+
+class StateStore(Protocol):
+    # True when no operation ever waits (the memory store): a caller may run
+    # them with run_at_once instead of scheduling a task.
+    answers_at_once: bool
+
+    async def evaluate(self, now: float, address: str, checks: Sequence[Check],
+                       can_delay: bool = True, quotas: bool = False) -> Evaluation:
+        """Ban check and every check in order, in one step. With ``quotas``,
+        also each counting check's (remaining, reset, window) after the
+        decision (None for the others), for the draft RateLimit fields."""
+    async def record(self, now: float, counts: Sequence[ResponseCount]) -> list[Hit]:
+        """Count reported responses (SPEC §8)."""
+    async def active_bans(self, now: float) -> list[BanRecord]: ...
+    async def lift_ban(self, address: str) -> bool: ...
+    def may_be_banned(self) -> bool:
+        """False only when no request can be banned now (nothing to ask)."""
+    def configure(self, max_keys: int, node: str) -> None:
+        """New settings from a reload."""
+    def gauges(self) -> dict[str, tuple[str, Callable[[], float]]]:
+        """Metrics only this store can tell, by name: (help, read)."""
+    async def close(self) -> None: ...
+
+
+def open_store(backend: str, url: str, max_keys: int, node: str, clock: Callable[[], float]) -> StateStore:
+    """The store a ruleset's ``state:`` asks for."""
+    if backend == "redis":
+        from sidecar.store.redis import RedisStore
+
+        return RedisStore.from_url(url, node)
+    from sidecar.store.memory import MemoryStore
+
+    return MemoryStore(max_keys, node, clock)

@@ -1,0 +1,141 @@
+"""The state store contract: every test here runs on every backend, through
+the one ``StateStore`` interface the engine uses — the memory store, and
+the Redis store against a real redis-server (on the time the test passes,
+so both see the same clock)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+import pytest
+
+from sidecar.config import Rate
+from sidecar.limiters import LeakyBucket, TokenBucket, WindowCounter
+from sidecar.state import Check, ResponseCount
+from sidecar.store import StateStore
+from sidecar.store.memory import MemoryStore
+from sidecar.store.redis import RedisStore
+from tests.integration.redis_server import RedisServer
+
+pytestmark = pytest.mark.integration
+
+NOW = 1_000_000.0
+ADDRESS = "192.0.2.7"
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["memory", "redis"])
+def open_store(request: pytest.FixtureRequest, redis_server: RedisServer) -> Callable[[], StateStore]:
+    """Makes the backend under test (inside the test's event loop)."""
+    if request.param == "memory":
+        return lambda: MemoryStore(1000, "node-a", clock=lambda: NOW)
+    redis_server.client().flushdb()
+    return lambda: RedisStore.from_url(redis_server.url, "node-a", server_time=False)
+
+
+def run(open_store: Callable[[], StateStore], test: Callable[[StateStore], Awaitable[Any]]) -> Any:
+    async def go() -> Any:
+        store = open_store()
+        try:
+            return await test(store)
+        finally:
+            await store.close()
+    return asyncio.run(go())
+
+
+def window(rule: str = "w", threshold: int = 3, per: float = 60.0, penalty: float = 30.0,
+           **options: Any) -> Check:
+    return Check(rule, ((rule, ("ip",)), ADDRESS), WindowCounter(threshold, per, penalty), float(threshold),
+                 True, **options)
+
+
+def test_a_window_counts_to_its_threshold_then_refuses_for_its_penalty(open_store) -> None:
+    async def test(store: StateStore) -> list[bool]:
+        check = window()
+        over = [(await store.evaluate(NOW + i, ADDRESS, [check])).hits[0].over_limit for i in range(4)]
+        # The third request reached the threshold: the penalty runs 30 s from it.
+        over.append((await store.evaluate(NOW + 31.9, ADDRESS, [check])).hits[0].over_limit)
+        over.append((await store.evaluate(NOW + 32.1, ADDRESS, [check])).hits[0].over_limit)
+        return over
+    assert run(open_store, test) == [False, False, False, True, True, False]
+
+
+def test_a_refusal_ends_evaluation_and_later_checks_are_not_counted(open_store) -> None:
+    async def test(store: StateStore) -> tuple[int, int]:
+        first, second = window("first", threshold=1), window("second", threshold=5)
+        await store.evaluate(NOW, ADDRESS, [first])
+        refused = await store.evaluate(NOW + 1, ADDRESS, [first, second])
+        quota = await store.evaluate(NOW + 2, ADDRESS, [second], quotas=True)
+        assert quota.quotas is not None and quota.quotas[0] is not None
+        return len(refused.hits), quota.quotas[0][0]
+    evaluated, remaining = run(open_store, test)
+    # The refusal stopped at the first rule; the second counted only its own
+    # request since: 5 - 1 left.
+    assert (evaluated, remaining) == (1, 4)
+
+
+def test_a_ban_is_recorded_listed_and_lifted(open_store) -> None:
+    async def test(store: StateStore) -> tuple:
+        check = window("scrapers", threshold=1, ban_duration=600.0)
+        await store.evaluate(NOW, ADDRESS, [check])
+        banning = await store.evaluate(NOW + 1, ADDRESS, [check])
+        banned = await store.evaluate(NOW + 2, ADDRESS, [window("other", threshold=100)])
+        bans = await store.active_bans(NOW + 2)
+        lifted = await store.lift_ban(ADDRESS), await store.lift_ban(ADDRESS)
+        after = await store.evaluate(NOW + 3, ADDRESS, [window("other", threshold=100)])
+        return banning.new_ban, banned.ban is not None and not banned.new_ban, \
+            [(ban.address, ban.rule_id, ban.node, ban.duration) for ban in bans], lifted, after.ban
+    new_ban, still_banned, bans, lifted, after = run(open_store, test)
+    assert new_ban and still_banned
+    assert bans == [(ADDRESS, "scrapers", "node-a", 600.0)]
+    assert lifted == (True, False) and after is None
+
+
+def test_buckets_are_charged_only_when_every_bucket_admits(open_store) -> None:
+    async def test(store: StateStore) -> list[tuple[bool, ...]]:
+        roomy = Check("roomy", (("roomy", ("ip",)), ADDRESS), TokenBucket(10, 0.001, 1, None), 10.0, True)
+        tight = Check("tight", (("tight", ("ip",)), ADDRESS), TokenBucket(1, 0.001, 1, None), 1.0, True)
+        outcomes = []
+        for i in range(3):
+            evaluation = await store.evaluate(NOW + i, ADDRESS, [roomy, tight], quotas=True)
+            outcomes.append(tuple(hit.over_limit for hit in evaluation.hits))
+        # What is left of the roomy bucket: charged once, by the admitted request.
+        evaluation = await store.evaluate(NOW + 3, ADDRESS, [roomy], quotas=True)
+        assert evaluation.quotas is not None and evaluation.quotas[0] is not None
+        outcomes.append((evaluation.quotas[0][0],))
+        return outcomes
+    assert run(open_store, test) == [(False, False), (False, True), (False, True), (8,)]
+
+
+def test_a_full_wait_queue_refuses_a_request_a_leaky_bucket_would_hold(open_store) -> None:
+    async def test(store: StateStore) -> tuple:
+        check = Check("slow", (("slow", ("ip",)), ADDRESS), LeakyBucket(Rate(1, 1), 5, 0, None), 6.0, True)
+        first = await store.evaluate(NOW, ADDRESS, [check], can_delay=True)
+        held = await store.evaluate(NOW, ADDRESS, [check], can_delay=True)
+        refused = await store.evaluate(NOW, ADDRESS, [check], can_delay=False)
+        return first.delay, held.delay, refused.hits[0].over_limit, refused.delay
+    assert run(open_store, test) == (0.0, 1.0, True, 0.0)
+
+
+def test_reported_responses_count_toward_the_threshold(open_store) -> None:
+    async def test(store: StateStore) -> list[bool]:
+        limiter = WindowCounter(2, 60.0, 60.0)
+        key = (("login", ("ip",)), ADDRESS)
+        hits = []
+        for i in range(3):
+            [hit] = await store.record(NOW + i, [ResponseCount(key, limiter, 2.0)])
+            hits.append(hit.over_limit)
+        # At request time the key is only checked for its penalty.
+        peek = Check("login", key, limiter, 2.0, True, count=False)
+        hits.append((await store.evaluate(NOW + 3, ADDRESS, [peek])).hits[0].over_limit)
+        return hits
+    assert run(open_store, test) == [False, False, True, True]
