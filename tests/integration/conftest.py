@@ -111,6 +111,17 @@ def own_stack(tmp_path: Path) -> Iterator[Stack]:
     stack.stop()
 
 
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator["RedisServer"]:
+    """A throwaway redis-server on loopback for the tests of one module."""
+    from tests.integration.redis_server import RedisServer
+
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
 @pytest.fixture(params=FRONT_DOORS)
 def front_door(request: pytest.FixtureRequest) -> str:
     """The proxy the test's clients talk to: "nginx" or "envoy"."""

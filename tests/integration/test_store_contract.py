@@ -6,7 +6,7 @@ so both see the same clock)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -24,13 +24,6 @@ pytestmark = pytest.mark.integration
 NOW = 1_000_000.0
 ADDRESS = "192.0.2.7"
 
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    server.start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(params=["memory", "redis"])
