@@ -370,8 +370,11 @@ class Stack:
             # Not an HTTP probe: a request through nginx would be counted by the rules.
             self._wait("nginx", lambda: _accepts_connections(host, ports.nginx))
             self._start("envoy", _envoy_argv(envoy, envoy_conf))
-            # Envoy's admin says LIVE once its listener takes requests.
-            self._wait("envoy", lambda: _http_status(ENVOY_ADMIN_HOST, ports.envoy_admin, "/ready") == 200)
+            # Envoy's admin says LIVE once its listeners are set up, even when
+            # one could not bind its port (Envoy then runs without it): the
+            # listener itself must take connections too.
+            self._wait("envoy", lambda: _http_status(ENVOY_ADMIN_HOST, ports.envoy_admin, "/ready") == 200
+                       and _accepts_connections(host, ports.envoy))
         except BaseException:
             self.stop()
             raise

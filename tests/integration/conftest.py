@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.launcher import FRONT_DOORS, Stack, StackPorts
+from sidecar.launcher import FRONT_DOORS, Stack, StackError, StackPorts
 from tests.integration.clients import LOOPBACK, Client
 
 RULES = Path(__file__).parent / "rules"
@@ -34,18 +34,30 @@ def free_port(kind: socket.SocketKind = socket.SOCK_STREAM) -> int:
 
 
 def start_stack(run_dir: Path, rules: Path, variables: Mapping[str, str] | None = None) -> Stack:
-    """A stack on free loopback ports; `variables` override template values."""
-    ports = StackPorts(
-        nginx=free_port(),
-        sluice=free_port(),
-        upstream=free_port(),
-        envoy=free_port(),
-        envoy_admin=free_port(),
-        sluice_hook=free_port(socket.SOCK_DGRAM),
-    )
-    stack = Stack(run_dir, rules=rules, ports=ports, variables=variables)
-    stack.start()
-    return stack
+    """A stack on free loopback ports; `variables` override template values.
+
+    A port found free can be taken before the server binds it (by another
+    connection's source port, in a suite that opens thousands): the stack
+    is then started again on other ports, up to three times.
+    """
+    for attempt in range(3):
+        ports = StackPorts(
+            nginx=free_port(),
+            sluice=free_port(),
+            upstream=free_port(),
+            envoy=free_port(),
+            envoy_admin=free_port(),
+            sluice_hook=free_port(socket.SOCK_DGRAM),
+        )
+        stack = Stack(run_dir / f"attempt-{attempt}" if attempt else run_dir, rules=rules, ports=ports,
+                      variables=variables)
+        try:
+            stack.start()
+            return stack
+        except StackError:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
 
 
 def front_door_port(stack: Stack, front_door: str) -> int:
