@@ -155,13 +155,15 @@ def time_calls(call, rounds: int) -> float:
 def rotation(clients: int, batch: int) -> None:
     print(f"== 10 rules: one client vs {clients:,} rotating IPv4+IPv6 clients, max_keys 100,000")
     single_engine, rotating_engine = engine_for(TEN_RULES), engine_for(TEN_RULES)
-    single = requests_for(single_engine, ["192.0.2.1"] * batch)
     single_us, rotating_us, rss = [], [], []
     done = 0
     while done < clients:
         count = min(batch, clients - done)
         rotating = requests_for(rotating_engine, [address(i) for i in range(done, done + count)])
         done += count
+        # New request objects for every pass, as for the rotating clients: a
+        # request parses its cookies and query once, on first use.
+        single = requests_for(single_engine, ["192.0.2.1"] * batch)
         single_us.append(time_decisions(single_engine, single))
         rotating_us.append(time_decisions(rotating_engine, rotating))
         del rotating

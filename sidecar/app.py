@@ -6,6 +6,10 @@ before any framework code runs: one table lookup, no middleware stack, no
 validation. Every failure inside a check is answered as
 *allow* (fail open, SPEC §9) and counted; a rate limiter's bug must never
 become the protected site's outage.
+
+With the memory store, the HTTP protocol (sidecar.server) answers checks
+itself through ``check_for`` and ``check_at_once``, before ASGI: no task, no
+ASGI messages per check.
 """
 
 from __future__ import annotations
@@ -15,15 +19,23 @@ import time
 
 from sidecar.admin import Admin
 from sidecar.asgi import Receive, Scope, Send
-from sidecar.engine import Engine
+from sidecar.engine import Decision, Engine
 from sidecar.frontdoors import ROUTES
 from sidecar.frontdoors.common import (
-    Answer, Check, Describe, RouteTable, header_map, respond, wait_unless_disconnected,
+    Check, Reply, RouteTable, header_map, respond, wait_unless_disconnected,
 )
 from sidecar.ratelog import RateLimitedLog
+from sidecar.request import CheckRequest
 from sidecar.service import build_api
 
 log = logging.getLogger("sluice")
+
+
+# The answer to a check that failed inside Sluice: allow (fail open).
+FAIL_OPEN: Reply = (200, [], b"")
+# Where the HTTP protocol leaves a check it decided at once but that a leaky
+# bucket holds: the ASGI path then waits and answers (see check_at_once).
+HELD = "sluice.held"
 
 
 class SluiceApp:
@@ -39,37 +51,79 @@ class SluiceApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
+            held = scope.get(HELD)
+            if held is not None:
+                await self._answer_after_hold(receive, send, *held)
+                return
             handler = self._routes.find(scope["path"])
             if handler is not None:
                 if isinstance(handler, Check):
-                    await self._check(scope, receive, send, handler.describe, handler.answer)
+                    await self._check(scope, receive, send, handler)
                 else:
                     await handler(self, scope, receive, send)
                 return
         await self.api(scope, receive, send)
 
-    async def _check(self, scope: Scope, receive: Receive, send: Send, describe: Describe,
-                     answer: Answer) -> None:
+    def check_for(self, path: str) -> Check | None:
+        """The check front door at ``path`` when it can be answered at once,
+        without a task: the state store answers without waiting (memory)."""
+        if not self.engine.store.answers_at_once:
+            return None
+        handler = self._routes.find(path)
+        return handler if isinstance(handler, Check) else None
+
+    def check_at_once(self, check: Check, scope: Scope, headers: dict[str, str]) -> Reply | None:
+        """The reply to a check, decided and answered without awaiting (see
+        ``check_for``); None when a leaky bucket holds the request, which
+        ``scope[HELD]`` then carries to the ASGI path to wait and answer."""
         engine = self.engine
         started = time.perf_counter()
         try:
-            request = describe(engine, scope, header_map(scope))
+            request = check.describe(engine, scope, headers)
+            decision = engine.decide_now(request)
+        except Exception:
+            self.internal_error()
+            return FAIL_OPEN
+        engine.metrics.latency.observe(time.perf_counter() - started)
+        if decision.delay > 0:
+            scope[HELD] = (check, request, decision)
+            return None
+        return self._answer(check, request, decision)
+
+    async def _check(self, scope: Scope, receive: Receive, send: Send, check: Check) -> None:
+        engine = self.engine
+        started = time.perf_counter()
+        try:
+            request = check.describe(engine, scope, header_map(scope))
             decision = await engine.decide(request)
         except Exception:
             self.internal_error()
-            await respond(send, 200, [])
+            await respond(send, *FAIL_OPEN)
             return
         engine.metrics.latency.observe(time.perf_counter() - started)
         if decision.delay > 0:
-            # A leaky bucket admitted the request at a later slot: the proxy
-            # waits for our answer (SPEC §7). The decision took a hold slot;
-            # it is given back when the wait ends or the proxy goes away.
-            try:
-                if not await wait_unless_disconnected(receive, decision.delay):
-                    return
-            finally:
-                engine.release_hold()
-        await answer(send, request, decision)
+            await self._answer_after_hold(receive, send, check, request, decision)
+        else:
+            await respond(send, *self._answer(check, request, decision))
+
+    async def _answer_after_hold(self, receive: Receive, send: Send, check: Check,
+                                 request: CheckRequest, decision: Decision) -> None:
+        """A leaky bucket admitted the request at a later slot: the proxy
+        waits for our answer (SPEC §7). The decision took a hold slot; it is
+        given back when the wait ends or the proxy goes away."""
+        try:
+            if not await wait_unless_disconnected(receive, decision.delay):
+                return
+        finally:
+            self.engine.release_hold()
+        await respond(send, *self._answer(check, request, decision))
+
+    def _answer(self, check: Check, request: CheckRequest, decision: Decision) -> Reply:
+        try:
+            return check.answer(request, decision)
+        except Exception:
+            self.internal_error()
+            return FAIL_OPEN
 
     def internal_error(self) -> None:
         self.engine.metrics.errors.inc()

@@ -35,11 +35,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from typing import Any
+import urllib.parse
+from typing import Any, cast
 
 import httptools
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HEADER_VALUE_RE, STATUS_LINE, HttpToolsProtocol
 
+from sidecar.asgi import Scope
+from sidecar.frontdoors.common import Check, Reply, encode_headers, header_map
 from sidecar.ratelog import RateLimitedLog
 
 # 128 KiB: twice the largest head either shipped proxy can forward.
@@ -60,7 +63,16 @@ class HeadTooLarge(Exception):
 
 
 class LimitedHttpProtocol(HttpToolsProtocol):
-    """HttpToolsProtocol refusing request heads over a byte or field count."""
+    """HttpToolsProtocol refusing request heads over a byte or field count,
+    and answering checks itself when they need no waiting.
+
+    A check the state store answers at once (the memory store) is decided
+    and answered inside the parser's callback: no task, no ASGI messages, no
+    per-request cycle object, which is most of what uvicorn costs per
+    request. Everything else (other paths, a check behind an unfinished
+    response on the same connection, a check a leaky bucket holds, the Redis
+    store) goes through uvicorn's ASGI machinery unchanged.
+    """
 
     def __init__(self, *args: Any, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
                  max_headers: int = DEFAULT_MAX_HEADERS, **kwargs: Any) -> None:
@@ -73,6 +85,12 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._header_count = 0
         self._refused = False
         self._linger: asyncio.TimerHandle | None = None
+        # The application's at-once check, when it has one (sidecar.app).
+        self._check_for = getattr(self.app, "check_for", None)
+        # The check front door of the request being read, answered at once.
+        self._check: Check | None = None
+        # Reading stopped until the client takes the answers written so far.
+        self._reading_paused_for_writes = False
 
     # -- reading ------------------------------------------------------------
 
@@ -128,6 +146,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._header_count = 0
+        self._check = None
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._header_count += 1
@@ -137,13 +156,98 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._head_budget = None
-        super().on_headers_complete()
+        self._check = self._check_at_once()
+        if self._check is None:
+            super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if self._check is None:  # a check's body is never read
+            super().on_body(body)
 
     def on_message_complete(self) -> None:
         # The next head starts now. (Bytes of it that came in the same read
         # as the end of this request are not counted: at most one read.)
         self._head_budget = self.max_header_bytes
-        super().on_message_complete()
+        check, self._check = self._check, None
+        if check is None:
+            super().on_message_complete()
+            return
+        scope = cast(Scope, self.scope)
+        reply = self.app.check_at_once(check, scope, header_map(scope))
+        if reply is None:
+            # Held by a leaky bucket: the ASGI path waits and answers, in order
+            # with what follows on this connection.
+            super().on_headers_complete()
+            super().on_message_complete()
+            return
+        self._write(reply)
+
+    # -- checks answered at once ------------------------------------------------
+
+    def _check_at_once(self) -> Check | None:
+        """The check front door of this request when the protocol may answer
+        it itself: nothing else is in progress on the connection."""
+        if self._check_for is None or self.pipeline or self.expect_100_continue or \
+                (self.cycle is not None and not self.cycle.response_complete) or self.parser.should_upgrade():
+            return None
+        try:
+            url = httptools.parse_url(self.url)
+            raw_path = url.path
+            path = raw_path.decode("ascii")
+        except (httptools.HttpParserInvalidURLError, UnicodeDecodeError):
+            return None  # uvicorn's own path answers it as it always has
+        check = self._check_for(urllib.parse.unquote(path) if "%" in path else path)
+        if check is not None:
+            scope = self.scope
+            scope["method"] = self.parser.get_method().decode("ascii")
+            scope["http_version"] = self.parser.get_http_version()
+            scope["path"] = path
+            scope["raw_path"] = raw_path
+            scope["query_string"] = url.query or b""
+        return check
+
+    def _write(self, reply: Reply) -> None:
+        """Write a check's answer as uvicorn would have, and carry on with the
+        connection as uvicorn does when a response is complete."""
+        status, headers, body = reply
+        scope = self.scope
+        keep_alive = scope["http_version"] != "1.0" and self.parser.should_keep_alive()
+        content = [STATUS_LINE[status]]
+        asks_close = False
+        for name, value in self.server_state.default_headers:
+            content.extend([name, b": ", value, b"\r\n"])
+        for name, value in encode_headers(headers):
+            if HEADER_VALUE_RE.search(value):
+                value = b""  # never a forged header line; no value of ours has one
+            if name == b"connection" and b"close" in value.lower():
+                keep_alive, asks_close = False, True
+            content.extend([name, b": ", value, b"\r\n"])
+        content.extend([b"content-length: ", str(len(body)).encode("ascii"), b"\r\n"])
+        if not keep_alive and not asks_close:
+            content.append(b"connection: close\r\n")
+        content.append(b"\r\n")
+        if body and scope["method"] != "HEAD":
+            content.append(body)
+        transport = self.transport
+        transport.write(b"".join(content))
+        self.server_state.total_requests += 1
+        if not keep_alive:
+            transport.close()
+            return
+        self._unset_keepalive_if_required()
+        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                            self.timeout_keep_alive_handler)
+        if self.flow.write_paused and not self._reading_paused_for_writes:
+            # A client that sends checks without reading the answers: stop
+            # reading until it takes them, as uvicorn does for its responses.
+            self._reading_paused_for_writes = True
+            self.flow.pause_reading()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._reading_paused_for_writes:
+            self._reading_paused_for_writes = False
+            self.flow.resume_reading()
 
     # -- refusing -------------------------------------------------------------
 

@@ -5,12 +5,12 @@ SOLUTION_PATH here, without checking it."""
 from __future__ import annotations
 
 import html
-from urllib.parse import parse_qsl
 
 from sidecar.actions import CONTENT_TYPE_HTML
 from sidecar.asgi import Receive, Scope, Send
 from sidecar.challenge import FINGERPRINT_HEADER
 from sidecar.frontdoors.common import Route, Service, header_map, read_body, respond
+from sidecar.request import parse_query
 
 CHALLENGE_PATH = "/v1/challenge"
 MAX_SOLUTION_BODY = 8192
@@ -27,7 +27,8 @@ async def solution(service: Service, scope: Scope, receive: Receive, send: Send)
     engine = service.engine
     headers = header_map(scope)
     body = await read_body(receive, MAX_SOLUTION_BODY)
-    form = dict(parse_qsl(body.decode("latin-1"))) if scope["method"] == "POST" and body else {}
+    # The first value of a repeated field counts, as in query strings.
+    form = parse_query(body.decode("latin-1")) if scope["method"] == "POST" and body else {}
     # nginx and Envoy name the client as for a check; a forward-auth
     # proxy's route to here makes the proxy the peer (SPEC §3, §10).
     peer = scope.get("client")

@@ -26,10 +26,14 @@ class Service(Protocol):
     def internal_error(self) -> None: ...
 
 
+# What a front door answers: status, header fields and body.
+Reply = tuple[int, list[tuple[str, str]], bytes]
 # A check front door: the proxy's request as one CheckRequest, and the
-# engine's Decision as the proxy's answer.
+# engine's Decision as the proxy's answer. Both are plain functions, so that
+# the same front door is served through ASGI or straight from the HTTP
+# protocol (sidecar.server).
 Describe = Callable[[Engine, Scope, dict[str, str]], CheckRequest]
-Answer = Callable[[Send, CheckRequest, Decision], Awaitable[None]]
+Answer = Callable[[CheckRequest, Decision], Reply]
 # Any other endpoint on the bare ASGI path (deny page, solution, report).
 Endpoint = Callable[[Service, Scope, Receive, Send], Awaitable[None]]
 
@@ -107,13 +111,13 @@ def check_request(headers: dict[str, str], method: str, host: str, uri: str,
                         tls_fingerprint=headers.get(FINGERPRINT_HEADER, ""))
 
 
-def _encode(headers: list[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
+def encode_headers(headers: list[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
     return [(name.lower().encode("latin-1"), value.encode("latin-1", "replace"))
             for name, value in headers]
 
 
 async def respond(send: Send, status: int, headers: list[tuple[str, str]], body: bytes = b"") -> None:
-    raw = _encode(headers)
+    raw = encode_headers(headers)
     raw.append((b"content-length", str(len(body)).encode()))
     await send({"type": "http.response.start", "status": status, "headers": raw})
     await send({"type": "http.response.body", "body": body})
@@ -147,7 +151,7 @@ async def wait_unless_disconnected(receive: Receive, seconds: float) -> bool:
     return True
 
 
-def render_deny(request: CheckRequest, decision: Decision) -> tuple[int, list[tuple[str, str]], bytes]:
+def render_deny(request: CheckRequest, decision: Decision) -> Reply:
     """A deny's status, headers and page."""
     assert decision.page is not None
     body = render_page(decision.page, request.client.text, request.host, request.request_id,

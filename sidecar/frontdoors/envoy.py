@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from sidecar.asgi import Scope, Send
+from sidecar.asgi import Scope
 from sidecar.engine import DENY, Decision, Engine
-from sidecar.frontdoors.common import Check, Route, check_request, render_deny, respond
+from sidecar.frontdoors.common import Check, Reply, Route, check_request, render_deny
 from sidecar.frontdoors.forward_auth import answer_in_full
 from sidecar.request import CheckRequest, strip_port
 
@@ -35,15 +35,14 @@ def describe_envoy(engine: Engine, scope: Scope, headers: dict[str, str]) -> Che
     )
 
 
-async def answer_envoy(send: Send, request: CheckRequest, decision: Decision) -> None:
+def answer_envoy(request: CheckRequest, decision: Decision) -> Reply:
     if decision.outcome != DENY:
-        await answer_in_full(send, request, decision)
-        return
+        return answer_in_full(request, decision)
     status, headers, body = render_deny(request, decision)
     if status >= 500:
         headers.append((ENVOY_STATUS_HEADER, str(status)))
         status = 403
-    await respond(send, status, headers, body)
+    return status, headers, body
 
 
 ROUTES = (Route(ENVOY_AUTH_PREFIX, Check(describe_envoy, answer_envoy), prefix=True),)

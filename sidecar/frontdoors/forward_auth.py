@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from sidecar.asgi import Scope, Send
+from sidecar.asgi import Scope
 from sidecar.engine import ALLOW, CLOSE, Decision, Engine
-from sidecar.frontdoors.common import Check, Route, allow_headers, check_request, render_deny, respond
+from sidecar.frontdoors.common import Check, Reply, Route, allow_headers, check_request, render_deny
 from sidecar.request import CheckRequest, strip_port
 
 FORWARD_AUTH_PATH = "/v1/check"
@@ -22,17 +22,16 @@ def describe_forward_auth(engine: Engine, scope: Scope, headers: dict[str, str])
     )
 
 
-async def answer_in_full(send: Send, request: CheckRequest, decision: Decision) -> None:
+def answer_in_full(request: CheckRequest, decision: Decision) -> Reply:
     """For proxies that pass a refusal to the client as it is (forward-auth,
     Envoy ext_authz): status, headers and page in this one answer."""
     if decision.outcome == ALLOW:
-        await respond(send, 200, allow_headers(decision))
-    elif decision.outcome == CLOSE:
+        return 200, allow_headers(decision), b""
+    if decision.outcome == CLOSE:
         # Neither a forward-auth subrequest nor ext_authz can close the
         # client's connection: an empty 403 asking for a close (SPEC §6).
-        await respond(send, 403, [("Connection", "close"), ("Cache-Control", "no-store")])
-    else:
-        await respond(send, *render_deny(request, decision))
+        return 403, [("Connection", "close"), ("Cache-Control", "no-store")], b""
+    return render_deny(request, decision)
 
 
 ROUTES = (Route(FORWARD_AUTH_PATH, Check(describe_forward_auth, answer_in_full)),)

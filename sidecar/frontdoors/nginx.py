@@ -17,7 +17,7 @@ from sidecar.clientip import parse_address
 from sidecar.config import RULE_ID_RE
 from sidecar.engine import ALLOW, CLOSE, Decision, Engine
 from sidecar.frontdoors.common import (
-    Check, Route, Service, allow_headers, check_request, header_map, render_page, request_id_of, respond,
+    Check, Reply, Route, Service, allow_headers, check_request, header_map, render_page, request_id_of, respond,
 )
 from sidecar.ratelog import RateLimitedLog
 from sidecar.request import CheckRequest, strip_port
@@ -107,14 +107,12 @@ def describe_nginx(engine: Engine, scope: Scope, headers: dict[str, str]) -> Che
     )
 
 
-async def answer_nginx(send: Send, request: CheckRequest, decision: Decision) -> None:
+def answer_nginx(request: CheckRequest, decision: Decision) -> Reply:
     if decision.outcome == ALLOW:
-        await respond(send, 200, allow_headers(decision))
-    elif decision.outcome == CLOSE:
-        await respond(send, NGINX_CLOSE_STATUS, [])
-    else:
-        token = DenyToken.encode(decision, request.client.text)
-        await respond(send, NGINX_DENY_STATUS, [("X-Sluice-Deny", token)])
+        return 200, allow_headers(decision), b""
+    if decision.outcome == CLOSE:
+        return NGINX_CLOSE_STATUS, [], b""
+    return NGINX_DENY_STATUS, [("X-Sluice-Deny", DenyToken.encode(decision, request.client.text))], b""
 
 
 def _deny_page(rule: CompiledRule | None, status: int, challenge: IssuedChallenge | None

@@ -50,8 +50,6 @@ class BoundedMap:
     sweep over the map, and never more memory than the cap.
     """
 
-    SLOT_SECONDS = 1.0
-
     def __init__(self, max_keys: int, expires_at: Callable[[Any], float], clock: Clock) -> None:
         self.max_keys = max_keys
         self._expires_at = expires_at
@@ -73,7 +71,17 @@ class BoundedMap:
         stored = data.get(key)
         if stored is value:
             return
-        if stored is None and len(data) >= self.max_keys:
+        if stored is None:
+            self.add(key, value)
+        else:
+            self._file(key, self._expires_at(value))
+            data[key] = value
+
+    def add(self, key: Hashable, value: Any) -> None:
+        """Store a key that is not in the map (the common case under key
+        rotation: one lookup fewer than ``__setitem__``)."""
+        data = self._data
+        if len(data) >= self.max_keys:
             self._make_room()
         self._file(key, self._expires_at(value))
         data[key] = value
@@ -87,14 +95,16 @@ class BoundedMap:
     def __len__(self) -> int:
         return len(self._data)
 
-    def _slot(self, when: float) -> int:
-        try:
-            return int(when // self.SLOT_SECONDS)
-        except OverflowError:  # -inf: a state never counted, expired since ever
-            return -1 if when < 0 else 1 << 62
+    @staticmethod
+    def _slot(when: float) -> int:
+        """The whole second of ``when``: slot 0 for times before the
+        clock's first second (-inf, a state never counted, included)."""
+        if when < 1.0:
+            return 0
+        return int(when) if when < 1e18 else 1 << 62
 
     def _file(self, key: Hashable, expires: float) -> None:
-        slot = self._slot(expires)
+        slot = int(expires) if 1.0 <= expires < 1e18 else self._slot(expires)
         keys = self._wheel.get(slot)
         if keys is None:
             self._wheel[slot] = [key]
@@ -111,7 +121,7 @@ class BoundedMap:
         expires_at, wheel, slots = self._expires_at, self._wheel, self._slots
         current = self._slot(now)
         outlived: list[tuple[Hashable, float]] = []
-        while slots and slots[0] <= current:
+        while slots and slots[0] < current:
             keys = wheel.pop(heapq.heappop(slots))
             self._filed -= len(keys)
             for key in keys:
@@ -131,10 +141,19 @@ class BoundedMap:
                 del data[key]
 
     def _rebuild_wheel(self) -> None:
-        self._wheel, self._slots, self._filed = {}, [], 0
-        expires_at = self._expires_at
-        for key, value in self._data.items():
-            self._file(key, expires_at(value))
+        """Drop the wheel's stale references (keys dropped since they were
+        filed, and second references to one key); each key stays in its
+        slot, which is still a time before which it cannot expire."""
+        data, seen = self._data, set()
+        wheel: dict[int, list[Hashable]] = {}
+        for slot, keys in self._wheel.items():
+            live = [key for key in keys if key in data and key not in seen]
+            if live:
+                seen.update(live)
+                wheel[slot] = live
+        self._wheel, self._slots = wheel, list(wheel)
+        heapq.heapify(self._slots)
+        self._filed = len(seen)
 
 
 class MemoryStore:
@@ -206,7 +225,7 @@ class MemoryStore:
                     limiter.commit(state, hit)
                     evaluation.delay = max(evaluation.delay, hit.delay)
                     if not stored:
-                        self._states[check.key] = state
+                        self._states.add(check.key, state)
                 # A refused request leaves no new key (a new key is never
                 # refused by its own bucket, and a ban cleared its key).
         return evaluation
@@ -217,25 +236,35 @@ class MemoryStore:
     def _state(self, key: Hashable, limiter: Limiter) -> tuple[Any, bool]:
         """The key's state for this limiter, and whether it is stored yet."""
         state = self._states.get(key)
+        if state is not None and state.limiter is not limiter:
+            state = self._reloaded(state, limiter)
         if state is not None:
-            if state.limiter is not limiter:
-                if type(state.limiter) is not type(limiter):
-                    state = None  # the rule was reloaded as another algorithm
-                else:
-                    # Reloaded with other settings: the counts carry over.
-                    state.limiter = limiter
-            if state is not None:
-                return state, True
+            return state, True
         return limiter.new_state(), False
 
+    @staticmethod
+    def _reloaded(state: Any, limiter: Limiter) -> Any:
+        """A state counted by a limiter a reload replaced: its counts carry
+        over to a limiter of the same algorithm, else it starts anew (None)."""
+        if type(state.limiter) is not type(limiter):
+            return None
+        state.limiter = limiter
+        return state
+
     def _hit(self, key: Hashable, limiter: Limiter, now: float, threshold: float, amount: int) -> Hit:
-        state = self._states.get(key)
-        if state is not None and state.limiter is limiter:  # the common case, first
-            return limiter.hit(state, now, threshold, amount)
-        state, stored = self._state(key, limiter)
+        states = self._states
+        state = states.get(key)
+        if state is not None:
+            if state.limiter is limiter or self._reloaded(state, limiter) is not None:
+                return limiter.hit(state, now, threshold, amount)
+            state = limiter.new_state()
+            hit = limiter.hit(state, now, threshold, amount)
+            states[key] = state
+            return hit
+        # A key never seen (or forgotten): under key rotation, most of them.
+        state = limiter.new_state()
         hit = limiter.hit(state, now, threshold, amount)
-        if not stored:
-            self._states[key] = state
+        states.add(key, state)
         return hit
 
     def _ban(self, now: float, address: str, rule_id: str, duration: float) -> BanRecord:
