@@ -53,6 +53,8 @@ sys.path.insert(0, str(ROOT))
 from bench_engine import TEN_RULES  # noqa: E402  (bench/ is on sys.path as the script's directory)
 
 from sidecar.launcher import (  # noqa: E402
+    DEFAULT_ENVOY_TEMPLATE,
+    DEFAULT_TEMPLATE,
     StackPorts,
     find_envoy,
     find_nginx,
@@ -334,8 +336,7 @@ class Bench:
     def start_nginx(self, name: str, sidecar_port: int) -> tuple[list[int], int]:
         ports = self.ports(sidecar_port)
         run_dir = self.run / name
-        config = write_nginx_config(run_dir, ROOT / "nginx" / "templates" / "sluice.conf.template",
-                                    self.variables(ports))
+        config = write_nginx_config(run_dir, DEFAULT_TEMPLATE, self.variables(ports))
         master = self.procs.start(name, [self.nginx, "-p", str(run_dir), "-c", str(config), "-g", "daemon off;"],
                                   lambda: accepts(ports.nginx))
         return [master.pid, *self.nginx_workers(master.pid)], ports.nginx
@@ -349,8 +350,7 @@ class Bench:
     def start_envoy(self, name: str, sidecar_port: int, without_lua: bool = False) -> tuple[int, int]:
         ports = self.ports(sidecar_port)
         run_dir = self.run / name
-        config = write_envoy_config(run_dir, ROOT / "envoy" / "templates" / "envoy.yaml.template",
-                                    self.variables(ports))
+        config = write_envoy_config(run_dir, DEFAULT_ENVOY_TEMPLATE, self.variables(ports))
         if without_lua:
             config.write_text(lua_free(config.read_text()))
         # As the launcher starts it (sidecar/launcher.py _envoy_argv).

@@ -1,7 +1,8 @@
 """The local stack without containers: demo upstream, Sluice, nginx and Envoy (SPEC §11).
 
 `python -m sidecar.launcher [--rules FILE]` (what `make run` calls) renders the
-shipped nginx and Envoy templates the way the official nginx image does,
+nginx and Envoy templates shipped in the package (or those named by
+`--nginx-template` and `--envoy-template`) the way the official nginx image does,
 starts the four processes on loopback, waits until each is ready, prints
 where to send requests and stops everything it started on Ctrl-C or SIGTERM.
 nginx and Envoy are two front doors to the same Sluice and application. It
@@ -26,6 +27,8 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from importlib.resources import files
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Self
@@ -33,9 +36,16 @@ from typing import Self
 from sidecar.config import ConfigError
 from sidecar.rules import default_ruleset, load_ruleset
 
+# Package data, so that they are found wherever the package is installed,
+# not only in a source checkout. A Traversable rather than a Path: the
+# package need not be files on disk. One folder a proxy, as the official
+# images render every *.template of the folder they are given (compose.yaml).
+PACKAGE_TEMPLATES = files("sidecar") / "templates"
+DEFAULT_TEMPLATE = PACKAGE_TEMPLATES / "nginx" / "sluice.conf.template"
+DEFAULT_ENVOY_TEMPLATE = PACKAGE_TEMPLATES / "envoy" / "envoy.yaml.template"
+# The folder that holds this package (a source checkout or site-packages):
+# the children are pointed at it, to import the same package as the launcher.
 PACKAGE_PARENT = Path(__file__).resolve().parent.parent
-DEFAULT_TEMPLATE = PACKAGE_PARENT / "nginx" / "templates" / "sluice.conf.template"
-DEFAULT_ENVOY_TEMPLATE = PACKAGE_PARENT / "envoy" / "templates" / "envoy.yaml.template"
 
 # How long a component may take to become ready; Sluice's imports are the
 # slow part on a cold machine.
@@ -290,7 +300,8 @@ class Stack:
 
     Use as a context manager, or call `start()` and `stop()`. Everything it
     writes (configuration, logs, nginx's pid and temporary files) goes into
-    `run_dir`. `variables` replace values of template variables (see
+    `run_dir`. `template` and `envoy_template` default to the package's
+    own. `variables` replace values of template variables (see
     `template_variables`), e.g. to send the front doors' response reports
     somewhere other than Sluice.
     """
@@ -301,8 +312,8 @@ class Stack:
         rules: Path | None = None,
         ports: StackPorts = StackPorts(),
         host: str = "127.0.0.1",
-        template: Path = DEFAULT_TEMPLATE,
-        envoy_template: Path = DEFAULT_ENVOY_TEMPLATE,
+        template: Traversable = DEFAULT_TEMPLATE,
+        envoy_template: Traversable = DEFAULT_ENVOY_TEMPLATE,
         variables: Mapping[str, str] | None = None,
     ) -> None:
         self.run_dir = run_dir.resolve()
@@ -408,7 +419,7 @@ class Stack:
         return argv
 
 
-def render_template_file(template: Path, variables: Mapping[str, str], what: str) -> str:
+def render_template_file(template: Traversable, variables: Mapping[str, str], what: str) -> str:
     """The rendered text of a template file; every `${NAME}` in it must have a value."""
     try:
         template_text = template.read_text()
@@ -421,7 +432,7 @@ def render_template_file(template: Path, variables: Mapping[str, str], what: str
     return rendered
 
 
-def write_nginx_config(run_dir: Path, template: Path, variables: Mapping[str, str]) -> Path:
+def write_nginx_config(run_dir: Path, template: Traversable, variables: Mapping[str, str]) -> Path:
     """Render the template into run_dir/conf.d and write the nginx.conf that includes it."""
     site = render_template_file(template, variables, "nginx")
     for directory in ("conf.d", "logs", "tmp"):
@@ -434,7 +445,7 @@ def write_nginx_config(run_dir: Path, template: Path, variables: Mapping[str, st
     return main_config
 
 
-def write_envoy_config(run_dir: Path, template: Path, variables: Mapping[str, str]) -> Path:
+def write_envoy_config(run_dir: Path, template: Traversable, variables: Mapping[str, str]) -> Path:
     """Render the Envoy bootstrap into run_dir/envoy.yaml."""
     bootstrap = render_template_file(template, variables, "Envoy")
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -493,7 +504,7 @@ class _StopRequested(Exception):
     pass
 
 
-def run_foreground(rules: Path | None, ports: StackPorts = StackPorts(), run_dir: Path = Path("run")) -> int:
+def run_foreground(stack: Stack) -> int:
     """Run the stack until Ctrl-C or SIGTERM; the body of `make run`. Returns an exit status."""
 
     def request_stop(signum: int, frame: FrameType | None) -> None:
@@ -503,7 +514,6 @@ def run_foreground(rules: Path | None, ports: StackPorts = StackPorts(), run_dir
     # Python then never raises KeyboardInterrupt.
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
-    stack = Stack(run_dir, rules=rules, ports=ports)
     try:
         stack.start()
         _print_banner(stack)
@@ -566,6 +576,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--envoy-port", type=int, default=StackPorts.envoy)
     parser.add_argument("--envoy-admin-port", type=int, default=StackPorts.envoy_admin)
     parser.add_argument("--sluice-hook-port", type=int, default=StackPorts.sluice_hook, help="UDP")
+    # argparse converts string defaults only: the package's own stay Traversables.
+    parser.add_argument("--nginx-template", type=Path, default=DEFAULT_TEMPLATE, metavar="FILE",
+                        help="nginx template to render (default: the one shipped in the package)")
+    parser.add_argument("--envoy-template", type=Path, default=DEFAULT_ENVOY_TEMPLATE, metavar="FILE",
+                        help="Envoy bootstrap template to render (default: the one shipped in the package)")
     args = parser.parse_args(argv)
     ports = StackPorts(
         nginx=args.nginx_port,
@@ -575,7 +590,9 @@ def main(argv: list[str] | None = None) -> int:
         envoy_admin=args.envoy_admin_port,
         sluice_hook=args.sluice_hook_port,
     )
-    return run_foreground(args.rules, ports, args.run_dir)
+    stack = Stack(args.run_dir, rules=args.rules, ports=ports, template=args.nginx_template,
+                  envoy_template=args.envoy_template)
+    return run_foreground(stack)
 
 
 if __name__ == "__main__":

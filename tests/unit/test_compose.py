@@ -16,23 +16,30 @@ import shlex
 import shutil
 import subprocess
 from collections.abc import Mapping
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from sidecar.launcher import (
-    DEFAULT_ENVOY_TEMPLATE,
-    DEFAULT_TEMPLATE,
-    find_envoy,
-    find_nginx,
-    nginx_main_config,
-    render_template,
-)
+from sidecar import launcher
+from sidecar.launcher import find_envoy, find_nginx, nginx_main_config, render_template
 from sidecar.rules import load_ruleset
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def _on_disk(template: Traversable) -> Path:
+    """A launcher template as a file of the folder compose.yaml mounts: package
+    data, which in the source checkout the tests run from is a file on disk."""
+    assert isinstance(template, Path), template
+    return template.resolve()
+
+
+DEFAULT_TEMPLATE = _on_disk(launcher.DEFAULT_TEMPLATE)
+DEFAULT_ENVOY_TEMPLATE = _on_disk(launcher.DEFAULT_ENVOY_TEMPLATE)
+
 COMPOSE = yaml.safe_load((REPO / "compose.yaml").read_text())
 SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
 
@@ -237,7 +244,7 @@ def test_envoy_reads_the_configuration_its_renderer_writes() -> None:
     command = SERVICES["envoy"]["command"]
     config = Path(command[command.index("-c") + 1])
     volume = next(source for source, target in volumes("envoy") if Path(target) == config.parent)
-    renderer = service_rendering(REPO / "envoy" / "templates" / f"{config.name}{TEMPLATE_SUFFIX}")
+    renderer = service_rendering(DEFAULT_ENVOY_TEMPLATE.with_name(f"{config.name}{TEMPLATE_SUFFIX}"))
 
     output_dir = environment(renderer).get("NGINX_ENVSUBST_OUTPUT_DIR", OUTPUT_DIR_DEFAULT)
     assert (volume, output_dir) in volumes(renderer)

@@ -1,13 +1,20 @@
-"""The launcher renders the nginx and Envoy templates as the official nginx image does."""
+"""The launcher renders the nginx and Envoy templates, package data, as the official nginx image does."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
+import sys
+import tomllib
+import zipfile
+from importlib.resources import files
 from pathlib import Path
 
 import pytest
 import yaml
 
+import sidecar
 from sidecar.launcher import (
     DEFAULT_ENVOY_TEMPLATE,
     DEFAULT_TEMPLATE,
@@ -21,6 +28,61 @@ from sidecar.launcher import (
     write_envoy_config,
     write_nginx_config,
 )
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGE = Path(sidecar.__file__).resolve().parent
+
+
+def test_default_templates_are_package_data_the_wheel_ships() -> None:
+    package_data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    # What setuptools puts in the wheel: the globs, relative to the package folder.
+    shipped = {path for pattern in package_data["sidecar"] for path in PACKAGE.glob(pattern)}
+
+    for template in (DEFAULT_TEMPLATE, DEFAULT_ENVOY_TEMPLATE):
+        # In a source checkout the package is a folder, its data files on disk.
+        assert isinstance(template, Path) and template.is_file()
+        assert template.resolve() in shipped
+    assert files("sidecar") / "templates" / "nginx" / "sluice.conf.template" == DEFAULT_TEMPLATE
+
+
+# Run with nothing but the package, zipped: no checkout around it, and its
+# files are not files on disk (importlib.resources reads them from the archive).
+RENDER_FROM_ZIP = """
+import json, sys
+from pathlib import Path
+import sidecar
+from sidecar.launcher import DEFAULT_ENVOY_TEMPLATE, DEFAULT_TEMPLATE, StackPorts, template_variables
+from sidecar.launcher import write_envoy_config, write_nginx_config
+variables = template_variables(StackPorts(nginx=18080), "127.0.0.1")
+write_nginx_config(Path(sys.argv[1]), DEFAULT_TEMPLATE, variables)
+write_envoy_config(Path(sys.argv[1]), DEFAULT_ENVOY_TEMPLATE, variables)
+print(json.dumps([sidecar.__file__, isinstance(DEFAULT_TEMPLATE, Path)]))
+"""
+
+
+def test_the_launcher_renders_its_templates_from_a_zipped_package(tmp_path: Path) -> None:
+    archive = tmp_path / "sluice.zip"
+    with zipfile.ZipFile(archive, "w") as zipped:
+        for path in sorted(PACKAGE.rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts:
+                zipped.write(path, path.relative_to(PACKAGE.parent).as_posix())
+    run_dir = tmp_path / "run"
+
+    result = subprocess.run(
+        [sys.executable, "-c", RENDER_FROM_ZIP, str(run_dir)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(archive)},
+        timeout=60,
+    )
+
+    assert result.returncode == 0, result.stderr
+    imported_from, template_is_a_path = json.loads(result.stdout)
+    assert imported_from.startswith(str(archive))
+    assert not template_is_a_path
+    assert "listen 127.0.0.1:18080;" in (run_dir / "conf.d" / "sluice.conf").read_text()
+    assert "${" not in (run_dir / "envoy.yaml").read_text()
 
 
 def test_defined_variables_are_replaced_in_both_envsubst_spellings() -> None:
