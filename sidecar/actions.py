@@ -125,3 +125,13 @@ def deny_headers(limit: int, reset: int, retry_after: int, request_id: str) -> l
         ("X-Request-Id", _UNSENDABLE.sub("", request_id)),
         ("Content-Type", CONTENT_TYPE_HTML),
     ]
+
+
+def draft_fields(quotas: list[tuple[str, float, tuple[int, float, float]]]) -> tuple[str, str]:
+    """The draft ``RateLimit-Policy`` and ``RateLimit`` field values from
+    (rule id, threshold, (requests left, seconds to reset, window)) of each
+    enforcing rule of an allowed request."""
+    policies = [f'"{rule_id}";q={math.ceil(threshold)};w={max(1, math.ceil(window))}'
+                for rule_id, threshold, (_, _, window) in quotas]
+    remaining = [f'"{rule_id}";r={left};t={math.ceil(reset)}' for rule_id, _, (left, reset, _) in quotas]
+    return ", ".join(policies), ", ".join(remaining)

@@ -163,7 +163,8 @@ def service(settings: dict[str, Any], ruleset: Ruleset | None = None) -> Any:
     """The application ``serve`` runs, in this process or in each worker."""
     from sidecar.admin import Admin, read_token
     from sidecar.app import create_app
-    from sidecar.engine import Engine, configure_decision_log
+    from sidecar.decisionlog import configure_decision_log
+    from sidecar.engine import Engine
 
     logging.basicConfig(level=settings["log_level"].upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -205,6 +205,12 @@ class Condition(Strict):
         return self
 
 
+# The rules file's closed vocabularies, kept as types by the compiled rules.
+Action = Literal["log", "block", "ban", "challenge"]
+Backend = Literal["memory", "redis"]
+FailMode = Literal["open", "closed"]  # a request while the shared store is unavailable
+
+
 class WindowLimit(Strict):
     requests: int = Field(ge=0)
     per: Duration
@@ -344,7 +350,7 @@ class Rule(Strict):
     match: Condition | None = None
     key: list[Dimension] = []
     limit: Limit
-    action: Literal["log", "block", "ban", "challenge"]
+    action: Action
     penalty: Duration | None = None
     block: BlockAction | None = None
     ban: BanAction | None = None
@@ -386,13 +392,13 @@ class ClientIPConfig(Strict):
 
 
 class StateConfig(Strict):
-    backend: Literal["memory", "redis"] = "memory"
+    backend: Backend = "memory"
     url: str = "redis://127.0.0.1:6379/0"  # with backend: redis
     max_keys: int = Field(100_000, ge=1)
     # Requests a leaky bucket may hold at once on this node (SPEC §7): when
     # all are taken, a request that would have to wait is refused instead.
     max_delayed: int = Field(1_000, ge=0)
-    fail: Literal["open", "closed"] = "open"
+    fail: FailMode = "open"
 
     @field_validator("url")
     @classmethod

@@ -5,37 +5,47 @@ backend it has."""
 
 from __future__ import annotations
 
-import json
+import enum
 import logging
 import math
-import os
-import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Hashable
+from typing import Callable
 
-from sidecar.actions import BlockPage, retry_after_seconds
+from sidecar.actions import BlockPage, draft_fields, retry_after_seconds
 from sidecar.challenge import Challenges, IssuedChallenge
 from sidecar.clientip import UNKNOWN_CLIENT, ClientAddress, in_networks
+from sidecar.decisionlog import DecisionLog
 from sidecar.limiters import Hit
 from sidecar.metrics import Metrics
-from sidecar.request import CheckRequest
-from sidecar.rules import CompiledRule, Ruleset, describe_key
 from sidecar.pending import PendingEntry, PendingTokens
 from sidecar.ratelog import RateLimitedLog
-from sidecar.state import BanRecord, Check, Evaluation, ResponseCount
+from sidecar.request import CheckRequest
+from sidecar.responses import ResponsePhase
+from sidecar.rules import CompiledRule, Ruleset
+from sidecar.state import BanRecord, Check, Evaluation
 from sidecar.store import StateStore, StoreUnavailable, open_store
 from sidecar.store.memory import run_at_once
+from sidecar.tokens import Tokens
 
 Clock = Callable[[], float]
 
-ALLOW, DENY, CLOSE = "allow", "deny", "close"
-
-decision_log = logging.getLogger("sluice.decisions")
 log = logging.getLogger("sluice")
 
 
-@dataclass(frozen=True, slots=True)
+class Outcome(enum.StrEnum):
+    """What the proxy is told: let the request in, refuse it with a page,
+    or close the client's connection."""
+
+    ALLOW = "allow"
+    DENY = "deny"
+    CLOSE = "close"
+
+
+ALLOW, DENY, CLOSE = Outcome.ALLOW, Outcome.DENY, Outcome.CLOSE
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Decision:
     """The answer for the proxy.
 
@@ -44,7 +54,7 @@ class Decision:
     set for a ``deny``.
     """
 
-    outcome: str
+    outcome: Outcome
     rule: CompiledRule | None = None
     limit: int = 0  # X-RateLimit-Limit
     reset: int = 0  # X-RateLimit-Reset
@@ -60,11 +70,11 @@ class Decision:
         return self.rule is not None
 
 
-ALLOWED = Decision(ALLOW)
-CLOSED = Decision(CLOSE)
+ALLOWED = Decision(outcome=ALLOW)
+CLOSED = Decision(outcome=CLOSE)
 # fail: closed and the shared store unavailable (SPEC §9): a refusal no rule
 # made, with the built-in 503 page.
-STORE_UNAVAILABLE = Decision(DENY, None, 0, 0, 1, BlockPage.builtin(503))
+STORE_UNAVAILABLE = Decision(outcome=DENY, retry_after=1, page=BlockPage.builtin(503))
 
 
 class Engine:
@@ -79,16 +89,13 @@ class Engine:
                  secret: bytes | None = None, wall_clock: Clock = time.time) -> None:
         self.ruleset = ruleset
         self.clock = clock
-        # Without a configured secret, a random one: tokens then do not
-        # outlive this process, which costs at most the counts in flight,
-        # and challenge credentials are asked for again after a restart.
         self.wall_clock = wall_clock
-        key = secret or ruleset.secret or os.urandom(32)
-        self.pending = PendingTokens(key, wall_clock=wall_clock)
-        self.challenges = Challenges(key, wall_clock=wall_clock)
+        self.tokens = Tokens.from_secret(secret or ruleset.secret, wall_clock)
         self.store: StateStore = store if store is not None else \
             open_store(ruleset.backend, ruleset.url, ruleset.max_keys, ruleset.node, clock)
         self.metrics = metrics if metrics is not None else Metrics()
+        self.log = DecisionLog(lambda: self.ruleset.node)
+        self.responses = ResponsePhase(self)
         # SPEC §9 and §3: counted always, logged at most every 10 s / 60 s.
         self._store_error_log = RateLimitedLog(log, 10)
         self._bad_address_log = RateLimitedLog(log, 60, clock)
@@ -97,11 +104,18 @@ class Engine:
         # holds keeps it until the caller's release_hold (state.max_delayed).
         self.delayed = 0
 
+    @property
+    def pending(self) -> PendingTokens:
+        return self.tokens.pending
+
+    @property
+    def challenges(self) -> Challenges:
+        return self.tokens.challenges
+
     def reload(self, ruleset: Ruleset) -> None:
         """Run new rules from the next request on; counters and bans stay."""
         if ruleset.secret is not None:
-            self.pending = PendingTokens(ruleset.secret, wall_clock=self.wall_clock)
-            self.challenges = Challenges(ruleset.secret, wall_clock=self.wall_clock)
+            self.tokens = Tokens.from_secret(ruleset.secret, self.wall_clock)
         self.store.configure(ruleset.max_keys, ruleset.node)
         self.ruleset = ruleset
 
@@ -133,7 +147,7 @@ class Engine:
                                                    can_delay=held, quotas=self.ruleset.draft_headers)
             decision = self._conclude(request, *prepared, evaluation)
         except StoreUnavailable as exc:
-            self._store_failed(exc)
+            self.store_failed(exc)
             decision = ALLOWED if self.ruleset.fail == "open" else STORE_UNAVAILABLE
         finally:
             self._release_unless_held(held, decision)
@@ -166,7 +180,8 @@ class Engine:
         """The wait of a decision with a ``delay`` ended (or was abandoned)."""
         self.delayed -= 1
 
-    def _store_failed(self, exc: Exception) -> None:
+    def store_failed(self, exc: Exception) -> None:
+        """Counted always, logged at most every 10 s (SPEC §9)."""
         self.metrics.store_errors.inc()
         self._store_error_log.warning("state store unavailable (%s); requests %s until it answers again "
                                       "(reported every 10 s at most)", exc,
@@ -235,12 +250,11 @@ class Engine:
             reset = rule.reset if rule.reset is not None else retry_after_seconds(hit.retry_after)
             if check.stops:
                 decision = self._apply(request, rule, limit, reset, hit, evaluation.new_ban)
-                self._log(request, rule, check, decision.outcome,
-                          banned=evaluation.ban is not None)
+                self.log.matched(request, rule, check, decision.outcome, banned=evaluation.ban is not None)
                 return decision
             if rule.action == "log" and observed is None:
-                observed = Decision(ALLOW, rule, limit, reset)
-            self._log(request, rule, check, "observe" if rule.action == "log" else "verified-bot")
+                observed = Decision(outcome=ALLOW, rule=rule, limit=limit, reset=reset)
+            self.log.matched(request, rule, check, "observe" if rule.action == "log" else "verified-bot")
         token = None
         if pending:
             token = self.pending.issue(pending)
@@ -252,75 +266,27 @@ class Engine:
             return allowed
         if evaluation.delay:
             metrics.delayed.inc()
-        return Decision(ALLOW, allowed.rule, allowed.limit, allowed.reset, pending=token,
-                        delay=evaluation.delay, quota=quota)
+        return Decision(outcome=ALLOW, rule=allowed.rule, limit=allowed.limit, reset=allowed.reset,
+                        pending=token, delay=evaluation.delay, quota=quota)
 
     def _quota(self, matched: list[CompiledRule], checks: list[Check],
                evaluation: Evaluation) -> tuple[str, str] | None:
-        """The draft RateLimit-Policy and RateLimit field values for the
-        enforcing request-phase rules of an allowed request."""
-        enforced = [index for index, (rule, check) in enumerate(zip(matched, checks))
-                    if check.count and rule.action != "log"]
-        if not enforced:
-            return None
-        # The store answered them with the evaluation, in the same step.
+        """The draft RateLimit fields for the enforcing request-phase rules
+        of an allowed request; the store answered their quotas with the
+        evaluation, in the same step."""
         assert evaluation.quotas is not None
-        quotas = [evaluation.quotas[index] for index in enforced]
-        policies, remaining = [], []
-        for index, quota in zip(enforced, quotas):
-            assert quota is not None
-            rule, check, (left, reset, window) = matched[index], checks[index], quota
-            policies.append(f'"{rule.id}";q={math.ceil(check.threshold)};w={max(1, math.ceil(window))}')
-            remaining.append(f'"{rule.id}";r={left};t={math.ceil(reset)}')
-        return ", ".join(policies), ", ".join(remaining)
+        quotas = [(rule.id, check.threshold, quota)
+                  for rule, check, quota in zip(matched, checks, evaluation.quotas)
+                  if check.count and rule.action != "log" and quota is not None]
+        return draft_fields(quotas) if quotas else None
 
     async def record_response(self, token: str, status: int, headers: dict[str, str]) -> int:
-        """The proxy reports a response (SPEC §8): count it for every pending
-        rule whose response condition matches. Returns how many counted."""
-        prepared = self._response_counts(token, status, headers)
-        if prepared is None:
-            return 0
-        try:
-            hits = await self.store.record(self.clock(), prepared[1])
-        except StoreUnavailable as exc:
-            self._store_failed(exc)  # the counts are lost, as with a lost report
-            return 0
-        return self._counted(*prepared, hits)
+        """The proxy reports a response (SPEC §8); how many rules counted it."""
+        return await self.responses.record(token, status, headers)
 
     def record_response_now(self, token: str, status: int, headers: dict[str, str]) -> int:
         """``record_response`` without an event loop (memory store)."""
         return run_at_once(self.record_response(token, status, headers))
-
-    def _response_counts(self, token: str, status: int, headers: dict[str, str]
-                         ) -> tuple[list[CompiledRule], list[ResponseCount]] | None:
-        """The counts a report makes, or None when it makes none."""
-        entries = self.pending.open(token)
-        metrics = self.metrics
-        if entries is None:
-            metrics.reports_refused.inc()
-            return None
-        metrics.reports.inc()
-        ruleset = self.ruleset
-        rules: list[CompiledRule] = []
-        counts: list[ResponseCount] = []
-        for rule_id, threshold, values in entries:
-            rule = ruleset.by_id.get(rule_id)
-            # A reload may have removed the rule or changed its dimensions.
-            if rule is None or rule.response is None or len(values) != len(rule.key_prefix[1]):
-                continue
-            amount = rule.response.amount(status, headers)
-            if amount:
-                rules.append(rule)
-                counts.append(ResponseCount((rule.key_prefix, *values), rule.limiter, threshold, amount))
-        return (rules, counts) if counts else None
-
-    def _counted(self, rules: list[CompiledRule], counts: list[ResponseCount], hits: list[Hit]) -> int:
-        metrics = self.metrics
-        for rule, count, hit in zip(rules, counts, hits):
-            if not hit.over_limit:
-                metrics.hit(rule.id)
-                self._log_count(rule, count)
-        return sum(not hit.over_limit for hit in hits)
 
     # -- bans, for the admin API --------------------------------------------
 
@@ -334,15 +300,15 @@ class Engine:
                banned: bool) -> Decision:
         if banned or rule.page is None or rule.page.close:
             # ban, a challenge's auto-ban, or block with close: true
-            return Decision(CLOSE, rule, limit, reset)
+            return Decision(outcome=CLOSE, rule=rule, limit=limit, reset=reset)
         challenge = None
         if rule.challenge is not None:
             self.metrics.challenges_issued.inc()
             challenge = self.challenges.issue(rule.id, request.client.key,
                                               request.tls_fingerprint,
                                               request.uri, self.ruleset.difficulty)
-        return Decision(DENY, rule, limit, reset, retry_after_seconds(hit.retry_after), rule.page,
-                        challenge=challenge)
+        return Decision(outcome=DENY, rule=rule, limit=limit, reset=reset,
+                        retry_after=retry_after_seconds(hit.retry_after), page=rule.page, challenge=challenge)
 
     def _has_credential(self, rule: CompiledRule, request: CheckRequest) -> bool:
         assert rule.challenge is not None
@@ -353,47 +319,3 @@ class Engine:
     @staticmethod
     def _verified_bot(ruleset: Ruleset, request: CheckRequest) -> bool:
         return any(bot.matches(request) for bot in ruleset.verified_bots)
-
-    def _log_count(self, rule: CompiledRule, count: ResponseCount) -> None:
-        if decision_log.isEnabledFor(logging.INFO):
-            decision_log.info(json.dumps({
-                "ts": round(time.time(), 3), "rule": rule.id, "outcome": "counted",
-                "amount": count.amount, "key": logged_key(count.key), "node": self.ruleset.node,
-            }, separators=(",", ":")))
-
-    def _log(self, request: CheckRequest, rule: CompiledRule, check: Check, outcome: str,
-             banned: bool = False) -> None:
-        if not decision_log.isEnabledFor(logging.INFO):
-            return
-        entry = {
-            "ts": round(time.time(), 3),
-            "request_id": request.request_id,
-            "rule": rule.id,
-            "action": rule.action,
-            "outcome": outcome,
-            "key": logged_key(check.key),
-            "client": request.client.key,
-            "node": self.ruleset.node,
-        }
-        if banned:
-            entry["ban_seconds"] = check.ban_duration
-        decision_log.info(json.dumps(entry, separators=(",", ":")))
-
-
-# A counting key's values come from the client (a header, a cookie): a
-# decision line shows at most this much of them, however long they are.
-LOGGED_KEY_CHARS = 256
-
-
-def logged_key(key: Hashable) -> str:
-    text = describe_key(key)
-    return text if len(text) <= LOGGED_KEY_CHARS else text[:LOGGED_KEY_CHARS] + "…"
-
-
-def configure_decision_log(stream=sys.stderr) -> None:
-    """Decision log lines are bare JSON, one per line."""
-    handler = logging.StreamHandler(stream)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    decision_log.handlers[:] = [handler]
-    decision_log.setLevel(logging.INFO)
-    decision_log.propagate = False

@@ -16,6 +16,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from sidecar.config import Action
+
 LATENCY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
 
 
@@ -99,7 +101,7 @@ class Metrics(Collector):
     def hit(self, rule_id: str) -> None:
         self.rule_hits[rule_id] += 1
 
-    def over_limit(self, rule_id: str, action: str) -> None:
+    def over_limit(self, rule_id: str, action: Action) -> None:
         tally = self._over.get((rule_id, action))
         if tally is None:
             tally = self._over[(rule_id, action)] = Tally()

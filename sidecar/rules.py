@@ -269,7 +269,7 @@ class ChallengeSettings:
 @dataclass(frozen=True, slots=True)
 class CompiledRule:
     id: str
-    action: str  # log | block | ban | challenge
+    action: config.Action
     condition: Predicate | None
     key: KeyBuilder
     key_prefix: tuple[str, tuple[str, ...]]  # (rule id, sorted dimension names)
@@ -309,9 +309,9 @@ class Ruleset:
     node: str
     max_keys: int
     max_delayed: int
-    backend: str
+    backend: config.Backend
     url: str  # the shared store's, with backend redis
-    fail: str  # open | closed: a request when the shared store is unavailable (SPEC §9)
+    fail: config.FailMode  # a request when the shared store is unavailable (SPEC §9)
     source: str
     secret: bytes | None  # HMAC key from challenge.secret_file
     draft_headers: bool  # RateLimit-Policy / RateLimit on allowed responses

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Callable, Protocol, Sequence
 
+from sidecar.config import Backend
 from sidecar.limiters import Hit
 from sidecar.state import BanRecord, Check, Evaluation, ResponseCount
 
@@ -42,7 +43,7 @@ class StateStore(Protocol):
     async def close(self) -> None: ...
 
 
-def open_store(backend: str, url: str, max_keys: int, node: str, clock: Callable[[], float]) -> StateStore:
+def open_store(backend: Backend, url: str, max_keys: int, node: str, clock: Callable[[], float]) -> StateStore:
     """The store a ruleset's ``state:`` asks for."""
     if backend == "redis":
         from sidecar.store.redis import RedisStore
