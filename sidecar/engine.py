@@ -199,8 +199,10 @@ class Engine:
 
         matched: list[CompiledRule] = []
         checks: list[Check] = []
+        verified_bots = ruleset.verified_bots
         for rule in ruleset.rules:
-            if rule.condition is not None and not rule.condition(request):
+            condition = rule.condition
+            if condition is not None and not condition(request):
                 continue
             ban_duration = rule.ban_duration
             stops = rule.stops
@@ -212,12 +214,13 @@ class Engine:
                     break
                 # Verified bots are never banned, not even for challenges;
                 # the challenge itself applies to them as block does.
-                auto_ban = None if self._verified_bot(ruleset, request) else ruleset.auto_ban
-            if ban_duration is not None and self._verified_bot(ruleset, request):
+                auto_ban = None if verified_bots and self._verified_bot(ruleset, request) else ruleset.auto_ban
+            if ban_duration is not None and verified_bots and self._verified_bot(ruleset, request):
                 # A verified bot that triggers a ban is let through (SPEC §6).
                 stops, ban_duration = False, None
             matched.append(rule)
-            checks.append(Check(rule.id, rule.key(request), rule.limiter, rule.threshold_for(address),
+            checks.append(Check(rule.id, rule.key(request), rule.limiter,
+                                rule.threshold_for(address) if rule.overrides else rule.base_threshold,
                                 stops, ban_duration, rule.counts, auto_ban))
         if not checks and not self.store.may_be_banned():
             return ALLOWED

@@ -284,19 +284,19 @@ class CompiledRule:
     # Derived once, read on every request.
     stops: bool = field(init=False)  # over limit ends evaluation: every action but log
     counts: bool = field(init=False)  # counted at request time (no count_on, no score)
-    _threshold: float = field(init=False)
+    base_threshold: float = field(init=False)  # the threshold as a float, before overrides
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stops", self.action != "log")
         object.__setattr__(self, "counts", self.response is None)
-        object.__setattr__(self, "_threshold", float(self.threshold))
+        object.__setattr__(self, "base_threshold", float(self.threshold))
 
     def threshold_for(self, address: IPAddress | None) -> float:
         if address is not None and self.overrides:
             for override in self.overrides:
                 if in_networks(address, override.networks):
                     return self.threshold * override.multiply
-        return self._threshold
+        return self.base_threshold
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,20 +54,22 @@ class BoundedMap:
         self.max_keys = max_keys
         self._expires_at = expires_at
         self._clock = clock
-        self._data: dict[Hashable, Any] = {}
+        # Read (and reordered, as get does) by MemoryStore's hot loop; keys
+        # are added only through add and __setitem__, which file them.
+        self.data: dict[Hashable, Any] = {}
         self._wheel: dict[int, list[Hashable]] = {}  # slot -> keys filed there
         self._slots: list[int] = []  # heap of the wheel's slots
         self._filed = 0  # references in the wheel, stale ones included
 
     def get(self, key: Hashable) -> Any:
-        data = self._data
+        data = self.data
         value = data.pop(key, None)
         if value is not None:
             data[key] = value
         return value
 
     def __setitem__(self, key: Hashable, value: Any) -> None:
-        data = self._data
+        data = self.data
         stored = data.get(key)
         if stored is value:
             return
@@ -80,20 +82,20 @@ class BoundedMap:
     def add(self, key: Hashable, value: Any) -> None:
         """Store a key that is not in the map (the common case under key
         rotation: one lookup fewer than ``__setitem__``)."""
-        data = self._data
+        data = self.data
         if len(data) >= self.max_keys:
             self._make_room()
         self._file(key, self._expires_at(value))
         data[key] = value
 
     def pop(self, key: Hashable, default: Any = None) -> Any:
-        return self._data.pop(key, default)
+        return self.data.pop(key, default)
 
     def values(self) -> list[Any]:
-        return list(self._data.values())
+        return list(self.data.values())
 
     def __len__(self) -> int:
-        return len(self._data)
+        return len(self.data)
 
     @staticmethod
     def _slot(when: float) -> int:
@@ -114,7 +116,7 @@ class BoundedMap:
         self._filed += 1
 
     def _make_room(self) -> None:
-        data = self._data
+        data = self.data
         now = self._clock()
         if self._filed > 2 * len(data) + 1024:
             self._rebuild_wheel()
@@ -144,7 +146,7 @@ class BoundedMap:
         """Drop the wheel's stale references (keys dropped since they were
         filed, and second references to one key); each key stays in its
         slot, which is still a time before which it cannot expire."""
-        data, seen = self._data, set()
+        data, seen = self.data, set()
         wheel: dict[int, list[Hashable]] = {}
         for slot, keys in self._wheel.items():
             live = [key for key in keys if key in data and key not in seen]
@@ -185,21 +187,34 @@ class MemoryStore:
             if ban is not None and now < ban.expires:
                 return Evaluation(ban=ban)
         evaluation = Evaluation()
+        hits = evaluation.hits
         buckets: list[tuple[Check, DeferredLimiter, Any, bool, Hit]] = []
         refused = False
+        # BoundedMap.get written out for the common case (a key counted by
+        # the same limiter before): this loop runs for every rule of every
+        # request, and a method call per rule is a tenth of its cost.
+        data = self._states.data
         for check in checks:
-            if not check.count:
+            key = check.key
+            limiter = check.limiter
+            if check.count and not limiter.deferred:
+                state = data.pop(key, None)
+                if state is not None:
+                    data[key] = state
+                if state is not None and state.limiter is limiter:
+                    hit = limiter.hit(state, now, check.threshold, 1)
+                else:  # a new key, or one a reload gave another limiter
+                    hit = self._hit(key, limiter, now, check.threshold, 1)
+            elif not check.count:
                 state = self._states.get(check.key)
                 hit = check.limiter.peek(state, now) if state is not None else ALLOWED
-            elif is_deferred(limiter := check.limiter):
+            elif is_deferred(limiter):
                 state, stored = self._state(check.key, limiter)
                 hit = limiter.assess(state, now)
                 if hit.delay and not can_delay:
                     hit = Hit(True, hit.delay)  # the wait queue is full: refuse
                 buckets.append((check, limiter, state, stored, hit))
-            else:
-                hit = self._hit(check.key, check.limiter, now, check.threshold, 1)
-            evaluation.hits.append(hit)
+            hits.append(hit)
             if hit.over_limit and check.stops:
                 refused = True
                 ban_key, ban_duration = check.key, check.ban_duration
