@@ -35,6 +35,7 @@ from sidecar.config import parse_rules_text  # noqa: E402
 from sidecar.engine import Engine  # noqa: E402
 from sidecar.request import CheckRequest  # noqa: E402
 from sidecar.rules import compile_rules  # noqa: E402
+from sidecar.server import tune_garbage_collector  # noqa: E402
 
 HIGH = 1_000_000_000  # far above the load: every rule evaluated, every request allowed
 
@@ -236,6 +237,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=1_000_000, help="rotating clients")
     parser.add_argument("--batch", type=int, default=20_000, help="decisions per timed pass")
     args = parser.parse_args()
+    tune_garbage_collector()  # as in a `sluice serve` process
     print(f"Python {sys.version.split()[0]}, {os.cpu_count()} cores")
     rotation(args.clients, args.batch)
     against_limits(rounds=20_000, passes=5)

@@ -165,7 +165,9 @@ def service(settings: dict[str, Any], ruleset: Ruleset | None = None) -> Any:
     from sidecar.app import create_app
     from sidecar.decisionlog import configure_decision_log
     from sidecar.engine import Engine
+    from sidecar.server import tune_garbage_collector
 
+    tune_garbage_collector()
     logging.basicConfig(level=settings["log_level"].upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     configure_decision_log()

@@ -1,9 +1,11 @@
 """What `sluice serve` hands each worker process."""
 
+import gc
 import os
 from pathlib import Path
 
 from sidecar.cli import service
+from sidecar.server import YOUNG_GENERATION_THRESHOLD
 
 
 def settings(rules: Path, secret: str | None) -> dict:
@@ -24,3 +26,15 @@ def test_workers_share_one_signing_key_without_a_secret_file(tmp_path: Path) -> 
     # Without the shared key, each process would pick its own.
     third = service(settings(rules, None))
     assert third.engine.pending.open(token) is None
+
+
+def test_each_process_collects_young_objects_in_large_batches(tmp_path: Path) -> None:
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("rules: []\n")
+    before = gc.get_threshold()
+    gc.set_threshold(700, *before[1:])
+    try:
+        service(settings(rules, None))
+        assert gc.get_threshold()[0] == YOUNG_GENERATION_THRESHOLD > 700
+    finally:
+        gc.set_threshold(*before)
