@@ -12,11 +12,12 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Hashable
+from typing import Callable
 
 from sidecar.actions import BlockPage, retry_after_seconds
 from sidecar.challenge import Challenges, IssuedChallenge
 from sidecar.clientip import UNKNOWN_CLIENT, ClientAddress, in_networks
+from sidecar.keys import CountingKey, key_values
 from sidecar.limiters import Hit
 from sidecar.metrics import Metrics
 from sidecar.request import CheckRequest
@@ -227,7 +228,7 @@ class Engine:
                     rule_hits[rule.id] += 1
                 else:
                     # Counted, maybe, when the response is reported.
-                    pending.append((rule.id, check.threshold, check.key[1:]))  # type: ignore[index]
+                    pending.append((rule.id, check.threshold, key_values(check.key)))
                 continue
             metrics.over_limit(rule.id, rule.action)
             limit = math.ceil(check.threshold)
@@ -385,7 +386,7 @@ class Engine:
 LOGGED_KEY_CHARS = 256
 
 
-def logged_key(key: Hashable) -> str:
+def logged_key(key: CountingKey) -> str:
     text = describe_key(key)
     return text if len(text) <= LOGGED_KEY_CHARS else text[:LOGGED_KEY_CHARS] + "…"
 

@@ -23,12 +23,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from heapq import nlargest
-from typing import Any, Hashable, Sequence
+from typing import Any, Sequence
 
 from sidecar.accesslog import AccessLogs, LogEntry
 from sidecar.challenge import FINGERPRINT_HEADER
 from sidecar.clientip import in_networks
 from sidecar.engine import ALLOW, DENY, Decision, Engine
+from sidecar.keys import CountingKey, key_rule_id
 from sidecar.limiters import Hit, LeakyBucket, TokenBucket, WindowCounter
 from sidecar.request import CheckRequest
 from sidecar.rules import CompiledRule, Ruleset, describe_key
@@ -114,11 +115,11 @@ class RuleStats:
     longest_hold: float = 0.0
     not_reached: int = 0  # matched, but an earlier rule or an active ban answered first
     responses_counted: int = 0
-    keys: dict[Hashable, KeyStats] = field(default_factory=dict)
+    keys: dict[CountingKey, KeyStats] = field(default_factory=dict)
     # (time, key, amount) of the last period, oldest first, for the peaks.
     recent: deque[tuple[float, KeyStats, int]] = field(default_factory=deque)
 
-    def add(self, key: Hashable, now: float, amount: int, agent: str | None) -> KeyStats:
+    def add(self, key: CountingKey, now: float, amount: int, agent: str | None) -> KeyStats:
         stats = self.keys.get(key)
         if stats is None:
             stats = self.keys[key] = KeyStats()
@@ -174,7 +175,7 @@ class Replay:
             self.engine.record_response_now(decision.pending, entry.status, entry.response_headers)
             for count, hit in self.store.counted:
                 if not hit.over_limit:
-                    self.rules[count.key[0][0]].responses_counted += 1  # type: ignore[index]
+                    self.rules[key_rule_id(count.key)].responses_counted += 1
 
     def _request(self, entry: LogEntry) -> CheckRequest:
         host = entry.host or self.default_host
@@ -394,7 +395,7 @@ def _rule_report(stats: RuleStats, top: int) -> dict[str, Any]:
     }
 
 
-def _key_report(key: Hashable, stats: KeyStats) -> dict[str, Any]:
+def _key_report(key: CountingKey, stats: KeyStats) -> dict[str, Any]:
     return {"key": describe_key(key), "requests": stats.requests, "over_limit": stats.over_limit,
             "peak": stats.peak, "user_agents": stats.agent_count}
 

@@ -13,19 +13,20 @@ import socket
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable, Hashable, cast
+from typing import Callable, Hashable
 
 from sidecar import config
 from sidecar.actions import CHALLENGE_PAGE, BlockPage
 from sidecar.challenge import cookie_name
 from sidecar.clientip import ClientIPResolver, IPAddress, IPNetwork, in_networks
 from sidecar.config import ConfigError, ConfigIssue, LoadedRules
+from sidecar.keys import CountingKey, KeyPrefix, key_dimensions, key_values
 from sidecar.limiters import LeakyBucket, TokenBucket, WindowCounter
 from sidecar.state import AutoBan, Limiter
 from sidecar.request import CheckRequest
 
 Predicate = Callable[[CheckRequest], bool]
-KeyBuilder = Callable[[CheckRequest], Hashable]
+KeyBuilder = Callable[[CheckRequest], CountingKey]
 
 # --------------------------------------------------------------------------
 # Conditions (SPEC §5)
@@ -146,12 +147,12 @@ def _dimension_value(dimension: str) -> DimensionValue:
     return session
 
 
-def compile_key(rule_id: str, dimensions: list[str]) -> tuple[tuple[str, tuple[str, ...]], KeyBuilder]:
+def compile_key(rule_id: str, dimensions: list[str]) -> tuple[KeyPrefix, KeyBuilder]:
     """The key is the rule id, the sorted dimension names and their values.
 
-    Keys are tuples, so values containing any separator cannot make two
-    different tuples collide; sorting makes the written order irrelevant.
-    No dimensions means host + client address.
+    Keys are tuples (``CountingKey``), so values containing any separator
+    cannot make two different tuples collide; sorting makes the written
+    order irrelevant. No dimensions means host + client address.
     """
     names = tuple(sorted(dimensions or ["host", "ip"]))
     prefix = (rule_id, names)
@@ -170,13 +171,10 @@ def compile_key(rule_id: str, dimensions: list[str]) -> tuple[tuple[str, tuple[s
     return prefix, lambda request: (prefix, *(extract(request) for extract in extractors))
 
 
-def describe_key(key: Hashable) -> str:
+def describe_key(key: CountingKey) -> str:
     """A counting key as one readable string, for logs."""
-    parts = cast(tuple[Any, ...], key)  # (prefix, *values): see compile_key
-    names: tuple[str, ...] = parts[0][1]
-    values = parts[1:]
     return " ".join(f"{name}={value!r}" if isinstance(value, tuple) else f"{name}={value}"
-                    for name, value in zip(names, values))
+                    for name, value in zip(key_dimensions(key), key_values(key)))
 
 
 # --------------------------------------------------------------------------
@@ -272,7 +270,7 @@ class CompiledRule:
     action: str  # log | block | ban | challenge
     condition: Predicate | None
     key: KeyBuilder
-    key_prefix: tuple[str, tuple[str, ...]]  # (rule id, sorted dimension names)
+    key_prefix: KeyPrefix
     limiter: Limiter
     threshold: int  # X-RateLimit-Limit (threshold 0 reports 1; bucket capacity or burst + 1)
     reset: int | None  # X-RateLimit-Reset: the penalty length; None: the time until a request fits

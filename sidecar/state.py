@@ -9,9 +9,10 @@ evaluated nor counted. The stores themselves are in ``sidecar.store``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Protocol, Sequence, TypeGuard
+from typing import Any, Callable, Protocol, Sequence, TypeGuard
 
 from sidecar.config import AutoBan as AutoBanConfig
+from sidecar.keys import CountingKey
 from sidecar.limiters import ALLOWED, Hit, WindowCounter
 
 Clock = Callable[[], float]
@@ -59,7 +60,7 @@ class AutoBan:
                    auto_ban.challenges, auto_ban.ban)
 
     @staticmethod
-    def key(address: str) -> Hashable:
+    def key(address: str) -> CountingKey:
         # Shaped like a rule's counting key, so logs can describe it; no rule
         # id has a space, so it is nobody else's key.
         return (("challenge auto-ban", ("ip",)), address)
@@ -70,7 +71,7 @@ class Check:
     """One matching rule of one request, ready for the store."""
 
     rule_id: str
-    key: Hashable
+    key: CountingKey
     limiter: Limiter
     threshold: float
     stops: bool  # over limit ends evaluation (block, ban, challenge)
@@ -83,7 +84,7 @@ class Check:
 class ResponseCount:
     """One response that a response-phase rule counts (SPEC §8)."""
 
-    key: Hashable
+    key: CountingKey
     limiter: Limiter
     threshold: float
     amount: int = 1

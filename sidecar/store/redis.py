@@ -24,8 +24,9 @@ from __future__ import annotations
 import json
 import time
 from importlib import resources
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Sequence
 
+from sidecar.keys import CountingKey
 from sidecar.limiters import ALLOWED, Hit, LeakyBucket, TokenBucket, WindowCounter
 from sidecar.store import StoreUnavailable
 from sidecar.store.redis_pipeline import PipelinedRedis
@@ -43,7 +44,7 @@ BAN_INDEX = PREFIX + "bans"
 DEFAULT_TIMEOUT = 0.1
 
 
-def counting_key(key: Hashable) -> str:
+def counting_key(key: CountingKey) -> str:
     """The Redis key of a counting key tuple: its JSON, which is readable in
     redis-cli and unambiguous (strings are quoted and escaped)."""
     return COUNT_PREFIX + json.dumps(key, separators=(",", ":"))
