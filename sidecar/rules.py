@@ -21,7 +21,7 @@ from sidecar.challenge import cookie_name
 from sidecar.clientip import ClientIPResolver, IPAddress, IPNetwork, in_networks
 from sidecar.config import ConfigError, ConfigIssue, LoadedRules
 from sidecar.keys import CountingKey, KeyPrefix, key_dimensions, key_values
-from sidecar.limiters import LeakyBucket, TokenBucket, WindowCounter
+from sidecar.limiters import build_limiter
 from sidecar.state import AutoBan, Limiter
 from sidecar.request import CheckRequest
 
@@ -325,9 +325,8 @@ class Ruleset:
 
     @property
     def longest_hold(self) -> float:
-        """The longest a leaky bucket rule may hold a request, in seconds."""
-        return max((rule.limiter.longest_hold() for rule in self.rules
-                    if isinstance(rule.limiter, LeakyBucket)), default=0.0)
+        """The longest a rule (a leaky bucket's) may hold a request, in seconds."""
+        return max((rule.limiter.longest_hold() for rule in self.rules), default=0.0)
 
 
 def compile_rules(loaded: LoadedRules) -> Ruleset:
@@ -355,42 +354,23 @@ def compile_rules(loaded: LoadedRules) -> Ruleset:
         if rule.action == "challenge":
             page = CHALLENGE_PAGE
             challenge = ChallengeSettings(cookie_name(rule.id), (rule.challenge or config.ChallengeAction()).ttl)
-        limit = rule.limit
         key_prefix, key = compile_key(rule.id, rule.key)
-        limiter: Limiter
-        response = ResponseCounting.from_config(rule.count_on, None) if rule.count_on else None
-        # Bucket algorithms have no penalty unless one is set (SPEC §2).
-        penalty: float | None = rule.penalty
-        if rule.id in overrides and isinstance(limit, (config.LeakyLimit, config.TokenLimit)):
+        limit = build_limiter(rule.limit, rule.penalty)
+        if rule.id in overrides and not limit.limiter.scalable:
             issues.append(loaded.issue(loc + ("limit",), "overrides scale request and score "
                                        "thresholds; a bucket rule cannot be listed in overrides"))
             continue
-        if isinstance(limit, config.LeakyLimit):
-            limiter = LeakyBucket(limit.rate, limit.burst, None if limit.nodelay else (limit.delay or 0),
-                                  penalty)
-            threshold = limit.burst + 1
-        elif isinstance(limit, config.TokenLimit):
-            limiter = TokenBucket(limit.tokens, limit.refill, limit.cost, penalty)
-            threshold = limit.tokens
-        else:
-            penalty = penalty if penalty is not None else limit.per
-            if isinstance(limit, config.ScoreLimit):
-                limiter = WindowCounter(limit.score, limit.per, penalty, exceed=True)
-                threshold = limit.score
-                response = ResponseCounting.from_config(rule.count_on, limit.header)
-            else:
-                limiter = WindowCounter(limit.requests, limit.per, penalty,
-                                        sliding=limit.window == "sliding")
-                threshold = max(limit.requests, 1)
+        counts_responses = rule.count_on is not None or limit.score_header is not None
+        response = ResponseCounting.from_config(rule.count_on, limit.score_header) if counts_responses else None
         rules.append(CompiledRule(
             id=rule.id,
             action=rule.action,
             condition=compile_condition(rule.match) if rule.match is not None else None,
             key=key,
             key_prefix=key_prefix,
-            limiter=limiter,
-            threshold=threshold,
-            reset=max(1, math.ceil(penalty)) if penalty is not None else None,
+            limiter=limit.limiter,
+            threshold=limit.threshold,
+            reset=max(1, math.ceil(limit.penalty)) if limit.penalty is not None else None,
             overrides=tuple(overrides.get(rule.id, ())),
             page=page,
             ban_duration=(rule.ban or config.BanAction()).duration if rule.action == "ban" else None,

@@ -13,23 +13,39 @@ from typing import Any, Callable, Protocol, Sequence, TypeGuard
 
 from sidecar.config import AutoBan as AutoBanConfig
 from sidecar.keys import CountingKey
-from sidecar.limiters import ALLOWED, Hit, WindowCounter
+from sidecar.limiters import ALLOWED, Hit
+from sidecar.limiters.window import WindowCounter
 
 Clock = Callable[[], float]
 
 
 class Limiter(Protocol):
-    """What every algorithm answers. Window counters ``hit`` at once;
-    buckets are ``deferred`` (see ``DeferredLimiter``)."""
+    """What every algorithm answers (``sidecar.limiters``). Window counters
+    ``hit`` at once; buckets are ``deferred`` (see ``DeferredLimiter``)."""
 
     deferred: bool
     holds: bool  # may ask to hold an admitted request (a leaky bucket's delay)
+    scalable: bool  # the check's threshold is the limit, which overrides may scale
 
     def new_state(self) -> Any: ...
     def peek(self, state: Any, now: float) -> Hit: ...
     def hit(self, state: Any, now: float, threshold: float, amount: int = 1) -> Hit: ...
     def expires_at(self, state: Any) -> float: ...
     def quota(self, state: Any, now: float, threshold: float) -> tuple[int, float, float]: ...
+
+    def longest_hold(self) -> float:
+        """Seconds the longest-held request may wait (0: never holds)."""
+
+    def redis_args(self, threshold: float) -> tuple[str, ...]:
+        """The check's arguments for the Redis scripts: a kind ('W', 'L',
+        'T') and five values, made at construction but for a threshold
+        that differs from the limiter's own."""
+
+    def peak_period(self) -> float:
+        """The span over which replay measures a key's peak traffic."""
+
+    def describe(self) -> str:
+        """The limit in words, as replay reports it."""
 
 
 class DeferredLimiter(Limiter, Protocol):
