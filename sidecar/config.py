@@ -13,7 +13,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal, Mapping
+from typing import Annotated, Any, ClassVar, Literal, Mapping
 
 import yaml
 from pydantic import (
@@ -56,6 +56,16 @@ def parse_duration(value: Any) -> float:
     if not math.isfinite(seconds) or seconds <= 0:
         raise ValueError(f"a duration must be positive, got {value!r}")
     return seconds
+
+
+def format_duration(seconds: float) -> str:
+    """A period as the rules file would write it: 500ms, 10s, 15m, 1h, 1d."""
+    if seconds < 1:
+        return f"{seconds * 1000:g}ms"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds % size == 0:
+            return f"{seconds // size:g}{unit}"
+    return f"{seconds:g}s"
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,12 +222,14 @@ FailMode = Literal["open", "closed"]  # a request while the shared store is unav
 
 
 class WindowLimit(Strict):
+    tag: ClassVar[str] = "window-limit"
     requests: int = Field(ge=0)
     per: Duration
     window: Literal["sliding", "fixed"] = "sliding"
 
 
 class ScoreLimit(Strict):
+    tag: ClassVar[str] = "score-budget"
     score: int = Field(ge=1)
     per: Duration
     header: str = Field(min_length=1)
@@ -229,6 +241,7 @@ class ScoreLimit(Strict):
 
 
 class TokenLimit(Strict):
+    tag: ClassVar[str] = "token-bucket"
     tokens: int = Field(ge=1)
     refill: Annotated[float, PlainValidator(parse_refill)]
     cost: int = Field(1, ge=1)
@@ -241,6 +254,7 @@ class TokenLimit(Strict):
 
 
 class LeakyLimit(Strict):
+    tag: ClassVar[str] = "leaky-bucket"
     rate: Annotated[Rate, PlainValidator(parse_rate)]
     burst: int = Field(0, ge=0)
     nodelay: bool = False
@@ -253,8 +267,10 @@ class LeakyLimit(Strict):
         return self
 
 
-_LIMIT_TAGS = {"requests": "window-limit", "score": "score-budget",
-               "tokens": "token-bucket", "rate": "leaky-bucket"}
+# A limit's kind is told by the field it has; its model's ``tag`` names the
+# kind here and in sidecar.limiters, whose registry builds the limiter.
+_LIMIT_TAGS = {"requests": WindowLimit.tag, "score": ScoreLimit.tag,
+               "tokens": TokenLimit.tag, "rate": LeakyLimit.tag}
 
 
 def _limit_kind(value: Any) -> str | None:
@@ -266,10 +282,10 @@ def _limit_kind(value: Any) -> str | None:
 
 
 Limit = Annotated[
-    Annotated[WindowLimit, Tag("window-limit")]
-    | Annotated[ScoreLimit, Tag("score-budget")]
-    | Annotated[TokenLimit, Tag("token-bucket")]
-    | Annotated[LeakyLimit, Tag("leaky-bucket")],
+    Annotated[WindowLimit, Tag(WindowLimit.tag)]
+    | Annotated[ScoreLimit, Tag(ScoreLimit.tag)]
+    | Annotated[TokenLimit, Tag(TokenLimit.tag)]
+    | Annotated[LeakyLimit, Tag(LeakyLimit.tag)],
     Discriminator(
         _limit_kind,
         custom_error_type="limit_kind",

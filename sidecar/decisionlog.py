@@ -11,8 +11,9 @@ import json
 import logging
 import sys
 import time
-from typing import Callable, Hashable, TextIO
+from typing import Callable, TextIO
 
+from sidecar.keys import CountingKey
 from sidecar.request import CheckRequest
 from sidecar.rules import CompiledRule, describe_key
 from sidecar.state import Check, ResponseCount
@@ -24,7 +25,7 @@ decision_log = logging.getLogger("sluice.decisions")
 LOGGED_KEY_CHARS = 256
 
 
-def logged_key(key: Hashable) -> str:
+def logged_key(key: CountingKey) -> str:
     text = describe_key(key)
     return text if len(text) <= LOGGED_KEY_CHARS else text[:LOGGED_KEY_CHARS] + "…"
 

@@ -16,6 +16,7 @@ from sidecar.actions import BlockPage, draft_fields, retry_after_seconds
 from sidecar.challenge import Challenges, IssuedChallenge
 from sidecar.clientip import UNKNOWN_CLIENT, ClientAddress, in_networks
 from sidecar.decisionlog import DecisionLog
+from sidecar.keys import key_values
 from sidecar.limiters import Hit
 from sidecar.metrics import Metrics
 from sidecar.pending import PendingEntry, PendingTokens
@@ -245,7 +246,7 @@ class Engine:
                     rule_hits[rule.id] += 1
                 else:
                     # Counted, maybe, when the response is reported.
-                    pending.append((rule.id, check.threshold, check.key[1:]))  # type: ignore[index]
+                    pending.append((rule.id, check.threshold, key_values(check.key)))
                 continue
             metrics.over_limit(rule.id, rule.action)
             limit = math.ceil(check.threshold)

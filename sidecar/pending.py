@@ -23,7 +23,7 @@ from typing import Any, Callable, Hashable
 
 from sidecar.signing import Signer, b64decode, b64encode
 
-# A counting key's values (after the rule prefix): text, or a tagged pair
+# A counting key's values (``keys.key_values``): text, or a tagged pair
 # for the session fallback (see rules._dimension_value).
 KeyValues = tuple[Hashable, ...]
 PendingEntry = tuple[str, float, KeyValues]

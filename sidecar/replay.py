@@ -23,13 +23,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from heapq import nlargest
-from typing import Any, Hashable, Sequence
+from typing import Any, Sequence
 
 from sidecar.accesslog import AccessLogs, LogEntry
 from sidecar.challenge import FINGERPRINT_HEADER
 from sidecar.clientip import in_networks
+from sidecar.config import format_duration
 from sidecar.engine import ALLOW, DENY, Decision, Engine
-from sidecar.limiters import Hit, LeakyBucket, TokenBucket, WindowCounter
+from sidecar.keys import CountingKey, key_rule_id
+from sidecar.limiters import Hit
 from sidecar.request import CheckRequest
 from sidecar.rules import CompiledRule, Ruleset, describe_key
 from sidecar.state import Check, Evaluation, ResponseCount
@@ -114,11 +116,11 @@ class RuleStats:
     longest_hold: float = 0.0
     not_reached: int = 0  # matched, but an earlier rule or an active ban answered first
     responses_counted: int = 0
-    keys: dict[Hashable, KeyStats] = field(default_factory=dict)
+    keys: dict[CountingKey, KeyStats] = field(default_factory=dict)
     # (time, key, amount) of the last period, oldest first, for the peaks.
     recent: deque[tuple[float, KeyStats, int]] = field(default_factory=deque)
 
-    def add(self, key: Hashable, now: float, amount: int, agent: str | None) -> KeyStats:
+    def add(self, key: CountingKey, now: float, amount: int, agent: str | None) -> KeyStats:
         stats = self.keys.get(key)
         if stats is None:
             stats = self.keys[key] = KeyStats()
@@ -146,7 +148,7 @@ class Replay:
         self.store = RecordingStore(ruleset.max_keys, ruleset.node, self.clock, wall_clock=self.clock)
         # Pending tokens are dated by the same clock, so they never look stale.
         self.engine = Engine(ruleset, store=self.store, clock=self.clock, wall_clock=self.clock)
-        self.rules = {rule.id: RuleStats(rule, peak_period(rule)) for rule in ruleset.rules}
+        self.rules = {rule.id: RuleStats(rule, rule.limiter.peak_period()) for rule in ruleset.rules}
         self.answers = dict.fromkeys(("allowed", "observed", "held", "exempt", "denied", "challenged",
                                       "closed", "closed_by_ban"), 0)
         self.requests = 0
@@ -174,7 +176,7 @@ class Replay:
             self.engine.record_response_now(decision.pending, entry.status, entry.response_headers)
             for count, hit in self.store.counted:
                 if not hit.over_limit:
-                    self.rules[count.key[0][0]].responses_counted += 1  # type: ignore[index]
+                    self.rules[key_rule_id(count.key)].responses_counted += 1
 
     def _request(self, entry: LogEntry) -> CheckRequest:
         host = entry.host or self.default_host
@@ -206,13 +208,13 @@ class Replay:
             return  # exempt, or no rule matched
         now = self.clock.now
         agent = entry.headers.get("user-agent")
-        banned_before = evaluation.ban is not None and not evaluation.new_ban
-        if banned_before:
+        earlier_ban = None if evaluation.new_ban else evaluation.ban
+        if earlier_ban is not None:
             # Refused at once, no rule evaluated (SPEC §1); the ban's rule
             # gets the credit. It may be gone after a reload: not in replay.
             self.answers["closed_by_ban"] += 1
-            self.rules[evaluation.ban.rule_id].ban_closed += 1  # type: ignore[union-attr]
-        hits = [] if banned_before else evaluation.hits
+            self.rules[earlier_ban.rule_id].ban_closed += 1
+        hits = [] if earlier_ban is not None else evaluation.hits
         for index, check in enumerate(self.store.checks):
             stats = self.rules[check.rule_id]
             stats.matched += 1
@@ -284,40 +286,9 @@ def replay_logs(ruleset: Ruleset, names: Sequence[str], top: int = 5,
 # --------------------------------------------------------------------------
 
 
-def peak_period(rule: CompiledRule) -> float:
-    """The window of a rule's peaks: its period; for buckets a second, or a
-    minute when the rate is under one per second."""
-    limiter = rule.limiter
-    if isinstance(limiter, WindowCounter):
-        return limiter.period
-    per_second = limiter.rate / 1000 if isinstance(limiter, LeakyBucket) else limiter.refill  # type: ignore[attr-defined]
-    return 1.0 if per_second >= 1 else 60.0
-
-
 def describe_limit(rule: CompiledRule) -> str:
-    limiter = rule.limiter
-    if isinstance(limiter, WindowCounter):
-        if limiter.exceed:
-            text = f"score {limiter.threshold} per {duration(limiter.period)}"
-        else:
-            kind = "sliding" if limiter.sliding else "fixed"
-            text = f"{limiter.threshold} per {duration(limiter.period)} ({kind} window)"
-        if limiter.penalty != limiter.period:
-            text += f", penalty {duration(limiter.penalty)}"
-    elif isinstance(limiter, LeakyBucket):
-        # nginx keeps the rate in thousandths per second, 10r/m as 0.166r/s.
-        text = f"rate {limiter.rate / 1000:g}r/s, burst {limiter.burst // 1000}"
-        if limiter.delay == limiter.burst and limiter.burst:
-            text += ", nodelay"
-        elif limiter.delay:
-            text += f", delay {limiter.delay // 1000}"
-    else:
-        assert isinstance(limiter, TokenBucket)
-        text = f"{limiter.capacity} tokens, refill {limiter.refill:g}/s"
-        if limiter.cost != 1:
-            text += f", cost {limiter.cost}"
-    if isinstance(limiter, (LeakyBucket, TokenBucket)) and limiter.penalty is not None:
-        text += f", penalty {duration(limiter.penalty)}"
+    """The limiter's own words, and which responses it counts."""
+    text = rule.limiter.describe()
     counting = rule.response
     if counting is not None:
         conditions = []
@@ -341,17 +312,7 @@ def peak_unit(rule: CompiledRule, period: float) -> str:
         what = "score"
     else:
         what = "counted responses"
-    return f"{what} per {duration(period)}"
-
-
-def duration(seconds: float) -> str:
-    """A period as the rules file would write it: 500ms, 10s, 15m, 1h, 1d."""
-    if seconds < 1:
-        return f"{seconds * 1000:g}ms"
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds % size == 0:
-            return f"{seconds // size:g}{unit}"
-    return f"{seconds:g}s"
+    return f"{what} per {format_duration(period)}"
 
 
 def percentile(values: Sequence[int], percent: int) -> int:
@@ -394,7 +355,7 @@ def _rule_report(stats: RuleStats, top: int) -> dict[str, Any]:
     }
 
 
-def _key_report(key: Hashable, stats: KeyStats) -> dict[str, Any]:
+def _key_report(key: CountingKey, stats: KeyStats) -> dict[str, Any]:
     return {"key": describe_key(key), "requests": stats.requests, "over_limit": stats.over_limit,
             "peak": stats.peak, "user_agents": stats.agent_count}
 

@@ -13,19 +13,20 @@ import socket
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable, Hashable, cast
+from typing import Callable, Hashable
 
 from sidecar import config
 from sidecar.actions import CHALLENGE_PAGE, BlockPage
 from sidecar.challenge import cookie_name
 from sidecar.clientip import ClientIPResolver, IPAddress, IPNetwork, in_networks
 from sidecar.config import ConfigError, ConfigIssue, LoadedRules
-from sidecar.limiters import LeakyBucket, TokenBucket, WindowCounter
+from sidecar.keys import CountingKey, KeyPrefix, key_dimensions, key_values
+from sidecar.limiters import build_limiter
 from sidecar.state import AutoBan, Limiter
 from sidecar.request import CheckRequest
 
 Predicate = Callable[[CheckRequest], bool]
-KeyBuilder = Callable[[CheckRequest], Hashable]
+KeyBuilder = Callable[[CheckRequest], CountingKey]
 
 # --------------------------------------------------------------------------
 # Conditions (SPEC §5)
@@ -146,12 +147,12 @@ def _dimension_value(dimension: str) -> DimensionValue:
     return session
 
 
-def compile_key(rule_id: str, dimensions: list[str]) -> tuple[tuple[str, tuple[str, ...]], KeyBuilder]:
+def compile_key(rule_id: str, dimensions: list[str]) -> tuple[KeyPrefix, KeyBuilder]:
     """The key is the rule id, the sorted dimension names and their values.
 
-    Keys are tuples, so values containing any separator cannot make two
-    different tuples collide; sorting makes the written order irrelevant.
-    No dimensions means host + client address.
+    Keys are tuples (``CountingKey``), so values containing any separator
+    cannot make two different tuples collide; sorting makes the written
+    order irrelevant. No dimensions means host + client address.
     """
     names = tuple(sorted(dimensions or ["host", "ip"]))
     prefix = (rule_id, names)
@@ -170,13 +171,10 @@ def compile_key(rule_id: str, dimensions: list[str]) -> tuple[tuple[str, tuple[s
     return prefix, lambda request: (prefix, *(extract(request) for extract in extractors))
 
 
-def describe_key(key: Hashable) -> str:
+def describe_key(key: CountingKey) -> str:
     """A counting key as one readable string, for logs."""
-    parts = cast(tuple[Any, ...], key)  # (prefix, *values): see compile_key
-    names: tuple[str, ...] = parts[0][1]
-    values = parts[1:]
     return " ".join(f"{name}={value!r}" if isinstance(value, tuple) else f"{name}={value}"
-                    for name, value in zip(names, values))
+                    for name, value in zip(key_dimensions(key), key_values(key)))
 
 
 # --------------------------------------------------------------------------
@@ -272,7 +270,7 @@ class CompiledRule:
     action: config.Action
     condition: Predicate | None
     key: KeyBuilder
-    key_prefix: tuple[str, tuple[str, ...]]  # (rule id, sorted dimension names)
+    key_prefix: KeyPrefix
     limiter: Limiter
     threshold: int  # X-RateLimit-Limit (threshold 0 reports 1; bucket capacity or burst + 1)
     reset: int | None  # X-RateLimit-Reset: the penalty length; None: the time until a request fits
@@ -327,9 +325,8 @@ class Ruleset:
 
     @property
     def longest_hold(self) -> float:
-        """The longest a leaky bucket rule may hold a request, in seconds."""
-        return max((rule.limiter.longest_hold() for rule in self.rules
-                    if isinstance(rule.limiter, LeakyBucket)), default=0.0)
+        """The longest a rule (a leaky bucket's) may hold a request, in seconds."""
+        return max((rule.limiter.longest_hold() for rule in self.rules), default=0.0)
 
 
 def compile_rules(loaded: LoadedRules) -> Ruleset:
@@ -357,42 +354,23 @@ def compile_rules(loaded: LoadedRules) -> Ruleset:
         if rule.action == "challenge":
             page = CHALLENGE_PAGE
             challenge = ChallengeSettings(cookie_name(rule.id), (rule.challenge or config.ChallengeAction()).ttl)
-        limit = rule.limit
         key_prefix, key = compile_key(rule.id, rule.key)
-        limiter: Limiter
-        response = ResponseCounting.from_config(rule.count_on, None) if rule.count_on else None
-        # Bucket algorithms have no penalty unless one is set (SPEC §2).
-        penalty: float | None = rule.penalty
-        if rule.id in overrides and isinstance(limit, (config.LeakyLimit, config.TokenLimit)):
+        limit = build_limiter(rule.limit, rule.penalty)
+        if rule.id in overrides and not limit.limiter.scalable:
             issues.append(loaded.issue(loc + ("limit",), "overrides scale request and score "
                                        "thresholds; a bucket rule cannot be listed in overrides"))
             continue
-        if isinstance(limit, config.LeakyLimit):
-            limiter = LeakyBucket(limit.rate, limit.burst, None if limit.nodelay else (limit.delay or 0),
-                                  penalty)
-            threshold = limit.burst + 1
-        elif isinstance(limit, config.TokenLimit):
-            limiter = TokenBucket(limit.tokens, limit.refill, limit.cost, penalty)
-            threshold = limit.tokens
-        else:
-            penalty = penalty if penalty is not None else limit.per
-            if isinstance(limit, config.ScoreLimit):
-                limiter = WindowCounter(limit.score, limit.per, penalty, exceed=True)
-                threshold = limit.score
-                response = ResponseCounting.from_config(rule.count_on, limit.header)
-            else:
-                limiter = WindowCounter(limit.requests, limit.per, penalty,
-                                        sliding=limit.window == "sliding")
-                threshold = max(limit.requests, 1)
+        counts_responses = rule.count_on is not None or limit.score_header is not None
+        response = ResponseCounting.from_config(rule.count_on, limit.score_header) if counts_responses else None
         rules.append(CompiledRule(
             id=rule.id,
             action=rule.action,
             condition=compile_condition(rule.match) if rule.match is not None else None,
             key=key,
             key_prefix=key_prefix,
-            limiter=limiter,
-            threshold=threshold,
-            reset=max(1, math.ceil(penalty)) if penalty is not None else None,
+            limiter=limit.limiter,
+            threshold=limit.threshold,
+            reset=max(1, math.ceil(limit.penalty)) if limit.penalty is not None else None,
             overrides=tuple(overrides.get(rule.id, ())),
             page=page,
             ban_duration=(rule.ban or config.BanAction()).duration if rule.action == "ban" else None,

@@ -9,26 +9,43 @@ evaluated nor counted. The stores themselves are in ``sidecar.store``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Protocol, Sequence, TypeGuard
+from typing import Any, Callable, Protocol, Sequence, TypeGuard
 
 from sidecar.config import AutoBan as AutoBanConfig
-from sidecar.limiters import ALLOWED, Hit, WindowCounter
+from sidecar.keys import CountingKey
+from sidecar.limiters import ALLOWED, Hit
+from sidecar.limiters.window import WindowCounter
 
 Clock = Callable[[], float]
 
 
 class Limiter(Protocol):
-    """What every algorithm answers. Window counters ``hit`` at once;
-    buckets are ``deferred`` (see ``DeferredLimiter``)."""
+    """What every algorithm answers (``sidecar.limiters``). Window counters
+    ``hit`` at once; buckets are ``deferred`` (see ``DeferredLimiter``)."""
 
     deferred: bool
     holds: bool  # may ask to hold an admitted request (a leaky bucket's delay)
+    scalable: bool  # the check's threshold is the limit, which overrides may scale
 
     def new_state(self) -> Any: ...
     def peek(self, state: Any, now: float) -> Hit: ...
     def hit(self, state: Any, now: float, threshold: float, amount: int = 1) -> Hit: ...
     def expires_at(self, state: Any) -> float: ...
     def quota(self, state: Any, now: float, threshold: float) -> tuple[int, float, float]: ...
+
+    def longest_hold(self) -> float:
+        """Seconds the longest-held request may wait (0: never holds)."""
+
+    def redis_args(self, threshold: float) -> tuple[str, ...]:
+        """The check's arguments for the Redis scripts: a kind ('W', 'L',
+        'T') and five values, made at construction but for a threshold
+        that differs from the limiter's own."""
+
+    def peak_period(self) -> float:
+        """The span over which replay measures a key's peak traffic."""
+
+    def describe(self) -> str:
+        """The limit in words, as replay reports it."""
 
 
 class DeferredLimiter(Limiter, Protocol):
@@ -59,7 +76,7 @@ class AutoBan:
                    auto_ban.challenges, auto_ban.ban)
 
     @staticmethod
-    def key(address: str) -> Hashable:
+    def key(address: str) -> CountingKey:
         # Shaped like a rule's counting key, so logs can describe it; no rule
         # id has a space, so it is nobody else's key.
         return (("challenge auto-ban", ("ip",)), address)
@@ -70,7 +87,7 @@ class Check:
     """One matching rule of one request, ready for the store."""
 
     rule_id: str
-    key: Hashable
+    key: CountingKey
     limiter: Limiter
     threshold: float
     stops: bool  # over limit ends evaluation (block, ban, challenge)
@@ -83,7 +100,7 @@ class Check:
 class ResponseCount:
     """One response that a response-phase rule counts (SPEC §8)."""
 
-    key: Hashable
+    key: CountingKey
     limiter: Limiter
     threshold: float
     amount: int = 1

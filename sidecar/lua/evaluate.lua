@@ -6,12 +6,13 @@
 -- KEYS: 1 the address's ban record, 2 the ban index (address -> expiry),
 --       3 the address's challenge counter (auto-ban), 4.. one per check.
 -- ARGV: now ('' = server time), address ('' = unknown), node, wall clock,
---       auto-ban {threshold, period, penalty, sliding, exceed, duration},
+--       auto-ban {'W', threshold, period, penalty, sliding, exceed, duration},
 --       can delay (1/0: a bucket may hold the request), quotas (1/0),
 --       then per check: rule id, count (1/0), stops (1/0), ban duration
---       ('' = none), auto-ban (1/0), kind ('W' window, 'L' leaky, 'T' token),
---       then for a window {threshold, period, penalty, sliding, exceed},
---       for a bucket its four parameters (see buckets.lua) and ''.
+--       ('' = none), auto-ban (1/0), then the limiter's arguments: its kind
+--       ('W' window, else a bucket's, see buckets.lua) and five values, for
+--       a window {threshold, period, penalty, sliding, exceed}, for a bucket
+--       its four parameters and ''.
 -- Returns {banned, new ban, rule, node, started, remaining, duration,
 --          delay, number of evaluated checks, then per evaluated check:
 --          over (1/0), retry after; then with quotas, per check:
@@ -19,10 +20,10 @@
 
 local now = clock(ARGV[1])
 local address, node, wall = ARGV[2], ARGV[3], ARGV[4]
-local auto_limit = limit_from(ARGV, 5)
-local auto_duration = ARGV[10]
-local can_delay, want_quotas = ARGV[11] == '1', ARGV[12] == '1'
-local FIRST, WIDTH = 13, 11
+local auto_limit = limit_from(ARGV, 6)
+local auto_duration = ARGV[11]
+local can_delay, want_quotas = ARGV[12] == '1', ARGV[13] == '1'
+local FIRST, WIDTH = 14, 11
 
 if address ~= '' then
   local ban = redis.call('HMGET', KEYS[1], 'rule', 'node', 'started', 'expires', 'duration')

@@ -1,6 +1,6 @@
--- Shared by every Sluice script (prepended when the store loads them): the
--- window counter of sidecar/limiters.py WindowCounter, step for step, and
--- Sluice's time. Numbers cross the Redis boundary as strings printed with
+-- Shared by every Sluice script (prepended first when the store loads them):
+-- the window counter of sidecar/limiters/window.py, kind 'W', step for step,
+-- and Sluice's time. Numbers cross the Redis boundary as strings printed with
 -- 17 significant digits, so every double survives the trip exactly.
 
 local function num(x)

@@ -3,10 +3,11 @@
 Each operation is one Lua script, shipped as a file under ``sidecar/lua/``,
 registered once and called by its digest (EVALSHA, loaded again after
 NOSCRIPT): a request's ban check and all its checks are one atomic step and
-one round trip. The scripts are the window counter and the buckets of
-``limiters.py`` line for line (``window.lua`` and ``buckets.lua`` are
-prepended to every script), with the memory store's deferred charging of
-buckets; the draft RateLimit quotas come back with the decision.
+one round trip. The scripts run the algorithms of ``sidecar.limiters`` line
+for line (the Lua files each algorithm names are prepended to every script),
+with the memory store's deferred charging of buckets; the draft RateLimit
+quotas come back with the decision. Each limiter encodes its own arguments
+(``redis_args``): this module never learns which algorithm a check runs.
 
 Every key carries the hash tag ``{sluice}``, so the multi-key scripts are
 valid on Redis Cluster; the price is that all of Sluice's keys live in one
@@ -24,12 +25,13 @@ from __future__ import annotations
 import json
 import time
 from importlib import resources
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Sequence
 
-from sidecar.limiters import ALLOWED, Hit, LeakyBucket, TokenBucket, WindowCounter
+from sidecar.keys import CountingKey
+from sidecar.limiters import ALLOWED, Hit, lua_libraries
 from sidecar.store import StoreUnavailable
 from sidecar.store.redis_pipeline import PipelinedRedis
-from sidecar.state import BanRecord, Check, Clock, Evaluation, Limiter, ResponseCount
+from sidecar.state import BanRecord, Check, Clock, Evaluation, ResponseCount
 
 __all__ = ["RedisStore", "StoreUnavailable", "counting_key", "ban_key"]
 
@@ -43,7 +45,7 @@ BAN_INDEX = PREFIX + "bans"
 DEFAULT_TIMEOUT = 0.1
 
 
-def counting_key(key: Hashable) -> str:
+def counting_key(key: CountingKey) -> str:
     """The Redis key of a counting key tuple: its JSON, which is readable in
     redis-cli and unambiguous (strings are quoted and escaped)."""
     return COUNT_PREFIX + json.dumps(key, separators=(",", ":"))
@@ -55,29 +57,16 @@ def ban_key(address: str) -> str:
 
 def _script(name: str) -> str:
     lua = resources.files("sidecar") / "lua"
-    return "\n".join((lua / f"{part}.lua").read_text() for part in ("window", "buckets", name))
+    return "\n".join((lua / f"{part}.lua").read_text() for part in (*lua_libraries(), name))
 
 
 def _flag(value: bool) -> str:
     return "1" if value else "0"
 
 
-def _limit_args(limiter: WindowCounter, threshold: float) -> list[str]:
-    return [repr(float(threshold)), repr(float(limiter.period)), repr(float(limiter.penalty)),
-            _flag(limiter.sliding), _flag(limiter.exceed)]
-
-
-def _check_limit_args(limiter: Limiter, threshold: float) -> list[str]:
-    """A check's kind and limit: a window's, or a bucket's parameters in
-    the bucket's own units (see buckets.lua)."""
-    if isinstance(limiter, WindowCounter):
-        return ["W"] + _limit_args(limiter, threshold)
-    penalty = "" if limiter.penalty is None else repr(float(limiter.penalty))  # type: ignore[attr-defined]
-    if isinstance(limiter, LeakyBucket):
-        return ["L", str(limiter.rate), str(limiter.burst), str(limiter.delay), penalty, ""]
-    if isinstance(limiter, TokenBucket):
-        return ["T", str(limiter.capacity), repr(float(limiter.refill)), str(limiter.cost), penalty, ""]
-    raise TypeError(f"no Redis script for {type(limiter).__name__}")
+# The auto-ban arguments of a request without a challenge rule: read by the
+# script, never used.
+_NO_AUTO_BAN = ("W", "1", "1", "0", "0", "0", "")
 
 
 def _hits(values: Sequence[Any]) -> list[Hit]:
@@ -120,16 +109,17 @@ class RedisStore:
         keys = [ban_key(address), BAN_INDEX, counting_key(auto_ban.key(address)) if auto_ban else BAN_INDEX]
         args = [self._now(now), address, self.node, repr(self._wall_clock())]
         if auto_ban is not None:
-            args += _limit_args(auto_ban.limiter, auto_ban.threshold) + [repr(float(auto_ban.duration))]
+            args += auto_ban.limiter.redis_args(auto_ban.threshold)
+            args.append(repr(float(auto_ban.duration)))
         else:
-            args += ["1", "1", "0", "0", "0", ""]
+            args += _NO_AUTO_BAN
         args += [_flag(can_delay), _flag(quotas)]
         for check in checks:
             keys.append(counting_key(check.key))
             args += [check.rule_id, _flag(check.count), _flag(check.stops),
                      "" if check.ban_duration is None else repr(float(check.ban_duration)),
                      _flag(check.auto_ban is not None)]
-            args += _check_limit_args(check.limiter, check.threshold)
+            args += check.limiter.redis_args(check.threshold)
         result = await self.client.evalsha(self._evaluate, keys, args)
         banned, new_ban, rule_id, node, started, remaining, duration, delay, evaluated = result[:9]
         end = 9 + 2 * int(evaluated)
@@ -146,7 +136,8 @@ class RedisStore:
     async def record(self, now: float, counts: Sequence[ResponseCount]) -> list[Hit]:
         args = [self._now(now)]
         for count in counts:
-            args += [str(count.amount)] + _limit_args(count.limiter, count.threshold)  # type: ignore[arg-type]
+            args.append(str(count.amount))
+            args += count.limiter.redis_args(count.threshold)
         result = await self.client.evalsha(self._record, [counting_key(count.key) for count in counts], args)
         return _hits(result)
 

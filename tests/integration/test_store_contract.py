@@ -12,7 +12,9 @@ from typing import Any
 import pytest
 
 from sidecar.config import Rate
-from sidecar.limiters import LeakyBucket, TokenBucket, WindowCounter
+from sidecar.limiters.leaky import LeakyBucket
+from sidecar.limiters.token import TokenBucket
+from sidecar.limiters.window import WindowCounter
 from sidecar.state import Check, ResponseCount
 from sidecar.store import StateStore
 from sidecar.store.memory import MemoryStore

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from sidecar.app import SluiceApp
 from sidecar.engine import ALLOW, DENY
-from sidecar.limiters import TokenBucket
+from sidecar.limiters.token import TokenBucket
 
 from .conftest import Harness
 from .test_app import call

@@ -5,7 +5,7 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar.limiters import WindowCounter
+from sidecar.limiters.window import WindowCounter
 
 
 def run(counter: WindowCounter, times, threshold=None):

@@ -1,0 +1,70 @@
+"""What the two buckets share (SPEC §7); in Redis, ``buckets.lua``.
+
+A bucket is deferred: ``assess`` says what a request would do and
+``commit`` applies it only when the whole request is admitted. Its limit is
+its parameters, never the check's threshold, so overrides cannot scale it,
+and its Redis arguments are made whole at construction. It has no penalty
+unless the rule sets one (SPEC §2).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from sidecar.config import format_duration
+from sidecar.limiters import ALLOWED, Hit, lua_number
+
+if TYPE_CHECKING:
+    from sidecar.state import DeferredLimiter
+
+
+def in_penalty(state: Any, now: float) -> Hit | None:
+    return Hit(True, state.penalty_until - now) if now < state.penalty_until else None
+
+
+class Bucket:
+    """The parts of a bucket that are not its arithmetic."""
+
+    __slots__ = ("penalty", "per_second", "_lua_args")
+    deferred = True
+    scalable = False
+
+    def __init__(self, penalty: float | None, per_second: float, kind: str,
+                 parameters: tuple[str, str, str]) -> None:
+        self.penalty = penalty
+        self.per_second = per_second  # requests (tokens) given back per second
+        # buckets.lua's {kind, three parameters, penalty ('' for none)}, and
+        # '' for the width of a window's arguments.
+        self._lua_args = (kind, *parameters, "" if penalty is None else lua_number(penalty), "")
+
+    def refuse(self, state: Any, now: float, wait: float) -> Hit:
+        """A bucket's refusal changes nothing, unless the rule sets an
+        explicit penalty, which then starts (SPEC §2)."""
+        if self.penalty is None:
+            return Hit(True, wait)
+        state.penalty_until = now + self.penalty
+        return Hit(True, self.penalty)
+
+    def peek(self, state: Any, now: float) -> Hit:
+        return in_penalty(state, now) or ALLOWED
+
+    def hit(self: DeferredLimiter, state: Any, now: float, threshold: float, amount: int = 1) -> Hit:
+        """Charged at once: ``assess`` then ``commit``, as for a request of one rule."""
+        hit = self.assess(state, now)
+        if not hit.over_limit:
+            self.commit(state, hit)
+        return hit
+
+    def longest_hold(self) -> float:
+        return 0.0
+
+    def redis_args(self, threshold: float) -> tuple[str, ...]:
+        return self._lua_args
+
+    def peak_period(self) -> float:
+        """A second, or a minute when the bucket gives back less than one per second."""
+        return 1.0 if self.per_second >= 1 else 60.0
+
+    def with_penalty(self, text: str) -> str:
+        """A description, and the penalty when the rule sets one."""
+        return text if self.penalty is None else f"{text}, penalty {format_duration(self.penalty)}"

@@ -1,0 +1,117 @@
+"""The leaky bucket: nginx's ``limit_req`` (SPEC §7); in Redis, ``leaky.lua``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sidecar import config
+from sidecar.config import Rate
+from sidecar.limiters import NO_PENALTY, Hit, RuleLimit, register
+from sidecar.limiters.bucket import Bucket, in_penalty
+
+
+@dataclass(slots=True)
+class LeakyState:
+    """nginx's two numbers per key: excess in thousandths of a request and
+    the time of the last accounted request in milliseconds."""
+
+    excess: int
+    last: int | None  # None: a key never seen
+    penalty_until: float
+    # The limiter the state belongs to: a reload may give the key another.
+    limiter: Any = None
+
+
+class LeakyBucket(Bucket):
+    """nginx ``limit_req`` arithmetic, integer for integer (SPEC §7).
+
+    The rate is kept as requests per second times 1000, truncated as nginx
+    truncates (10r/m is 166); time is whole milliseconds of a monotonic clock.
+    A request's excess is ``excess - rate * ms / 1000 + 1000`` (integer
+    division, clamped at 0; a key's first request has excess 0); it is
+    rejected when the excess exceeds the burst, and otherwise held for
+    ``(excess - delay) * 1000 / rate`` ms when the excess is over ``delay``
+    (``nodelay``: never held). A rejection changes nothing.
+    """
+
+    __slots__ = ("rate", "burst", "delay", "holds")
+
+    def __init__(self, rate: Rate, burst: int, delay: int | None, penalty: float | None) -> None:
+        self.rate = rate.count * 1000 // rate.period
+        self.burst = burst * 1000
+        # nodelay (delay None) admits the whole burst at once.
+        self.delay = burst * 1000 if delay is None else delay * 1000
+        super().__init__(penalty, self.rate / 1000, "L", (str(self.rate), str(self.burst), str(self.delay)))
+        self.holds = self.longest_hold() > 0  # may ask to hold a request
+
+    def longest_hold(self) -> float:
+        """Seconds the longest-held request waits: the excess is at most
+        the burst. The proxy's timeout for Sluice must be longer."""
+        return max(0, self.burst - self.delay) * 1000 // self.rate / 1000
+
+    def new_state(self) -> LeakyState:
+        return LeakyState(0, None, NO_PENALTY, self)
+
+    def assess(self, state: LeakyState, now: float) -> Hit:
+        held = in_penalty(state, now)
+        if held is not None:
+            return held
+        now_ms = int(now * 1000 + 1e-6)  # whole ms; the epsilon absorbs float error
+        excess = 0 if state.last is None else self._excess(state, now_ms)
+        if excess > self.burst:
+            return self.refuse(state, now, self._wait_ms(state, now_ms) / 1000)
+        delay_ms = 0 if excess <= self.delay else (excess - self.delay) * 1000 // self.rate
+        return Hit(False, delay=delay_ms / 1000, proposal=(excess, now_ms))
+
+    def _excess(self, state: LeakyState, now_ms: int) -> int:
+        assert state.last is not None
+        elapsed = max(0, now_ms - state.last)
+        return max(0, state.excess - self.rate * elapsed // 1000 + 1000)
+
+    def _wait_ms(self, state: LeakyState, now_ms: int) -> int:
+        """Milliseconds until a request would fit within the burst again."""
+        assert state.last is not None
+        needed = state.excess + 1000 - self.burst  # thousandths to drain
+        # The smallest ms with rate * ms // 1000 >= needed.
+        return max(0, state.last - (-needed * 1000 // self.rate) - now_ms)
+
+    @staticmethod
+    def commit(state: LeakyState, hit: Hit) -> None:
+        state.excess, state.last = hit.proposal
+
+    def quota(self, state: LeakyState, now: float, threshold: float) -> tuple[int, float, float]:
+        """Requests that would still be admitted now, the time to drain, and
+        the time the whole burst takes to drain."""
+        full_drain = (self.burst + 1000) / self.rate
+        if now < state.penalty_until:
+            return 0, state.penalty_until - now, full_drain
+        if state.last is None:
+            return self.burst // 1000 + 1, 0.0, full_drain
+        drained = max(0, state.excess - self.rate * max(0, int(now * 1000 + 1e-6) - state.last) // 1000)
+        return max(0, (self.burst - drained) // 1000), drained / self.rate, full_drain
+
+    def expires_at(self, state: LeakyState) -> float:
+        if state.last is None:
+            return state.penalty_until
+        # Like nginx, keep a key at least 60 s after its last request, and
+        # until its excess has drained: a forgotten key's next request would
+        # start from excess 0 instead of 1000.
+        drained = state.last + state.excess * 1000 // self.rate
+        return max((max(drained, state.last + 60_000)) / 1000, state.penalty_until)
+
+    def describe(self) -> str:
+        # nginx keeps the rate in thousandths per second, 10r/m as 0.166r/s.
+        text = f"rate {self.rate / 1000:g}r/s, burst {self.burst // 1000}"
+        if self.delay == self.burst and self.burst:
+            text += ", nodelay"
+        elif self.delay:
+            text += f", delay {self.delay // 1000}"
+        return self.with_penalty(text)
+
+
+@register(config.LeakyLimit, lua=("window", "buckets", "leaky"))
+def _leaky(limit: config.LeakyLimit, penalty: float | None) -> RuleLimit:
+    """Its header limit is the burst and the request that fits after it."""
+    bucket = LeakyBucket(limit.rate, limit.burst, None if limit.nodelay else (limit.delay or 0), penalty)
+    return RuleLimit(bucket, limit.burst + 1, penalty)

@@ -1,0 +1,79 @@
+"""The token bucket (SPEC §7); in Redis, ``token.lua``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sidecar import config
+from sidecar.limiters import NO_PENALTY, Hit, RuleLimit, lua_number, register
+from sidecar.limiters.bucket import Bucket, in_penalty
+
+
+@dataclass(slots=True)
+class TokenState:
+    tokens: float
+    last: float | None
+    penalty_until: float
+    # The limiter the state belongs to: a reload may give the key another.
+    limiter: Any = None
+
+
+class TokenBucket(Bucket):
+    """Token bucket (SPEC §7): starts full, refills on demand as
+    ``min(B, tokens + r * elapsed)``, admits only when the cost fits, then
+    deducts it. Rejected work consumes nothing."""
+
+    __slots__ = ("capacity", "refill", "cost")
+    holds = False
+
+    def __init__(self, capacity: int, refill: float, cost: int, penalty: float | None) -> None:
+        self.capacity = capacity
+        self.refill = refill  # tokens per second
+        self.cost = cost
+        super().__init__(penalty, refill, "T", (str(capacity), lua_number(refill), str(cost)))
+
+    def new_state(self) -> TokenState:
+        return TokenState(float(self.capacity), None, NO_PENALTY, self)
+
+    def tokens_at(self, state: TokenState, now: float) -> float:
+        if state.last is None:
+            return state.tokens
+        return min(float(self.capacity), state.tokens + self.refill * max(0.0, now - state.last))
+
+    def assess(self, state: TokenState, now: float) -> Hit:
+        held = in_penalty(state, now)
+        if held is not None:
+            return held
+        tokens = self.tokens_at(state, now)
+        if self.cost > tokens:
+            return self.refuse(state, now, (self.cost - tokens) / self.refill)
+        return Hit(False, proposal=(tokens - self.cost, now))
+
+    @staticmethod
+    def commit(state: TokenState, hit: Hit) -> None:
+        state.tokens, state.last = hit.proposal
+
+    def quota(self, state: TokenState, now: float, threshold: float) -> tuple[int, float, float]:
+        """Requests the tokens now cover, and the time until the bucket is full."""
+        if now < state.penalty_until:
+            return 0, state.penalty_until - now, self.capacity / self.refill
+        tokens = self.tokens_at(state, now)
+        return int(tokens // self.cost), (self.capacity - tokens) / self.refill, self.capacity / self.refill
+
+    def expires_at(self, state: TokenState) -> float:
+        if state.last is None:
+            return state.penalty_until
+        full_at = state.last + (self.capacity - state.tokens) / self.refill
+        return max(full_at, state.penalty_until)
+
+    def describe(self) -> str:
+        text = f"{self.capacity} tokens, refill {self.refill:g}/s"
+        if self.cost != 1:
+            text += f", cost {self.cost}"
+        return self.with_penalty(text)
+
+
+@register(config.TokenLimit, lua=("window", "buckets", "token"))
+def _token(limit: config.TokenLimit, penalty: float | None) -> RuleLimit:
+    return RuleLimit(TokenBucket(limit.tokens, limit.refill, limit.cost, penalty), limit.tokens, penalty)

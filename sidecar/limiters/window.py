@@ -1,0 +1,144 @@
+"""Window counters (SPEC §2) and score budgets (SPEC §7); in Redis, ``window.lua``."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from sidecar import config
+from sidecar.config import format_duration
+from sidecar.limiters import ALLOWED, NO_PENALTY, Hit, RuleLimit, lua_number, register
+
+
+@dataclass(slots=True)
+class WindowState:
+    """Two counters per key (SPEC §2) plus the end of the penalty period."""
+
+    window: int  # index of the current window: floor(now / period)
+    previous: int
+    current: int
+    penalty_until: float
+    # The limiter the state belongs to: a reload may give the key another.
+    limiter: Any = None
+
+
+class WindowCounter:
+    """Sliding window counter (default) or fixed window, with a penalty period.
+
+    Requests 1..M are counted; the one that brings the estimate to M starts
+    the penalty at once (not at a window boundary) and is itself allowed;
+    every request in the penalty is over limit and not counted (SPEC §2).
+    Windows are aligned to multiples of the period for all keys.
+
+    A score budget (SPEC §7) is the same counter fed with amounts (the
+    upstream's score) instead of ones, entering the penalty when the total
+    *exceeds* the budget rather than when it reaches it.
+    """
+
+    __slots__ = ("threshold", "period", "penalty", "sliding", "exceed", "_lua_limit", "_lua_args")
+    deferred = False  # counts at once; buckets commit only admitted requests
+    holds = False  # never asks to hold a request
+    scalable = True  # the check's threshold is the limit: overrides may scale it
+
+    def __init__(self, threshold: int, period: float, penalty: float, sliding: bool = True,
+                 exceed: bool = False) -> None:
+        # Threshold 0 behaves as 1, as in the reference system.
+        self.threshold = max(threshold, 1)
+        self.period = period
+        self.penalty = penalty
+        self.sliding = sliding
+        self.exceed = exceed
+        # window.lua's limit after the threshold, and the whole arguments for
+        # the threshold of the rule itself: made once, not per request.
+        self._lua_limit = (lua_number(period), lua_number(penalty), "1" if sliding else "0",
+                           "1" if exceed else "0")
+        self._lua_args = ("W", lua_number(self.threshold)) + self._lua_limit
+
+    def new_state(self) -> WindowState:
+        return WindowState(window=-2, previous=0, current=0, penalty_until=NO_PENALTY, limiter=self)
+
+    def peek(self, state: WindowState, now: float) -> Hit:
+        """Is the key in its penalty? Counts nothing (response-phase rules
+        at request time, SPEC §8)."""
+        if now < state.penalty_until:
+            return Hit(True, state.penalty_until - now)
+        return ALLOWED
+
+    def hit(self, state: WindowState, now: float, threshold: float, amount: int = 1) -> Hit:
+        if now < state.penalty_until:
+            return Hit(True, state.penalty_until - now)
+        window = int(now // self.period)
+        if window != state.window:
+            state.previous = state.current if window == state.window + 1 else 0
+            state.current = 0
+            state.window = window
+        state.current += amount
+        estimate = float(state.current)
+        if self.sliding and state.previous:
+            elapsed = now - window * self.period
+            estimate += state.previous * (self.period - elapsed) / self.period
+        # Compared as a real number, never rounded (SPEC §2).
+        if estimate > threshold if self.exceed else estimate >= threshold:
+            state.penalty_until = now + self.penalty
+        return ALLOWED
+
+    def quota(self, state: WindowState, now: float, threshold: float) -> tuple[int, float, float]:
+        """(requests still allowed, seconds until that resets, window) for
+        the draft RateLimit header fields; the request that reaches the
+        threshold is itself allowed."""
+        if now < state.penalty_until:
+            return 0, state.penalty_until - now, self.period
+        window = int(now // self.period)
+        elapsed = now - window * self.period
+        if window == state.window:
+            current, previous = state.current, state.previous
+        else:
+            current, previous = 0, state.current if window == state.window + 1 else 0
+        estimate = current + (previous * (self.period - elapsed) / self.period if self.sliding else 0)
+        return max(0, math.ceil(threshold - estimate)), self.period - elapsed, self.period
+
+    def expires_at(self, state: WindowState) -> float:
+        """When the state stops mattering: its window no longer weighs in
+        and its penalty is over."""
+        horizon = (state.window + (2 if self.sliding else 1)) * self.period
+        return max(horizon, state.penalty_until)
+
+    def longest_hold(self) -> float:
+        return 0.0
+
+    def redis_args(self, threshold: float) -> tuple[str, ...]:
+        """'W' and window.lua's limit ``{threshold, period, penalty, sliding,
+        exceed}``; only a threshold an override scaled is formatted here."""
+        if threshold == self.threshold:
+            return self._lua_args
+        return ("W", lua_number(threshold)) + self._lua_limit
+
+    def peak_period(self) -> float:
+        return self.period
+
+    def describe(self) -> str:
+        if self.exceed:
+            text = f"score {self.threshold} per {format_duration(self.period)}"
+        else:
+            kind = "sliding" if self.sliding else "fixed"
+            text = f"{self.threshold} per {format_duration(self.period)} ({kind} window)"
+        if self.penalty != self.period:
+            text += f", penalty {format_duration(self.penalty)}"
+        return text
+
+
+@register(config.WindowLimit, lua=("window",))
+def _requests(limit: config.WindowLimit, penalty: float | None) -> RuleLimit:
+    """Without a penalty of its own, a counter is penalized for its period (SPEC §2)."""
+    penalty = limit.per if penalty is None else penalty
+    counter = WindowCounter(limit.requests, limit.per, penalty, sliding=limit.window == "sliding")
+    return RuleLimit(counter, counter.threshold, penalty)
+
+
+@register(config.ScoreLimit, lua=("window",))
+def _score(limit: config.ScoreLimit, penalty: float | None) -> RuleLimit:
+    """The same counter over the upstream's scores, penalized the same way."""
+    penalty = limit.per if penalty is None else penalty
+    return RuleLimit(WindowCounter(limit.score, limit.per, penalty, exceed=True), limit.score, penalty,
+                     score_header=limit.header)
