@@ -141,7 +141,7 @@ class Engine:
             return prepared
         # The hold slot is taken before the store is asked: decisions in
         # flight at once must not all see the same free room.
-        held = self._reserve_hold(prepared[1])
+        held = self._reserve_hold(prepared[1]) if self.ruleset.holds else False
         decision: Decision | None = None
         try:
             evaluation = await self.store.evaluate(self.clock(), request.client.key, prepared[1],
@@ -151,7 +151,8 @@ class Engine:
             self.store_failed(exc)
             decision = ALLOWED if self.ruleset.fail == "open" else STORE_UNAVAILABLE
         finally:
-            self._release_unless_held(held, decision)
+            if held:
+                self._release_unless_held(decision)
         return decision
 
     def decide_now(self, request: CheckRequest) -> Decision:
@@ -165,16 +166,15 @@ class Engine:
         """Take one of ``state.max_delayed`` hold slots for a request that a
         leaky bucket may hold; False when it may not be held (queue full,
         or no rule that holds)."""
-        if self.delayed >= self.ruleset.max_delayed or \
-                not any(check.limiter.holds for check in checks):
+        if self.delayed >= self.ruleset.max_delayed or not any(check.limiter.holds for check in checks):
             return False
         self.delayed += 1
         return True
 
-    def _release_unless_held(self, reserved: bool, decision: Decision | None) -> None:
+    def _release_unless_held(self, decision: Decision | None) -> None:
         """A reserved slot stays taken only by a decision that holds the
         request; the caller releases it with ``release_hold`` after the wait."""
-        if reserved and (decision is None or decision.delay <= 0):
+        if decision is None or decision.delay <= 0:
             self.delayed -= 1
 
     def release_hold(self) -> None:

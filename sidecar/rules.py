@@ -8,6 +8,7 @@ limiter objects; evaluating a request is then lookups and arithmetic only
 
 from __future__ import annotations
 
+
 import math
 import socket
 from dataclasses import dataclass, field
@@ -315,6 +316,10 @@ class Ruleset:
     draft_headers: bool  # RateLimit-Policy / RateLimit on allowed responses
     difficulty: int  # proof-of-work zero bits of a challenge
     auto_ban: AutoBan  # challenges per address before it is banned
+    holds: bool = field(init=False)  # any rule may hold a request (read for every request)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "holds", any(rule.limiter.holds for rule in self.rules))
 
     @property
     def warnings(self) -> list[str]:

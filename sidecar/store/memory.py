@@ -182,7 +182,7 @@ class MemoryStore:
         return evaluation
 
     def _evaluate(self, now: float, address: str, checks: Sequence[Check], can_delay: bool) -> Evaluation:
-        if self._bans:
+        if self._bans.data:
             ban = self._bans.get(address)
             if ban is not None and now < ban.expires:
                 return Evaluation(ban=ban)
