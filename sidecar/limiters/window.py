@@ -56,7 +56,8 @@ class WindowCounter:
         self._lua_args = ("W", lua_number(self.threshold)) + self._lua_limit
 
     def new_state(self) -> WindowState:
-        return WindowState(window=-2, previous=0, current=0, penalty_until=NO_PENALTY, limiter=self)
+        # Positional: made for every new key, and keywords cost a third more.
+        return WindowState(-2, 0, 0, NO_PENALTY, self)  # window, previous, current, penalty_until
 
     def peek(self, state: WindowState, now: float) -> Hit:
         """Is the key in its penalty? Counts nothing (response-phase rules
@@ -102,7 +103,8 @@ class WindowCounter:
         """When the state stops mattering: its window no longer weighs in
         and its penalty is over."""
         horizon = (state.window + (2 if self.sliding else 1)) * self.period
-        return max(horizon, state.penalty_until)
+        penalty_until = state.penalty_until
+        return horizon if horizon > penalty_until else penalty_until
 
     def longest_hold(self) -> float:
         return 0.0

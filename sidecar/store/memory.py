@@ -79,13 +79,24 @@ class BoundedMap:
             self._file(key, self._expires_at(value))
             data[key] = value
 
-    def add(self, key: Hashable, value: Any) -> None:
-        """Store a key that is not in the map (the common case under key
-        rotation: one lookup fewer than ``__setitem__``)."""
+    def add(self, key: Hashable, value: Any, expires: float | None = None) -> None:
+        """Store a key that is not in the map, the common case under key
+        rotation: one lookup fewer than ``__setitem__``, and no call for the
+        expiry when the caller has it (``expires``). Filing is written out:
+        this runs for every new key of every request."""
         data = self.data
         if len(data) >= self.max_keys:
             self._make_room()
-        self._file(key, self._expires_at(value))
+        if expires is None:
+            expires = self._expires_at(value)
+        slot = int(expires) if 1.0 <= expires < 1e18 else self._slot(expires)
+        keys = self._wheel.get(slot)
+        if keys is None:
+            self._wheel[slot] = [key]
+            heapq.heappush(self._slots, slot)
+        else:
+            keys.append(key)
+        self._filed += 1
         data[key] = value
 
     def pop(self, key: Hashable, default: Any = None) -> Any:
@@ -279,7 +290,7 @@ class MemoryStore:
         # A key never seen (or forgotten): under key rotation, most of them.
         state = limiter.new_state()
         hit = limiter.hit(state, now, threshold, amount)
-        states.add(key, state)
+        states.add(key, state, limiter.expires_at(state))
         return hit
 
     def _ban(self, now: float, address: str, rule_id: str, duration: float) -> BanRecord:
