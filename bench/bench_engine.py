@@ -153,7 +153,8 @@ def time_calls(call, rounds: int) -> float:
     return (time.perf_counter() - started) / rounds * 1e6
 
 
-def rotation(clients: int, batch: int) -> None:
+def rotation(clients: int, batch: int) -> tuple[float, float | None]:
+    """The rotating/one-client ratio, and the RSS growth (MB) from the cap on."""
     print(f"== 10 rules: one client vs {clients:,} rotating IPv4+IPv6 clients, max_keys 100,000")
     single_engine, rotating_engine = engine_for(TEN_RULES), engine_for(TEN_RULES)
     single_us, rotating_us, rss = [], [], []
@@ -180,12 +181,16 @@ def rotation(clients: int, batch: int) -> None:
     step = max(1, len(rss) // 10)
     for done_so_far, keys, mb in rss[::step] + ([rss[-1]] if (len(rss) - 1) % step else []):
         print(f"    {done_so_far:>10,}  {keys:>8,}  {mb:8.1f}")
+    growth = None
     if len(steady) > 1:
         first, last = rss[steady[0]][2], rss[steady[-1]][2]
-        print(f"RSS from the cap on: {first:.1f} MB -> {last:.1f} MB ({last - first:+.1f} MB)")
+        growth = last - first
+        print(f"RSS from the cap on: {first:.1f} MB -> {last:.1f} MB ({growth:+.1f} MB)")
+    return many / one, growth
 
 
-def against_limits(rounds: int, passes: int) -> None:
+def against_limits(rounds: int, passes: int) -> dict[str, float]:
+    """Each figure's ratio to one limits hit (empty without limits)."""
     hit = limits_hit()
     if hit is None:
         print("== limits is not installed (pip install limits): no reference, absolute figures only")
@@ -203,15 +208,20 @@ def against_limits(rounds: int, passes: int) -> None:
         figures["resolve_client"].append(
             time_calls(lambda: resolve("127.0.0.1", "198.51.100.7, 127.0.0.2"), rounds))
     reference = statistics.median(figures["limits"]) if hit is not None else None
+    ratios = {}
     for name, values in figures.items():
         if not values:
             continue
         median = statistics.median(values)
         ratio = f"   ratio {median / reference:.2f} of limits" if reference and name != "limits" else ""
+        if reference and name != "limits":
+            ratios[name] = median / reference
         print(f"{name + ':':18} {median:8.2f} µs{ratio}")
+    return ratios
 
 
-def memory_per_key(keys: int = 100_000) -> None:
+def memory_per_key(keys: int = 100_000) -> float:
+    """Bytes per tracked key."""
     print(f"== memory per tracked key at {keys:,} keys (10 rules, tracemalloc)")
     engine = engine_for(TEN_RULES.replace("max_keys: 100000", f"max_keys: {keys}"))
     warm = requests_for(engine, [address(10_000_000)])
@@ -228,8 +238,10 @@ def memory_per_key(keys: int = 100_000) -> None:
     after = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
     tracked = engine.store.tracked_keys()
-    print(f"{tracked:,} keys from {i:,} clients: {(after - before) / tracked:.0f} bytes per key"
+    per_key = (after - before) / tracked
+    print(f"{tracked:,} keys from {i:,} clients: {per_key:.0f} bytes per key"
           " (everything the store keeps: key tuples, addresses, entries, states, dict slots)")
+    return per_key
 
 
 def main() -> None:
@@ -239,9 +251,20 @@ def main() -> None:
     args = parser.parse_args()
     tune_garbage_collector()  # as in a `sluice serve` process
     print(f"Python {sys.version.split()[0]}, {os.cpu_count()} cores")
-    rotation(args.clients, args.batch)
-    against_limits(rounds=20_000, passes=5)
-    memory_per_key()
+    rotating, growth = rotation(args.clients, args.batch)
+    ratios = against_limits(rounds=20_000, passes=5)
+    per_key = memory_per_key()
+    print()
+    print("Summary (ratios from this run):")
+    rows = [("10 rules under rotating clients / one client", f"{rotating:.2f}x", "<= 1.2x"),
+            ("RSS growth once the cap is reached",
+             "n/a (too few clients)" if growth is None else f"{growth:+.1f} MB", "flat")]
+    rows += [(f"{name} / one limits hit", f"{ratios[name]:.2f}x", target)
+             for name, target in (("10 rules", "<= 1.5x"), ("1 rule", "<= 0.3x"), ("resolve_client", "<= 0.1x"))
+             if name in ratios]
+    rows.append(("memory per tracked key at 100,000 keys", f"{per_key:.0f} bytes", "<= 250 bytes"))
+    for label, figure, target in rows:
+        print(f"  {label:48} {figure:>22}   (target {target})")
 
 
 if __name__ == "__main__":
