@@ -48,7 +48,7 @@ def open_store(backend: Backend, url: str, max_keys: int, node: str, clock: Call
     if backend == "redis":
         from sidecar.store.redis import RedisStore
 
-        return RedisStore.from_url(url, node)
+        return RedisStore.from_url(url, node, max_keys=max_keys, clock=clock)
     from sidecar.store.memory import MemoryStore
 
     return MemoryStore(max_keys, node, clock)

@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence
 from sidecar.keys import CountingKey
 from sidecar.limiters import ALLOWED, Hit, lua_libraries
 from sidecar.store import StoreUnavailable
+from sidecar.store.penalties import PenaltyCache
 from sidecar.store.redis_pipeline import PipelinedRedis
 from sidecar.state import BanRecord, Check, Clock, Evaluation, ResponseCount
 
@@ -80,9 +81,12 @@ class RedisStore:
     answers_at_once = False
 
     def __init__(self, client: PipelinedRedis, node: str, server_time: bool = True,
-                 wall_clock: Clock = time.time) -> None:
+                 wall_clock: Clock = time.time, max_keys: int = 100_000,
+                 clock: Clock = time.monotonic) -> None:
         self.client = client
         self.node = node
+        # Keys known over limit: answered on this node, no round trip.
+        self.penalties = PenaltyCache(max_keys, clock)
         self.server_time = server_time
         self._wall_clock = wall_clock
         self._evaluate = client.script(_script("evaluate"))
@@ -104,7 +108,11 @@ class RedisStore:
                        can_delay: bool = True, quotas: bool = False) -> Evaluation:
         """MemoryStore.evaluate in one script; with ``quotas``, also every
         counting check's (remaining, reset, window) after the decision, as
-        the memory store answers (None for the others)."""
+        the memory store answers (None for the others). Keys known over
+        limit are answered here (see sidecar.store.penalties)."""
+        known = self.penalties.answer(now, checks)
+        if known is not None:
+            return known
         auto_ban = next((check.auto_ban for check in checks if check.auto_ban is not None), None)
         keys = [ban_key(address), BAN_INDEX, counting_key(auto_ban.key(address)) if auto_ban else BAN_INDEX]
         args = [self._now(now), address, self.node, repr(self._wall_clock())]
@@ -131,6 +139,8 @@ class RedisStore:
         if int(banned) or evaluation.new_ban:
             evaluation.ban = BanRecord(address, rule_id, node, float(started), now + float(remaining),
                                        float(duration))
+        else:
+            self.penalties.learn(now, checks, evaluation.hits)
         return evaluation
 
     async def record(self, now: float, counts: Sequence[ResponseCount]) -> list[Hit]:
@@ -156,12 +166,21 @@ class RedisStore:
         return True  # another node may have banned anyone: the script checks
 
     def configure(self, max_keys: int, node: str) -> None:
-        """New settings from a reload. ``max_keys`` does not apply: Redis's
-        own ``maxmemory`` bounds it, and every key expires."""
+        """New settings from a reload. ``max_keys`` bounds the node's cache of
+        keys over limit; Redis's own ``maxmemory`` bounds the shared state,
+        where every key expires."""
         self.node = node
+        self.penalties.configure(max_keys)
 
     def gauges(self) -> dict[str, tuple[str, Callable[[], float]]]:
-        return {}  # bans and keys are Redis's to count: see INFO keyspace
+        # Bans and keys are Redis's to count (INFO keyspace); the node's own
+        # cache of keys over limit is this node's.
+        return {"sluice_penalty_cache_keys": ("Keys known over limit on the shared store, answered "
+                                              "on this node until their wait ends.",
+                                              lambda: len(self.penalties)),
+                "sluice_penalty_cache_answers": ("Requests answered from the cache of keys over "
+                                                 "limit, without a round trip (a running count).",
+                                                 lambda: self.penalties.answered)}
 
     async def close(self) -> None:
         await self.client.close()

@@ -1,0 +1,63 @@
+"""Keys a shared store said are over limit, known on this node until their
+wait ends: a request for such a key is answered without a round trip (under
+an attack, most requests are such requests), as envoyproxy/ratelimit's
+local cache does for keys over limit.
+
+Exact where it answers: a key over limit stays so, and counts nothing, until
+its penalty (or a bucket's wait) ends, whatever other nodes do. What it does
+not see until the entry ends: a ban another node issued for the address (the
+request is refused by the rule's page instead of by closing it), and a key
+an administrator reset on the shared store. It never answers for a check
+that can ban (a ban rule, a challenge counted towards an auto-ban) or hold
+(a leaky bucket whose refusal may be this node's full wait queue).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from sidecar.limiters import Hit
+from sidecar.state import Check, Clock, Evaluation
+from sidecar.store.memory import BoundedMap
+
+
+def _cacheable(check: Check) -> bool:
+    return check.ban_duration is None and check.auto_ban is None and not check.limiter.holds
+
+
+class PenaltyCache:
+    """At most ``max_keys`` keys (the ruleset's ``state.max_keys``), each
+    until its wait ends on this node's clock."""
+
+    def __init__(self, max_keys: int, clock: Clock) -> None:
+        self._until = BoundedMap(max_keys, lambda until: until, clock)
+        self.answered = 0  # requests answered without a round trip
+
+    def answer(self, now: float, checks: Sequence[Check]) -> Evaluation | None:
+        """The evaluation when every check up to the first stopping one is
+        known over limit (so none of them would count), else None."""
+        known = self._until.data
+        if not known:
+            return None
+        hits: list[Hit] = []
+        for check in checks:
+            until = known.get(check.key)
+            if until is None or until <= now or not _cacheable(check):
+                return None
+            hits.append(Hit(True, until - now))
+            if check.stops:
+                self.answered += 1
+                return Evaluation(hits=hits)
+        return None
+
+    def learn(self, now: float, checks: Sequence[Check], hits: Sequence[Hit]) -> None:
+        """Remember the keys the store just found over limit."""
+        for check, hit in zip(checks, hits):
+            if hit.over_limit and hit.retry_after > 0 and _cacheable(check):
+                self._until[check.key] = now + hit.retry_after
+
+    def configure(self, max_keys: int) -> None:
+        self._until.max_keys = max_keys
+
+    def __len__(self) -> int:
+        return len(self._until)
