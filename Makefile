@@ -32,8 +32,9 @@ test: $(INSTALLED) nginx caddy redis-server nodejs
 
 # limits is the Python reference of bench/bench_engine.py, for the benchmarks only.
 # bench/bench_check.py runs the shipped nginx and Envoy templates with Sluice and
-# with a trivial ASGI app (wrk with bench/rotate.lua, loopback only, about 3 minutes).
-bench: $(INSTALLED) nginx wrk
+# with a trivial ASGI app, and with Sluice on a redis-server it starts itself (wrk with
+# bench/rotate.lua, loopback only, about 4 minutes).
+bench: $(INSTALLED) nginx wrk redis-server
 	$(VENV)/bin/python -m pip install --quiet limits
 	$(VENV)/bin/python bench/bench_engine.py
 	$(VENV)/bin/python bench/bench_check.py

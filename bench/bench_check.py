@@ -14,7 +14,11 @@ second (noisy) and CPU time per request of each process (utime + stime from
 2. the same through the shipped Envoy template (HTTP ext_authz), and Envoy's
    own CPU per request with and without the template's Lua filter;
 3. nginx's own limit_req against nginx without any check (the C reference);
-4. Sluice's check endpoint hit directly against the trivial app (no proxy).
+4. Sluice's check endpoint hit directly against the trivial app (no proxy);
+5. the same nginx with Sluice on a shared redis-server (started by the
+   bench on loopback): one process over TCP, and ``--workers 2`` over the
+   server's Unix socket, against the memory backend; the Redis server's own
+   CPU is charged to the check.
 
 Clients: ``wrk -t2 -c32`` with bench/rotate.lua, which rotates the client
 address over 100,000 IPv4 values in a trusted X-Forwarded-For and varies
@@ -296,10 +300,18 @@ class Bench:
         self.envoy = find_envoy()
         self.rules = run / "rules.yaml"
         self.rules.write_text(TEN_RULES)
+        # The same rules on a shared Redis, over TCP and over a Unix socket.
+        self.redis_port = free_port()
+        self.redis_socket = run / "redis.sock"
+        self.redis_rules = run / "rules-redis.yaml"
+        self.redis_rules.write_text(with_state(TEN_RULES, f"redis://127.0.0.1:{self.redis_port}/0"))
+        self.redis_unix_rules = run / "rules-redis-unix.yaml"
+        self.redis_unix_rules.write_text(with_state(TEN_RULES, f"unix://{self.redis_socket}?db=0"))
         (run / "bare.py").write_text(BARE_APP)
         self.upstream_port = free_port()
-        # Sluice's --hook-udp, where nginx sends response reports (none in these rules' traffic).
-        self.hook_port = free_port(socket.SOCK_DGRAM)
+        # Each Sluice's --hook-udp, where nginx sends response reports (none
+        # in these rules' traffic), by the Sluice's port.
+        self.hook_ports: dict[int, int] = {}
 
     def start_upstream(self) -> int:
         port = self.upstream_port
@@ -307,14 +319,34 @@ class Bench:
                                                 "--port", str(port)], lambda: accepts(port))
         return process.pid
 
-    def start_sluice(self, name: str = "sluice", profile: Path | None = None) -> tuple[int, int]:
-        port, hook = free_port(), self.hook_port
+    def start_redis(self) -> int:
+        """redis-server on loopback and on a Unix socket, nothing saved."""
+        server = shutil.which("redis-server") or "/usr/bin/redis-server"
+        socket_path = self.redis_socket
+        process = self.procs.start("redis", [
+            server, "--port", str(self.redis_port), "--bind", "127.0.0.1", "--unixsocket", str(socket_path),
+            "--unixsocketperm", "700", "--save", "", "--appendonly", "no", "--dir", str(self.run)],
+            lambda: accepts(self.redis_port) and socket_path.exists())
+        return process.pid
+
+    def start_sluice(self, name: str = "sluice", profile: Path | None = None, rules: Path | None = None,
+                     workers: int = 1) -> tuple[list[int], int]:
+        """Sluice's pids (the worker processes' too) and port."""
+        port, hook = free_port(), free_port(socket.SOCK_DGRAM)
+        self.hook_ports[port] = hook
         prefix = [self.python] + (["-m", "cProfile", "-o", str(profile)] if profile else [])
         process = self.procs.start(name, prefix + [
-            "-m", "sidecar", "serve", "--config", str(self.rules), "--host", "127.0.0.1", "--port", str(port),
-            "--hook-udp", f"127.0.0.1:{hook}", "--log-level", "warning"],
+            "-m", "sidecar", "serve", "--config", str(rules or self.rules), "--host", "127.0.0.1",
+            "--port", str(port), "--hook-udp", f"127.0.0.1:{hook}", "--log-level", "warning",
+            "--workers", str(workers)],
             lambda: http_ok(f"http://127.0.0.1:{port}/healthz"))
-        return process.pid, port
+        pids = [process.pid]
+        if workers > 1:
+            deadline = time.monotonic() + 10
+            while len(children := children_of(process.pid)) < workers and time.monotonic() < deadline:
+                time.sleep(0.05)
+            pids += children
+        return pids, port
 
     def start_bare(self) -> tuple[int, int]:
         port = free_port()
@@ -327,7 +359,8 @@ class Bench:
 
     def ports(self, sidecar_port: int) -> StackPorts:
         return StackPorts(nginx=free_port(), sluice=sidecar_port, upstream=self.upstream_port,
-                          envoy=free_port(), envoy_admin=free_port(), sluice_hook=self.hook_port)
+                          envoy=free_port(), envoy_admin=free_port(),
+                          sluice_hook=self.hook_ports.get(sidecar_port, 0) or free_port(socket.SOCK_DGRAM))
 
     def variables(self, ports: StackPorts) -> dict[str, str]:
         # The same timeouts the launcher would compute for these rules (no leaky bucket holds).
@@ -374,6 +407,11 @@ class Bench:
 # --- the report --------------------------------------------------------------
 
 
+def with_state(rules: str, url: str) -> str:
+    """The rules with their state on a shared Redis at ``url``."""
+    return rules.replace("state: {max_keys: 100000}", f"state: {{max_keys: 100000, backend: redis, url: '{url}'}}")
+
+
 def fmt_rate(config: Config) -> str:
     rates = config.rates()
     return f"{statistics.median(rates):7.0f} req/s"
@@ -389,14 +427,15 @@ def report(configs: dict[str, Config], seconds: float, rounds: int) -> None:
     print()
     print(f"Per configuration: median req/s of {rounds} passes of {seconds:g} s (each pass), and CPU time per")
     print("request in µs (utime+stime over all passes / requests served) of each process:")
-    header = f"  {'configuration':<34} {'req/s (passes)':<30} {'sidecar':>8} {'nginx':>7} {'envoy':>7} {'upstrm':>7} {'total':>7}"
+    header = (f"  {'configuration':<34} {'req/s (passes)':<30} {'sidecar':>8} {'redis':>7} {'nginx':>7} "
+              f"{'envoy':>7} {'upstrm':>7} {'total':>7}")
     print(header)
     for config in c.values():
         passes = "/".join(f"{r:.0f}" for r in config.rates())
         cells = [f"{config.us_per_request(role):7.1f}" if role in config.pids else "      -"
-                 for role in ("sidecar", "nginx", "envoy", "upstream")]
+                 for role in ("sidecar", "redis", "nginx", "envoy", "upstream")]
         print(f"  {config.name:<34} {statistics.median(config.rates()):7.0f} ({passes})".ljust(67)
-              + f" {cells[0]:>8} {cells[1]:>7} {cells[2]:>7} {cells[3]:>7} {config.total_us():7.1f}")
+              + f" {cells[0]:>8} {cells[1]:>7} {cells[2]:>7} {cells[3]:>7} {cells[4]:>7} {config.total_us():7.1f}")
 
     rows: list[tuple[str, str, str, str]] = []
 
@@ -422,6 +461,19 @@ def report(configs: dict[str, Config], seconds: float, rounds: int) -> None:
     rate_row("5. direct check endpoint: req/s, Sluice / trivial", c["direct-sluice"], c["direct-bare"])
     cpu_row("   direct check endpoint: CPU per check, Sluice / trivial", c["direct-sluice"], c["direct-bare"],
             "sidecar")
+    def shared_row(label: str, a: Config, b: Config, target: str = "") -> None:
+        x = a.us_per_request("sidecar") + a.us_per_request("redis")
+        y = b.us_per_request("sidecar")
+        rows.append((label, f"{x:6.1f} µs/req", f"{y:6.1f} µs/req", f"{x / y:5.2f}x{target}"))
+
+    shared_row("6. Redis, 1 process: (Sluice + Redis CPU) / memory Sluice CPU", c["nginx-sluice-redis"],
+               c["nginx-sluice"], "  (target <= 1.6)")
+    rate_row("   Redis, 1 process: req/s / memory backend, nginx", c["nginx-sluice-redis"], c["nginx-sluice"],
+             "  (target >= 0.7)")
+    shared_row("7. Redis, --workers 2, Unix socket: (Sluice + Redis CPU) / memory", c["nginx-sluice-redis-unix-w2"],
+               c["nginx-sluice"])
+    rate_row("   Redis, --workers 2, Unix socket: req/s / memory, 1 process", c["nginx-sluice-redis-unix-w2"],
+             c["nginx-sluice"], "  (target >= 0.9)")
     print()
     print("Summary (each figure beside its reference from the same run; ratio = measured / reference):")
     width = max(len(row[0]) for row in rows)
@@ -438,7 +490,7 @@ def profile(seconds: float, out: Path) -> None:
         bench = Bench(Path(tmp))
         try:
             bench.start_upstream()
-            sluice_pid, sluice_port = bench.start_sluice("sluice-profiled", profile=out)
+            (sluice_pid,), sluice_port = bench.start_sluice("sluice-profiled", profile=out)
             _, nginx_port = bench.start_nginx("nginx-sluice", sluice_port)
             url = f"http://127.0.0.1:{nginx_port}"
             run_wrk(url, 2)  # warm-up: fills the key map partly
@@ -462,7 +514,7 @@ def sanity(sluice_port: int) -> None:
     with urllib.request.urlopen(f"http://127.0.0.1:{sluice_port}/metrics", timeout=5) as answer:
         text = answer.read().decode()
     wanted = ("sluice_checks", "sluice_rule_hits", "sluice_tracked_keys", "sluice_invalid_client_address",
-              "sluice_internal_errors", "sluice_over_limit")
+              "sluice_internal_errors", "sluice_over_limit", "sluice_store_errors", "sluice_penalty_cache")
     lines = [line for line in text.splitlines() if line.startswith(wanted)]
     print("Sluice's /metrics after the rounds:")
     for line in lines[:24]:
@@ -487,14 +539,20 @@ def main() -> None:
         bench = Bench(Path(tmp))
         try:
             upstream = [bench.start_upstream()]
-            sluice_pid, sluice_port = bench.start_sluice()
+            redis = [bench.start_redis()]
+            sluice, sluice_port = bench.start_sluice()
+            shared, shared_port = bench.start_sluice("sluice-redis", rules=bench.redis_rules)
+            shared2, shared2_port = bench.start_sluice("sluice-redis-unix-w2", rules=bench.redis_unix_rules,
+                                                       workers=2)
             bare_pid, bare_port = bench.start_bare()
-            sluice, bare = [sluice_pid], [bare_pid]
+            bare = [bare_pid]
             nginx_s, nginx_s_port = bench.start_nginx("nginx-sluice", sluice_port)
             nginx_b, nginx_b_port = bench.start_nginx("nginx-bare", bare_port)
             envoy_s, envoy_s_port = bench.start_envoy("envoy-sluice", sluice_port)
             envoy_b, envoy_b_port = bench.start_envoy("envoy-bare", bare_port)
             envoy_n, envoy_n_port = bench.start_envoy("envoy-sluice-nolua", sluice_port, without_lua=True)
+            nginx_r, nginx_r_port = bench.start_nginx("nginx-sluice-redis", shared_port)
+            nginx_r2, nginx_r2_port = bench.start_nginx("nginx-sluice-redis-unix-w2", shared2_port)
             plain, plain_port, limited_port = bench.start_plain_nginx()
 
             def url(port: int, path: str = "") -> str:
@@ -503,6 +561,10 @@ def main() -> None:
             configs = {config.name: config for config in [
                 Config("nginx-bare", url(nginx_b_port), {"sidecar": bare, "nginx": nginx_b, "upstream": upstream}),
                 Config("nginx-sluice", url(nginx_s_port), {"sidecar": sluice, "nginx": nginx_s, "upstream": upstream}),
+                Config("nginx-sluice-redis", url(nginx_r_port),
+                       {"sidecar": shared, "redis": redis, "nginx": nginx_r, "upstream": upstream}),
+                Config("nginx-sluice-redis-unix-w2", url(nginx_r2_port),
+                       {"sidecar": shared2, "redis": redis, "nginx": nginx_r2, "upstream": upstream}),
                 Config("envoy-bare", url(envoy_b_port), {"sidecar": bare, "envoy": [envoy_b], "upstream": upstream}),
                 Config("envoy-sluice", url(envoy_s_port),
                        {"sidecar": sluice, "envoy": [envoy_s], "upstream": upstream}),
@@ -523,6 +585,7 @@ def main() -> None:
                     config.measure(args.seconds)
                     print(f"    {config.name:<22} {config.passes[-1].rate:8.0f} req/s", flush=True)
             sanity(sluice_port)
+            sanity(shared_port)
         finally:
             bench.procs.stop()
     report(configs, args.seconds, args.rounds)
