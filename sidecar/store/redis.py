@@ -23,6 +23,7 @@ into the caller's clock, so ban records look as they do from MemoryStore.
 from __future__ import annotations
 
 import json
+from json.encoder import encode_basestring_ascii
 import time
 from importlib import resources
 from typing import Any, Callable, Sequence
@@ -48,8 +49,32 @@ DEFAULT_TIMEOUT = 0.1
 
 def counting_key(key: CountingKey) -> str:
     """The Redis key of a counting key tuple: its JSON, which is readable in
-    redis-cli and unambiguous (strings are quoted and escaped)."""
-    return COUNT_PREFIX + json.dumps(key, separators=(",", ":"))
+    redis-cli and unambiguous (strings are quoted and escaped).
+
+    Written out, because it runs for every rule of every request and
+    ``json.dumps`` builds an encoder per call (15 % of a ten-rule check):
+    the rule's part is encoded once, a text value with the C escaper that
+    ``json.dumps`` itself uses; anything else goes through ``json.dumps``.
+    """
+    prefix = key[0]
+    head = _PREFIX_JSON.get(prefix)
+    if head is None:
+        if len(_PREFIX_JSON) >= _MAX_PREFIXES:
+            _PREFIX_JSON.clear()  # only many reloads with ever new rules get here
+        head = _PREFIX_JSON[prefix] = COUNT_PREFIX + "[" + _json(prefix)
+    parts = [head]
+    for value in key[1:]:
+        parts.append(encode_basestring_ascii(value) if type(value) is str else _json(value))
+    return ",".join(parts) + "]"
+
+
+def _json(value: object) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+# The JSON of each rule's part of its keys (rule id, dimension names).
+_PREFIX_JSON: dict[object, str] = {}
+_MAX_PREFIXES = 4096
 
 
 def ban_key(address: str) -> str:
