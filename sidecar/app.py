@@ -7,13 +7,15 @@ validation. Every failure inside a check is answered as
 *allow* (fail open, SPEC §9) and counted; a rate limiter's bug must never
 become the protected site's outage.
 
-With the memory store, the HTTP protocol (sidecar.server) answers checks
-itself through ``check_for`` and ``check_at_once``, before ASGI: no task, no
-ASGI messages per check.
+The HTTP protocol (sidecar.server) answers checks itself through
+``check_for``, before ASGI: with the memory store at once
+(``check_at_once``: no task, no ASGI messages), with a shared store in a
+task of its own (``check_later``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -64,11 +66,18 @@ class SluiceApp:
                 return
         await self.api(scope, receive, send)
 
+    @property
+    def answers_at_once(self) -> bool:
+        """Whether a check is decided without waiting (the memory store)."""
+        return self.engine.store.answers_at_once
+
     def check_for(self, path: str) -> Check | None:
-        """The check front door at ``path`` when it can be answered at once,
-        without a task: the state store answers without waiting (memory)."""
-        if not self.engine.store.answers_at_once:
-            return None
+        """The check front door at ``path`` when the HTTP protocol may answer
+        it itself (sidecar.server): at once with the memory store
+        (``check_at_once``), or after awaiting a shared store
+        (``check_later``) when no rule can hold a request."""
+        if not self.engine.store.answers_at_once and self.engine.ruleset.holds:
+            return None  # a held request waits on the ASGI path, which sees the client leave
         handler = self._routes.find(path)
         return handler if isinstance(handler, Check) else None
 
@@ -88,6 +97,27 @@ class SluiceApp:
         if decision.delay > 0:
             scope[HELD] = (check, request, decision)
             return None
+        return self._answer(check, request, decision)
+
+    async def check_later(self, check: Check, scope: Scope, headers: dict[str, str]) -> Reply:
+        """The reply to a check over a store that is awaited (see
+        ``check_for``)."""
+        engine = self.engine
+        started = time.perf_counter()
+        try:
+            request = check.describe(engine, scope, headers)
+            decision = await engine.decide(request)
+        except Exception:
+            self.internal_error()
+            return FAIL_OPEN
+        engine.metrics.latency.observe(time.perf_counter() - started)
+        if decision.delay > 0:
+            # Only after a reload made a rule hold while this check was
+            # being decided: it waits here, without watching the client.
+            try:
+                await asyncio.sleep(decision.delay)
+            finally:
+                engine.release_hold()
         return self._answer(check, request, decision)
 
     async def _check(self, scope: Scope, receive: Receive, send: Send, check: Check) -> None:

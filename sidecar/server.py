@@ -63,6 +63,30 @@ class HeadTooLarge(Exception):
     """Raised inside a parser callback to stop the parser at once."""
 
 
+class CheckInFlight:
+    """What uvicorn's protocol reads of its request cycle, for a check the
+    protocol answers after awaiting the store: an unfinished response holds
+    later requests of the connection in uvicorn's pipeline; a lost
+    connection or a shutdown is noted here."""
+
+    __slots__ = ("response_complete", "keep_alive", "disconnected", "message_event")
+
+    def __init__(self, keep_alive: bool) -> None:
+        self.response_complete = False
+        self.keep_alive = keep_alive  # a shutdown turns it off
+        self.disconnected = False
+        self.message_event = _NoEvent()
+
+
+class _NoEvent:
+    """uvicorn sets its cycle's event when the connection is lost; nothing waits on ours."""
+
+    __slots__ = ()
+
+    def set(self) -> None:
+        pass
+
+
 class LimitedHttpProtocol(HttpToolsProtocol):
     """HttpToolsProtocol refusing request heads over a byte or field count,
     and answering checks itself when they need no waiting.
@@ -174,6 +198,9 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             super().on_message_complete()
             return
         scope = cast(Scope, self.scope)
+        if not self.app.answers_at_once:
+            self._answer_later(check, scope)
+            return
         reply = self.app.check_at_once(check, scope, header_map(scope))
         if reply is None:
             # Held by a leaky bucket: the ASGI path waits and answers, in order
@@ -207,12 +234,45 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             scope["query_string"] = url.query or b""
         return check
 
+    def _answer_later(self, check: Check, scope: Scope) -> None:
+        """Await the decision in a task; meanwhile ``CheckInFlight`` stands
+        in for uvicorn's cycle, so what follows on the connection waits in
+        uvicorn's pipeline, as behind any unfinished response."""
+        waiting = CheckInFlight(scope["http_version"] != "1.0" and self.parser.should_keep_alive())
+        # Not a RequestResponseCycle, but all of one that uvicorn reads here.
+        self.cycle = cast(Any, waiting)
+        task = self.loop.create_task(self._finish(check, scope, header_map(scope), waiting))
+        task.add_done_callback(self.tasks.discard)
+        self.tasks.add(task)
+
+    async def _finish(self, check: Check, scope: Scope, headers: dict[str, str], waiting: CheckInFlight) -> None:
+        reply = await self.app.check_later(check, scope, headers)
+        waiting.response_complete = True
+        if waiting.disconnected or self.transport.is_closing():
+            return  # counted, as on the ASGI path; nobody to tell
+        if self._send(reply, scope["method"], waiting.keep_alive):
+            self.on_response_complete()  # the next pipelined request, or the keep-alive timer
+
     def _write(self, reply: Reply) -> None:
         """Write a check's answer as uvicorn would have, and carry on with the
         connection as uvicorn does when a response is complete."""
-        status, headers, body = reply
         scope = self.scope
         keep_alive = scope["http_version"] != "1.0" and self.parser.should_keep_alive()
+        if not self._send(reply, scope["method"], keep_alive):
+            return
+        self.server_state.total_requests += 1
+        self._unset_keepalive_if_required()
+        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                            self.timeout_keep_alive_handler)
+        if self.flow.write_paused and not self._reading_paused_for_writes:
+            # A client that sends checks without reading the answers: stop
+            # reading until it takes them, as uvicorn does for its responses.
+            self._reading_paused_for_writes = True
+            self.flow.pause_reading()
+
+    def _send(self, reply: Reply, method: str, keep_alive: bool) -> bool:
+        """Write the answer; False when the connection ends with it."""
+        status, headers, body = reply
         content = [STATUS_LINE[status]]
         asks_close = False
         for name, value in self.server_state.default_headers:
@@ -227,22 +287,14 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         if not keep_alive and not asks_close:
             content.append(b"connection: close\r\n")
         content.append(b"\r\n")
-        if body and scope["method"] != "HEAD":
+        if body and method != "HEAD":
             content.append(body)
         transport = self.transport
         transport.write(b"".join(content))
-        self.server_state.total_requests += 1
         if not keep_alive:
+            self.server_state.total_requests += 1
             transport.close()
-            return
-        self._unset_keepalive_if_required()
-        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
-                                                            self.timeout_keep_alive_handler)
-        if self.flow.write_paused and not self._reading_paused_for_writes:
-            # A client that sends checks without reading the answers: stop
-            # reading until it takes them, as uvicorn does for its responses.
-            self._reading_paused_for_writes = True
-            self.flow.pause_reading()
+        return keep_alive
 
     def resume_writing(self) -> None:
         super().resume_writing()

@@ -2,7 +2,8 @@
 HTTP on the wire: in order with what else comes on the same connection
 (pipelined checks, a check a leaky bucket holds, other endpoints), HEAD
 without a body, and the connection closed when HTTP/1.0 or the answer asks
-for it. Raw sockets to a real ``sluice serve`` on loopback."""
+for it. Raw sockets to a real ``sluice serve`` on loopback, with the memory
+store (answered at once) and with a real Redis (answered after awaiting it)."""
 
 from __future__ import annotations
 
@@ -17,16 +18,18 @@ import pytest
 from sidecar.launcher import Stack
 from tests.integration.clients import LOOPBACK
 from tests.integration.conftest import fresh_client_address, start_stack
+from tests.integration.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration
 
-RULES = """
-rules:
+HELD = """
   - id: held
     match: {path: {prefix: /held}}
     key: [ip]
     limit: {rate: 5r/s, burst: 10, delay: 0}
     action: block
+"""
+RULES = """
   - id: refused
     match: {path: {prefix: /refused}}
     key: [ip]
@@ -42,14 +45,31 @@ rules:
 """
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    run_dir: Path = tmp_path_factory.mktemp("check-protocol")
+def running_stack(run_dir: Path, rules_text: str) -> Stack:
     rules = run_dir / "rules.yaml"
-    rules.write_text(RULES)
-    running = start_stack(run_dir / "stack", rules)
+    rules.write_text(rules_text)
+    return start_stack(run_dir / "stack", rules)
+
+
+@pytest.fixture(scope="module")
+def memory_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    running = running_stack(tmp_path_factory.mktemp("check-protocol"), "rules:" + HELD + RULES)
     yield running
     running.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_stack(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer) -> Iterator[Stack]:
+    # No rule holds: with a shared store, the protocol answers in a task.
+    running = running_stack(tmp_path_factory.mktemp("check-protocol-redis"),
+                            f"state: {{backend: redis, url: '{redis_server.url}'}}\nrules:" + RULES)
+    yield running
+    running.stop()
+
+
+@pytest.fixture(params=["memory", "redis"])
+def stack(request: pytest.FixtureRequest) -> Stack:
+    return request.getfixturevalue(f"{request.param}_stack")
 
 
 def nginx_check(uri: str, client: str, version: str = "1.1", method: str = "GET") -> bytes:
@@ -93,7 +113,8 @@ def connect_from(source: str, port: int) -> socket.socket:
     return socket.create_connection((LOOPBACK, port), timeout=10, source_address=(source, 0))
 
 
-def test_pipelined_checks_are_answered_in_order_around_a_held_one(stack: Stack) -> None:
+def test_pipelined_checks_are_answered_in_order_around_a_held_one(memory_stack: Stack) -> None:
+    stack = memory_stack
     client = fresh_client_address()
     over_limit(stack.ports.sluice, client, client)
     with socket.create_connection((LOOPBACK, stack.ports.sluice), timeout=10) as connection:
