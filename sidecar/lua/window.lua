@@ -73,7 +73,8 @@ local function hit(key, now, limit, amount)
     return true, until_ - now
   end
   local index = floordiv(now, period)
-  if index ~= window then
+  local moved = index ~= window
+  if moved then
     if index == window + 1 then previous = current else previous = 0 end
     current = 0
     window = index
@@ -90,14 +91,26 @@ local function hit(key, now, limit, amount)
   if reached then
     until_ = now + penalty
   end
-  local fields = {'w', num(window), 'p', num(previous), 'c', num(current)}
-  if until_ > -math.huge then
-    table.insert(fields, 'u')
-    table.insert(fields, num(until_))
+  -- Only what changed is written: within one window, the count (and a
+  -- penalty that starts). The expiry depends on the window and the
+  -- penalty alone, so it is set only when one of them changes.
+  local fields
+  if moved then
+    fields = {'w', num(window), 'p', num(previous), 'c', num(current)}
+    if until_ > -math.huge then
+      table.insert(fields, 'u')
+      table.insert(fields, num(until_))
+    end
+  elseif reached then
+    fields = {'c', num(current), 'u', num(until_)}
+  else
+    fields = {'c', num(current)}
   end
   redis.call('HSET', key, unpack(fields))
-  local horizon = (window + (sliding and 2 or 1)) * period
-  pexpire_at(key, now, math.max(horizon, until_))
+  if moved or reached then
+    local horizon = (window + (sliding and 2 or 1)) * period
+    pexpire_at(key, now, math.max(horizon, until_))
+  end
   return false, 0
 end
 

@@ -207,6 +207,35 @@ def test_every_key_expires(url: str, redis_server: RedisServer) -> None:
     assert all(client.pttl(key) > 0 for key in keys), {key: client.pttl(key) for key in keys}
 
 
+def test_a_window_key_is_written_and_given_its_expiry_only_when_they_change(url: str,
+                                                                              redis_server: RedisServer) -> None:
+    rules = """\
+rules:
+  - id: api
+    key: [ip]
+    limit: {requests: 100, per: 10s, window: fixed}
+    action: block
+"""
+    client = redis_server.client()
+    client.config_resetstat()
+
+    async def run(clock: FakeClock) -> None:
+        e = engine(url, rules, clock)
+        await outcomes(e, 20)  # one window
+        clock.advance(10)
+        await outcomes(e, 5)  # the next one
+
+    clock = FakeClock()
+    asyncio.run(run(clock))
+    stats = client.info("commandstats")
+    key = client.keys("{sluice}:count:*")[0]
+    # One expiry per window the key was counted in, and it still holds:
+    # the end of the second window.
+    assert stats["cmdstat_pexpire"]["calls"] == 2
+    assert stats["cmdstat_hset"]["calls"] == 25
+    assert client.hget(key, "c") == "5" and 0 < client.pttl(key) <= 10_000
+
+
 CHALLENGE = """\
 challenge:
   auto_ban: {challenges: 2, per: 60s, ban: 10m}
