@@ -29,6 +29,7 @@ from sidecar.frontdoors.common import (
 from sidecar.ratelog import RateLimitedLog
 from sidecar.request import CheckRequest
 from sidecar.service import build_api
+from sidecar.store.memory import run_at_once
 
 log = logging.getLogger("sluice")
 
@@ -85,15 +86,10 @@ class SluiceApp:
         """The reply to a check, decided and answered without awaiting (see
         ``check_for``); None when a leaky bucket holds the request, which
         ``scope[HELD]`` then carries to the ASGI path to wait and answer."""
-        engine = self.engine
-        started = time.perf_counter()
-        try:
-            request = check.describe(engine, scope, headers)
-            decision = engine.decide_now(request)
-        except Exception:
-            self.internal_error()
+        decided = run_at_once(self._decide(check, scope, headers))
+        if decided is None:
             return FAIL_OPEN
-        engine.metrics.latency.observe(time.perf_counter() - started)
+        request, decision = decided
         if decision.delay > 0:
             scope[HELD] = (check, request, decision)
             return None
@@ -102,6 +98,32 @@ class SluiceApp:
     async def check_later(self, check: Check, scope: Scope, headers: dict[str, str]) -> Reply:
         """The reply to a check over a store that is awaited (see
         ``check_for``)."""
+        decided = await self._decide(check, scope, headers)
+        if decided is None:
+            return FAIL_OPEN
+        request, decision = decided
+        if decision.delay > 0:
+            # Only after a reload made a rule hold while this check was
+            # being decided: it waits here, without watching the client.
+            try:
+                await asyncio.sleep(decision.delay)
+            finally:
+                self.engine.release_hold()
+        return self._answer(check, request, decision)
+
+    async def _check(self, scope: Scope, receive: Receive, send: Send, check: Check) -> None:
+        decided = await self._decide(check, scope, header_map(scope))
+        if decided is None:
+            await respond(send, *FAIL_OPEN)
+        elif decided[1].delay > 0:
+            await self._answer_after_hold(receive, send, check, *decided)
+        else:
+            await respond(send, *self._answer(check, *decided))
+
+    async def _decide(self, check: Check, scope: Scope, headers: dict[str, str]
+                      ) -> tuple[CheckRequest, Decision] | None:
+        """The front door's request and the engine's decision; None when
+        that failed inside Sluice (counted and logged; the caller fails open)."""
         engine = self.engine
         started = time.perf_counter()
         try:
@@ -109,32 +131,9 @@ class SluiceApp:
             decision = await engine.decide(request)
         except Exception:
             self.internal_error()
-            return FAIL_OPEN
+            return None
         engine.metrics.latency.observe(time.perf_counter() - started)
-        if decision.delay > 0:
-            # Only after a reload made a rule hold while this check was
-            # being decided: it waits here, without watching the client.
-            try:
-                await asyncio.sleep(decision.delay)
-            finally:
-                engine.release_hold()
-        return self._answer(check, request, decision)
-
-    async def _check(self, scope: Scope, receive: Receive, send: Send, check: Check) -> None:
-        engine = self.engine
-        started = time.perf_counter()
-        try:
-            request = check.describe(engine, scope, header_map(scope))
-            decision = await engine.decide(request)
-        except Exception:
-            self.internal_error()
-            await respond(send, *FAIL_OPEN)
-            return
-        engine.metrics.latency.observe(time.perf_counter() - started)
-        if decision.delay > 0:
-            await self._answer_after_hold(receive, send, check, request, decision)
-        else:
-            await respond(send, *self._answer(check, request, decision))
+        return request, decision
 
     async def _answer_after_hold(self, receive: Receive, send: Send, check: Check,
                                  request: CheckRequest, decision: Decision) -> None:

@@ -89,14 +89,15 @@ class _NoEvent:
 
 class LimitedHttpProtocol(HttpToolsProtocol):
     """HttpToolsProtocol refusing request heads over a byte or field count,
-    and answering checks itself when they need no waiting.
+    and answering checks itself.
 
     A check the state store answers at once (the memory store) is decided
     and answered inside the parser's callback: no task, no ASGI messages, no
     per-request cycle object, which is most of what uvicorn costs per
-    request. Everything else (other paths, a check behind an unfinished
-    response on the same connection, a check a leaky bucket holds, the Redis
-    store) goes through uvicorn's ASGI machinery unchanged.
+    request. A check over a shared store is awaited in a task of its own,
+    still without ASGI. Everything else (other paths, a check behind an
+    unfinished response on the same connection, a check a leaky bucket
+    holds) goes through uvicorn's ASGI machinery unchanged.
     """
 
     def __init__(self, *args: Any, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
@@ -110,9 +111,9 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._header_count = 0
         self._refused = False
         self._linger: asyncio.TimerHandle | None = None
-        # The application's at-once check, when it has one (sidecar.app).
+        # The application's own check routes, when it has them (sidecar.app).
         self._check_for = getattr(self.app, "check_for", None)
-        # The check front door of the request being read, answered at once.
+        # The check front door of the request being read, answered here.
         self._check: Check | None = None
         # Reading stopped until the client takes the answers written so far.
         self._reading_paused_for_writes = False
@@ -181,7 +182,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._head_budget = None
-        self._check = self._check_at_once()
+        self._check = self._own_check()
         if self._check is None:
             super().on_headers_complete()
 
@@ -210,9 +211,9 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             return
         self._write(reply)
 
-    # -- checks answered at once ------------------------------------------------
+    # -- checks answered by the protocol ----------------------------------------
 
-    def _check_at_once(self) -> Check | None:
+    def _own_check(self) -> Check | None:
         """The check front door of this request when the protocol may answer
         it itself: nothing else is in progress on the connection."""
         if self._check_for is None or self.pipeline or self.expect_100_continue or \
@@ -234,11 +235,15 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             scope["query_string"] = url.query or b""
         return check
 
+    def _keep_alive(self, scope: Scope) -> bool:
+        """Whether the connection may carry another request, as uvicorn decides it."""
+        return scope["http_version"] != "1.0" and self.parser.should_keep_alive()
+
     def _answer_later(self, check: Check, scope: Scope) -> None:
         """Await the decision in a task; meanwhile ``CheckInFlight`` stands
         in for uvicorn's cycle, so what follows on the connection waits in
         uvicorn's pipeline, as behind any unfinished response."""
-        waiting = CheckInFlight(scope["http_version"] != "1.0" and self.parser.should_keep_alive())
+        waiting = CheckInFlight(self._keep_alive(scope))
         # Not a RequestResponseCycle, but all of one that uvicorn reads here.
         self.cycle = cast(Any, waiting)
         task = self.loop.create_task(self._finish(check, scope, header_map(scope), waiting))
@@ -250,28 +255,27 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         waiting.response_complete = True
         if waiting.disconnected or self.transport.is_closing():
             return  # counted, as on the ASGI path; nobody to tell
-        if self._send(reply, scope["method"], waiting.keep_alive):
-            self.on_response_complete()  # the next pipelined request, or the keep-alive timer
+        self._send(reply, scope["method"], waiting.keep_alive)
+        self._answered()
 
     def _write(self, reply: Reply) -> None:
-        """Write a check's answer as uvicorn would have, and carry on with the
-        connection as uvicorn does when a response is complete."""
-        scope = self.scope
-        keep_alive = scope["http_version"] != "1.0" and self.parser.should_keep_alive()
-        if not self._send(reply, scope["method"], keep_alive):
-            return
-        self.server_state.total_requests += 1
-        self._unset_keepalive_if_required()
-        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
-                                                            self.timeout_keep_alive_handler)
-        if self.flow.write_paused and not self._reading_paused_for_writes:
-            # A client that sends checks without reading the answers: stop
-            # reading until it takes them, as uvicorn does for its responses.
+        """Write a check's answer as uvicorn would have, at once."""
+        scope = cast(Scope, self.scope)
+        self._send(reply, scope["method"], self._keep_alive(scope))
+        self._answered()
+
+    def _answered(self) -> None:
+        """Carry on as uvicorn does when a response is complete (the next
+        pipelined request, or the keep-alive timer). A client that sends
+        checks without reading the answers is not read from until it takes
+        them, as uvicorn's own responses wait for the client."""
+        self.on_response_complete()  # resumes reading: paused again below while writes are
+        if self.flow.write_paused and not self.transport.is_closing():
             self._reading_paused_for_writes = True
             self.flow.pause_reading()
 
-    def _send(self, reply: Reply, method: str, keep_alive: bool) -> bool:
-        """Write the answer; False when the connection ends with it."""
+    def _send(self, reply: Reply, method: str, keep_alive: bool) -> None:
+        """Write the answer, and close the connection when it ends with it."""
         status, headers, body = reply
         content = [STATUS_LINE[status]]
         asks_close = False
@@ -289,12 +293,9 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         content.append(b"\r\n")
         if body and method != "HEAD":
             content.append(body)
-        transport = self.transport
-        transport.write(b"".join(content))
+        self.transport.write(b"".join(content))
         if not keep_alive:
-            self.server_state.total_requests += 1
-            transport.close()
-        return keep_alive
+            self.transport.close()
 
     def resume_writing(self) -> None:
         super().resume_writing()

@@ -82,21 +82,11 @@ class BoundedMap:
     def add(self, key: Hashable, value: Any, expires: float | None = None) -> None:
         """Store a key that is not in the map, the common case under key
         rotation: one lookup fewer than ``__setitem__``, and no call for the
-        expiry when the caller has it (``expires``). Filing is written out:
-        this runs for every new key of every request."""
+        expiry when the caller has it (``expires``)."""
         data = self.data
         if len(data) >= self.max_keys:
             self._make_room()
-        if expires is None:
-            expires = self._expires_at(value)
-        slot = int(expires) if 1.0 <= expires < 1e18 else self._slot(expires)
-        keys = self._wheel.get(slot)
-        if keys is None:
-            self._wheel[slot] = [key]
-            heapq.heappush(self._slots, slot)
-        else:
-            keys.append(key)
-        self._filed += 1
+        self._file(key, self._expires_at(value) if expires is None else expires)
         data[key] = value
 
     def pop(self, key: Hashable, default: Any = None) -> Any:
@@ -117,7 +107,7 @@ class BoundedMap:
         return int(when) if when < 1e18 else 1 << 62
 
     def _file(self, key: Hashable, expires: float) -> None:
-        slot = int(expires) if 1.0 <= expires < 1e18 else self._slot(expires)
+        slot = self._slot(expires)
         keys = self._wheel.get(slot)
         if keys is None:
             self._wheel[slot] = [key]
@@ -215,12 +205,12 @@ class MemoryStore:
                 if state is not None and state.limiter is limiter:
                     hit = limiter.hit(state, now, check.threshold, 1)
                 else:  # a new key, or one a reload gave another limiter
-                    hit = self._hit(key, limiter, now, check.threshold, 1)
+                    hit = self._count(key, state, limiter, now, check.threshold, 1)
             elif not check.count:
-                state = self._states.get(check.key)
-                hit = check.limiter.peek(state, now) if state is not None else ALLOWED
+                state = self._states.get(key)
+                hit = limiter.peek(state, now) if state is not None else ALLOWED
             elif is_deferred(limiter):
-                state, stored = self._state(check.key, limiter)
+                state, stored = self._state(key, limiter)
                 hit = limiter.assess(state, now)
                 if hit.delay and not can_delay:
                     hit = Hit(True, hit.delay)  # the wait queue is full: refuse
@@ -278,19 +268,22 @@ class MemoryStore:
         return state
 
     def _hit(self, key: Hashable, limiter: Limiter, now: float, threshold: float, amount: int) -> Hit:
-        states = self._states
-        state = states.get(key)
+        return self._count(key, self._states.get(key), limiter, now, threshold, amount)
+
+    def _count(self, key: Hashable, state: Any, limiter: Limiter, now: float, threshold: float,
+               amount: int) -> Hit:
+        """Count for the key whose stored state (or None) was just read."""
         if state is not None:
             if state.limiter is limiter or self._reloaded(state, limiter) is not None:
                 return limiter.hit(state, now, threshold, amount)
-            state = limiter.new_state()
+            state = limiter.new_state()  # the rule was reloaded as another algorithm
             hit = limiter.hit(state, now, threshold, amount)
-            states[key] = state
+            self._states[key] = state
             return hit
         # A key never seen (or forgotten): under key rotation, most of them.
         state = limiter.new_state()
         hit = limiter.hit(state, now, threshold, amount)
-        states.add(key, state, limiter.expires_at(state))
+        self._states.add(key, state, limiter.expires_at(state))
         return hit
 
     def _ban(self, now: float, address: str, rule_id: str, duration: float) -> BanRecord:
