@@ -407,9 +407,26 @@ class ClientIPConfig(Strict):
     ipv4_prefix: int = Field(32, ge=1, le=32)
 
 
+class ClusterConfig(Strict):
+    """A Redis Cluster: some of its nodes, from which Sluice learns the rest."""
+
+    nodes: list[str] = Field(min_length=1)
+
+    @field_validator("nodes")
+    @classmethod
+    def _addresses(cls, nodes: list[str]) -> list[str]:
+        from sidecar.store.redis_cluster import parse_node
+
+        for node in nodes:
+            parse_node(node)
+        return nodes
+
+
 class StateConfig(Strict):
     backend: Backend = "memory"
-    url: str = "redis://127.0.0.1:6379/0"  # with backend: redis
+    # with backend: redis; on a cluster, the credentials and TLS of its nodes
+    url: str = "redis://127.0.0.1:6379/0"
+    cluster: ClusterConfig | None = None
     max_keys: int = Field(100_000, ge=1)
     # Requests a leaky bucket may hold at once on this node (SPEC §7): when
     # all are taken, a request that would have to wait is refused instead.
@@ -427,6 +444,20 @@ class StateConfig(Strict):
             raise ValueError(str(exc) if "redis://" in str(exc) else
                              f"expected a URL like redis://HOST:PORT/DB or unix:///PATH, got {url!r}") from None
         return url
+
+    @model_validator(mode="after")
+    def _cluster_on_redis(self) -> "StateConfig":
+        if self.cluster is not None:
+            if self.backend != "redis":
+                raise ValueError("cluster: needs backend: redis")
+            from sidecar.store.redis_pipeline import RedisAddress
+
+            address = RedisAddress(self.url)
+            if address.path is not None or address.db:
+                raise ValueError("with cluster:, url gives only the nodes' credentials and TLS "
+                                 "(redis://[USER:PASSWORD@]HOST or rediss://...); a cluster has "
+                                 "no Unix socket and only database 0")
+        return self
 
 
 class VerifiedBots(Strict):

@@ -24,6 +24,7 @@ from sidecar.config import ConfigError, ConfigIssue, LoadedRules
 from sidecar.keys import CountingKey, KeyPrefix, key_dimensions, key_values
 from sidecar.limiters import build_limiter
 from sidecar.state import AutoBan, Limiter
+from sidecar.store.redis_cluster import parse_node
 from sidecar.request import CheckRequest
 
 Predicate = Callable[[CheckRequest], bool]
@@ -310,6 +311,7 @@ class Ruleset:
     max_delayed: int
     backend: config.Backend
     url: str  # the shared store's, with backend redis
+    cluster: tuple[tuple[str, int], ...]  # a Redis Cluster's configured nodes, or none
     fail: config.FailMode  # a request when the shared store is unavailable (SPEC §9)
     source: str
     secret: bytes | None  # HMAC key from challenge.secret_file
@@ -397,6 +399,7 @@ def compile_rules(loaded: LoadedRules) -> Ruleset:
         max_delayed=model.state.max_delayed,
         backend=model.state.backend,
         url=model.state.url,
+        cluster=tuple(parse_node(node) for node in model.state.cluster.nodes) if model.state.cluster else (),
         fail=model.state.fail,
         source=loaded.source,
         secret=_read_secret(model.challenge.secret_file, loaded.base_dir),

@@ -3,11 +3,22 @@
 -- Buckets are assessed in order and charged at the end, only when the
 -- request is admitted by all of them and no check refused it.
 --
--- KEYS: 1 the address's ban record, 2 the ban index (address -> expiry),
---       3 the address's challenge counter (auto-ban), 4.. one per check.
+-- On a Redis Cluster a request's checks are split by hash slot, one call of
+-- this script per slot (see sidecar/store/redis.py); the mode says what the
+-- call does about bans:
+--   'F' a single Redis: the ban check, and a ban written with its index entry;
+--   'S' the slot of the address: the ban check, and a ban written without
+--       the index (another slot);
+--   'N' another slot: no ban check; a ban this call would issue is answered
+--       as wanted (new ban 2, or 3 for one more challenge towards the
+--       auto-ban) and the caller issues it in the address's slot.
+--
+-- KEYS: 1 the address's ban record, 2 the ban index, 3 the address's
+--       challenge counter (auto-ban), 4.. one per check. In modes 'S' and 'N'
+--       the keys a mode does not use repeat one of the call's own keys.
 -- ARGV: now ('' = server time), address ('' = unknown), node, wall clock,
 --       auto-ban {'W', threshold, period, penalty, sliding, exceed, duration},
---       can delay (1/0: a bucket may hold the request), quotas (1/0),
+--       can delay (1/0: a bucket may hold the request), quotas (1/0), mode,
 --       then per check: rule id, count (1/0), stops (1/0), ban duration
 --       ('' = none), auto-ban (1/0), then the limiter's arguments: its kind
 --       ('W' window, else a bucket's, see buckets.lua) and five values, for
@@ -23,9 +34,10 @@ local address, node, wall = ARGV[2], ARGV[3], ARGV[4]
 local auto_limit = limit_from(ARGV, 6)
 local auto_duration = ARGV[11]
 local can_delay, want_quotas = ARGV[12] == '1', ARGV[13] == '1'
-local FIRST, WIDTH = 14, 11
+local mode = ARGV[14]
+local FIRST, WIDTH = 15, 11
 
-if address ~= '' then
+if address ~= '' and mode ~= 'N' then
   local ban = redis.call('HMGET', KEYS[1], 'rule', 'node', 'started', 'expires', 'duration')
   if ban[1] and now < tonumber(ban[4]) then
     return {1, 0, ban[1], ban[2], ban[3], num(tonumber(ban[4]) - now), ban[5], '0', 0}
@@ -63,6 +75,11 @@ for i = 0, checks - 1 do
     refused = true
     local ban_key = key
     if ARGV[at + 4] == '1' and address ~= '' then
+      if mode == 'N' then
+        -- The challenge counter lives in the address's slot.
+        result[2], result[3] = 3, rule_id
+        break
+      end
       -- One more challenge for this address: past the auto-ban threshold,
       -- a ban instead.
       ban_key = KEYS[3]
@@ -72,17 +89,14 @@ for i = 0, checks - 1 do
     end
     if ban_duration ~= '' and address ~= '' then
       -- Issuing a ban clears the triggering key (SPEC §6).
-      local duration = tonumber(ban_duration)
-      local expires = now + duration
       redis.call('DEL', ban_key)
-      redis.call('HSET', KEYS[1], 'rule', rule_id, 'node', node, 'started', wall,
-                 'expires', num(expires), 'duration', ban_duration)
-      pexpire_at(KEYS[1], now, expires)
-      redis.call('ZADD', KEYS[2], num(expires), address)
-      local index_end = tonumber(redis.call('ZRANGE', KEYS[2], -1, -1, 'WITHSCORES')[2])
-      pexpire_at(KEYS[2], now, index_end)
-      result[1], result[2], result[3], result[4] = 0, 1, rule_id, node
-      result[5], result[6], result[7] = wall, num(duration), ban_duration
+      if mode == 'N' then
+        result[2], result[3], result[7] = 2, rule_id, ban_duration
+      else
+        local ban = write_ban(KEYS[1], mode == 'F' and KEYS[2] or nil, now, address, rule_id, node,
+                              wall, ban_duration)
+        result[2], result[3], result[4], result[5], result[6], result[7] = 1, unpack(ban)
+      end
     end
     break
   end

@@ -43,12 +43,14 @@ class StateStore(Protocol):
     async def close(self) -> None: ...
 
 
-def open_store(backend: Backend, url: str, max_keys: int, node: str, clock: Callable[[], float]) -> StateStore:
-    """The store a ruleset's ``state:`` asks for."""
+def open_store(backend: Backend, url: str, max_keys: int, node: str, clock: Callable[[], float],
+               cluster: Sequence[tuple[str, int]] = ()) -> StateStore:
+    """The store a ruleset's ``state:`` asks for; ``cluster`` names some
+    nodes of a Redis Cluster."""
     if backend == "redis":
         from sidecar.store.redis import RedisStore
 
-        return RedisStore.from_url(url, node, max_keys=max_keys, clock=clock)
+        return RedisStore.from_url(url, node, max_keys=max_keys, clock=clock, cluster=cluster)
     from sidecar.store.memory import MemoryStore
 
     return MemoryStore(max_keys, node, clock)

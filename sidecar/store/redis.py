@@ -9,10 +9,13 @@ with the memory store's deferred charging of buckets; the draft RateLimit
 quotas come back with the decision. Each limiter encodes its own arguments
 (``redis_args``): this module never learns which algorithm a check runs.
 
-Every key carries the hash tag ``{sluice}``, so the multi-key scripts are
-valid on Redis Cluster; the price is that all of Sluice's keys live in one
-slot, on one shard. Every key has an expiry: a counter's when its window no
-longer weighs in and its penalty is over, a ban's when it ends.
+Every key carries a hash tag of its subject (see ``counting_key``). On a
+single Redis that changes nothing; on a Redis Cluster (``ClusterRedis``)
+it spreads the keys of different clients over every master, while the
+keys of one client share a slot with its ban record, so that a request's
+per-client checks stay one atomic script. Checks of other slots are one
+call each, sent at once. Every key has an expiry: a counter's when its
+window no longer weighs in and its penalty is over, a ban's when it ends.
 
 Time is the Redis server's (``TIME``), which all nodes share; with
 ``server_time=False`` the scripts use the ``now`` the engine passes (tests
@@ -22,25 +25,28 @@ into the caller's clock, so ban records look as they do from MemoryStore.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import zlib
 from json.encoder import encode_basestring_ascii
 import time
 from importlib import resources
 from typing import Any, Callable, Sequence
 
-from sidecar.keys import CountingKey
+from sidecar.keys import CountingKey, key_dimensions
 from sidecar.limiters import ALLOWED, Hit, lua_libraries
 from sidecar.store import StoreUnavailable
 from sidecar.store.penalties import PenaltyCache
-from sidecar.store.redis_pipeline import PipelinedRedis
+from sidecar.store.redis_cluster import ClusterRedis
+from sidecar.store.redis_pipeline import PipelinedRedis, RedisAddress
 from sidecar.state import BanRecord, Check, Clock, Evaluation, ResponseCount
 
 __all__ = ["RedisStore", "StoreUnavailable", "counting_key", "ban_key"]
 
-PREFIX = "{sluice}:"
-COUNT_PREFIX = PREFIX + "count:"
-BAN_PREFIX = PREFIX + "ban:"
+PREFIX = "sluice:"
 BAN_INDEX = PREFIX + "bans"
+# A ban record is "sluice:{ADDRESS}:ban".
+BAN_HEAD, BAN_TAIL = PREFIX + "{", "}:ban"
 
 # A store that does not answer within this is unavailable for this request
 # (SPEC §9): the request fails open (or closed) instead of waiting.
@@ -48,8 +54,14 @@ DEFAULT_TIMEOUT = 0.1
 
 
 def counting_key(key: CountingKey) -> str:
-    """The Redis key of a counting key tuple: its JSON, which is readable in
-    redis-cli and unambiguous (strings are quoted and escaped).
+    """The Redis key of a counting key tuple: ``sluice:{TAG}:count:`` and
+    the tuple's JSON, which is readable in redis-cli and unambiguous
+    (strings are quoted and escaped).
+
+    The hash tag is the key's subject: the client address for a key that
+    counts per address, so that on a Redis Cluster every such key of one
+    client shares the slot of its ban record, and one atomic script decides
+    the request; a CRC of the JSON for any other key.
 
     Written out, because it runs for every rule of every request and
     ``json.dumps`` builds an encoder per call (15 % of a ten-rule check):
@@ -57,33 +69,38 @@ def counting_key(key: CountingKey) -> str:
     ``json.dumps`` itself uses; anything else goes through ``json.dumps``.
     """
     prefix = key[0]
-    head = _PREFIX_JSON.get(prefix)
-    if head is None:
-        if len(_PREFIX_JSON) >= _MAX_PREFIXES:
-            _PREFIX_JSON.clear()  # only many reloads with ever new rules get here
-        head = _PREFIX_JSON[prefix] = COUNT_PREFIX + "[" + _json(prefix)
+    rule = _RULE_PARTS.get(prefix)
+    if rule is None:
+        if len(_RULE_PARTS) >= _MAX_PREFIXES:
+            _RULE_PARTS.clear()  # only many reloads with ever new rules get here
+        names = key_dimensions(key)
+        rule = _RULE_PARTS[prefix] = ("[" + _json(prefix), names.index("ip") + 1 if "ip" in names else 0)
+    head, address_at = rule
     parts = [head]
     for value in key[1:]:
         parts.append(encode_basestring_ascii(value) if type(value) is str else _json(value))
-    return ",".join(parts) + "]"
+    body = ",".join(parts) + "]"
+    tag = key[address_at] if address_at else f"{zlib.crc32(body.encode()):08x}"
+    return f"{PREFIX}{{{tag}}}:count:{body}"
 
 
 def _json(value: object) -> str:
     return json.dumps(value, separators=(",", ":"))
 
 
-# The JSON of each rule's part of its keys (rule id, dimension names).
-_PREFIX_JSON: dict[object, str] = {}
+# Each rule's part of its keys (rule id, dimension names): its JSON, and
+# where in the key the client address is (0: nowhere).
+_RULE_PARTS: dict[object, tuple[str, int]] = {}
 _MAX_PREFIXES = 4096
 
 
 def ban_key(address: str) -> str:
-    return BAN_PREFIX + address
+    return BAN_HEAD + address + BAN_TAIL
 
 
 def _script(name: str) -> str:
     lua = resources.files("sidecar") / "lua"
-    return "\n".join((lua / f"{part}.lua").read_text() for part in (*lua_libraries(), name))
+    return "\n".join((lua / f"{part}.lua").read_text() for part in (*lua_libraries(), "ban_record", name))
 
 
 def _flag(value: bool) -> str:
@@ -100,12 +117,35 @@ def _hits(values: Sequence[Any]) -> list[Hit]:
             for i in range(0, len(values), 2)]
 
 
+class _Part:
+    """One call of the evaluation script: the checks of one hash slot (all
+    of them on a single Redis), and what the script answered for them."""
+
+    __slots__ = ("mode", "indices", "banned", "new_ban", "ban", "delay", "hits", "quotas")
+
+    def __init__(self, mode: str, indices: list[int]) -> None:
+        self.mode = mode  # see evaluate.lua
+        self.indices = indices
+
+    def read(self, result: list[Any], quotas: bool) -> None:
+        banned, new_ban, *ban, delay, evaluated = result[:9]
+        end = 9 + 2 * int(evaluated)
+        self.banned, self.new_ban, self.ban = bool(int(banned)), int(new_ban), ban
+        self.delay = float(delay)
+        self.hits = _hits(result[9:end])
+        self.quotas = None
+        if quotas and not self.banned:
+            values = result[end:]
+            self.quotas = [(int(values[i]), float(values[i + 1]), float(values[i + 2]))
+                           if values[i] != "" else None for i in range(0, len(values), 3)]
+
 class RedisStore:
-    """The shared state store: each operation is one round trip."""
+    """The shared state store: each operation is one round trip (to each
+    master involved, in parallel, on a Redis Cluster)."""
 
     answers_at_once = False
 
-    def __init__(self, client: PipelinedRedis, node: str, server_time: bool = True,
+    def __init__(self, client: PipelinedRedis | ClusterRedis, node: str, server_time: bool = True,
                  wall_clock: Clock = time.time, max_keys: int = 100_000,
                  clock: Clock = time.monotonic) -> None:
         self.client = client
@@ -115,16 +155,22 @@ class RedisStore:
         self.server_time = server_time
         self._wall_clock = wall_clock
         self._evaluate = client.script(_script("evaluate"))
+        self._issue_ban = client.script(_script("issue_ban"))
         self._record = client.script(_script("record"))
         self._bans = client.script(_script("bans"))
+        self._ban_of = client.script(_script("ban_of"))
         self._lift_ban = client.script(_script("lift_ban"))
 
     @classmethod
-    def from_url(cls, url: str, node: str, timeout: float = DEFAULT_TIMEOUT, **kwargs: Any) -> "RedisStore":
-        # One pipelined connection carries every decision in flight (see
-        # sidecar.store.redis_pipeline): a burst is a queue Redis works through, never a
-        # pool that runs out and fails requests open while Redis is fine.
-        return cls(PipelinedRedis(url, timeout), node, **kwargs)
+    def from_url(cls, url: str, node: str, timeout: float = DEFAULT_TIMEOUT,
+                 cluster: Sequence[tuple[str, int]] | None = None, **kwargs: Any) -> "RedisStore":
+        # One pipelined connection (per cluster master) carries every
+        # decision in flight (see sidecar.store.redis_pipeline): a burst is a
+        # queue Redis works through, never a pool that runs out and fails
+        # requests open while Redis is fine.
+        client: PipelinedRedis | ClusterRedis = PipelinedRedis(url, timeout) if not cluster else \
+            ClusterRedis(cluster, RedisAddress(url), timeout)
+        return cls(client, node, **kwargs)
 
     def _now(self, now: float) -> str:
         return "" if self.server_time else repr(now)
@@ -134,57 +180,142 @@ class RedisStore:
         """MemoryStore.evaluate in one script; with ``quotas``, also every
         counting check's (remaining, reset, window) after the decision, as
         the memory store answers (None for the others). Keys known over
-        limit are answered here (see sidecar.store.penalties)."""
+        limit are answered here (see sidecar.store.penalties).
+
+        On a Redis Cluster the checks are split by hash slot, one call each,
+        all at once: the checks that count per client share the address's
+        slot with its ban record and are one atomic step; see the README
+        for what holds across slots."""
         known = self.penalties.answer(now, checks)
         if known is not None:
             return known
+        names = [counting_key(check.key) for check in checks]
         auto_ban = next((check.auto_ban for check in checks if check.auto_ban is not None), None)
-        keys = [ban_key(address), BAN_INDEX, counting_key(auto_ban.key(address)) if auto_ban else BAN_INDEX]
-        args = [self._now(now), address, self.node, repr(self._wall_clock())]
+        head = [self._now(now), address, self.node, repr(self._wall_clock())]
         if auto_ban is not None:
-            args += auto_ban.limiter.redis_args(auto_ban.threshold)
-            args.append(repr(float(auto_ban.duration)))
+            head += auto_ban.limiter.redis_args(auto_ban.threshold)
+            head.append(repr(float(auto_ban.duration)))
         else:
-            args += _NO_AUTO_BAN
-        args += [_flag(can_delay), _flag(quotas)]
-        for check in checks:
-            keys.append(counting_key(check.key))
-            args += [check.rule_id, _flag(check.count), _flag(check.stops),
-                     "" if check.ban_duration is None else repr(float(check.ban_duration)),
-                     _flag(check.auto_ban is not None)]
-            args += check.limiter.redis_args(check.threshold)
-        result = await self.client.evalsha(self._evaluate, keys, args)
-        banned, new_ban, rule_id, node, started, remaining, duration, delay, evaluated = result[:9]
-        end = 9 + 2 * int(evaluated)
-        evaluation = Evaluation(new_ban=bool(int(new_ban)), hits=_hits(result[9:end]), delay=float(delay))
-        if quotas and not int(banned):
-            values = result[end:]
-            evaluation.quotas = [(int(values[i]), float(values[i + 1]), float(values[i + 2]))
-                                 if values[i] != "" else None for i in range(0, len(values), 3)]
-        if int(banned) or evaluation.new_ban:
-            evaluation.ban = BanRecord(address, rule_id, node, float(started), now + float(remaining),
-                                       float(duration))
-        else:
+            head += _NO_AUTO_BAN
+        head += [_flag(can_delay), _flag(quotas)]
+        record = ban_key(address)
+        # The address's challenge counter (auto-ban), in the record's slot.
+        counter = counting_key(auto_ban.key(address)) if auto_ban else record
+        parts = self._parts(address, names)
+        calls = []
+        for part in parts:
+            if part.mode == "F":
+                keys = [record, BAN_INDEX, counter]
+            elif part.mode == "S":
+                keys = [record, record, counter]
+            else:
+                keys = [names[part.indices[0]]] * 3
+            args = head + [part.mode]
+            for i in part.indices:
+                check = checks[i]
+                keys.append(names[i])
+                args += [check.rule_id, _flag(check.count), _flag(check.stops),
+                         "" if check.ban_duration is None else repr(float(check.ban_duration)),
+                         _flag(check.auto_ban is not None)]
+                args += check.limiter.redis_args(check.threshold)
+            calls.append(self.client.evalsha(self._evaluate, keys, args))
+        results = [await calls[0]] if len(calls) == 1 else await asyncio.gather(*calls)
+        for part, result in zip(parts, results):
+            part.read(result, quotas)
+        evaluation = await self._combined(now, address, checks, parts, [record, counter], head[:11], quotas)
+        if evaluation.ban is None:
             self.penalties.learn(now, checks, evaluation.hits)
         return evaluation
 
+    def _parts(self, address: str, names: list[str]) -> list[_Part]:
+        """The calls of one evaluation: one on a single Redis, else one per
+        hash slot, the address's first (it checks the ban)."""
+        if not self.client.clustered:
+            return [_Part("F", list(range(len(names))))]
+        slots: dict[int, list[int]] = {}
+        if address:
+            slots[self.client.slot(ban_key(address))] = []
+        for i, name in enumerate(names):
+            slots.setdefault(self.client.slot(name), []).append(i)
+        return [_Part("S" if address and n == 0 else "N", indices) for n, indices in enumerate(slots.values())]
+
+    async def _combined(self, now: float, address: str, checks: Sequence[Check], parts: list[_Part],
+                        own: list[str], head: list[str], quotas: bool) -> Evaluation:
+        """The evaluation the parts' answers make, as one script would have
+        made it: the hits in rule order up to the first refusal that ends
+        evaluation, and the ban that refusal issues."""
+        first = parts[0] if parts else None
+        if first is not None and first.banned:
+            return Evaluation(ban=self._ban_record(address, now, first.ban))
+        hit_of: dict[int, tuple[_Part, Hit]] = {}
+        for part in parts:
+            for i, hit in zip(part.indices, part.hits):
+                hit_of[i] = part, hit
+        evaluation = Evaluation()
+        refusing: _Part | None = None
+        for i in range(len(checks)):
+            part, hit = hit_of[i]
+            evaluation.hits.append(hit)
+            if hit.over_limit and checks[i].stops:
+                refusing = part
+                break
+        if refusing is None:
+            evaluation.delay = max((part.delay for part in parts), default=0.0)
+        elif refusing.new_ban == 1:
+            evaluation.new_ban = True
+            evaluation.ban = self._ban_record(address, now, refusing.ban)
+        elif refusing.new_ban:
+            # A check in another slot than the address's called for a ban
+            # (or one more challenge towards the auto-ban): issued there now.
+            duration = refusing.ban[4] if refusing.new_ban == 2 else ""
+            result = await self.client.evalsha(self._issue_ban, own, head + [refusing.ban[0], duration])
+            if int(result[0]):
+                evaluation.new_ban = True
+                evaluation.ban = self._ban_record(address, now, result[1:])
+        if quotas and evaluation.ban is None:
+            quota_of = {i: quota for part in parts for i, quota in zip(part.indices, part.quotas or ())}
+            evaluation.quotas = [quota_of.get(i) for i in range(len(checks))]
+        return evaluation
+
+    @staticmethod
+    def _ban_record(address: str, now: float, fields: Sequence[Any]) -> BanRecord:
+        rule_id, node, started, remaining, duration = fields
+        return BanRecord(address, rule_id, node, float(started), now + float(remaining), float(duration))
+
     async def record(self, now: float, counts: Sequence[ResponseCount]) -> list[Hit]:
-        args = [self._now(now)]
-        for count in counts:
-            args.append(str(count.amount))
-            args += count.limiter.redis_args(count.threshold)
-        result = await self.client.evalsha(self._record, [counting_key(count.key) for count in counts], args)
-        return _hits(result)
+        names = [counting_key(count.key) for count in counts]
+        slots: dict[int, list[int]] = {}
+        for i, name in enumerate(names):
+            slots.setdefault(self.client.slot(name), []).append(i)
+        calls = []
+        for indices in slots.values():
+            args = [self._now(now)]
+            for i in indices:
+                args.append(str(counts[i].amount))
+                args += counts[i].limiter.redis_args(counts[i].threshold)
+            calls.append(self.client.evalsha(self._record, [names[i] for i in indices], args))
+        results = [await calls[0]] if len(calls) == 1 else await asyncio.gather(*calls)
+        hits: list[Hit] = [ALLOWED] * len(counts)
+        for indices, result in zip(slots.values(), results):
+            for i, hit in zip(indices, _hits(result)):
+                hits[i] = hit
+        return hits
 
     async def active_bans(self, now: float) -> list[BanRecord]:
-        # The script reads the records by name under the ban prefix: they
-        # share the index's hash slot, so this holds on a cluster too.
-        values = await self.client.evalsha(self._bans, [BAN_INDEX, BAN_PREFIX], [self._now(now)])
-        return [BanRecord(values[i], values[i + 1], values[i + 2], float(values[i + 3]),
-                          now + float(values[i + 4]), float(values[i + 5]))
-                for i in range(0, len(values), 6)]
+        if not isinstance(self.client, ClusterRedis):
+            values = await self.client.evalsha(self._bans, [BAN_INDEX], [self._now(now), BAN_HEAD, BAN_TAIL])
+            return [self._ban_record(values[i], now, values[i + 1:i + 6]) for i in range(0, len(values), 6)]
+        # A cluster keeps no index (its records are in their addresses'
+        # slots): each master's are found by scanning its keys.
+        names = await self.client.scan(BAN_HEAD + "*" + BAN_TAIL)
+        records = await asyncio.gather(*(self.client.evalsha(self._ban_of, [name], [self._now(now)])
+                                         for name in names))
+        return [self._ban_record(name[len(BAN_HEAD):-len(BAN_TAIL)], now, fields)
+                for name, fields in zip(names, records) if fields]
 
     async def lift_ban(self, address: str) -> bool:
+        if isinstance(self.client, ClusterRedis):
+            return bool(await self.client.execute(ban_key(address), "DEL", ban_key(address)))
         return bool(await self.client.evalsha(self._lift_ban, [ban_key(address), BAN_INDEX], [address]))
 
     def may_be_banned(self) -> bool:

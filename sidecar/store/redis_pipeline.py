@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import copy
 import hashlib
 import socket
 import ssl
@@ -60,6 +61,12 @@ class RedisAddress:
         self.db = int(database or 0)
         self.username = unquote(parts.username) if parts.username else None
         self.password = unquote(parts.password) if parts.password else None
+
+    def elsewhere(self, host: str, port: int) -> "RedisAddress":
+        """The same credentials, database and TLS, on another server."""
+        other = copy.copy(self)
+        other.host, other.port, other.path = host, port, None
+        return other
 
     def setup_commands(self) -> list[tuple[Any, ...]]:
         commands: list[tuple[Any, ...]] = []
@@ -165,16 +172,33 @@ class PipelinedRedis:
     """The commands of every caller on one connection, made on first use
     and again after a failure; ``timeout`` bounds connecting and silence."""
 
-    def __init__(self, url: str, timeout: float) -> None:
-        self.address = RedisAddress(url)
+    # One server holds every key: no command needs grouping by hash slot
+    # (see sidecar.store.redis_cluster for the other case).
+    clustered = False
+
+    def __init__(self, url: str | RedisAddress, timeout: float) -> None:
+        self.address = RedisAddress(url) if isinstance(url, str) else url
         self.timeout = timeout
         self._protocol: _ReplyProtocol | None = None
         self._connecting: asyncio.Future[_ReplyProtocol] | None = None
         self._scripts: dict[str, str] = {}  # digest -> source, loaded on each new connection
 
+    @classmethod
+    def at(cls, address: RedisAddress, node: tuple[str, int], timeout: float) -> "PipelinedRedis":
+        """A connection to another server with the same credentials and TLS."""
+        return cls(address.elsewhere(*node), timeout)
+
+    @staticmethod
+    def digest(source: str) -> str:
+        return hashlib.sha1(source.encode()).hexdigest()
+
+    @staticmethod
+    def slot(key: str) -> int:
+        return 0
+
     def script(self, source: str) -> str:
         """Register a Lua script; its digest names it in ``evalsha``."""
-        digest = hashlib.sha1(source.encode()).hexdigest()
+        digest = self.digest(source)
         self._scripts[digest] = source
         return digest
 
@@ -191,6 +215,24 @@ class PipelinedRedis:
             # SCRIPT FLUSH, or a failover to a replica without it: EVAL
             # runs it and caches it again.
             return await self.execute("EVAL", self._scripts[digest], len(keys), *keys, *args)
+
+    async def asking(self, *command: Any) -> Any:
+        """A command for a slot this cluster node is importing: ASKING right
+        before it, on the same connection."""
+        protocol = self._protocol
+        if protocol is None:
+            protocol = await self._connected()
+        asking = protocol.send(hiredis.pack_command(("ASKING",)))
+        reply = protocol.send(hiredis.pack_command(command))
+        try:
+            return await reply
+        finally:
+            if asking.done() and not asking.cancelled():
+                asking.exception()  # its failure is the command's, already raised
+
+    async def asking_evalsha(self, digest: str, keys: list[str], args: list[Any]) -> Any:
+        # EVAL, not EVALSHA: a node importing a slot may not have the script.
+        return await self.asking("EVAL", self._scripts[digest], len(keys), *keys, *args)
 
     async def _connected(self) -> _ReplyProtocol:
         # Callers that arrive while a connection is being made share it.

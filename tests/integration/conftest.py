@@ -134,6 +134,17 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator["RedisSer
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator["RedisCluster"]:
+    """A throwaway three-master Redis Cluster on loopback, for the session."""
+    from tests.integration.redis_server import RedisCluster
+
+    cluster = RedisCluster(tmp_path_factory.mktemp("redis-cluster"))
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
 @pytest.fixture(params=FRONT_DOORS)
 def front_door(request: pytest.FixtureRequest) -> str:
     """The proxy the test's clients talk to: "nginx" or "envoy"."""

@@ -27,10 +27,10 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://{LOOPBACK}:{self.port}/0"
 
-    def start(self) -> None:
+    def start(self, *options: str) -> None:
         self.process = subprocess.Popen(
             [REDIS_SERVER, "--port", str(self.port), "--bind", LOOPBACK, "--save", "",
-             "--appendonly", "no", "--dir", str(self.directory)],
+             "--appendonly", "no", "--dir", str(self.directory), *options],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis(host=LOOPBACK, port=self.port, socket_timeout=0.5)
         deadline = time.monotonic() + 10
@@ -50,3 +50,39 @@ class RedisServer:
 
     def client(self) -> redis.Redis:
         return redis.Redis(host=LOOPBACK, port=self.port, decode_responses=True)
+
+
+class RedisCluster:
+    """A throwaway Redis Cluster of three masters on loopback, made the way
+    an operator makes one: three ``redis-server --cluster-enabled yes``,
+    then ``redis-cli --cluster create``."""
+
+    def __init__(self, directory: Path, masters: int = 3) -> None:
+        self.nodes = [RedisServer(directory / f"node-{i}") for i in range(masters)]
+        self.bus_ports = [free_port() for _ in range(masters)]
+
+    @property
+    def addresses(self) -> list[str]:
+        return [f"{LOOPBACK}:{node.port}" for node in self.nodes]
+
+    def start(self) -> None:
+        for node, bus in zip(self.nodes, self.bus_ports):
+            node.directory.mkdir(parents=True, exist_ok=True)
+            node.start("--cluster-enabled", "yes", "--cluster-port", str(bus),
+                       "--cluster-config-file", str(node.directory / "nodes.conf"))
+        subprocess.run([shutil.which("redis-cli") or "/usr/bin/redis-cli", "--cluster", "create",
+                        *self.addresses, "--cluster-yes"],
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=60)
+        deadline = time.monotonic() + 20
+        while not all(node.client().cluster("info")["cluster_state"] == "ok" for node in self.nodes):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the Redis Cluster did not become ready")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def flush(self) -> None:
+        for node in self.nodes:
+            node.client().flushall()

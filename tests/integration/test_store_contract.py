@@ -1,7 +1,8 @@
 """The state store contract: every test here runs on every backend, through
-the one ``StateStore`` interface the engine uses — the memory store, and
-the Redis store against a real redis-server (on the time the test passes,
-so both see the same clock)."""
+the one ``StateStore`` interface the engine uses — the memory store, the
+Redis store against a real redis-server, and the Redis store against a
+real three-master Redis Cluster (on the time the test passes, so all see
+the same clock)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,12 @@ from sidecar.config import Rate
 from sidecar.limiters.leaky import LeakyBucket
 from sidecar.limiters.token import TokenBucket
 from sidecar.limiters.window import WindowCounter
-from sidecar.state import Check, ResponseCount
+from sidecar.state import AutoBan, Check, ResponseCount
 from sidecar.store import StateStore
 from sidecar.store.memory import MemoryStore
 from sidecar.store.redis import RedisStore
-from tests.integration.redis_server import RedisServer
+from sidecar.store.redis_cluster import parse_node
+from tests.integration.redis_server import RedisCluster, RedisServer
 
 pytestmark = pytest.mark.integration
 
@@ -28,11 +30,16 @@ ADDRESS = "192.0.2.7"
 
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "cluster"])
 def open_store(request: pytest.FixtureRequest, redis_server: RedisServer) -> Callable[[], StateStore]:
     """Makes the backend under test (inside the test's event loop)."""
     if request.param == "memory":
         return lambda: MemoryStore(1000, "node-a", clock=lambda: NOW)
+    if request.param == "cluster":
+        cluster: RedisCluster = request.getfixturevalue("redis_cluster")
+        cluster.flush()
+        nodes = [parse_node(cluster.addresses[0])]
+        return lambda: RedisStore.from_url("redis://", "node-a", server_time=False, cluster=nodes)
     redis_server.client().flushdb()
     return lambda: RedisStore.from_url(redis_server.url, "node-a", server_time=False)
 
@@ -134,3 +141,57 @@ def test_reported_responses_count_toward_the_threshold(open_store) -> None:
         hits.append((await store.evaluate(NOW + 3, ADDRESS, [peek])).hits[0].over_limit)
         return hits
     assert run(open_store, test) == [False, False, True, True]
+
+
+def by_header(rule: str, value: str, threshold: int, **options: Any) -> Check:
+    """A check whose key has no address: on a cluster, in another slot than
+    the address's ban record (most likely; every slot is covered below)."""
+    return Check(rule, ((rule, ("header:x-k",)), value), WindowCounter(threshold, 60.0, 30.0),
+                 float(threshold), True, **options)
+
+
+def test_a_check_keyed_without_the_address_bans_the_address(open_store) -> None:
+    async def test(store: StateStore) -> tuple:
+        banning_rule = by_header("shared-key", "k1", 1, ban_duration=600.0)
+        other = window("other", threshold=100)
+        await store.evaluate(NOW, ADDRESS, [other, banning_rule])
+        banning = await store.evaluate(NOW + 1, ADDRESS, [other, banning_rule])
+        # Banned everywhere: a request with no check of that rule is refused.
+        banned = await store.evaluate(NOW + 2, ADDRESS, [by_header("third", "k2", 100)])
+        bans = await store.active_bans(NOW + 2)
+        # The ban cleared the key that triggered it.
+        lifted = await store.lift_ban(ADDRESS)
+        after = await store.evaluate(NOW + 3, ADDRESS, [banning_rule])
+        return ([hit.over_limit for hit in banning.hits], banning.new_ban, banning.ban is not None,
+                banned.ban is not None, [(ban.address, ban.rule_id, ban.duration) for ban in bans],
+                lifted, after.ban is None and not after.hits[0].over_limit)
+    assert run(open_store, test) == ([False, True], True, True, True, [(ADDRESS, "shared-key", 600.0)],
+                                     True, True)
+
+
+def test_challenges_counted_from_another_slot_ban_past_the_auto_ban_threshold(open_store) -> None:
+    auto_ban = AutoBan(WindowCounter(2, 60.0, 60.0), 2, 300.0)
+
+    async def test(store: StateStore) -> list[tuple[bool, bool]]:
+        gate = by_header("gate", "k1", 1, auto_ban=auto_ban)
+        answers = []
+        for i in range(5):
+            evaluation = await store.evaluate(NOW + i, ADDRESS, [gate])
+            answers.append((evaluation.hits[0].over_limit if evaluation.hits else True,
+                            evaluation.ban is not None))
+        return answers
+    # 1 allowed (it reaches the threshold), 2 challenges (the second brings
+    # the counter to its threshold), then the ban, then banned.
+    assert run(open_store, test) == [(False, False), (True, False), (True, False), (True, True), (True, True)]
+
+
+def test_responses_of_many_keys_are_counted_each_on_its_own(open_store) -> None:
+    async def test(store: StateStore) -> list[list[bool]]:
+        limiter = WindowCounter(2, 60.0, 60.0)
+        counts = [ResponseCount(((f"r{i}", ("header:x-k",)), f"v{i}"), limiter, 2.0, amount=i % 3 + 1)
+                  for i in range(12)]
+        return [[hit.over_limit for hit in await store.record(NOW + step, counts)] for step in range(2)]
+    first, second = run(open_store, test)
+    # Amounts 1, 2, 3 against a threshold of 2, reached at or past it.
+    assert first == [i % 3 + 1 >= 2 and False for i in range(12)]
+    assert second == [i % 3 + 1 >= 2 for i in range(12)]

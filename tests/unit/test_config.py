@@ -914,3 +914,26 @@ def test_a_state_url_that_is_no_redis_url_is_an_error(url: str) -> None:
                                  "unix:///run/redis/redis.sock?db=2"])
 def test_redis_and_unix_socket_urls_are_accepted(url: str) -> None:
     assert parse(f"state: {{backend: redis, url: '{url}'}}\n").model.state.url == url
+
+
+def test_a_redis_cluster_loads_with_its_nodes() -> None:
+    text = ("state:\n  backend: redis\n  url: rediss://app:pw@ignored\n"
+            "  cluster: {nodes: ['10.0.0.1:7000', '[2001:db8::7]:7001']}\n" + VALID_RULE)
+    ruleset = compile_rules(parse(text))
+    assert ruleset.cluster == (("10.0.0.1", 7000), ("2001:db8::7", 7001))
+    assert compile_rules(parse("state: {backend: redis}\n" + VALID_RULE)).cluster == ()
+
+
+@pytest.mark.parametrize("state, field, message", [
+    ("{backend: redis, cluster: {nodes: []}}", "state.cluster.nodes", "at least 1"),
+    ("{backend: redis, cluster: {nodes: ['10.0.0.1']}}", "state.cluster.nodes", "HOST:PORT"),
+    ("{backend: redis, cluster: {nodes: ['h:0']}}", "state.cluster.nodes", "HOST:PORT"),
+    ("{backend: redis, cluster: {nodes: ['h:1'], node: x}}", "state.cluster.node", "unknown field"),
+    ("{backend: memory, cluster: {nodes: ['h:1']}}", "state", "needs backend: redis"),
+    ("{backend: redis, url: 'redis://h/2', cluster: {nodes: ['h:1']}}", "state", "database 0"),
+    ("{backend: redis, url: 'unix:///r.sock', cluster: {nodes: ['h:1']}}", "state", "Unix socket"),
+])
+def test_a_bad_cluster_setting_is_an_error_at_its_field(state: str, field: str, message: str) -> None:
+    issues = issues_of(f"state: {state}\n")
+    assert [issue.field for issue in issues] == [field]
+    assert message in issues[0].message and issues[0].line == 1
