@@ -19,11 +19,13 @@
 -- ARGV: now ('' = server time), address ('' = unknown), node, wall clock,
 --       auto-ban {'W', threshold, period, penalty, sliding, exceed, duration},
 --       can delay (1/0: a bucket may hold the request), quotas (1/0), mode,
---       then per check: rule id, count (1/0), stops (1/0), ban duration
---       ('' = none), auto-ban (1/0), then the limiter's arguments: its kind
---       ('W' window, else a bucket's, see buckets.lua) and five values, for
---       a window {threshold, period, penalty, sliding, exceed}, for a bucket
---       its four parameters and ''.
+--       then per check its number in RULES.
+-- RULES, written into the script by sidecar/store/redis.py, holds what a
+-- check does, once for all requests: rule id, count (1/0), stops (1/0), ban
+-- duration ('' = none), auto-ban (1/0), then the limiter's arguments: its
+-- kind ('W' window, else a bucket's, see buckets.lua) and five values, for
+-- a window {threshold, period, penalty, sliding, exceed}, for a bucket its
+-- four parameters and ''.
 -- Returns {banned, new ban, rule, node, started, remaining, duration,
 --          delay, number of evaluated checks, then per evaluated check:
 --          over (1/0), retry after; then with quotas, per check:
@@ -35,7 +37,7 @@ local auto_limit = limit_from(ARGV, 6)
 local auto_duration = ARGV[11]
 local can_delay, want_quotas = ARGV[12] == '1', ARGV[13] == '1'
 local mode = ARGV[14]
-local FIRST, WIDTH = 15, 11
+local FIRST = 15
 
 if address ~= '' and mode ~= 'N' then
   local ban = redis.call('HMGET', KEYS[1], 'rule', 'node', 'started', 'expires', 'duration')
@@ -48,18 +50,18 @@ local hits = {}
 local buckets = {}
 local refused = false
 local result = {0, 0, '', '', '', '', ''}
-local checks = (#ARGV - FIRST + 1) / WIDTH
+local checks = #ARGV - FIRST + 1
 for i = 0, checks - 1 do
-  local at = FIRST + i * WIDTH
+  local rule = RULES[tonumber(ARGV[FIRST + i])]
   local key = KEYS[4 + i]
-  local rule_id, count, stops, ban_duration = ARGV[at], ARGV[at + 1], ARGV[at + 2], ARGV[at + 3]
+  local rule_id, count, stops, ban_duration = rule[1], rule[2], rule[3], rule[4]
   local over, retry
   if count ~= '1' then
     over, retry = peek(key, now)
-  elseif ARGV[at + 5] == 'W' then
-    over, retry = hit(key, now, limit_from(ARGV, at + 6), 1)
+  elseif rule[6] == 'W' then
+    over, retry = hit(key, now, limit_from(rule, 7), 1)
   else
-    local bucket = bucket_from(ARGV, at + 5)
+    local bucket = bucket_from(rule, 6)
     local state = bucket_state(key, bucket)
     local delay, proposal
     over, retry, delay, proposal = bucket_assess(key, bucket, state, now)
@@ -74,7 +76,7 @@ for i = 0, checks - 1 do
   if over and stops == '1' then
     refused = true
     local ban_key = key
-    if ARGV[at + 4] == '1' and address ~= '' then
+    if rule[5] == '1' and address ~= '' then
       if mode == 'N' then
         -- The challenge counter lives in the address's slot.
         result[2], result[3] = 3, rule_id
@@ -123,14 +125,13 @@ end
 
 if want_quotas then
   for i = 0, checks - 1 do
-    local at = FIRST + i * WIDTH
+    local rule = RULES[tonumber(ARGV[FIRST + i])]
     local remaining, reset, window = '', '', ''
-    if ARGV[at + 1] == '1' then
-      if ARGV[at + 5] == 'W' then
-        remaining, reset, window = window_quota(KEYS[4 + i], now, limit_from(ARGV, at + 6),
-                                                tonumber(ARGV[at + 6]))
+    if rule[2] == '1' then
+      if rule[6] == 'W' then
+        remaining, reset, window = window_quota(KEYS[4 + i], now, limit_from(rule, 7), tonumber(rule[7]))
       else
-        remaining, reset, window = bucket_quota(KEYS[4 + i], bucket_from(ARGV, at + 5), now)
+        remaining, reset, window = bucket_quota(KEYS[4 + i], bucket_from(rule, 6), now)
       end
       remaining, reset, window = num(remaining), num(reset), num(window)
     end

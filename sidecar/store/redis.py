@@ -26,6 +26,7 @@ into the caller's clock, so ban records look as they do from MemoryStore.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import zlib
 from json.encoder import encode_basestring_ascii
@@ -103,6 +104,69 @@ def _script(name: str) -> str:
     return "\n".join((lua / f"{part}.lua").read_text() for part in (*lua_libraries(), "ban_record", name))
 
 
+def _lua_string(text: str) -> str:
+    """A Lua string literal: printable ASCII as is, any other byte escaped."""
+    return '"' + "".join(chr(byte) if 32 <= byte < 127 and byte not in b'"\\' else f"\\{byte:03d}"
+                         for byte in text.encode()) + '"'
+
+
+class _RuleTable:
+    """What each kind of check does, numbered once and written into the
+    evaluation script as the Lua table RULES: the rule id, its flags and its
+    limiter's arguments. A request then sends one number per check instead
+    of eleven arguments, and Redis parses one.
+
+    A kind of check is a rule with its effective threshold (overrides scale
+    it) and flags (a verified bot neither stops nor bans), so the table grows
+    only with the rules file, never with traffic; a reload starts a new one.
+    A check never seen makes a new version of the script, loaded at once on
+    the connections already open (ahead of the commands that use it); the
+    last few versions stay registered for callers still using them.
+    """
+
+    KEEP = 4  # versions registered with the client
+
+    def __init__(self, client: PipelinedRedis | ClusterRedis, body: str) -> None:
+        self._client = client
+        self.body = body
+        # kind -> (its number, the limiter, kept so that its id stays its own)
+        self._numbers: dict[tuple[Any, ...], tuple[str, Any]] = {}
+        self._entries: list[str] = []
+        self._versions: collections.deque[str] = collections.deque()
+        self.digest = ""  # none until the first request
+
+    def numbers(self, checks: Sequence[Check]) -> list[str]:
+        """Each check's number; kinds never seen are added, in one new version."""
+        numbers = []
+        added = False
+        for check in checks:
+            kind = (id(check.limiter), check.threshold, check.rule_id, check.count, check.stops,
+                    check.ban_duration, check.auto_ban is not None)
+            known = self._numbers.get(kind)
+            if known is None:
+                known = self._numbers[kind] = str(len(self._entries) + 1), check.limiter
+                fields = [check.rule_id, _flag(check.count), _flag(check.stops),
+                          "" if check.ban_duration is None else repr(float(check.ban_duration)),
+                          _flag(check.auto_ban is not None), *check.limiter.redis_args(check.threshold)]
+                self._entries.append("{" + ",".join(map(_lua_string, fields)) + "}")
+                added = True
+            numbers.append(known[0])
+        if added or not self.digest:
+            self.digest = self._publish()
+        return numbers
+
+    def _publish(self) -> str:
+        digest = self._client.script("local RULES = {" + ",\n".join(self._entries) + "}\n" + self.body)
+        self._versions.append(digest)
+        if len(self._versions) > self.KEEP:
+            self._client.forget(self._versions.popleft())
+        return digest
+
+    def close(self) -> None:
+        for digest in self._versions:
+            self._client.forget(digest)
+
+
 def _flag(value: bool) -> str:
     return "1" if value else "0"
 
@@ -154,7 +218,7 @@ class RedisStore:
         self.penalties = PenaltyCache(max_keys, clock)
         self.server_time = server_time
         self._wall_clock = wall_clock
-        self._evaluate = client.script(_script("evaluate"))
+        self._rules = _RuleTable(client, _script("evaluate"))
         self._issue_ban = client.script(_script("issue_ban"))
         self._record = client.script(_script("record"))
         self._bans = client.script(_script("bans"))
@@ -202,6 +266,8 @@ class RedisStore:
         # The address's challenge counter (auto-ban), in the record's slot.
         counter = counting_key(auto_ban.key(address)) if auto_ban else record
         parts = self._parts(address, names)
+        rules = self._rules
+        numbers = rules.numbers(checks)
         calls = []
         for part in parts:
             if part.mode == "F":
@@ -212,13 +278,9 @@ class RedisStore:
                 keys = [names[part.indices[0]]] * 3
             args = head + [part.mode]
             for i in part.indices:
-                check = checks[i]
                 keys.append(names[i])
-                args += [check.rule_id, _flag(check.count), _flag(check.stops),
-                         "" if check.ban_duration is None else repr(float(check.ban_duration)),
-                         _flag(check.auto_ban is not None)]
-                args += check.limiter.redis_args(check.threshold)
-            calls.append(self.client.evalsha(self._evaluate, keys, args))
+                args.append(numbers[i])
+            calls.append(self.client.evalsha(rules.digest, keys, args))
         results = [await calls[0]] if len(calls) == 1 else await asyncio.gather(*calls)
         for part, result in zip(parts, results):
             part.read(result, quotas)
@@ -327,6 +389,9 @@ class RedisStore:
         where every key expires."""
         self.node = node
         self.penalties.configure(max_keys)
+        # The new rules' checks are other kinds: a table of their own.
+        self._rules.close()
+        self._rules = _RuleTable(self.client, self._rules.body)
 
     def gauges(self) -> dict[str, tuple[str, Callable[[], float]]]:
         # Bans and keys are Redis's to count (INFO keyspace); the node's own

@@ -70,6 +70,11 @@ class ClusterRedis:
         self._scripts[digest] = source
         return digest
 
+    def forget(self, digest: str) -> None:
+        self._scripts.pop(digest, None)
+        for client in self._clients.values():
+            client.forget(digest)
+
     @staticmethod
     def slot(key: str) -> int:
         return key_slot(key)

@@ -197,10 +197,22 @@ class PipelinedRedis:
         return 0
 
     def script(self, source: str) -> str:
-        """Register a Lua script; its digest names it in ``evalsha``."""
+        """Register a Lua script; its digest names it in ``evalsha``. It is
+        loaded on every new connection, and at once on an open one: ahead
+        of any command that calls it."""
         digest = self.digest(source)
-        self._scripts[digest] = source
+        if digest not in self._scripts:
+            self._scripts[digest] = source
+            if self._protocol is not None:
+                load: tuple[Any, ...] = ("SCRIPT", "LOAD", source)
+                loading = self._protocol.send(hiredis.pack_command(load))
+                # A failure is the connection's, seen by the commands behind it.
+                loading.add_done_callback(lambda done: done.cancelled() or done.exception())
         return digest
+
+    def forget(self, digest: str) -> None:
+        """No longer load a script on new connections."""
+        self._scripts.pop(digest, None)
 
     async def execute(self, *command: Any) -> Any:
         protocol = self._protocol
@@ -214,7 +226,10 @@ class PipelinedRedis:
         except NoScriptError:
             # SCRIPT FLUSH, or a failover to a replica without it: EVAL
             # runs it and caches it again.
-            return await self.execute("EVAL", self._scripts[digest], len(keys), *keys, *args)
+            source = self._scripts.get(digest)
+            if source is None:  # a version forgotten since (see redis._RuleTable)
+                raise StoreUnavailable("Redis lost a script no longer registered") from None
+            return await self.execute("EVAL", source, len(keys), *keys, *args)
 
     async def asking(self, *command: Any) -> Any:
         """A command for a slot this cluster node is importing: ASKING right
@@ -231,8 +246,14 @@ class PipelinedRedis:
                 asking.exception()  # its failure is the command's, already raised
 
     async def asking_evalsha(self, digest: str, keys: list[str], args: list[Any]) -> Any:
-        # EVAL, not EVALSHA: a node importing a slot may not have the script.
-        return await self.asking("EVAL", self._scripts[digest], len(keys), *keys, *args)
+        # EVALSHA, then EVAL if the node importing the slot lacks the script.
+        try:
+            return await self.asking("EVALSHA", digest, len(keys), *keys, *args)
+        except NoScriptError:
+            source = self._scripts.get(digest)
+            if source is None:
+                raise StoreUnavailable("Redis lost a script no longer registered") from None
+            return await self.asking("EVAL", source, len(keys), *keys, *args)
 
     async def _connected(self) -> _ReplyProtocol:
         # Callers that arrive while a connection is being made share it.
