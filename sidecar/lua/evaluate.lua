@@ -72,7 +72,7 @@ for i = 0, checks - 1 do
     table.insert(buckets, {key, bucket, state, over, delay, proposal})
   end
   table.insert(hits, over and 1 or 0)
-  table.insert(hits, num(retry))
+  table.insert(hits, retry == 0 and '0' or num(retry))
   if over and stops == '1' then
     refused = true
     local ban_key = key

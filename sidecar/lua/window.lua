@@ -94,19 +94,19 @@ local function hit(key, now, limit, amount)
   -- Only what changed is written: within one window, the count (and a
   -- penalty that starts). The expiry depends on the window and the
   -- penalty alone, so it is set only when one of them changes.
-  local fields
+  -- Numbers go as they are: Redis writes a script's number with 17
+  -- significant digits, so every double survives, as num() would make it.
   if moved then
-    fields = {'w', num(window), 'p', num(previous), 'c', num(current)}
     if until_ > -math.huge then
-      table.insert(fields, 'u')
-      table.insert(fields, num(until_))
+      redis.call('HSET', key, 'w', window, 'p', previous, 'c', current, 'u', until_)
+    else
+      redis.call('HSET', key, 'w', window, 'p', previous, 'c', current)
     end
   elseif reached then
-    fields = {'c', num(current), 'u', num(until_)}
+    redis.call('HSET', key, 'c', current, 'u', until_)
   else
-    fields = {'c', num(current)}
+    redis.call('HSET', key, 'c', current)
   end
-  redis.call('HSET', key, unpack(fields))
   if moved or reached then
     local horizon = (window + (sliding and 2 or 1)) * period
     pexpire_at(key, now, math.max(horizon, until_))
