@@ -25,11 +25,13 @@ local function bucket_from(argv, at)
           penalty ~= '' and tonumber(penalty) or nil}
 end
 
--- The key's state: {v, l, u, fresh}; a new (or other-kind) key is fresh.
+-- The key's state: {v, l, u, fresh, foreign}; a new (or other-kind) key is
+-- fresh, and one of another kind (another bucket's, or a window's with a
+-- penalty) is foreign: cleared before it is written.
 local function bucket_state(key, bucket)
   local s = redis.call('HMGET', key, 'k', 'v', 'l', 'u')
   if s[1] ~= bucket[1] then
-    return {BUCKETS[bucket[1]].fresh(bucket), nil, -math.huge, true}
+    return {BUCKETS[bucket[1]].fresh(bucket), nil, -math.huge, true, s[1] ~= false or s[4] ~= false}
   end
   return {tonumber(s[2]), tonumber(s[3]), tonumber(s[4]) or -math.huge, false}
 end
@@ -49,7 +51,7 @@ local function bucket_refuse(key, bucket, state, now, wait)
   end
   local until_ = now + penalty
   state[3] = until_
-  redis.call('HSET', key, 'u', num(until_))
+  redis.call('HSET', key, 'u', until_)
   pexpire_at(key, now, bucket_expires(bucket, state[1], state[2], until_))
   return true, penalty, 0, nil
 end
@@ -69,15 +71,20 @@ end
 
 -- commit: the admitted request's proposal becomes the key's state.
 local function bucket_commit(key, bucket, state, now, proposal)
-  if state[4] then
+  -- Numbers go as they are (17 significant digits, as num() would write
+  -- them); a fresh key gets its kind, a key of another kind goes first.
+  if state[5] then
     redis.call('DEL', key)
   end
-  local fields = {'k', bucket[1], 'v', num(proposal[1]), 'l', num(proposal[2])}
-  if state[3] > -math.huge then
-    table.insert(fields, 'u')
-    table.insert(fields, num(state[3]))
+  if state[4] then
+    if state[3] > -math.huge then
+      redis.call('HSET', key, 'k', bucket[1], 'v', proposal[1], 'l', proposal[2], 'u', state[3])
+    else
+      redis.call('HSET', key, 'k', bucket[1], 'v', proposal[1], 'l', proposal[2])
+    end
+  else
+    redis.call('HSET', key, 'v', proposal[1], 'l', proposal[2])
   end
-  redis.call('HSET', key, unpack(fields))
   pexpire_at(key, now, bucket_expires(bucket, proposal[1], proposal[2], state[3]))
 end
 

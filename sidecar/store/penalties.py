@@ -27,10 +27,11 @@ def _cacheable(check: Check) -> bool:
 
 class PenaltyCache:
     """At most ``max_keys`` keys (the ruleset's ``state.max_keys``), each
-    until its wait ends on this node's clock."""
+    until its wait ends on this node's clock, and only for the limiter that
+    found it over limit (a reload may give the key's rule another)."""
 
     def __init__(self, max_keys: int, clock: Clock) -> None:
-        self._until = BoundedMap(max_keys, lambda until: until, clock)
+        self._until = BoundedMap(max_keys, lambda entry: entry[0], clock)
         self.answered = 0  # requests answered without a round trip
 
     def answer(self, now: float, checks: Sequence[Check]) -> Evaluation | None:
@@ -41,8 +42,11 @@ class PenaltyCache:
             return None
         hits: list[Hit] = []
         for check in checks:
-            until = known.get(check.key)
-            if until is None or until <= now or not _cacheable(check):
+            entry = known.get(check.key)
+            if entry is None:
+                return None
+            until, limiter = entry
+            if until <= now or limiter is not check.limiter or not _cacheable(check):
                 return None
             hits.append(Hit(True, until - now))
             if check.stops:
@@ -54,7 +58,7 @@ class PenaltyCache:
         """Remember the keys the store just found over limit."""
         for check, hit in zip(checks, hits):
             if hit.over_limit and hit.retry_after > 0 and _cacheable(check):
-                self._until[check.key] = now + hit.retry_after
+                self._until[check.key] = now + hit.retry_after, check.limiter
 
     def configure(self, max_keys: int) -> None:
         self._until.max_keys = max_keys

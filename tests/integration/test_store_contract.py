@@ -195,3 +195,19 @@ def test_responses_of_many_keys_are_counted_each_on_its_own(open_store) -> None:
     # Amounts 1, 2, 3 against a threshold of 2, reached at or past it.
     assert first == [i % 3 + 1 >= 2 and False for i in range(12)]
     assert second == [i % 3 + 1 >= 2 for i in range(12)]
+
+
+def test_a_key_counted_by_another_algorithm_starts_anew(open_store) -> None:
+    """A reload that turns a rule into another algorithm: the key's old state
+    (and its penalty) does not carry over, either way."""
+    async def test(store: StateStore) -> list[bool]:
+        key = (("switch", ("ip",)), ADDRESS)
+        as_window = Check("switch", key, WindowCounter(1, 60.0, 60.0), 1.0, True)
+        as_bucket = Check("switch", key, TokenBucket(2, 0.001, 1, None), 2.0, True)
+        over = []
+        for check in (as_window, as_window, as_bucket, as_bucket, as_bucket, as_window, as_window):
+            over.append((await store.evaluate(NOW, ADDRESS, [check])).hits[0].over_limit)
+        return over
+    # The window's penalty starts at its first request; the bucket starts
+    # full (2 tokens); the window starts again with its own first request.
+    assert run(open_store, test) == [False, True, False, False, True, False, True]
