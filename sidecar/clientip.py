@@ -18,7 +18,7 @@ import ipaddress
 import re
 import socket
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Any, Sequence, Union
 
 IPAddress = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
 IPNetwork = Union[ipaddress.IPv4Network, ipaddress.IPv6Network]
@@ -31,6 +31,7 @@ MAX_FORWARDED_HOPS = 32
 # (0000:0000:0000:0000:0000:ffff:255.255.255.255); the rest leaves room for a
 # little white space or a short zone id.
 MAX_CACHED_ENTRY = 64
+MAX_CACHED_HEADER = 128
 _LONGEST_ADDRESS = 45
 _NON_SPACE = re.compile(r"\S")
 _SPACES = re.compile(r"\s*")
@@ -98,6 +99,7 @@ def _canonical_ipv4(text: str) -> int | None:
 # What one field (or the peer) is, once classified: a usable address with
 # whether it is a trusted proxy, nothing but white space, or malformed.
 _Entry = tuple[ClientAddress | None, bool]
+_UNWALKED: Any = object()  # a header not walked yet
 _BLANK: _Entry = (None, True)
 _MALFORMED: _Entry = (None, False)
 
@@ -123,11 +125,13 @@ class ClientIPResolver:
 
     Memory is bounded whatever the header sizes: the only state is a cache
     from the text of one field or peer of at most ``MAX_CACHED_ENTRY`` (64)
-    characters to what it is (address, key, trusted), emptied whenever it
-    holds ``cache_size`` entries (at most about 400 bytes an entry: 1.6 MB
-    with the default 4096). A longer field is classified without being
-    remembered and without copying more than 45 characters of it (the longest
-    address; a zone id after ``%`` is checked in place, as counting drops it).
+    characters to what it is (address, key, trusted), and one from a whole
+    header of at most ``MAX_CACHED_HEADER`` (128) characters to the walk's
+    answer, each emptied whenever it holds ``cache_size`` entries (at most
+    about 400 bytes an entry: 1.6 MB each with the default 4096). A longer
+    field is classified without being remembered and without copying more
+    than 45 characters of it (the longest address; a zone id after ``%`` is
+    checked in place, as counting drops it).
 
     ``ipaddress`` is the reference for what an address is; canonical dotted
     IPv4, the common case, is recognised without it.
@@ -145,6 +149,8 @@ class ClientIPResolver:
         self.ipv6_prefix = ipv6_prefix
         self.cache_size = cache_size
         self._cache: dict[str, _Entry] = {}
+        # header -> the client its walk found, or _PEER: the connecting peer
+        self._walks: dict[str, ClientAddress | None] = {}
         self._ipv4_mask = (0xFFFFFFFF << (32 - ipv4_prefix)) & 0xFFFFFFFF
         self._ipv6_mask = ((1 << 128) - 1) ^ ((1 << (128 - ipv6_prefix)) - 1)
         # (netmask, network) as integers, per IP version: `address in net`
@@ -170,9 +176,19 @@ class ClientIPResolver:
         # not touched.
         if not entry[1] or not forwarded_for:
             return client
-        return self._walk_forwarded_for(client, forwarded_for)
+        # The walk depends on the header alone, once the peer is trusted:
+        # the same header (one client behind the same proxies) is walked once.
+        walked = self._walks.get(forwarded_for, _UNWALKED) if len(forwarded_for) <= MAX_CACHED_HEADER \
+            else _UNWALKED
+        if walked is _UNWALKED:
+            walked = self._walk_forwarded_for(None, forwarded_for)
+            if len(forwarded_for) <= MAX_CACHED_HEADER and self.cache_size > 0:
+                if len(self._walks) >= self.cache_size:
+                    self._walks.clear()
+                self._walks[forwarded_for] = walked
+        return client if walked is None else walked
 
-    def _walk_forwarded_for(self, client: ClientAddress, header: str) -> ClientAddress:
+    def _walk_forwarded_for(self, client: ClientAddress | None, header: str) -> ClientAddress | None:
         """nginx ``real_ip_recursive``: the rightmost untrusted entry wins.
 
         A malformed entry stops the walk and the last address that parsed is

@@ -525,3 +525,16 @@ def test_memory_stays_bounded_with_distinct_huge_headers(trusted: list) -> None:
     # 2,000 headers of 50 KB are 100 MB; the resolver may keep a few
     # thousand short entries of some hundred bytes.
     assert _traced_growth(send) < 3_000_000
+
+
+def test_memory_stays_bounded_with_many_distinct_short_headers() -> None:
+    # Each header is short enough to be remembered whole, with its fields.
+    resolver = ClientIPResolver(TRUSTED, cache_size=4096)
+
+    def send() -> None:
+        for number in range(40_000):
+            resolver.resolve("10.0.0.1", f"{IPv4Address(0xC6120000 + number)}, 10.0.{number % 250}.1")
+
+    # Two caches of at most 4,096 entries of a few hundred bytes.
+    assert _traced_growth(send) < 4_000_000
+    assert len(resolver._walks) <= 4096 and len(resolver._cache) <= 4096
