@@ -40,9 +40,27 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-@click.group()
+DISTRIBUTION = "sluice-ratelimit"
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed(DISTRIBUTION)
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.version_option(version=version(), prog_name="sluice", message="%(prog)s %(version)s")
 def main() -> None:
-    """Sluice: rate-limiting external authorization for nginx and Envoy."""
+    """Sluice: rate-limiting external authorization for nginx and Envoy.
+
+    Every option of `sluice serve` that an environment variable can set says
+    which (SLUICE_...); a flag on the command line wins over it.
+    """
 
 
 @main.command()
@@ -83,22 +101,24 @@ def replay(config: str, as_json: bool, top: int, host: str, logs: tuple[str, ...
 
 
 @main.command()
-@click.option("--config", "config", type=click.Path(dir_okay=False),
+@click.option("--config", "config", type=click.Path(dir_okay=False), envvar="SLUICE_CONFIG", show_envvar=True,
               help="Rules file (default: the embedded default rules).")
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8181, show_default=True, type=int)
+@click.option("--host", default="127.0.0.1", show_default=True, envvar="SLUICE_HOST", show_envvar=True)
+@click.option("--port", default=8181, show_default=True, type=click.IntRange(1, 65535), envvar="SLUICE_PORT",
+              show_envvar=True)
 @click.option("--uds", type=click.Path(), help="Listen on a Unix socket instead of host:port.")
 @click.option("--hook-udp", default="127.0.0.1:8182", show_default=True,
               help="HOST:PORT where nginx's response reports arrive (syslog over UDP), or 'off'.")
 @click.option("--admin-token-file", type=click.Path(dir_okay=False, exists=True),
+              envvar="SLUICE_ADMIN_TOKEN_FILE", show_envvar=True,
               help="File holding the bearer token of the admin API (at least 16 characters). "
                    "Without it the admin API answers only loopback peers of a loopback listener.")
 @click.option("--health", default="off", show_default=True,
               help="HOST:PORT of a listener of its own for /healthz and /readyz, answered "
                    "even while the main port is flooded (point liveness probes here), or 'off'.")
 @click.option("--workers", default=1, show_default=True, type=click.IntRange(min=1))
-@click.option("--log-level", default="info", show_default=True,
-              type=click.Choice(["debug", "info", "warning", "error"]))
+@click.option("--log-level", default="info", show_default=True, envvar="SLUICE_LOG_LEVEL", show_envvar=True,
+              type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False))
 @click.option("--max-header-bytes", default=128 * 1024, show_default=True, type=click.IntRange(min=1024),
               help="Longest request head (request line and header fields) Sluice reads; a longer one "
                    "gets 431. Keep it above what the proxy forwards (sidecar/server.py).")
@@ -110,6 +130,7 @@ def serve(config: str | None, host: str, port: int, uds: str | None, hook_udp: s
     """Run the check service."""
     import uvicorn
 
+    log_level = log_level.lower()
     from sidecar.admin import read_token
 
     ruleset = _load(config)

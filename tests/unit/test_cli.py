@@ -1,0 +1,82 @@
+"""The ``sluice`` command line: version, help, and settings from the
+environment (for containers), where a flag wins."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvicorn
+from click.testing import CliRunner
+
+from sidecar import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_version_is_the_distribution_s() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    result = CliRunner().invoke(cli.main, ["--version"])
+    assert result.exit_code == 0 and result.output == f"sluice {project['version']}\n"
+    assert project["name"] == cli.DISTRIBUTION
+
+
+@pytest.mark.parametrize("args", [["-h"], ["--help"], ["serve", "-h"], ["check", "-h"], ["replay", "-h"]])
+def test_h_is_help(args: list[str]) -> None:
+    result = CliRunner().invoke(cli.main, args)
+    assert result.exit_code == 0 and result.output.startswith("Usage: ")
+
+
+def test_serve_help_names_the_environment_variables() -> None:
+    output = CliRunner().invoke(cli.main, ["serve", "-h"]).output
+    for name in ("SLUICE_CONFIG", "SLUICE_HOST", "SLUICE_PORT", "SLUICE_LOG_LEVEL", "SLUICE_ADMIN_TOKEN_FILE"):
+        assert name in output
+
+
+@pytest.fixture
+def served(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """What serve would run uvicorn with (nothing is started)."""
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **options: calls.append({"app": app, **options}))
+    monkeypatch.setattr(cli, "service", lambda settings, ruleset=None: settings)
+    return calls
+
+
+RULES = "rules:\n  - id: r\n    key: [ip]\n    limit: {requests: 5, per: 1m}\n    action: block\n"
+
+
+def test_serve_takes_its_settings_from_the_environment(tmp_path: Path, served: list) -> None:
+    rules, token = tmp_path / "rules.yaml", tmp_path / "token"
+    rules.write_text(RULES)
+    token.write_text("t" * 32)
+    env = {"SLUICE_CONFIG": str(rules), "SLUICE_HOST": "127.0.0.2", "SLUICE_PORT": "9191",
+           "SLUICE_LOG_LEVEL": "WARNING", "SLUICE_ADMIN_TOKEN_FILE": str(token)}
+    result = CliRunner().invoke(cli.main, ["serve"], env=env)
+    assert result.exit_code == 0, result.output
+    [run] = served
+    assert (run["host"], run["port"], run["log_level"]) == ("127.0.0.2", 9191, "warning")
+    assert run["app"]["config"] == str(rules) and run["app"]["admin_token_file"] == str(token)
+    assert "1 rules from" in result.output
+
+
+def test_a_flag_wins_over_the_environment(tmp_path: Path, served: list) -> None:
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(RULES)
+    env = {"SLUICE_CONFIG": str(tmp_path / "missing.yaml"), "SLUICE_PORT": "9191", "SLUICE_LOG_LEVEL": "debug"}
+    result = CliRunner().invoke(cli.main, ["serve", "--config", str(rules), "--port", "9292",
+                                           "--log-level", "error"], env=env)
+    assert result.exit_code == 0, result.output
+    [run] = served
+    assert (run["port"], run["log_level"], run["app"]["config"]) == (9292, "error", str(rules))
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("SLUICE_PORT", "99999", "SLUICE_PORT"),
+    ("SLUICE_PORT", "http", "SLUICE_PORT"),
+    ("SLUICE_LOG_LEVEL", "loud", "SLUICE_LOG_LEVEL"),
+])
+def test_a_bad_environment_value_is_a_clear_error(served: list, name: str, value: str, message: str) -> None:
+    result = CliRunner().invoke(cli.main, ["serve"], env={name: value})
+    assert result.exit_code == 2 and message in result.output and not served
