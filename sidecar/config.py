@@ -8,6 +8,8 @@ the validated model (see ``sidecar.rules``).
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import ipaddress
 import math
 import re
@@ -537,13 +539,20 @@ def _exactly_one(model: BaseModel, fields: tuple[str, ...]) -> None:
 @dataclass(frozen=True, slots=True)
 class ConfigIssue:
     file: str
-    line: int
+    line: int  # 0: the file as a whole (it could not be read)
     field: str
     message: str
+    rule: str = ""  # the id of the rule the field belongs to, when it has one
 
     def __str__(self) -> str:
-        return f"{self.file}:{self.line}: {self.field}: {self.message}" if self.field else \
-            f"{self.file}:{self.line}: {self.message}"
+        where = f"{self.file}:{self.line}" if self.line else self.file
+        field = self.field
+        if self.rule and field.startswith("rules["):
+            # rules[3](api-key).limit: the rule's id beside its position,
+            # with no space, so the field stays one word of the line
+            end = field.index("]") + 1
+            field = f"{field[:end]}({self.rule}){field[end:]}"
+        return f"{where}: {field}: {self.message}" if field else f"{where}: {self.message}"
 
 
 class ConfigError(Exception):
@@ -668,7 +677,10 @@ class LoadedRules:
     lines: dict[Loc, int]
 
     def issue(self, loc: Loc, message: str) -> ConfigIssue:
-        return _locate(self.source, self.lines, loc, message)
+        issue = _locate(self.source, self.lines, loc, message)
+        if len(loc) > 1 and loc[0] == "rules" and isinstance(loc[1], int) and loc[1] < len(self.model.rules):
+            issue = dataclasses.replace(issue, rule=self.model.rules[loc[1]].id)
+        return issue
 
 
 def _locate(file: str, lines: dict[Loc, int], loc: Loc, message: str) -> ConfigIssue:
@@ -696,12 +708,47 @@ def parse_rules_text(text: str, source: str, base_dir: Path) -> LoadedRules:
         model = RulesFile.model_validate(document.data, context={"base_dir": base_dir})
     except ValidationError as exc:
         for error in exc.errors():
-            issues.append(document.issue(tuple(error["loc"]), _message(error),
-                                         missing=error["type"] == "missing"))
+            message = _message(error)
+            if error["type"] == "extra_forbidden" and error["loc"]:
+                message += _did_you_mean(str(error["loc"][-1]))
+            issues.append(document.issue(tuple(error["loc"]), message, missing=error["type"] == "missing"))
     issues.extend(_cross_checks(document))
     if issues or model is None:
+        issues = [_with_rule_id(issue, document.data.get("rules")) for issue in issues]
         raise ConfigError(sorted(set(issues), key=lambda i: (i.line, i.field, i.message)))
     return LoadedRules(model, source, base_dir, document.lines)
+
+
+_RULE_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def _with_rule_id(issue: ConfigIssue, rules: Any) -> ConfigIssue:
+    """The issue, naming the id of the rule its field is in (when it has one)."""
+    match = re.match(r"rules\[(\d+)\]", issue.field)
+    if match is None or not isinstance(rules, list) or int(match.group(1)) >= len(rules):
+        return issue
+    rule = rules[int(match.group(1))]
+    rule_id = rule.get("id") if isinstance(rule, dict) else None
+    if not isinstance(rule_id, str) or not _RULE_ID.fullmatch(rule_id):
+        return issue  # no id, or one that is itself in error
+    return dataclasses.replace(issue, rule=rule_id)
+
+
+def _field_names() -> set[str]:
+    """Every field name the rules file knows, at any level."""
+    names: set[str] = set()
+    models: list[type[BaseModel]] = [Strict]
+    while models:
+        model = models.pop()
+        models.extend(model.__subclasses__())
+        names.update(info.alias or name for name, info in model.model_fields.items())
+    return names
+
+
+def _did_you_mean(name: str) -> str:
+    """A hint for a misspelt field name: the known name it most looks like."""
+    close = difflib.get_close_matches(name, sorted(_field_names()), n=1, cutoff=0.7)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _cross_checks(document: _Document) -> list[ConfigIssue]:
@@ -733,5 +780,5 @@ def load_rules_file(path: str | Path) -> LoadedRules:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError([ConfigIssue(source, 1, "", f"cannot read the rules file: {exc}")]) from None
+        raise ConfigError([ConfigIssue(source, 0, "", f"cannot read the rules file: {exc}")]) from None
     return parse_rules_text(text, source, Path(path).resolve().parent)

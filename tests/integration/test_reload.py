@@ -88,7 +88,7 @@ def test_an_invalid_file_on_sighup_keeps_the_old_rules(sluice: tuple[Sluice, Pat
     rules.write_text(TWO_RULES.replace("per: 1h", "per: whenever", 1))
     os.kill(server.process.pid, signal.SIGHUP)
     wait_until(lambda: "reload refused" in server.log.read_text(), "the refusal is logged", 10)
-    assert "rules[0].limit.per" in server.log.read_text()
+    assert "rules[0](api).limit.per" in server.log.read_text()
     assert server.process.poll() is None
     assert [server.check("/api/b", client="192.0.2.3") for _ in range(2)] == [200, 403]
     assert get(f"{server.url}/readyz")[1].startswith("ok: 2 rules")

@@ -67,7 +67,7 @@ def test_an_invalid_file_is_refused_and_the_old_rules_keep_running(harness, rule
     admin, _ = admin_app(harness, rules_file)
     rules_file.write_text(RULES.replace("per: 1h", "per: soon", 1))
     errors = admin.reload()
-    assert len(errors) == 1 and "rules[0].limit.per" in errors[0]
+    assert len(errors) == 1 and "rules[0](api).limit.per" in errors[0]
     assert [harness.decide_now(path="/api/x").outcome for _ in range(3)] == [ALLOW, ALLOW, DENY]
 
 

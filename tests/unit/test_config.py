@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from sidecar import config
-from sidecar.config import ConfigError, ConfigIssue, LoadedRules, parse_duration, parse_rules_text
+from sidecar.config import ConfigError, ConfigIssue, LoadedRules, load_rules_file, parse_duration, parse_rules_text
 from sidecar.rules import compile_rules, load_ruleset
 
 REPO = Path(__file__).resolve().parents[2]
@@ -87,6 +87,34 @@ def pages(tmp_path: Path) -> Path:
 def test_config_issue_prints_as_file_line_field_message() -> None:
     issue = ConfigIssue("rules.yaml", 14, "rules[2].limit.per", "expected a duration like '10s', got '10 seconds'")
     assert str(issue) == "rules.yaml:14: rules[2].limit.per: expected a duration like '10s', got '10 seconds'"
+    named = ConfigIssue("rules.yaml", 14, "rules[2].limit.per", "expected a duration", rule="api-key")
+    assert str(named) == "rules.yaml:14: rules[2](api-key).limit.per: expected a duration"
+    # A file that cannot be read has no line to point at.
+    assert str(ConfigIssue("gone.yaml", 0, "", "cannot read the rules file")) == \
+        "gone.yaml: cannot read the rules file"
+
+
+@pytest.mark.parametrize("text, expected", [
+    (rule_file("match: {path: {equal: /x}}\nlimit: {requests: 1, per: 1s}\naction: block\n"),
+     "rules[1](r).match.path.equal: unknown field (did you mean 'equals'?)"),
+    (rule_file("limit: {requests: 1, per: 1s}\npenalti: 3s\naction: block\n"),
+     "rules[1](r).penalti: unknown field (did you mean 'penalty'?)"),
+    (rule_file("limit: {requests: 1, per: 1s}\naction: block\nbolck: {status: 429}\n"),
+     "rules[1](r).bolck: unknown field (did you mean 'block'?)"),
+    ("stat: {backend: redis}\n" + VALID_RULE, "stat: unknown field (did you mean 'state'?)"),
+    (rule_file("limit: {requests: 1, per: 1s}\naction: block\nzzzzqqq: 1\n"),
+     "rules[1](r).zzzzqqq: unknown field"),
+])
+def test_a_misspelt_field_gets_a_hint_and_the_rule_s_id(text: str, expected: str) -> None:
+    issue = only_issue(text)
+    assert str(issue).split(": ", 1)[1] == expected
+
+
+def test_a_rules_file_that_cannot_be_read_has_no_invented_line(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_rules_file(tmp_path / "missing.yaml")
+    assert str(info.value) == f"{tmp_path / 'missing.yaml'}: cannot read the rules file: " \
+        f"[Errno 2] No such file or directory: '{tmp_path / 'missing.yaml'}'"
 
 
 def test_config_error_lists_every_issue_one_per_line() -> None:
@@ -213,7 +241,8 @@ def test_wrong_type_or_value_is_an_error_at_its_line(text: str, fragment: str, f
 def test_bad_duration_message_shows_what_was_written() -> None:
     text = rule_file("limit: {requests: 1, per: 10 seconds}\naction: log\n")
     issue = only_issue(text)
-    assert str(issue) == (f"rules.yaml:{line_of(text, '10 seconds')}: rules[1].limit.per: "
+    # The rule's id beside its position.
+    assert str(issue) == (f"rules.yaml:{line_of(text, '10 seconds')}: rules[1](r).limit.per: "
                           "expected a duration like '10s', got '10 seconds'")
 
 
@@ -729,7 +758,7 @@ def test_load_ruleset_reports_a_missing_body_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         load_ruleset(str(rules))
     assert [str(issue).split(": ", 2)[:2] for issue in info.value.issues] == \
-        [[f"{rules}:{line_of(text, 'body_file')}", "rules[1].block.body_file"]]
+        [[f"{rules}:{line_of(text, 'body_file')}", "rules[1](r).block.body_file"]]
 
 
 @pytest.mark.parametrize(("rule", "fragment", "field"), [
@@ -827,9 +856,10 @@ def test_check_reports_every_error_as_file_line_field_message(tmp_path: Path) ->
     parsed = [ISSUE_LINE.match(line) for line in lines]
     assert all(parsed), lines
     assert {match["file"] for match in parsed} == {"conf/../conf/rules.yaml"}
-    assert {(int(match["line"]), match["field"]) for match in parsed} == \
+    # A field of a rule with a valid id names it: rules[0](first).limit.per.
+    assert {(int(match["line"]), re.sub(r"^(rules\[\d+\])\([^)]*\)", r"\1", match["field"])) for match in parsed} == \
         located(issues_of(MANY_ERRORS, base_dir=tmp_path / "conf"))
-    assert (f"conf/../conf/rules.yaml:{line_of(MANY_ERRORS, '10 seconds')}: rules[0].limit.per: "
+    assert (f"conf/../conf/rules.yaml:{line_of(MANY_ERRORS, '10 seconds')}: rules[0](first).limit.per: "
             "expected a duration like '10s', got '10 seconds'") in lines
 
 
@@ -853,7 +883,7 @@ def test_check_reports_load_time_errors(tmp_path: Path) -> None:
     result = sluice_check("r.yaml", tmp_path)
     assert result.returncode == 1
     assert result.stderr.splitlines()[0].startswith(
-        f"r.yaml:{line_of(text, 'gone.html')}: rules[1].block.body_file: ")
+        f"r.yaml:{line_of(text, 'gone.html')}: rules[1](r).block.body_file: ")
 
 
 def test_check_reports_schema_and_load_time_errors_together(tmp_path: Path) -> None:
@@ -872,7 +902,7 @@ def test_check_reports_schema_and_load_time_errors_together(tmp_path: Path) -> N
     result = sluice_check("r.yaml", tmp_path)
     assert result.returncode == 1
     fields = {ISSUE_LINE.match(line)["field"] for line in result.stderr.splitlines()}
-    assert fields == {"rules[1].block.body_file", "rules[2].limit.per"}
+    assert fields == {"rules[1](page).block.body_file", "rules[2](typo).limit.per"}
 
 
 def test_check_reports_a_secret_file_that_does_not_exist(tmp_path: Path) -> None:

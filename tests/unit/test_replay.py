@@ -438,7 +438,7 @@ def test_command_exits_1_with_file_line_errors_for_a_bad_rules_file(tmp_path):
     result = sluice_replay("--config", "rules.yaml", log, cwd=tmp_path)
     assert result.returncode == 1
     assert result.stderr.splitlines() == [
-        "rules.yaml:5: rules[0].limit.per: expected a duration like '10s', got '10 seconds'"]
+        "rules.yaml:5: rules[0](api).limit.per: expected a duration like '10s', got '10 seconds'"]
     assert result.stdout == ""
 
 
