@@ -25,10 +25,11 @@ local function bucket_from(argv, at)
           penalty ~= '' and tonumber(penalty) or nil}
 end
 
--- The key's state: {v, l, u, fresh}; a new (or other-kind) key is fresh.
+-- The key's state: {v, l, u, fresh}; a new (or other-kind) key is fresh,
+-- a concurrency limit's sorted set (a reloaded rule) too.
 local function bucket_state(key, bucket)
-  local s = redis.call('HMGET', key, 'k', 'v', 'l', 'u')
-  if s[1] ~= bucket[1] then
+  local s = redis.pcall('HMGET', key, 'k', 'v', 'l', 'u')
+  if s.err or s[1] ~= bucket[1] then
     return {BUCKETS[bucket[1]].fresh(bucket), nil, -math.huge, true}
   end
   return {tonumber(s[2]), tonumber(s[3]), tonumber(s[4]) or -math.huge, false}

@@ -1,7 +1,8 @@
 -- One request's decision (SPEC §9): the ban check for the address, then
 -- every check in rule order, as MemoryStore.evaluate does, in one step.
--- Buckets are assessed in order and charged at the end, only when the
--- request is admitted by all of them and no check refused it.
+-- Buckets and concurrency slots are assessed in order and charged at the
+-- end, only when the request is admitted by all of them and no check
+-- refused it.
 --
 -- KEYS: 1 the address's ban record, 2 the ban index (address -> expiry),
 --       3 the address's challenge counter (auto-ban), 4.. one per check.
@@ -10,9 +11,10 @@
 --       can delay (1/0: a bucket may hold the request), quotas (1/0),
 --       then per check: rule id, count (1/0), stops (1/0), ban duration
 --       ('' = none), auto-ban (1/0), then the limiter's arguments: its kind
---       ('W' window, else a bucket's, see buckets.lua) and five values, for
---       a window {threshold, period, penalty, sliding, exceed}, for a bucket
---       its four parameters and ''.
+--       ('W' window, 'C' concurrency, else a bucket's, see buckets.lua) and
+--       five values, for a window {threshold, period, penalty, sliding,
+--       exceed}, for a bucket its four parameters and '', for a
+--       concurrency limit {limit, lease, the request's lease id, '', ''}.
 -- Returns {banned, new ban, rule, node, started, remaining, duration,
 --          delay, number of evaluated checks, then per evaluated check:
 --          over (1/0), retry after; then with quotas, per check:
@@ -34,6 +36,7 @@ end
 
 local hits = {}
 local buckets = {}
+local leases = {}
 local refused = false
 local result = {0, 0, '', '', '', '', ''}
 local checks = (#ARGV - FIRST + 1) / WIDTH
@@ -46,6 +49,10 @@ for i = 0, checks - 1 do
     over, retry = peek(key, now)
   elseif ARGV[at + 5] == 'W' then
     over, retry = hit(key, now, limit_from(ARGV, at + 6), 1)
+  elseif ARGV[at + 5] == 'C' then
+    local slots = slots_from(ARGV, at + 5)
+    over, retry = slots_assess(key, slots, now)
+    table.insert(leases, {key, slots, over})
   else
     local bucket = bucket_from(ARGV, at + 5)
     local state = bucket_state(key, bucket)
@@ -88,17 +95,22 @@ for i = 0, checks - 1 do
   end
 end
 
--- Like nginx with several limit_req zones: buckets are charged only when
--- the request is admitted by all of them (SPEC §7).
-local admitted = not refused
-for _, b in ipairs(buckets) do
-  if b[4] then admitted = false end
-end
+-- Like nginx with several limit_req zones: buckets (and concurrency slots)
+-- are charged only when the request is admitted by all of them (SPEC §7).
+-- One over its limit that did not refuse (observe mode) is not charged
+-- itself.
 local delay = 0
-if admitted then
+if not refused then
   for _, b in ipairs(buckets) do
-    bucket_commit(b[1], b[2], b[3], now, b[6])
-    delay = math.max(delay, b[5])
+    if not b[4] then
+      bucket_commit(b[1], b[2], b[3], now, b[6])
+      delay = math.max(delay, b[5])
+    end
+  end
+  for _, l in ipairs(leases) do
+    if not l[3] then
+      slots_commit(l[1], l[2], now)
+    end
   end
 end
 table.insert(result, num(delay))
@@ -115,6 +127,8 @@ if want_quotas then
       if ARGV[at + 5] == 'W' then
         remaining, reset, window = window_quota(KEYS[4 + i], now, limit_from(ARGV, at + 6),
                                                 tonumber(ARGV[at + 6]))
+      elseif ARGV[at + 5] == 'C' then
+        remaining, reset, window = slots_quota(KEYS[4 + i], slots_from(ARGV, at + 5), now)
       else
         remaining, reset, window = bucket_quota(KEYS[4 + i], bucket_from(ARGV, at + 5), now)
       end

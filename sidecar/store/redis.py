@@ -118,6 +118,7 @@ class RedisStore:
         self._record = client.script(_script("record"))
         self._bans = client.script(_script("bans"))
         self._lift_ban = client.script(_script("lift_ban"))
+        self._release = client.script(_script("release"))
 
     @classmethod
     def from_url(cls, url: str, node: str, timeout: float = DEFAULT_TIMEOUT, **kwargs: Any) -> "RedisStore":
@@ -152,7 +153,7 @@ class RedisStore:
             args += [check.rule_id, _flag(check.count), _flag(check.stops),
                      "" if check.ban_duration is None else repr(float(check.ban_duration)),
                      _flag(check.auto_ban is not None)]
-            args += check.limiter.redis_args(check.threshold)
+            args += check.limiter.redis_args(check.threshold, check.lease)
         result = await self.client.evalsha(self._evaluate, keys, args)
         banned, new_ban, rule_id, node, started, remaining, duration, delay, evaluated = result[:9]
         end = 9 + 2 * int(evaluated)
@@ -175,6 +176,10 @@ class RedisStore:
             args += count.limiter.redis_args(count.threshold)
         result = await self.client.evalsha(self._record, [counting_key(count.key) for count in counts], args)
         return _hits(result)
+
+    async def release(self, lease: str, keys: Sequence[CountingKey]) -> int:
+        """Every slot of the request in one script call, by its lease id."""
+        return int(await self.client.evalsha(self._release, [counting_key(key) for key in keys], [lease]))
 
     async def active_bans(self, now: float) -> list[BanRecord]:
         # The script reads the records by name under the ban prefix: they
