@@ -38,7 +38,7 @@ EXAMPLES = 5  # skipped lines kept, with their line numbers, per log
 
 @dataclass(slots=True)
 class LogEntry:
-    time: float  # seconds since the epoch
+    time: float  # seconds since the epoch: the request's arrival, as far as the log tells
     peer: str  # $remote_addr: the address nginx accepted the connection from
     method: str
     host: str  # "" when the log does not record it (the combined format)
@@ -47,6 +47,8 @@ class LogEntry:
     status: int | None
     response_headers: dict[str, str] = field(default_factory=dict)
     request_id: str = ""
+    # $request_time when logged: the response ended this long after ``time``.
+    duration: float = 0.0
 
 
 class UnparsableLine(ValueError):
@@ -101,7 +103,9 @@ def parse_json(line: str) -> LogEntry:
 
     ``http_NAME`` fields are request headers and ``upstream_http_NAME`` (or
     ``sent_http_NAME``) response headers, with nginx's underscores turned
-    back into dashes; an empty value or "-" is an absent one.
+    back into dashes; an empty value or "-" is an absent one. nginx logs a
+    request when it ends: with ``request_time`` the entry's time is its
+    arrival, that long before the line's time.
     """
     try:
         record = json.loads(line)
@@ -132,8 +136,9 @@ def parse_json(line: str) -> LogEntry:
     # the upstream's headers ($upstream_http_x_score).
     response_headers = _prefixed(fields, "sent_http_") | _prefixed(fields, "upstream_http_")
     status = fields.get("status", "")
+    duration = parse_request_time(fields["request_time"]) if "request_time" in fields else 0.0
     return LogEntry(
-        time=parse_time(fields[time_field]),
+        time=parse_time(fields[time_field]) - duration,
         peer=peer,
         method=method,
         host=fields.get("host") or strip_port(headers.get("host", "")),
@@ -142,7 +147,19 @@ def parse_json(line: str) -> LogEntry:
         status=int(status) if status.isascii() and status.isdigit() else None,
         response_headers=response_headers,
         request_id=fields.get("request_id", ""),
+        duration=duration,
     )
+
+
+def parse_request_time(text: str) -> float:
+    """``$request_time``: seconds with milliseconds (``0.125``)."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise UnparsableLine(f"unreadable request_time {text[:20]!r}") from None
+    if not 0 <= seconds < math.inf:
+        raise UnparsableLine(f"unreadable request_time {text[:20]!r}")
+    return seconds
 
 
 def _prefixed(fields: dict[str, str], prefix: str) -> dict[str, str]:

@@ -269,10 +269,35 @@ class LeakyLimit(Strict):
         return self
 
 
+# A slot's lease, unless the rule sets one: longer than a request normally
+# runs behind the shipped proxies (nginx waits up to 60 s between two reads
+# from the application, Envoy 15 s for a whole response), so a running
+# request keeps its slot, while a slot whose report is lost comes back
+# within a minute.
+DEFAULT_LEASE = 60.0
+# The longest lease: a response report comes with a token that is accepted
+# for 10 minutes (sidecar.pending), so a longer lease could only keep a
+# slot whose report is refused.
+MAX_LEASE = 600.0
+
+
+class ConcurrentLimit(Strict):
+    tag: ClassVar[str] = "concurrent-requests"
+    concurrent: int = Field(ge=1)
+    lease: Duration = DEFAULT_LEASE
+
+    @field_validator("lease")
+    @classmethod
+    def _range(cls, value: float) -> float:
+        if not 1 <= value <= MAX_LEASE:
+            raise ValueError("a lease lasts from 1s to 10m (a response report is accepted for 10 minutes)")
+        return value
+
+
 # A limit's kind is told by the field it has; its model's ``tag`` names the
 # kind here and in sidecar.limiters, whose registry builds the limiter.
 _LIMIT_TAGS = {"requests": WindowLimit.tag, "score": ScoreLimit.tag,
-               "tokens": TokenLimit.tag, "rate": LeakyLimit.tag}
+               "tokens": TokenLimit.tag, "rate": LeakyLimit.tag, "concurrent": ConcurrentLimit.tag}
 
 
 def _limit_kind(value: Any) -> str | None:
@@ -287,12 +312,13 @@ Limit = Annotated[
     Annotated[WindowLimit, Tag(WindowLimit.tag)]
     | Annotated[ScoreLimit, Tag(ScoreLimit.tag)]
     | Annotated[TokenLimit, Tag(TokenLimit.tag)]
-    | Annotated[LeakyLimit, Tag(LeakyLimit.tag)],
+    | Annotated[LeakyLimit, Tag(LeakyLimit.tag)]
+    | Annotated[ConcurrentLimit, Tag(ConcurrentLimit.tag)],
     Discriminator(
         _limit_kind,
         custom_error_type="limit_kind",
         custom_error_message="expected a limit with one of: requests (with per), "
-        "score (with per, header), tokens (with refill), rate (with burst)",
+        "score (with per, header), tokens (with refill), rate (with burst), concurrent",
     ),
 ]
 
@@ -713,6 +739,7 @@ def parse_rules_text(text: str, source: str, base_dir: Path) -> LoadedRules:
                 message += _did_you_mean(str(error["loc"][-1]))
             issues.append(document.issue(tuple(error["loc"]), message, missing=error["type"] == "missing"))
     issues.extend(_cross_checks(document))
+    issues.extend(_concurrency_checks(document))
     if issues or model is None:
         issues = [_with_rule_id(issue, document.data.get("rules")) for issue in issues]
         raise ConfigError(sorted(set(issues), key=lambda i: (i.line, i.field, i.message)))
@@ -747,7 +774,8 @@ def _field_names() -> set[str]:
 
 def _did_you_mean(name: str) -> str:
     """A hint for a misspelt field name: the known name it most looks like."""
-    close = difflib.get_close_matches(name, sorted(_field_names()), n=1, cutoff=0.7)
+    # A name known elsewhere (per: in a concurrency limit) is no misspelling.
+    close = difflib.get_close_matches(name, sorted(_field_names() - {name}), n=1, cutoff=0.7)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
@@ -772,6 +800,37 @@ def _cross_checks(document: _Document) -> list[ConfigIssue]:
                 if isinstance(name, str) and name not in ids:
                     issues.append(document.issue(("overrides", index, "rules", position),
                                                  f"no rule with id {name!r}"))
+    return issues
+
+
+# What a concurrent limit does not combine with: settings by field, actions
+# by name, each with the reason.
+_NOT_WITH_CONCURRENT = {
+    "count_on": "a concurrent limit counts requests in flight, which their responses end; "
+                "count_on needs a requests or score limit",
+    "penalty": "a concurrent limit has no penalty: it refuses only while its limit is in flight",
+}
+_ACTIONS_NOT_WITH_CONCURRENT = {
+    "ban": "a concurrent limit refuses requests, it bans no one (parallel requests are as often "
+           "a browser or a NAT as abuse); use block, or a requests rule with action: ban",
+    "challenge": "a solved challenge would lift a concurrent limit for its client; use block or log",
+}
+
+
+def _concurrency_checks(document: _Document) -> list[ConfigIssue]:
+    """What a concurrent limit cannot be combined with, at the field that
+    combines it (a rule's own validator could only name the rule)."""
+    issues = []
+    rules = document.data.get("rules")
+    for index, rule in enumerate(rules if isinstance(rules, list) else []):
+        if not isinstance(rule, dict) or _limit_kind(rule.get("limit")) != ConcurrentLimit.tag:
+            continue
+        for name, reason in _NOT_WITH_CONCURRENT.items():
+            if name in rule:
+                issues.append(document.issue(("rules", index, name), reason))
+        action = rule.get("action")
+        if isinstance(action, str) and action in _ACTIONS_NOT_WITH_CONCURRENT:
+            issues.append(document.issue(("rules", index, "action"), _ACTIONS_NOT_WITH_CONCURRENT[action]))
     return issues
 
 

@@ -1,8 +1,11 @@
 """The demo upstream: an application to put behind Sluice (SPEC §11).
 
 It answers any method and path with 200 and a small JSON echo of the request.
-`?status=N` makes it answer with status N, and `?score=S` adds the response
+`?status=N` makes it answer with status N, `?score=S` adds the response
 header `x-score: S`, for trying response-phase and score rules by hand.
+`?sleep=S` answers after S seconds, and `?stream=S` sends the headers and
+the echo at once but ends the body S seconds later (each 0 to 10, fractions
+allowed), for requests that stay in flight (concurrency limits).
 
 The echo also says how many requests this process has received for the path
 (`hits`), so a test can tell whether a denied request reached the application.
@@ -11,7 +14,9 @@ The echo also says how many requests this process has received for the path
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import re
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -25,6 +30,8 @@ from sidecar.asgi import Message, Receive, Scope, Send
 # walking through endless paths cannot grow memory.
 MAX_TRACKED_PATHS = 10_000
 _STATUSES_WITHOUT_BODY = frozenset({204, 304})
+MAX_SLEEP_SECONDS = 10.0
+_SECONDS = re.compile(r"[0-9]{1,2}(?:\.[0-9]{1,6})?")
 
 
 class DemoUpstream:
@@ -54,6 +61,16 @@ class DemoUpstream:
                 await _respond(send, scope, 400, {"error": "score must be printable ASCII"})
                 return
             extra_headers.append((b"x-score", score.strip().encode("ascii")))
+        waits = {}
+        for name in ("sleep", "stream"):
+            if name in query:
+                seconds = parse_sleep(query[name][0])
+                if seconds is None:
+                    await _respond(send, scope, 400, {"error": f"{name} must be a number of seconds from 0 to 10"})
+                    return
+                waits[name] = seconds
+        if "sleep" in waits:
+            await asyncio.sleep(waits["sleep"])
 
         echo = {
             "method": scope["method"],
@@ -63,7 +80,7 @@ class DemoUpstream:
             "body_bytes": body_bytes,
             "hits": self._count_hit(path),
         }
-        await _respond(send, scope, status, echo, extra_headers)
+        await _respond(send, scope, status, echo, extra_headers, waits.get("stream", 0.0))
 
     def _count_hit(self, path: str) -> int:
         hits = self._hits.pop(path, 0) + 1
@@ -71,6 +88,14 @@ class DemoUpstream:
         if len(self._hits) > MAX_TRACKED_PATHS:
             self._hits.popitem(last=False)
         return hits
+
+
+def parse_sleep(text: str) -> float | None:
+    """Seconds like ``2`` or ``0.25``, at most ten; None for anything else."""
+    if not _SECONDS.fullmatch(text):
+        return None
+    seconds = float(text)
+    return seconds if seconds <= MAX_SLEEP_SECONDS else None
 
 
 def _parse_status(text: str) -> int | None:
@@ -105,14 +130,24 @@ async def _respond(
     status: int,
     document: dict[str, Any],
     extra_headers: Sequence[tuple[bytes, bytes]] = (),
+    stream: float = 0.0,
 ) -> None:
+    """The response; with ``stream``, its body ends that many seconds after
+    the document was sent (chunked, without a length)."""
     headers = [*extra_headers]
     body = b""
     if status not in _STATUSES_WITHOUT_BODY:
         body = json.dumps(document).encode() + b"\n"
-        headers += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        headers.append((b"content-type", b"application/json"))
+        if not stream:
+            headers.append((b"content-length", str(len(body)).encode()))
     await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else body})
+    body = b"" if scope["method"] == "HEAD" else body
+    if stream:
+        await send({"type": "http.response.body", "body": body, "more_body": True})
+        await asyncio.sleep(stream)
+        body = b""
+    await send({"type": "http.response.body", "body": body})
 
 
 def main(argv: list[str] | None = None) -> None:

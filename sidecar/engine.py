@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -19,7 +20,7 @@ from sidecar.decisionlog import DecisionLog
 from sidecar.keys import key_values
 from sidecar.limiters import Hit
 from sidecar.metrics import Metrics
-from sidecar.pending import PendingEntry, PendingTokens
+from sidecar.pending import PendingEntry, PendingTokens, SlotEntry
 from sidecar.ratelog import RateLimitedLog
 from sidecar.request import CheckRequest
 from sidecar.responses import ResponsePhase
@@ -201,6 +202,9 @@ class Engine:
         matched: list[CompiledRule] = []
         checks: list[Check] = []
         verified_bots = ruleset.verified_bots
+        # The id the request's concurrency slots are taken under, and given
+        # back by: unique across nodes and workers without coordination.
+        lease = os.urandom(9).hex() if ruleset.leases else ""
         for rule in ruleset.rules:
             condition = rule.condition
             if condition is not None and not condition(request):
@@ -222,7 +226,7 @@ class Engine:
             matched.append(rule)
             checks.append(Check(rule.id, rule.key(request), rule.limiter,
                                 rule.threshold_for(address) if rule.overrides else rule.base_threshold,
-                                stops, ban_duration, rule.counts, auto_ban))
+                                stops, ban_duration, rule.counts, auto_ban, lease))
         if not checks and not self.store.may_be_banned():
             return ALLOWED
         return matched, checks
@@ -239,11 +243,16 @@ class Engine:
 
         observed: Decision | None = None
         pending: list[PendingEntry] = []
+        # The concurrency slots the store took: one per leasing check within
+        # its limit, as the request is not refused.
+        slots: list[SlotEntry] = []
         rule_hits = metrics.rule_hits
         for rule, check, hit in zip(matched, checks, evaluation.hits):
             if not hit.over_limit:
                 if rule.counts:
                     rule_hits[rule.id] += 1
+                    if check.limiter.leases:
+                        slots.append((rule.id, key_values(check.key)))
                 else:
                     # Counted, maybe, when the response is reported.
                     pending.append((rule.id, check.threshold, key_values(check.key)))
@@ -260,8 +269,10 @@ class Engine:
                 observed = Decision(outcome=ALLOW, rule=rule, limit=limit, reset=reset)
             self.log.matched(request, rule, check, "observe" if rule.action == "log" else "verified-bot")
         token = None
-        if pending:
-            token = self.pending.issue(pending)
+        if pending or slots:
+            # The report gives the slots back; without a token they end
+            # with their lease.
+            token = self.pending.issue(pending, checks[0].lease, slots)
             if token is None:
                 metrics.unreportable.inc()
         allowed = observed or ALLOWED

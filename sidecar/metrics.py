@@ -61,6 +61,8 @@ COUNTERS = {
                         "Response reports with a missing, forged or expired token."),
     "unreportable": ("sluice_pending_too_long",
                      "Requests whose pending counts were too long to carry (their responses go uncounted)."),
+    "released": ("sluice_concurrency_released",
+                 "Concurrency slots given back by response reports (a slot without one ends with its lease)."),
     "delayed": ("sluice_delayed", "Requests held by a leaky bucket before being allowed."),
     "challenges_issued": ("sluice_challenges_issued", "Challenge pages sent (SPEC §6)."),
     "challenges_passed": ("sluice_challenges_passed",
@@ -81,6 +83,7 @@ class Metrics(Collector):
     reports: Tally
     reports_refused: Tally
     unreportable: Tally
+    released: Tally
     delayed: Tally
     challenges_issued: Tally
     challenges_passed: Tally

@@ -5,24 +5,29 @@ traffic?", before anything is enforced. Every log line becomes the
 ``CheckRequest`` nginx would have sent and is decided by the real engine, on
 a clock set to the line's own time: an hour of log replays in moments, and
 windows, penalties and bans run out as they would have. Nothing waits — a
-leaky bucket's hold is only counted. Response-phase rules get the logged
-status (and ``x-score``, when logged) through ``record_response``, right
-after their request.
+leaky bucket's hold is only counted. The logged status (and ``x-score``,
+when logged) is reported through ``record_response`` when the response
+ended: right after its request, or ``$request_time`` later when the log
+has it; the report counts for response-phase rules and gives back the
+request's concurrency slots.
 
 Besides what the rules decided, the report measures what the traffic asked
 for, to help choose thresholds: for each rule and each of its keys, the
 **peak** — the most requests the key sent in any window of the rule's
-period (counted responses, or score, for response-phase rules) — and the
+period (counted responses, or score, for response-phase rules; for a
+concurrency limit, the most requests in flight at once) — and the
 P50/P95/P99 of those peaks across the rule's keys.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from heapq import nlargest
+from heapq import heappop, heappush, nlargest
 from typing import Any, Sequence
 
 from sidecar.accesslog import AccessLogs, LogEntry
@@ -119,14 +124,19 @@ class RuleStats:
     keys: dict[CountingKey, KeyStats] = field(default_factory=dict)
     # (time, key, amount) of the last period, oldest first, for the peaks.
     recent: deque[tuple[float, KeyStats, int]] = field(default_factory=deque)
+    # A concurrency limit's requests in flight: (end, order, key), soonest first.
+    in_flight: list[tuple[float, int, KeyStats]] = field(default_factory=list)
 
-    def add(self, key: CountingKey, now: float, amount: int, agent: str | None) -> KeyStats:
+    def add(self, key: CountingKey, now: float, amount: int, agent: str | None,
+            duration: float = 0.0) -> KeyStats:
         stats = self.keys.get(key)
         if stats is None:
             stats = self.keys[key] = KeyStats()
         stats.requests += 1
         stats.add_agent(agent)
-        if amount:
+        if self.rule.limiter.leases:
+            self._fly(stats, now, duration)
+        elif amount:
             recent = self.recent
             horizon = now - self.period
             while recent and recent[0][0] <= horizon:
@@ -136,6 +146,19 @@ class RuleStats:
             stats.in_window += amount
             stats.peak = max(stats.peak, stats.in_window)
         return stats
+
+    def _fly(self, stats: KeyStats, now: float, duration: float) -> None:
+        """A request in flight from now for its duration, and its lease (the
+        period) at most; its key's peak is the most in flight at once."""
+        in_flight = self.in_flight
+        while in_flight and in_flight[0][0] <= now:
+            heappop(in_flight)[2].in_window -= 1
+        heappush(in_flight, (now + min(duration, self.period), next(_flights), stats))
+        stats.in_window += 1
+        stats.peak = max(stats.peak, stats.in_window)
+
+
+_flights = itertools.count()  # orders requests in flight that end at once
 
 
 class Replay:
@@ -154,9 +177,14 @@ class Replay:
         self.requests = 0
         self.without_status = 0  # response-phase counts that had no logged status to go on
         self.start: float | None = None
+        self.end = 0.0  # the time of the last request
+        # Reports of responses still to end: (time, order, token, entry), soonest first.
+        self._reports: list[tuple[float, int, str, LogEntry]] = []
+        self._order = itertools.count()
 
     def feed(self, entry: LogEntry) -> None:
-        self.clock.now = entry.time
+        self.report_until(entry.time)
+        self.clock.now = self.end = entry.time
         if self.start is None:
             self.start = entry.time
         self.requests += 1
@@ -171,12 +199,29 @@ class Replay:
         self._tally_rules(entry, decision)
         if decision.pending is not None:
             if entry.status is None:
-                self.without_status += 1
+                self.without_status += 1  # its concurrency slots end with their lease
                 return
-            self.engine.record_response_now(decision.pending, entry.status, entry.response_headers)
-            for count, hit in self.store.counted:
-                if not hit.over_limit:
-                    self.rules[key_rule_id(count.key)].responses_counted += 1
+            if entry.duration:
+                heappush(self._reports, (entry.time + entry.duration, next(self._order), decision.pending, entry))
+            else:
+                self._report(decision.pending, entry)
+
+    def report_until(self, now: float) -> None:
+        """Report the responses that ended by ``now``, each at its own time
+        (``now`` is never before the requests already replayed)."""
+        reports = self._reports
+        while reports and reports[0][0] <= now:
+            ended, _, token, entry = heappop(reports)
+            self.clock.now = ended
+            self._report(token, entry)
+
+    def _report(self, token: str, entry: LogEntry) -> None:
+        assert entry.status is not None
+        self.store.forget()  # what the report counts, only
+        self.engine.record_response_now(token, entry.status, entry.response_headers)
+        for count, hit in self.store.counted:
+            if not hit.over_limit:
+                self.rules[key_rule_id(count.key)].responses_counted += 1
 
     def _request(self, entry: LogEntry) -> CheckRequest:
         host = entry.host or self.default_host
@@ -218,7 +263,7 @@ class Replay:
         for index, check in enumerate(self.store.checks):
             stats = self.rules[check.rule_id]
             stats.matched += 1
-            key = stats.add(check.key, now, self._amount(stats.rule, entry), agent)
+            key = stats.add(check.key, now, self._amount(stats.rule, entry), agent, entry.duration)
             if index >= len(hits):
                 stats.not_reached += 1
                 continue
@@ -261,8 +306,8 @@ class Replay:
             "late": logs.late,
             "reorder_window_seconds": logs.reorder_window,
             "start": _timestamp(start),
-            "end": _timestamp(self.clock.now if start is not None else None),
-            "seconds": round(self.clock.now - start, 3) if start is not None else 0,
+            "end": _timestamp(self.end if start is not None else None),
+            "seconds": round(self.end - start, 3) if start is not None else 0,
             "answers": dict(self.answers),
             "invalid_client_addresses": self.engine.metrics.invalid_address.value,
             "responses_without_status": self.without_status,
@@ -278,6 +323,7 @@ def replay_logs(ruleset: Ruleset, names: Sequence[str], top: int = 5,
     with AccessLogs(names) as logs:
         for entry in logs:
             replay.feed(entry)
+    replay.report_until(math.inf)  # the responses still in flight at the log's end
     return replay.report(logs, top)
 
 
@@ -306,6 +352,8 @@ def describe_limit(rule: CompiledRule) -> str:
 
 def peak_unit(rule: CompiledRule, period: float) -> str:
     """What a rule's peaks count: ``requests per 10s``."""
+    if rule.limiter.leases:
+        return "requests in flight at once"
     if rule.response is None:
         what = "requests"
     elif rule.response.score_header is not None:

@@ -1,16 +1,20 @@
 """The response phase (SPEC §8): a reported response counts for the rules
-that were pending on its request.
+that were pending on its request, and gives back the concurrency slots the
+request held.
 
-The pending (rule, threshold, key values) travel with the request in a
-signed token (sidecar.pending) that the proxy hands back with the response's
-status and headers; nothing is kept in Sluice between the two.
+The pending (rule, threshold, key values), and the slots with the request's
+lease id, travel with the request in a signed token (sidecar.pending) that
+the proxy hands back with the response's status and headers; nothing is
+kept in Sluice between the two.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from sidecar.keys import CountingKey
 from sidecar.limiters import Hit
+from sidecar.pending import Pending, SlotEntry
 from sidecar.rules import CompiledRule
 from sidecar.state import ResponseCount
 from sidecar.store import StoreUnavailable
@@ -26,12 +30,20 @@ class ResponsePhase:
         self._engine = engine
 
     async def record(self, token: str, status: int, headers: dict[str, str]) -> int:
-        """Count the response for every pending rule whose response
-        condition matches; how many counted."""
-        prepared = self._counts(token, status, headers)
+        """Give back the request's concurrency slots, and count the response
+        for every pending rule whose response condition matches; how many
+        counted."""
+        engine = self._engine
+        pending = engine.pending.open(token)
+        if pending is None:
+            engine.metrics.reports_refused.inc()
+            return 0
+        engine.metrics.reports.inc()
+        if pending.slots:
+            await self._release(pending)
+        prepared = self._counts(pending, status, headers)
         if prepared is None:
             return 0
-        engine = self._engine
         try:
             hits = await engine.store.record(engine.clock(), prepared[1])
         except StoreUnavailable as exc:
@@ -39,20 +51,36 @@ class ResponsePhase:
             return 0
         return self._counted(*prepared, hits)
 
-    def _counts(self, token: str, status: int, headers: dict[str, str]
+    async def _release(self, pending: Pending) -> None:
+        engine = self._engine
+        keys = self._slot_keys(pending.slots)
+        if not keys:
+            return
+        try:
+            released = await engine.store.release(pending.lease, keys)
+        except StoreUnavailable as exc:
+            engine.store_failed(exc)  # the slots end with their lease, as with a lost report
+            return
+        engine.metrics.released.inc(released)
+
+    def _slot_keys(self, slots: list[SlotEntry]) -> list[CountingKey]:
+        """The counting keys of the slots; a reload that removed a rule, or
+        changed its dimensions, leaves its slots to their leases."""
+        by_id = self._engine.ruleset.by_id
+        keys: list[CountingKey] = []
+        for rule_id, values in slots:
+            rule = by_id.get(rule_id)
+            if rule is not None and len(values) == len(rule.key_prefix[1]):
+                keys.append((rule.key_prefix, *values))
+        return keys
+
+    def _counts(self, pending: Pending, status: int, headers: dict[str, str]
                 ) -> tuple[list[CompiledRule], list[ResponseCount]] | None:
         """The counts a report makes, or None when it makes none."""
-        engine = self._engine
-        entries = engine.pending.open(token)
-        metrics = engine.metrics
-        if entries is None:
-            metrics.reports_refused.inc()
-            return None
-        metrics.reports.inc()
-        ruleset = engine.ruleset
+        ruleset = self._engine.ruleset
         rules: list[CompiledRule] = []
         counts: list[ResponseCount] = []
-        for rule_id, threshold, values in entries:
+        for rule_id, threshold, values in pending.counts:
             rule = ruleset.by_id.get(rule_id)
             # A reload may have removed the rule or changed its dimensions.
             if rule is None or rule.response is None or len(values) != len(rule.key_prefix[1]):

@@ -319,9 +319,11 @@ class Ruleset:
     difficulty: int  # proof-of-work zero bits of a challenge
     auto_ban: AutoBan  # challenges per address before it is banned
     holds: bool = field(init=False)  # any rule may hold a request (read for every request)
+    leases: bool = field(init=False)  # any rule takes concurrency slots: requests need a lease id
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "holds", any(rule.limiter.holds for rule in self.rules))
+        object.__setattr__(self, "leases", any(rule.limiter.leases for rule in self.rules))
 
     @property
     def warnings(self) -> list[str]:
@@ -365,7 +367,8 @@ def compile_rules(loaded: LoadedRules) -> Ruleset:
         limit = build_limiter(rule.limit, rule.penalty)
         if rule.id in overrides and not limit.limiter.scalable:
             issues.append(loaded.issue(loc + ("limit",), "overrides scale request and score "
-                                       "thresholds; a bucket rule cannot be listed in overrides"))
+                                       "thresholds; a bucket or concurrent rule cannot be listed in "
+                                       "overrides"))
             continue
         counts_responses = rule.count_on is not None or limit.score_header is not None
         response = ResponseCounting.from_config(rule.count_on, limit.score_header) if counts_responses else None

@@ -21,11 +21,15 @@ Clock = Callable[[], float]
 
 class Limiter(Protocol):
     """What every algorithm answers (``sidecar.limiters``). Window counters
-    ``hit`` at once; buckets are ``deferred`` (see ``DeferredLimiter``)."""
+    ``hit`` at once; buckets and concurrency slots are ``deferred`` (see
+    ``DeferredLimiter``)."""
 
     deferred: bool
     holds: bool  # may ask to hold an admitted request (a leaky bucket's delay)
     scalable: bool  # the check's threshold is the limit, which overrides may scale
+    # Takes a slot under the request's lease id, which the response report
+    # gives back (a concurrency limit); its refusals can end at any moment.
+    leases: bool
 
     def new_state(self) -> Any: ...
     def peek(self, state: Any, now: float) -> Hit: ...
@@ -36,10 +40,11 @@ class Limiter(Protocol):
     def longest_hold(self) -> float:
         """Seconds the longest-held request may wait (0: never holds)."""
 
-    def redis_args(self, threshold: float) -> tuple[str, ...]:
+    def redis_args(self, threshold: float, lease: str = "") -> tuple[str, ...]:
         """The check's arguments for the Redis scripts: a kind ('W', 'L',
-        'T') and five values, made at construction but for a threshold
-        that differs from the limiter's own."""
+        'T', 'C') and five values, made at construction but for a threshold
+        that differs from the limiter's own, and for the request's lease id
+        (which only a concurrency limit reads)."""
 
     def peak_period(self) -> float:
         """The span over which replay measures a key's peak traffic."""
@@ -49,10 +54,12 @@ class Limiter(Protocol):
 
 
 class DeferredLimiter(Limiter, Protocol):
-    """A bucket: ``assess`` a request, and ``commit`` it only when the whole
-    request is admitted (SPEC §7: no bucket is charged when one refuses)."""
+    """A bucket or a concurrency limit: ``assess`` a request, and ``commit``
+    it only when the whole request is admitted (SPEC §7: no bucket is
+    charged when one refuses). ``lease`` is the request's lease id, under
+    which a concurrency limit takes its slot."""
 
-    def assess(self, state: Any, now: float) -> Hit: ...
+    def assess(self, state: Any, now: float, lease: str = "") -> Hit: ...
     def commit(self, state: Any, hit: Hit) -> None: ...
 
 
@@ -94,6 +101,7 @@ class Check:
     ban_duration: float | None = None  # over limit bans the client address
     count: bool = True  # False: a response-phase rule, only its penalty is checked
     auto_ban: AutoBan | None = None  # over limit issues a challenge, counted per address
+    lease: str = ""  # the request's lease id, in a ruleset with a concurrency limit
 
 
 @dataclass(frozen=True, slots=True)

@@ -104,4 +104,4 @@ def lua_libraries() -> tuple[str, ...]:
 
 # Each algorithm registers itself when its module is imported; importing them
 # here, once the names above exist, makes the registry whole for every caller.
-from sidecar.limiters import leaky, token, window  # noqa: E402,F401
+from sidecar.limiters import concurrent, leaky, token, window  # noqa: E402,F401

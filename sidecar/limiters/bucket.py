@@ -28,6 +28,7 @@ class Bucket:
     __slots__ = ("penalty", "per_second", "_lua_args")
     deferred = True
     scalable = False
+    leases = False
 
     def __init__(self, penalty: float | None, per_second: float, kind: str,
                  parameters: tuple[str, str, str]) -> None:
@@ -58,7 +59,7 @@ class Bucket:
     def longest_hold(self) -> float:
         return 0.0
 
-    def redis_args(self, threshold: float) -> tuple[str, ...]:
+    def redis_args(self, threshold: float, lease: str = "") -> tuple[str, ...]:
         return self._lua_args
 
     def peak_period(self) -> float:

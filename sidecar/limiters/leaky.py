@@ -53,7 +53,7 @@ class LeakyBucket(Bucket):
     def new_state(self) -> LeakyState:
         return LeakyState(0, None, NO_PENALTY, self)
 
-    def assess(self, state: LeakyState, now: float) -> Hit:
+    def assess(self, state: LeakyState, now: float, lease: str = "") -> Hit:
         held = in_penalty(state, now)
         if held is not None:
             return held

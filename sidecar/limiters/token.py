@@ -41,7 +41,7 @@ class TokenBucket(Bucket):
             return state.tokens
         return min(float(self.capacity), state.tokens + self.refill * max(0.0, now - state.last))
 
-    def assess(self, state: TokenState, now: float) -> Hit:
+    def assess(self, state: TokenState, now: float, lease: str = "") -> Hit:
         held = in_penalty(state, now)
         if held is not None:
             return held

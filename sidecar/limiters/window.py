@@ -40,6 +40,7 @@ class WindowCounter:
     deferred = False  # counts at once; buckets commit only admitted requests
     holds = False  # never asks to hold a request
     scalable = True  # the check's threshold is the limit: overrides may scale it
+    leases = False  # takes no slot
 
     def __init__(self, threshold: int, period: float, penalty: float, sliding: bool = True,
                  exceed: bool = False) -> None:
@@ -109,7 +110,7 @@ class WindowCounter:
     def longest_hold(self) -> float:
         return 0.0
 
-    def redis_args(self, threshold: float) -> tuple[str, ...]:
+    def redis_args(self, threshold: float, lease: str = "") -> tuple[str, ...]:
         """'W' and window.lua's limit ``{threshold, period, penalty, sliding,
         exceed}``; only a threshold an override scaled is formatted here."""
         if threshold == self.threshold:

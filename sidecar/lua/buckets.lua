@@ -26,10 +26,14 @@ local function bucket_from(argv, at)
 end
 
 -- The key's state: {v, l, u, fresh, foreign}; a new (or other-kind) key is
--- fresh, and one of another kind (another bucket's, or a window's with a
--- penalty) is foreign: cleared before it is written.
+-- fresh, and one of another kind (another bucket's, a window's with a
+-- penalty, a concurrency limit's sorted set) is foreign: cleared before it
+-- is written.
 local function bucket_state(key, bucket)
-  local s = redis.call('HMGET', key, 'k', 'v', 'l', 'u')
+  local s = redis.pcall('HMGET', key, 'k', 'v', 'l', 'u')
+  if s.err then
+    return {BUCKETS[bucket[1]].fresh(bucket), nil, -math.huge, true, true}
+  end
   if s[1] ~= bucket[1] then
     return {BUCKETS[bucket[1]].fresh(bucket), nil, -math.huge, true, s[1] ~= false or s[4] ~= false}
   end

@@ -1,7 +1,8 @@
 -- One request's decision (SPEC §9): the ban check for the address, then
 -- every check in rule order, as MemoryStore.evaluate does, in one step.
--- Buckets are assessed in order and charged at the end, only when the
--- request is admitted by all of them and no check refused it.
+-- Buckets and concurrency slots are assessed in order and charged at the
+-- end, only when the request is admitted by all of them and no check
+-- refused it.
 --
 -- On a Redis Cluster a request's checks are split by hash slot, one call of
 -- this script per slot (see sidecar/store/redis.py); the mode says what the
@@ -19,13 +20,15 @@
 -- ARGV: now ('' = server time), address ('' = unknown), node, wall clock,
 --       auto-ban {'W', threshold, period, penalty, sliding, exceed, duration},
 --       can delay (1/0: a bucket may hold the request), quotas (1/0), mode,
+--       the request's lease id ('' = none: it takes no concurrency slot),
 --       then per check its number in RULES.
 -- RULES, written into the script by sidecar/store/redis.py, holds what a
 -- check does, once for all requests: rule id, count (1/0), stops (1/0), ban
 -- duration ('' = none), auto-ban (1/0), then the limiter's arguments: its
--- kind ('W' window, else a bucket's, see buckets.lua) and five values, for
--- a window {threshold, period, penalty, sliding, exceed}, for a bucket its
--- four parameters and ''.
+-- kind ('W' window, 'C' concurrency, else a bucket's, see buckets.lua) and
+-- five values, for a window {threshold, period, penalty, sliding, exceed},
+-- for a bucket its four parameters and '', for a concurrency limit {limit,
+-- lease, '' (the request's lease id goes in ARGV), '', ''}.
 -- Returns {banned, new ban, rule, node, started, remaining, duration,
 --          delay, number of evaluated checks, then per evaluated check:
 --          over (1/0), retry after; then with quotas, per check:
@@ -37,7 +40,8 @@ local auto_limit = limit_from(ARGV, 6)
 local auto_duration = ARGV[11]
 local can_delay, want_quotas = ARGV[12] == '1', ARGV[13] == '1'
 local mode = ARGV[14]
-local FIRST = 15
+local lease_id = ARGV[15]
+local FIRST = 16
 
 if address ~= '' and mode ~= 'N' then
   local ban = redis.call('HMGET', KEYS[1], 'rule', 'node', 'started', 'expires', 'duration')
@@ -48,6 +52,7 @@ end
 
 local hits = {}
 local buckets = {}
+local leases = {}
 local refused = false
 local result = {0, 0, '', '', '', '', ''}
 local checks = #ARGV - FIRST + 1
@@ -60,6 +65,11 @@ for i = 0, checks - 1 do
     over, retry = peek(key, now)
   elseif rule[6] == 'W' then
     over, retry = hit(key, now, limit_from(rule, 7), 1)
+  elseif rule[6] == 'C' then
+    local slots = slots_from(rule, 6)
+    slots[3] = lease_id
+    over, retry = slots_assess(key, slots, now)
+    table.insert(leases, {key, slots, over})
   else
     local bucket = bucket_from(rule, 6)
     local state = bucket_state(key, bucket)
@@ -104,17 +114,22 @@ for i = 0, checks - 1 do
   end
 end
 
--- Like nginx with several limit_req zones: buckets are charged only when
--- the request is admitted by all of them (SPEC §7).
-local admitted = not refused
-for _, b in ipairs(buckets) do
-  if b[4] then admitted = false end
-end
+-- Like nginx with several limit_req zones: buckets (and concurrency slots)
+-- are charged only when the request is admitted by all of them (SPEC §7).
+-- One over its limit that did not refuse (observe mode) is not charged
+-- itself.
 local delay = 0
-if admitted then
+if not refused then
   for _, b in ipairs(buckets) do
-    bucket_commit(b[1], b[2], b[3], now, b[6])
-    delay = math.max(delay, b[5])
+    if not b[4] then
+      bucket_commit(b[1], b[2], b[3], now, b[6])
+      delay = math.max(delay, b[5])
+    end
+  end
+  for _, l in ipairs(leases) do
+    if not l[3] then
+      slots_commit(l[1], l[2], now)
+    end
   end
 end
 table.insert(result, num(delay))
@@ -130,6 +145,8 @@ if want_quotas then
     if rule[2] == '1' then
       if rule[6] == 'W' then
         remaining, reset, window = window_quota(KEYS[4 + i], now, limit_from(rule, 7), tonumber(rule[7]))
+      elseif rule[6] == 'C' then
+        remaining, reset, window = slots_quota(KEYS[4 + i], slots_from(rule, 6), now)
       else
         remaining, reset, window = bucket_quota(KEYS[4 + i], bucket_from(rule, 6), now)
       end

@@ -42,7 +42,8 @@ end
 
 -- Is the key in its penalty? Returns (over, retry_after).
 local function peek(key, now)
-  local until_ = tonumber(redis.call('HGET', key, 'u') or '-inf') or -math.huge
+  local u = redis.pcall('HGET', key, 'u')
+  local until_ = type(u) == 'string' and tonumber(u) or -math.huge
   if now < until_ then
     return true, until_ - now
   end
@@ -50,11 +51,12 @@ local function peek(key, now)
 end
 
 -- The key's window state: (foreign, window, previous, current, penalty
--- end). A bucket's state under the key (the rule was reloaded as a window)
--- reads as a fresh one, as the memory store treats a state of another kind.
+-- end). A bucket's state under the key (the rule was reloaded as a window),
+-- or a concurrency limit's sorted set, reads as a fresh one, as the memory
+-- store treats a state of another kind.
 local function read_window(key)
-  local state = redis.call('HMGET', key, 'w', 'p', 'c', 'u', 'k')
-  if state[5] then
+  local state = redis.pcall('HMGET', key, 'w', 'p', 'c', 'u', 'k')
+  if state.err or state[5] then
     return true, -2, 0, 0, -math.huge
   end
   return false, tonumber(state[1]) or -2, tonumber(state[2]) or 0, tonumber(state[3]) or 0,

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Callable, Protocol, Sequence
 
 from sidecar.config import Backend
+from sidecar.keys import CountingKey
 from sidecar.limiters import Hit
 from sidecar.state import BanRecord, Check, Evaluation, ResponseCount
 
@@ -32,6 +33,9 @@ class StateStore(Protocol):
         decision (None for the others), for the draft RateLimit fields."""
     async def record(self, now: float, counts: Sequence[ResponseCount]) -> list[Hit]:
         """Count reported responses (SPEC §8)."""
+    async def release(self, lease: str, keys: Sequence[CountingKey]) -> int:
+        """Give back the concurrency slots a request took under ``lease``,
+        one per key, when its response is reported; how many were held."""
     async def active_bans(self, now: float) -> list[BanRecord]: ...
     async def lift_ban(self, address: str) -> bool: ...
     def may_be_banned(self) -> bool:

@@ -12,6 +12,7 @@ import itertools
 import time
 from typing import Any, Callable, Coroutine, Hashable, Sequence, TypeVar, cast
 
+from sidecar.keys import CountingKey
 from sidecar.limiters import ALLOWED, Hit
 from sidecar.state import (BanRecord, Check, Clock, DeferredLimiter, Evaluation, Limiter, ResponseCount,
                            is_deferred)
@@ -207,11 +208,11 @@ class MemoryStore:
                 else:  # a new key, or one a reload gave another limiter
                     hit = self._count(key, state, limiter, now, check.threshold, 1)
             elif not check.count:
-                state = self._states.get(key)
-                hit = limiter.peek(state, now) if state is not None else ALLOWED
+                state, stored = self._state(key, limiter)
+                hit = limiter.peek(state, now) if stored else ALLOWED
             elif is_deferred(limiter):
                 state, stored = self._state(key, limiter)
-                hit = limiter.assess(state, now)
+                hit = limiter.assess(state, now, check.lease)
                 if hit.delay and not can_delay:
                     hit = Hit(True, hit.delay)  # the wait queue is full: refuse
                 buckets.append((check, limiter, state, stored, hit))
@@ -232,22 +233,34 @@ class MemoryStore:
                     evaluation.ban = self._ban(now, address, check.rule_id, ban_duration)
                     evaluation.new_ban = True
                 break
-        if buckets:
-            # Like nginx with several limit_req zones: buckets are charged
-            # only when the request is admitted by all of them (SPEC §7).
-            admitted = not refused and not any(bucket[4].over_limit for bucket in buckets)
+        if buckets and not refused:
+            # Like nginx with several limit_req zones: buckets (and
+            # concurrency slots) are charged only when the request is
+            # admitted by all of them (SPEC §7). One over its limit that
+            # did not refuse (observe mode) is not charged itself.
             for check, limiter, state, stored, hit in buckets:
-                if admitted:
+                if not hit.over_limit:
                     limiter.commit(state, hit)
                     evaluation.delay = max(evaluation.delay, hit.delay)
                     if not stored:
                         self._states.add(check.key, state)
-                # A refused request leaves no new key (a new key is never
-                # refused by its own bucket, and a ban cleared its key).
+            # A refused request leaves no new key (a new key is never
+            # refused by its own bucket, and a ban cleared its key).
         return evaluation
 
     async def record(self, now: float, counts: Sequence[ResponseCount]) -> list[Hit]:
         return [self._hit(c.key, c.limiter, now, c.threshold, c.amount) for c in counts]
+
+    async def release(self, lease: str, keys: Sequence[CountingKey]) -> int:
+        released = 0
+        for key in keys:
+            state = self._states.data.get(key)
+            # A reload may have made the key another kind's.
+            if state is not None and state.limiter.leases and state.limiter.release(state, lease):
+                released += 1
+                if not state.held:
+                    self._states.pop(key)
+        return released
 
     def _state(self, key: Hashable, limiter: Limiter) -> tuple[Any, bool]:
         """The key's state for this limiter, and whether it is stored yet."""

@@ -224,6 +224,7 @@ class RedisStore:
         self._bans = client.script(_script("bans"))
         self._ban_of = client.script(_script("ban_of"))
         self._lift_ban = client.script(_script("lift_ban"))
+        self._release = client.script(_script("release"))
 
     @classmethod
     def from_url(cls, url: str, node: str, timeout: float = DEFAULT_TIMEOUT,
@@ -261,6 +262,8 @@ class RedisStore:
             head.append(repr(float(auto_ban.duration)))
         else:
             head += _NO_AUTO_BAN
+        # The request's lease id, for the concurrency slots it may take.
+        lease = next((check.lease for check in checks if check.lease), "")
         head += [_flag(can_delay), _flag(quotas)]
         record = ban_key(address)
         # The address's challenge counter (auto-ban), in the record's slot.
@@ -276,7 +279,7 @@ class RedisStore:
                 keys = [record, record, counter]
             else:
                 keys = [names[part.indices[0]]] * 3
-            args = head + [part.mode]
+            args = head + [part.mode, lease]
             for i in part.indices:
                 keys.append(names[i])
                 args.append(numbers[i])
@@ -362,6 +365,17 @@ class RedisStore:
             for i, hit in zip(indices, _hits(result)):
                 hits[i] = hit
         return hits
+
+    async def release(self, lease: str, keys: Sequence[CountingKey]) -> int:
+        """Every slot of the request by its lease id: one script call (per
+        hash slot of its keys, all at once, on a Redis Cluster)."""
+        slots: dict[int, list[str]] = {}
+        for key in keys:
+            name = counting_key(key)
+            slots.setdefault(self.client.slot(name), []).append(name)
+        released = await asyncio.gather(*(self.client.evalsha(self._release, names, [lease])
+                                          for names in slots.values()))
+        return sum(int(count) for count in released)
 
     async def active_bans(self, now: float) -> list[BanRecord]:
         if not isinstance(self.client, ClusterRedis):

@@ -13,10 +13,10 @@ from tests.integration.clients import LOOPBACK
 NO_RESPONSE = 0
 
 
-async def _burst(port: int, requests: list[bytes], source: str, timeout: float) -> list[int]:
+async def _burst(targets: list[tuple[int, bytes]], source: str, timeout: float) -> list[int]:
     connections = await asyncio.gather(*(
-        asyncio.open_connection(LOOPBACK, port, local_addr=(source, 0)) for _ in requests))
-    for (_, writer), request in zip(connections, requests):
+        asyncio.open_connection(LOOPBACK, port, local_addr=(source, 0)) for port, _ in targets))
+    for (_, writer), (_, request) in zip(connections, targets):
         writer.write(request)
 
     async def status(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> int:
@@ -34,7 +34,16 @@ async def _burst(port: int, requests: list[bytes], source: str, timeout: float) 
 def burst(port: int, count: int, path: str = "/", headers: Mapping[str, str] | None = None,
           source: str = LOOPBACK, timeout: float = 60.0) -> collections.Counter[int]:
     """Send ``count`` GETs at once on ``count`` connections; the statuses counted."""
-    lines = [f"GET {path} HTTP/1.1", f"Host: {LOOPBACK}:{port}", "Connection: close"]
-    lines += [f"{name}: {value}" for name, value in (headers or {}).items()]
-    request = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-    return collections.Counter(asyncio.run(_burst(port, [request] * count, source, timeout)))
+    return burst_across([port], count, path, headers, source, timeout)
+
+
+def burst_across(ports: list[int], count: int, path: str = "/", headers: Mapping[str, str] | None = None,
+                 source: str = LOOPBACK, timeout: float = 60.0) -> collections.Counter[int]:
+    """``burst``, the ``count`` connections dealt out in turn to the servers of ``ports``."""
+    requests = {}
+    for port in ports:
+        lines = [f"GET {path} HTTP/1.1", f"Host: {LOOPBACK}:{port}", "Connection: close"]
+        lines += [f"{name}: {value}" for name, value in (headers or {}).items()]
+        requests[port] = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+    targets = [(ports[i % len(ports)], requests[ports[i % len(ports)]]) for i in range(count)]
+    return collections.Counter(asyncio.run(_burst(targets, source, timeout)))

@@ -584,12 +584,12 @@ rules:
         outcomes += [(await e.decide(request(e, ip="198.51.100.9"))).outcome for _ in range(3)]
         return outcomes
     assert set(asyncio.run(run())) == {ALLOW}
-    # EVALSHA, digest, number of keys, 3 own keys + 3 checks, 14 request
+    # EVALSHA, digest, number of keys, 3 own keys + 3 checks, 15 request
     # arguments + one number per check.
-    assert set(sent) == {3 + 6 + 14 + 3}
-    # The five other scripts when connecting, then the evaluation with the
+    assert set(sent) == {3 + 6 + 15 + 3}
+    # The six other scripts when connecting, then the evaluation with the
     # first request's kinds, then with the override's threshold too.
-    assert client.info("commandstats")["cmdstat_script|load"]["calls"] == 5 + 2
+    assert client.info("commandstats")["cmdstat_script|load"]["calls"] == 6 + 2
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from sidecar.config import Rate
+from sidecar.limiters.concurrent import ConcurrencyLimiter
 from sidecar.limiters.leaky import LeakyBucket
 from sidecar.limiters.token import TokenBucket
 from sidecar.limiters.window import WindowCounter
@@ -211,3 +212,88 @@ def test_a_key_counted_by_another_algorithm_starts_anew(open_store) -> None:
     # The window's penalty starts at its first request; the bucket starts
     # full (2 tokens); the window starts again with its own first request.
     assert run(open_store, test) == [False, True, False, False, True, False, True]
+
+
+def slots(rule: str = "c", limit: int = 2, lease: float = 30.0, request: str = "r1", stops: bool = True) -> Check:
+    return Check(rule, ((rule, ("ip",)), ADDRESS), ConcurrencyLimiter(limit, lease), float(limit), stops,
+                 lease=request)
+
+
+def test_concurrency_admits_n_refuses_until_the_shortest_lease_ends_and_a_release_frees_a_slot(
+        open_store) -> None:
+    async def test(store: StateStore) -> list:
+        key = slots().key
+        seen = []
+        for i, request in enumerate(["r1", "r2", "r3"]):
+            [hit] = (await store.evaluate(NOW + i, ADDRESS, [slots(request=request)])).hits
+            seen.append((hit.over_limit, hit.retry_after))
+        seen.append(await store.release("r1", [key]))
+        seen.append(await store.release("r1", [key]))  # given back already
+        [hit] = (await store.evaluate(NOW + 3, ADDRESS, [slots(request="r4")])).hits
+        seen.append(hit.over_limit)
+        # r2 (taken at NOW + 1) is the shortest lease now: it ends at NOW + 31.
+        [hit] = (await store.evaluate(NOW + 4, ADDRESS, [slots(request="r5")])).hits
+        seen.append((hit.over_limit, hit.retry_after))
+        [hit] = (await store.evaluate(NOW + 31, ADDRESS, [slots(request="r5")])).hits
+        seen.append(hit.over_limit)
+        # r2's lease ended without a report: nothing to give back.
+        seen.append(await store.release("r2", [key]))
+        return seen
+    assert run(open_store, test) == [(False, 0.0), (False, 0.0), (True, 28.0), 1, 0, False, (True, 27.0),
+                                     False, 0]
+
+
+def test_a_slot_is_taken_only_when_no_rule_refuses_the_request(open_store) -> None:
+    async def test(store: StateStore) -> tuple:
+        gate = window("gate", threshold=1)
+        await store.evaluate(NOW, ADDRESS, [gate])  # reaches the threshold: the penalty starts
+        refused = await store.evaluate(NOW + 1, ADDRESS, [slots(limit=1, request="r1"), gate])
+        admitted = await store.evaluate(NOW + 2, ADDRESS, [slots(limit=1, request="r2")])
+        full = await store.evaluate(NOW + 3, ADDRESS, [slots(limit=1, request="r3")])
+        return ([hit.over_limit for hit in refused.hits], admitted.hits[0].over_limit,
+                full.hits[0].over_limit)
+    assert run(open_store, test) == ([False, True], False, True)
+
+
+def test_an_observe_limit_over_its_limit_takes_no_slot_and_keeps_none_from_the_others(open_store) -> None:
+    async def test(store: StateStore) -> list:
+        seen = []
+        for i in range(3):
+            evaluation = await store.evaluate(
+                NOW + i, ADDRESS, [slots("watch", limit=1, request=f"r{i}", stops=False),
+                                   slots("enforce", limit=2, request=f"r{i}")])
+            seen.append(tuple(hit.over_limit for hit in evaluation.hits))
+        return seen
+    # The second request is over the observe limit and admitted: it takes
+    # a slot of enforce only, so the third finds enforce full.
+    assert run(open_store, test) == [(False, False), (True, False), (True, True)]
+
+
+def test_concurrency_quotas_are_the_free_slots_after_the_decision(open_store) -> None:
+    async def test(store: StateStore) -> list:
+        quotas = []
+        for i in range(3):
+            evaluation = await store.evaluate(NOW + 10 * i, ADDRESS, [slots(limit=2, request=f"r{i}")],
+                                              quotas=True)
+            quotas.append(evaluation.quotas)
+        return quotas
+    # Taken at NOW and NOW + 10 (30 s leases); at NOW + 20 both run.
+    assert run(open_store, test) == [[(1, 30.0, 30.0)], [(0, 20.0, 30.0)], [(0, 10.0, 30.0)]]
+
+
+def test_a_reload_that_changes_a_keys_kind_starts_it_afresh(open_store) -> None:
+    async def test(store: StateStore) -> list:
+        key = ((("k", ("ip",)), ADDRESS))
+        as_window = Check("k", key, WindowCounter(2, 60.0, 60.0), 2.0, True)
+        as_slots = Check("k", key, ConcurrencyLimiter(1, 30.0), 1.0, True, lease="r1")
+        as_bucket = Check("k", key, TokenBucket(1, 0.001, 1, None), 1.0, True)
+        peek = Check("k", key, WindowCounter(2, 60.0, 60.0), 2.0, True, count=False)
+        seen: list = []
+        await store.evaluate(NOW, ADDRESS, [as_window])
+        for check in (as_slots, as_window, as_slots, as_bucket):
+            seen.append((await store.evaluate(NOW + 1, ADDRESS, [check])).hits[0].over_limit)
+        seen.append(await store.release("r1", [key]))  # the key is a bucket's now
+        for check in (as_slots, peek):
+            seen.append((await store.evaluate(NOW + 2, ADDRESS, [check])).hits[0].over_limit)
+        return seen
+    assert run(open_store, test) == [False, False, False, False, 0, False, False]

@@ -196,6 +196,25 @@ rules:
     assert [h.decide_now().outcome for _ in range(2)] == [ALLOW, DENY]
 
 
+def test_an_observe_bucket_over_its_limit_does_not_exempt_the_request_from_the_others():
+    # The observe rule refuses nothing, so the request is admitted: the
+    # enforcing bucket is charged, the observe one (over its limit) is not.
+    h = Harness("""
+rules:
+  - id: enforce
+    key: [ip]
+    limit: {tokens: 5, refill: 1/m}
+    action: block
+  - id: watch
+    key: [ip]
+    limit: {tokens: 2, refill: 1/m}
+    action: log
+""")
+    decisions = [h.decide_now() for _ in range(7)]
+    assert [d.outcome for d in decisions] == [ALLOW] * 5 + [DENY] * 2
+    assert [d.rule.id if d.rule else None for d in decisions[:5]] == [None, None, "watch", "watch", "watch"]
+
+
 def test_full_wait_queue_rejects_instead_of_queueing():
     h = Harness("""
 state: {max_delayed: 2}

@@ -100,6 +100,11 @@ rules:
     limit: {rate: 5r/s, burst: 1, nodelay: true}
     action: log
     penalty: 5s
+  - id: conc
+    match: {path: {prefix: /k}}
+    key: [ip, "header:x-k"]
+    limit: {concurrent: 1, lease: 5s}
+    action: block
 """
 
 # What a reload between nginx's check and its page call may turn the rules
@@ -290,7 +295,7 @@ header_names = st.one_of(st.sampled_from(CHECK_HEADERS),
 raw_headers = st.lists(st.tuples(header_names.map(lambda n: n if isinstance(n, bytes) else n.encode()),
                                  values), max_size=10)
 uris = st.one_of(
-    st.sampled_from(["/b", "/b/x?q=1&q=%FF", "/x", "/c/page", "/ban", "/login", "/s/1", "/l", "/t/a",
+    st.sampled_from(["/b", "/b/x?q=1&q=%FF", "/x", "/c/page", "/ban", "/login", "/s/1", "/l", "/t/a", "/k",
                      "//b/./x", "/%62", "/c/%2e%2e/", "/\u00ff", "*", "", "?", "/b?" + "q=1&" * 50]),
     latin1,
 )
@@ -529,12 +534,13 @@ report_headers = st.lists(st.tuples(
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(headers=report_headers, genuine=st.booleans(), status=st.one_of(junk_numbers, st.integers(0, 999)
                                                                        .map(str)),
-       many=st.booleans(), method=st.sampled_from(["POST", "GET"]))
-def test_http_hook_answers_any_report(rules_file, headers, genuine, status, many, method):
+       many=st.booleans(), method=st.sampled_from(["POST", "GET"]), token_path=st.sampled_from(["/login", "/k"]))
+def test_http_hook_answers_any_report(rules_file, headers, genuine, status, many, method, token_path):
     with sluice(rules_file) as s:
         sent = list(headers)
         if genuine:
-            sent = [(b"x-sluice-pending", pending_token(s).encode()),
+            # A token of pending counts, or of a concurrency slot.
+            sent = [(b"x-sluice-pending", pending_token(s, token_path).encode()),
                     (b"x-sluice-status", status.encode("latin-1", "replace"))] + sent
         if many:
             sent += [(f"x-sluice-response-h{i}".encode(), b"v") for i in range(100)]
@@ -572,10 +578,11 @@ tails = st.one_of(st.just(b""), raw_bytes, st.sampled_from([b"\xff", b"\n", b"}"
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data(), prefix=prefixes, tail=tails, genuine=st.booleans())
-def test_udp_report_datagrams_are_counted_or_refused(rules_file, data, prefix, tail, genuine):
+@given(data=st.data(), prefix=prefixes, tail=tails, genuine=st.booleans(),
+       token_path=st.sampled_from(["/login", "/k"]))
+def test_udp_report_datagrams_are_counted_or_refused(rules_file, data, prefix, tail, genuine, token_path):
     with sluice(rules_file) as s:
-        token = json.dumps(pending_token(s)) if genuine else data.draw(raw_json_values, "token")
+        token = json.dumps(pending_token(s, token_path)) if genuine else data.draw(raw_json_values, "token")
         status = data.draw(st.one_of(statuses.map(lambda v: json.dumps(v, allow_nan=True)), raw_json_values),
                            "status")
         headers = data.draw(st.one_of(

@@ -7,7 +7,7 @@ import pytest
 
 from sidecar.engine import ALLOW, DENY
 from sidecar.hook import report_from_datagram, report_from_headers
-from sidecar.pending import PendingTokens
+from sidecar.pending import Pending, PendingTokens
 from sidecar.rules import parse_score
 
 from .conftest import Harness
@@ -165,7 +165,7 @@ def test_tokens_expire():
     now = [1_000_000.0]
     tokens = PendingTokens(b"k", max_age=600, wall_clock=lambda: now[0])
     token = tokens.issue([("r", 1.0, ("a", ("ip", "b")))])
-    assert tokens.open(token) == [("r", 1.0, ("a", ("ip", "b")))]
+    assert tokens.open(token) == Pending([("r", 1.0, ("a", ("ip", "b")))])
     now[0] += 601
     assert tokens.open(token) is None
 

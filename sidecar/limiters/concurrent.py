@@ -1,0 +1,117 @@
+"""Concurrency limits: at most N requests of a key in flight at once, like
+nginx's ``limit_conn`` but shared through the store; in Redis,
+``concurrent.lua``.
+
+A key's state is its slots: the lease id of each request in flight and the
+time its lease ends. A request is admitted while fewer than N leases are
+live. It is deferred like a bucket: the slot is taken only when the whole
+request is admitted, so a refusal by any rule holds none. The slot is given
+back when the proxy reports the response (the store's ``release``, by the
+request's lease id), or when its lease ends, so that a report that never
+comes (a crashed proxy, a lost datagram) cannot keep it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+from sidecar import config
+from sidecar.config import format_duration
+from sidecar.limiters import ALLOWED, NO_PENALTY, Hit, RuleLimit, lua_number, register
+
+_anonymous = itertools.count()
+
+
+@dataclass(slots=True)
+class LeaseState:
+    held: dict[str, float]  # lease id -> when its lease ends, in the order taken
+    # The limiter the state belongs to: a reload may give the key another.
+    limiter: Any = None
+
+
+class ConcurrencyLimiter:
+    """At most ``limit`` live leases per key. A state holds at most
+    ``limit`` of them: the expired ones are dropped when the key is full,
+    before it is judged, so a key below its limit costs no sweep."""
+
+    __slots__ = ("limit", "lease", "_lua_limit")
+    deferred = True  # the slot is taken only when the whole request is admitted
+    holds = False
+    scalable = False  # the limit is its own: overrides cannot scale it
+    leases = True
+
+    def __init__(self, limit: int, lease: float) -> None:
+        self.limit = limit
+        self.lease = lease  # seconds a slot lasts without its report
+        self._lua_limit = (str(limit), lua_number(lease))
+
+    def new_state(self) -> LeaseState:
+        return LeaseState({}, self)
+
+    def _refusal(self, state: LeaseState, now: float) -> Hit | None:
+        """The refusal of a full key: Retry-After is its shortest remaining lease."""
+        held = state.held
+        if len(held) < self.limit:
+            return None
+        for lease in [lease for lease, ends in held.items() if ends <= now]:
+            del held[lease]
+        if len(held) < self.limit:
+            return None
+        return Hit(True, min(held.values()) - now)
+
+    def peek(self, state: LeaseState, now: float) -> Hit:
+        return self._refusal(state, now) or ALLOWED
+
+    def assess(self, state: LeaseState, now: float, lease: str = "") -> Hit:
+        return self._refusal(state, now) or Hit(False, proposal=(lease, now + self.lease))
+
+    @staticmethod
+    def commit(state: LeaseState, hit: Hit) -> None:
+        lease, ends = hit.proposal
+        state.held[lease] = ends
+
+    def hit(self, state: LeaseState, now: float, threshold: float, amount: int = 1) -> Hit:
+        """Taken at once, as for a request of one rule, under a lease id no
+        report knows: such a slot ends with its lease."""
+        hit = self.assess(state, now, f"anonymous-{next(_anonymous)}")
+        if not hit.over_limit:
+            self.commit(state, hit)
+        return hit
+
+    @staticmethod
+    def release(state: LeaseState, lease: str) -> bool:
+        """Give the slot of ``lease`` back; False when it was not held (its
+        lease ended, or it was never taken)."""
+        return state.held.pop(lease, None) is not None
+
+    def quota(self, state: LeaseState, now: float, threshold: float) -> tuple[int, float, float]:
+        """Slots free, the time until the shortest lease ends (0 with none
+        held), and the lease as the window of the draft RateLimit fields."""
+        live = [ends for ends in state.held.values() if ends > now]
+        return max(0, self.limit - len(live)), (min(live) - now if live else 0.0), self.lease
+
+    def expires_at(self, state: LeaseState) -> float:
+        return max(state.held.values(), default=NO_PENALTY)
+
+    def longest_hold(self) -> float:
+        return 0.0
+
+    def redis_args(self, threshold: float, lease: str = "") -> tuple[str, ...]:
+        """'C', concurrent.lua's {limit, lease}, the request's lease id, and
+        '' for the width of a window's arguments."""
+        return ("C", *self._lua_limit, lease, "", "")
+
+    def peak_period(self) -> float:
+        """A request is in flight for its lease at most: after that it counts no more."""
+        return self.lease
+
+    def describe(self) -> str:
+        return f"{self.limit} concurrent, lease {format_duration(self.lease)}"
+
+
+@register(config.ConcurrentLimit, lua=("window", "concurrent"))
+def _concurrent(limit: config.ConcurrentLimit, penalty: float | None) -> RuleLimit:
+    """Its header limit is N; it has no penalty (the rules file allows none)."""
+    return RuleLimit(ConcurrencyLimiter(limit.concurrent, limit.lease), limit.concurrent, None)
