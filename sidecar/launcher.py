@@ -507,8 +507,16 @@ class _StopRequested(Exception):
 def run_foreground(stack: Stack) -> int:
     """Run the stack until Ctrl-C or SIGTERM; the body of `make run`. Returns an exit status."""
 
+    stopping = False
+
     def request_stop(signum: int, frame: FrameType | None) -> None:
-        raise _StopRequested
+        # Only the first signal stops: make passes a Ctrl-C or SIGTERM on to
+        # its child too, so the launcher often gets a second one while it is
+        # already stopping the stack, which must finish.
+        nonlocal stopping
+        if not stopping:
+            stopping = True
+            raise _StopRequested
 
     # SIGINT too: a shell starts background jobs with SIGINT ignored, and
     # Python then never raises KeyboardInterrupt.
@@ -525,6 +533,7 @@ def run_foreground(stack: Stack) -> int:
         print("\nstopping", file=sys.stderr)
         return 0
     finally:
+        stopping = True
         stack.stop()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tomllib
@@ -12,6 +13,8 @@ from importlib.resources import files
 from pathlib import Path
 
 import pytest
+
+from sidecar import launcher
 import yaml
 
 import sidecar
@@ -219,3 +222,31 @@ def test_rendered_front_doors_wait_past_the_longest_hold_but_connect_quickly(tmp
     assert ext_authz["http_service"]["server_uri"]["timeout"] == "3s"
     clusters = {cluster["name"]: cluster for cluster in bootstrap["static_resources"]["clusters"]}
     assert clusters["sluice"]["connect_timeout"] == "0.25s"
+
+
+class SignalledStack:
+    """A stack that gets signals the way `make run` passes them on: one to
+    stop it, then another while it is stopping."""
+
+    def __init__(self) -> None:
+        self.components: dict = {}
+        self.stopped = 0
+
+    def start(self) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def stop(self) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)  # make's own SIGTERM, arriving now
+        os.kill(os.getpid(), signal.SIGINT)
+        self.stopped += 1
+
+
+def test_a_second_signal_while_stopping_does_not_interrupt_the_stop() -> None:
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    stack = SignalledStack()
+    try:
+        status = launcher.run_foreground(stack)  # type: ignore[arg-type]
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    assert status == 0 and stack.stopped == 1
