@@ -1,4 +1,4 @@
-"""What a decision looks like to the client: pages and headers (SPEC §6)."""
+"""What a decision looks like to the client: pages and headers."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ class BlockPage:
 
 CONTENT_TYPE_HTML = "text/html; charset=utf-8"
 
-# The human-verification page (SPEC §6). The challenge and its difficulty are
+# The human-verification page. The challenge and its difficulty are
 # data attributes of one element, so a script (or a test) reads them without
 # parsing JavaScript. The browser searches nonces with crypto.subtle in
 # batches; outside a secure context (plain HTTP other than localhost)
@@ -102,7 +102,7 @@ CHALLENGE_PAGE = BlockPage(403, PageTemplate(_CHALLENGE_PAGE, _CHALLENGE_VARIABL
 
 
 def over_limit_headers(limit: int, reset: int) -> list[tuple[str, str]]:
-    """The headers every over-limit response carries (SPEC §6)."""
+    """The headers every over-limit response carries."""
     return [("X-RateLimit", "true"), ("X-RateLimit-Limit", str(limit)),
             ("X-RateLimit-Reset", str(reset))]
 

@@ -4,7 +4,7 @@
 The front doors' routes (sidecar.frontdoors) are answered by ``SluiceApp``
 before any framework code runs: one table lookup, no middleware stack, no
 validation. Every failure inside a check is answered as
-*allow* (fail open, SPEC §9) and counted; a rate limiter's bug must never
+*allow* (fail open) and counted; a rate limiter's bug must never
 become the protected site's outage.
 
 The HTTP protocol (sidecar.server) answers checks itself through
@@ -138,7 +138,7 @@ class SluiceApp:
     async def _answer_after_hold(self, receive: Receive, send: Send, check: Check,
                                  request: CheckRequest, decision: Decision) -> None:
         """A leaky bucket admitted the request at a later slot: the proxy
-        waits for our answer (SPEC §7). The decision took a hold slot; it is
+        waits for our answer. The decision took a hold slot; it is
         given back when the wait ends or the proxy goes away."""
         try:
             if not await wait_unless_disconnected(receive, decision.delay):

@@ -1,4 +1,4 @@
-"""The ``sluice`` command (SPEC §10)."""
+"""The ``sluice`` command."""
 
 from __future__ import annotations
 
@@ -157,7 +157,7 @@ def serve(config: str | None, host: str, port: int, uds: str | None, hook_udp: s
     options: dict[str, Any] = dict(
         host=host, port=port, uds=uds, access_log=False, log_level=log_level, lifespan="on",
         server_header=False, date_header=False,
-        # The client address is Sluice's business (SPEC §3): uvicorn must
+        # The client address is Sluice's business: uvicorn must
         # not rewrite the peer from X-Forwarded-For by itself.
         proxy_headers=False,
         # uvicorn's httptools protocol with a bounded request head (431).

@@ -1,4 +1,4 @@
-"""Client address resolution and normalisation (SPEC §3).
+"""Client address resolution and normalisation.
 
 The proxy tells us the address it accepted the connection from. Only when that
 address belongs to a configured trusted proxy do we look at X-Forwarded-For,
@@ -42,7 +42,7 @@ class ClientAddress:
     """The resolved client: the full address and the key text derived from it.
 
     ``address`` is None when the proxy sent nothing usable; ``key`` is then the
-    empty value (SPEC §4: a missing value takes part as the empty value).
+    empty value (a missing value takes part as the empty value).
     """
 
     address: IPAddress | None

@@ -1,5 +1,5 @@
 """The decision log: one bare JSON line per refusal, observation and counted
-response (SPEC §10), on the ``sluice.decisions`` logger.
+response, on the ``sluice.decisions`` logger.
 
 Lines are built only when the logger is enabled, so a disabled log costs a
 level check per event and nothing else.
@@ -66,7 +66,7 @@ class DecisionLog:
         self._write(entry)
 
     def counted(self, rule: CompiledRule, count: ResponseCount) -> None:
-        """A reported response counted for a rule (SPEC §8)."""
+        """A reported response counted for a rule."""
         if decision_log.isEnabledFor(logging.INFO):
             self._write({"ts": round(self._wall_clock(), 3), "rule": rule.id, "outcome": "counted",
                          "amount": count.amount, "key": logged_key(count.key), "node": self._node()})

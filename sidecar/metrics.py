@@ -1,4 +1,4 @@
-"""Prometheus metrics (SPEC §10), each registry owned by one application.
+"""Prometheus metrics, each registry owned by one application.
 
 The request path only adds to plain integers (a prometheus_client counter
 takes a lock on every increment, several times the cost of the rest of a
@@ -55,7 +55,7 @@ COUNTERS = {
                         "Requests whose client address was missing or invalid."),
     "errors": ("sluice_internal_errors", "Checks that failed inside Sluice and were allowed (fail open)."),
     "store_errors": ("sluice_store_errors",
-                     "Store operations that failed because the shared store was unavailable (SPEC §9)."),
+                     "Store operations that failed because the shared store was unavailable."),
     "reports": ("sluice_responses_reported", "Responses reported through the post-response hook."),
     "reports_refused": ("sluice_responses_refused",
                         "Response reports with a missing, forged or expired token."),
@@ -64,7 +64,7 @@ COUNTERS = {
     "released": ("sluice_concurrency_released",
                  "Concurrency slots given back by response reports (a slot without one ends with its lease)."),
     "delayed": ("sluice_delayed", "Requests held by a leaky bucket before being allowed."),
-    "challenges_issued": ("sluice_challenges_issued", "Challenge pages sent (SPEC §6)."),
+    "challenges_issued": ("sluice_challenges_issued", "Challenge pages sent."),
     "challenges_passed": ("sluice_challenges_passed",
                           "Challenges solved: a credential cookie was issued."),
     "challenges_failed": ("sluice_challenge_solutions_refused",

@@ -1,4 +1,4 @@
-"""``sluice replay``: access logs through the rules in virtual time (SPEC §10).
+"""``sluice replay``: access logs through the rules in virtual time.
 
 The question it answers is "what would these rules have done to this
 traffic?", before anything is enforced. Every log line becomes the
@@ -255,7 +255,7 @@ class Replay:
         agent = entry.headers.get("user-agent")
         earlier_ban = None if evaluation.new_ban else evaluation.ban
         if earlier_ban is not None:
-            # Refused at once, no rule evaluated (SPEC §1); the ban's rule
+            # Refused at once, no rule evaluated; the ban's rule
             # gets the credit. It may be gone after a reload: not in replay.
             self.answers["closed_by_ban"] += 1
             self.rules[earlier_ban.rule_id].ban_closed += 1

@@ -1,8 +1,8 @@
-"""What the engine and the state stores say to each other (SPEC §9).
+"""What the engine and the state stores say to each other.
 
 The engine hands a store every check of a request at once, in rule order
 (``Check``); the store answers with an ``Evaluation``, applying the stop
-rules of SPEC §1 as it goes so that rules after a stopping one are neither
+rules of the pipeline as it goes so that rules after a stopping one are neither
 evaluated nor counted. The stores themselves are in ``sidecar.store``.
 """
 
@@ -55,7 +55,7 @@ class Limiter(Protocol):
 
 class DeferredLimiter(Limiter, Protocol):
     """A bucket or a concurrency limit: ``assess`` a request, and ``commit``
-    it only when the whole request is admitted (SPEC §7: no bucket is
+    it only when the whole request is admitted (no bucket is
     charged when one refuses). ``lease`` is the request's lease id, under
     which a concurrency limit takes its slot."""
 
@@ -69,7 +69,7 @@ def is_deferred(limiter: Limiter) -> TypeGuard[DeferredLimiter]:
 
 @dataclass(frozen=True, slots=True)
 class AutoBan:
-    """Challenges per address before the address is banned (SPEC §6):
+    """Challenges per address before the address is banned:
     ``threshold`` challenges within the counter's period are issued, the
     next one is a ban of ``duration`` instead."""
 
@@ -106,7 +106,7 @@ class Check:
 
 @dataclass(frozen=True, slots=True)
 class ResponseCount:
-    """One response that a response-phase rule counts (SPEC §8)."""
+    """One response that a response-phase rule counts."""
 
     key: CountingKey
     limiter: Limiter

@@ -1,4 +1,4 @@
-"""Where a challenge page's solution arrives (SPEC §6): a credential cookie
+"""Where a challenge page's solution arrives: a credential cookie
 and back to the original page, or a refusal. The proxy maps the site's
 SOLUTION_PATH here, without checking it."""
 
@@ -30,7 +30,7 @@ async def solution(service: Service, scope: Scope, receive: Receive, send: Send)
     # The first value of a repeated field counts, as in query strings.
     form = parse_query(body.decode("latin-1")) if scope["method"] == "POST" and body else {}
     # nginx and Envoy name the client as for a check; a forward-auth
-    # proxy's route to here makes the proxy the peer (SPEC §3, §10).
+    # proxy's route to here makes the proxy the peer.
     peer = scope.get("client")
     client = engine.resolve_client(headers.get("x-sluice-client-addr") or (peer[0] if peer else ""),
                                    headers.get("x-forwarded-for"))

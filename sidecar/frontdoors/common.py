@@ -125,7 +125,7 @@ async def respond(send: Send, status: int, headers: list[tuple[str, str]], body:
 
 def allow_headers(decision: Decision) -> list[tuple[str, str]]:
     """Over-limit headers in observe mode, and the pending-counts token the
-    proxy hands back with the response report (SPEC §8)."""
+    proxy hands back with the response report."""
     rule = decision.rule
     headers = [] if rule is None else over_limit_headers(decision.limit, decision.reset)
     if decision.pending is not None:

@@ -11,7 +11,7 @@ FORWARD_AUTH_PATH = "/v1/check"
 
 
 def describe_forward_auth(engine: Engine, scope: Scope, headers: dict[str, str]) -> CheckRequest:
-    """Traefik/Caddy conventions; the client is the connecting peer (SPEC §10)."""
+    """Traefik/Caddy conventions; the client is the connecting peer."""
     peer = scope.get("client")
     return check_request(
         headers,
@@ -29,7 +29,7 @@ def answer_in_full(request: CheckRequest, decision: Decision) -> Reply:
         return 200, allow_headers(decision), b""
     if decision.outcome == CLOSE:
         # Neither a forward-auth subrequest nor ext_authz can close the
-        # client's connection: an empty 403 asking for a close (SPEC §6).
+        # client's connection: an empty 403 asking for a close.
         return 403, [("Connection", "close"), ("Cache-Control", "no-store")], b""
     return render_deny(request, decision)
 

@@ -1,10 +1,10 @@
-"""What the two buckets share (SPEC §7); in Redis, ``buckets.lua``.
+"""What the two buckets share; in Redis, ``buckets.lua``.
 
 A bucket is deferred: ``assess`` says what a request would do and
 ``commit`` applies it only when the whole request is admitted. Its limit is
 its parameters, never the check's threshold, so overrides cannot scale it,
 and its Redis arguments are made whole at construction. It has no penalty
-unless the rule sets one (SPEC §2).
+unless the rule sets one.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class Bucket:
 
     def refuse(self, state: Any, now: float, wait: float) -> Hit:
         """A bucket's refusal changes nothing, unless the rule sets an
-        explicit penalty, which then starts (SPEC §2)."""
+        explicit penalty, which then starts."""
         if self.penalty is None:
             return Hit(True, wait)
         state.penalty_until = now + self.penalty

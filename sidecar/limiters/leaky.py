@@ -1,4 +1,4 @@
-"""The leaky bucket: nginx's ``limit_req`` (SPEC §7); in Redis, ``leaky.lua``."""
+"""The leaky bucket: nginx's ``limit_req``; in Redis, ``leaky.lua``."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ class LeakyState:
 
 
 class LeakyBucket(Bucket):
-    """nginx ``limit_req`` arithmetic, integer for integer (SPEC §7).
+    """nginx ``limit_req`` arithmetic, integer for integer.
 
     The rate is kept as requests per second times 1000, truncated as nginx
     truncates (10r/m is 166); time is whole milliseconds of a monotonic clock.

@@ -1,4 +1,4 @@
-"""The token bucket (SPEC §7); in Redis, ``token.lua``."""
+"""The token bucket; in Redis, ``token.lua``."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ class TokenState:
 
 
 class TokenBucket(Bucket):
-    """Token bucket (SPEC §7): starts full, refills on demand as
+    """Token bucket: starts full, refills on demand as
     ``min(B, tokens + r * elapsed)``, admits only when the cost fits, then
     deducts it. Rejected work consumes nothing."""
 

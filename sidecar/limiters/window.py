@@ -1,4 +1,4 @@
-"""Window counters (SPEC §2) and score budgets (SPEC §7); in Redis, ``window.lua``."""
+"""Window counters and score budgets; in Redis, ``window.lua``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from sidecar.limiters import ALLOWED, NO_PENALTY, Hit, RuleLimit, lua_number, re
 
 @dataclass(slots=True)
 class WindowState:
-    """Two counters per key (SPEC §2) plus the end of the penalty period."""
+    """Two counters per key plus the end of the penalty period."""
 
     window: int  # index of the current window: floor(now / period)
     previous: int
@@ -28,10 +28,10 @@ class WindowCounter:
 
     Requests 1..M are counted; the one that brings the estimate to M starts
     the penalty at once (not at a window boundary) and is itself allowed;
-    every request in the penalty is over limit and not counted (SPEC §2).
+    every request in the penalty is over limit and not counted.
     Windows are aligned to multiples of the period for all keys.
 
-    A score budget (SPEC §7) is the same counter fed with amounts (the
+    A score budget is the same counter fed with amounts (the
     upstream's score) instead of ones, entering the penalty when the total
     *exceeds* the budget rather than when it reaches it.
     """
@@ -62,7 +62,7 @@ class WindowCounter:
 
     def peek(self, state: WindowState, now: float) -> Hit:
         """Is the key in its penalty? Counts nothing (response-phase rules
-        at request time, SPEC §8)."""
+        at request time)."""
         if now < state.penalty_until:
             return Hit(True, state.penalty_until - now)
         return ALLOWED
@@ -80,7 +80,7 @@ class WindowCounter:
         if self.sliding and state.previous:
             elapsed = now - window * self.period
             estimate += state.previous * (self.period - elapsed) / self.period
-        # Compared as a real number, never rounded (SPEC §2).
+        # Compared as a real number, never rounded.
         if estimate > threshold if self.exceed else estimate >= threshold:
             state.penalty_until = now + self.penalty
         return ALLOWED
@@ -133,7 +133,7 @@ class WindowCounter:
 
 @register(config.WindowLimit, lua=("window",))
 def _requests(limit: config.WindowLimit, penalty: float | None) -> RuleLimit:
-    """Without a penalty of its own, a counter is penalized for its period (SPEC §2)."""
+    """Without a penalty of its own, a counter is penalized for its period."""
     penalty = limit.per if penalty is None else penalty
     counter = WindowCounter(limit.requests, limit.per, penalty, sliding=limit.window == "sliding")
     return RuleLimit(counter, counter.threshold, penalty)

@@ -1,4 +1,4 @@
--- One request's decision (SPEC §9): the ban check for the address, then
+-- One request's decision: the ban check for the address, then
 -- every check in rule order, as MemoryStore.evaluate does, in one step.
 -- Buckets and concurrency slots are assessed in order and charged at the
 -- end, only when the request is admitted by all of them and no check
@@ -100,7 +100,7 @@ for i = 0, checks - 1 do
       end
     end
     if ban_duration ~= '' and address ~= '' then
-      -- Issuing a ban clears the triggering key (SPEC §6).
+      -- Issuing a ban clears the triggering key.
       redis.call('DEL', ban_key)
       if mode == 'N' then
         result[2], result[3], result[7] = 2, rule_id, ban_duration
@@ -115,7 +115,7 @@ for i = 0, checks - 1 do
 end
 
 -- Like nginx with several limit_req zones: buckets (and concurrency slots)
--- are charged only when the request is admitted by all of them (SPEC §7).
+-- are charged only when the request is admitted by all of them.
 -- One over its limit that did not refuse (observe mode) is not charged
 -- itself.
 local delay = 0

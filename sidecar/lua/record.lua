@@ -1,4 +1,4 @@
--- Responses counted by response-phase rules (SPEC §8), in one step.
+-- Responses counted by response-phase rules, in one step.
 -- KEYS: one per count. ARGV: now ('' = server time), then per count:
 -- amount, then the limiter's arguments: 'W' and {threshold, period,
 -- penalty, sliding, exceed}; only window counters count responses (the

@@ -87,7 +87,7 @@ local function hit(key, now, limit, amount)
     local elapsed = now - window * period
     estimate = estimate + previous * (period - elapsed) / period
   end
-  -- Compared as a real number, never rounded (SPEC §2).
+  -- Compared as a real number, never rounded.
   local reached
   if exceed then reached = estimate > threshold else reached = estimate >= threshold end
   if reached then

@@ -1,4 +1,4 @@
-"""Per-node state in this process, bounded by ``max_keys`` (SPEC §9).
+"""Per-node state in this process, bounded by ``max_keys``.
 
 Every operation answers at once: its coroutines never wait, so the engine
 awaits them at the cost of a call (see ``run_at_once`` for callers with no
@@ -33,7 +33,7 @@ def run_at_once(coroutine: Coroutine[Any, Any, T]) -> T:
 
 class BoundedMap:
     """A dict of at most ``max_keys`` entries: when full, expired entries go
-    first, then the least recently used (SPEC §9).
+    first, then the least recently used.
 
     Recency is the dict's order (an entry read is moved to the end). Expiry
     is found through a wheel of one-second slots: each key is filed under
@@ -228,7 +228,7 @@ class MemoryStore:
                     if self._hit(ban_key, auto_ban.limiter, now, auto_ban.threshold, 1).over_limit:
                         ban_duration = auto_ban.duration
                 if ban_duration is not None and address:
-                    # Issuing a ban clears the triggering key (SPEC §6).
+                    # Issuing a ban clears the triggering key.
                     self._states.pop(ban_key, None)
                     evaluation.ban = self._ban(now, address, check.rule_id, ban_duration)
                     evaluation.new_ban = True
@@ -236,7 +236,7 @@ class MemoryStore:
         if buckets and not refused:
             # Like nginx with several limit_req zones: buckets (and
             # concurrency slots) are charged only when the request is
-            # admitted by all of them (SPEC §7). One over its limit that
+            # admitted by all of them. One over its limit that
             # did not refuse (observe mode) is not charged itself.
             for check, limiter, state, stored, hit in buckets:
                 if not hit.over_limit:

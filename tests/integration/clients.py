@@ -136,7 +136,7 @@ def send_at_once(requests: Sequence[tuple[Client, str]], at: float) -> list[Time
 
 
 def assert_default_block(blocked: Reply, limit: int, reset: int) -> None:
-    """A refusal by a `block` rule with the built-in page (SPEC §6)."""
+    """A refusal by a `block` rule with the built-in page."""
     assert blocked.status == 429
     assert blocked.headers["X-RateLimit"] == "true"
     assert blocked.headers["X-RateLimit-Limit"] == str(limit)

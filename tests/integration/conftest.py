@@ -109,7 +109,7 @@ def limits_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 @pytest.fixture(scope="session")
 def buckets_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """The stack with rules/buckets.yaml (token and leaky buckets, SPEC §7)."""
+    """The stack with rules/buckets.yaml (token and leaky buckets)."""
     stack = start_stack(tmp_path_factory.mktemp("buckets-stack"), RULES / "buckets.yaml")
     yield stack
     stack.stop()

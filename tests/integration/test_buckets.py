@@ -1,4 +1,4 @@
-"""Token and leaky buckets as clients of nginx and Envoy see them (SPEC §7).
+"""Token and leaky buckets as clients of nginx and Envoy see them.
 
 Rules: rules/buckets.yaml, in a stack shared with test_leaky_vs_nginx.py,
 and rules/held_disconnect.yaml (one place in the wait queue) in a stack of

@@ -1,4 +1,4 @@
-"""What a client of Caddy sees with Sluice deciding through forward_auth (SPEC §3, §10).
+"""What a client of Caddy sees with Sluice deciding through forward_auth.
 
 A real Caddy runs the shipped examples/Caddyfile (imported into a file that
 only adds Caddy's global options: no admin endpoint, loopback only) in front

@@ -1,4 +1,4 @@
-"""`action: challenge` through nginx and Envoy (SPEC §6): the page, the
+"""`action: challenge` through nginx and Envoy: the page, the
 solution posted back through the front door, the credential cookie.
 
 Rules: the `challenge` rule of rules/limits.yaml (2 requests per hour per

@@ -1,4 +1,4 @@
-"""With Sluice gone or stuck, nginx and Envoy let traffic through (SPEC §9 fail open, §11)."""
+"""With Sluice gone or stuck, nginx and Envoy let traffic through."""
 
 from __future__ import annotations
 

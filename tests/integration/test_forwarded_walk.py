@@ -1,4 +1,4 @@
-"""The X-Forwarded-For walk from a trusted loopback peer, through both front doors (SPEC §3).
+"""The X-Forwarded-For walk from a trusted loopback peer, through both front doors.
 
 The rules (rules/trusted_walk.yaml) trust every loopback address, so the
 peer each front door reports (the test's own 127.1.x.y) is a trusted proxy

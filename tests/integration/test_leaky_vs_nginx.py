@@ -1,4 +1,4 @@
-"""Sluice's leaky bucket against nginx's own limit_req, burst for burst (SPEC §7).
+"""Sluice's leaky bucket against nginx's own limit_req, burst for burst.
 
 A plain nginx of this module's own limits requests with `limit_req` zones
 and proxies to the demo upstream; the Sluice stack (rules/buckets.yaml) has

@@ -1,4 +1,4 @@
-"""What a client of nginx or Envoy sees with Sluice deciding (SPEC §1, §3, §6, §11).
+"""What a client of nginx or Envoy sees with Sluice deciding.
 
 Rules: rules/limits.yaml, one rule per path prefix. Every test sends from
 its own loopback address and to paths of its own, and runs once through each
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.integration
 # status that Sluice sends as 403 with `x-sluice-status`; Sluice does not yet.
 
 def assert_refused_by_closing(client: Client, path: str, front_door: str) -> None:
-    """`close: true` and bans (SPEC §6). nginx closes the connection without
+    """`close: true` and bans. nginx closes the connection without
     a response; Envoy's ext_authz cannot, so Envoy answers an empty 403 with
     `Connection: close` and then closes the connection."""
     if front_door == "nginx":

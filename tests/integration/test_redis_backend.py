@@ -1,4 +1,4 @@
-"""The shared Redis backend (SPEC §9) against a real redis-server on loopback.
+"""The shared Redis backend against a real redis-server on loopback.
 
 Each test runs its engines in one event loop (the redis client's
 connections belong to the loop that made them). Engines share a fake clock

@@ -1,4 +1,4 @@
-"""SIGHUP reloads a running `sluice serve` (SPEC §10), on a real process."""
+"""SIGHUP reloads a running `sluice serve`, on a real process."""
 
 from __future__ import annotations
 

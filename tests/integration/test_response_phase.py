@@ -1,4 +1,4 @@
-"""Response-phase counting through nginx and Envoy: the post-response hook (SPEC §7, §8, §11).
+"""Response-phase counting through nginx and Envoy: the post-response hook.
 
 Rules: rules/limits.yaml, the response-phase rules at its end. A response
 is counted when the front door reports it to Sluice, after the client has

@@ -1,4 +1,4 @@
-"""Reload and the admin API (SPEC §10)."""
+"""Reload and the admin API."""
 
 from pathlib import Path
 

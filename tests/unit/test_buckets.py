@@ -1,4 +1,4 @@
-"""Leaky bucket (nginx limit_req, exactly) and token bucket (SPEC §7)."""
+"""Leaky bucket (nginx limit_req, exactly) and token bucket."""
 
 import asyncio
 

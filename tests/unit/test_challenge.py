@@ -1,4 +1,4 @@
-"""`action: challenge` (SPEC §6): proof of work, credentials, the engine's part."""
+"""`action: challenge`: proof of work, credentials, the engine's part."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Client address resolution and normalisation (SPEC §3)."""
+"""Client address resolution and normalisation."""
 
 from __future__ import annotations
 
@@ -187,7 +187,7 @@ def test_invalid_peer_never_takes_the_address_from_forwarded_for() -> None:
 
 
 # --------------------------------------------------------------------------
-# Trusted proxies: nginx real_ip_recursive (SPEC §3)
+# Trusted proxies: nginx real_ip_recursive
 # --------------------------------------------------------------------------
 
 TRUSTED = [ip_network("127.0.0.0/8"), ip_network("10.0.0.0/8"), ip_network("2001:db8:ffff::/48")]
@@ -227,7 +227,7 @@ def test_every_entry_trusted_gives_the_leftmost_entry() -> None:
 
 
 def test_malformed_entry_stops_the_walk_at_the_last_parsed_address() -> None:
-    # The SPEC §3 example: the junk is examined first and does not parse, so
+    # The walk's example: the junk is examined first and does not parse, so
     # the last address examined and parsed is the peer itself.
     resolver = ClientIPResolver(TRUSTED)
     assert resolver.resolve("127.0.0.1", "203.0.113.30, junk").key == "127.0.0.1"

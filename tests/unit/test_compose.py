@@ -1,4 +1,4 @@
-"""compose.yaml runs the shipped templates, rendered as the local launcher renders them (SPEC §11).
+"""compose.yaml runs the shipped templates, rendered as the local launcher renders them.
 
 No container engine is needed: the templates are rendered here the way the
 official nginx image renders them at start (its entrypoint script runs

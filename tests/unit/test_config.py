@@ -1,4 +1,4 @@
-"""The rules file: validation, error reports and `sluice check` (SPEC §10, §12)."""
+"""The rules file: validation, error reports and `sluice check`."""
 
 from __future__ import annotations
 
@@ -497,7 +497,7 @@ def test_yaml_aliases_are_followed() -> None:
     ("client_ip: {ipv4_prefix: true}\n", "ipv4_prefix", "client_ip.ipv4_prefix"),
 ])
 def test_boolean_is_not_a_number(text: str, fragment: str, field: str) -> None:
-    # SPEC §12: validated strictly. YAML turns `yes`/`true` into a boolean; a
+    # Validated strictly. YAML turns `yes`/`true` into a boolean; a
     # typo must not become "1 request".
     issue = only_issue(text)
     assert (issue.line, issue.field) == (line_of(text, fragment), field)
@@ -623,13 +623,13 @@ def test_penalty_is_a_duration() -> None:
 
 
 # --------------------------------------------------------------------------
-# The SPEC §12 example and the shipped examples
+# The reference example and the shipped examples
 # --------------------------------------------------------------------------
 
 
 # A complete rules file using every top-level section (kept here as a
 # fixture of its own: the project reads nothing outside the repository).
-SPEC_EXAMPLE = """\
+REFERENCE_EXAMPLE = """\
 node: edge-1                      # name in ban records; default: hostname
 client_ip:
   trusted_proxies: []             # CIDRs whose X-Forwarded-For is believed
@@ -696,17 +696,17 @@ rules:
 
 
 def test_spec_example_validates_except_for_its_absent_secret_file() -> None:
-    """The SPEC §12 example is valid; only its secret file, absent on this
+    """The reference example is valid; only its secret file, absent on this
     machine, is refused."""
     with pytest.raises(ConfigError) as info:
-        parse_rules_text(SPEC_EXAMPLE, "spec.yaml", Path("."))
+        parse_rules_text(REFERENCE_EXAMPLE, "reference.yaml", Path("."))
     assert {issue.field for issue in info.value.issues} == {"challenge.secret_file"}
 
 
 def test_spec_example_runs_with_its_secret_file(tmp_path: Path) -> None:
     (tmp_path / "secret").write_text("s3cret\n", encoding="utf-8")
-    text = SPEC_EXAMPLE.replace("/run/secrets/sluice", "secret")
-    ruleset = compile_rules(parse_rules_text(text, "spec.yaml", tmp_path))
+    text = REFERENCE_EXAMPLE.replace("/run/secrets/sluice", "secret")
+    ruleset = compile_rules(parse_rules_text(text, "reference.yaml", tmp_path))
     pages = ruleset.by_id["pages"]
     assert pages.action == "challenge" and pages.challenge is not None
     assert (pages.challenge.cookie, pages.challenge.ttl) == ("sluice_pass_pages", 86400)
@@ -829,7 +829,7 @@ def test_load_ruleset_reports_a_missing_file_as_a_config_error(tmp_path: Path) -
 
 
 # --------------------------------------------------------------------------
-# `sluice check` (SPEC §10)
+# `sluice check`
 # --------------------------------------------------------------------------
 
 ISSUE_LINE = re.compile(r"^(?P<file>[^:]+):(?P<line>\d+): (?P<field>\S+): (?P<message>.+)$")
@@ -887,7 +887,7 @@ def test_check_reports_load_time_errors(tmp_path: Path) -> None:
 
 
 def test_check_reports_schema_and_load_time_errors_together(tmp_path: Path) -> None:
-    # SPEC §10: exit 1 "with every error". A missing page template must not
+    # sluice check exits 1 with every error. A missing page template must not
     # wait until the schema errors elsewhere in the file are fixed.
     text = VALID_RULE + more_rules("""\
           - id: page
@@ -906,7 +906,7 @@ def test_check_reports_schema_and_load_time_errors_together(tmp_path: Path) -> N
 
 
 def test_check_reports_a_secret_file_that_does_not_exist(tmp_path: Path) -> None:
-    # SPEC §10: "a secret_file that does not exist is an error".
+    # A secret_file that does not exist is an error.
     text = "challenge:\n  secret_file: ./no-such-secret\n" + VALID_RULE
     (tmp_path / "r.yaml").write_text(text, encoding="utf-8")
     result = sluice_check("r.yaml", tmp_path)

@@ -1,4 +1,4 @@
-"""The request pipeline (SPEC §1, §2, §6) on a fake clock."""
+"""The request pipeline on a fake clock."""
 
 import json
 import logging

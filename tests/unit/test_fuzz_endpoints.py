@@ -108,7 +108,7 @@ rules:
 """
 
 # What a reload between nginx's check and its page call may turn the rules
-# into (SPEC §10): a block rule becomes a challenge and back, a rule goes.
+# into: a block rule becomes a challenge and back, a rule goes.
 BLOCKED_ACTION = ('    action: block\n'
                   '    block: {status: 451, body: "<p>${{remote_addr}} at ${{http_host}} (${{request_id}})</p>"}\n')
 RELOADED = (RULES.replace("    action: challenge\n", "    action: block\n    block: {status: 429}\n")

@@ -1,4 +1,4 @@
-"""Counting keys (SPEC §4), conditions (SPEC §5) and path normalisation."""
+"""Counting keys, conditions and path normalisation."""
 
 from __future__ import annotations
 
@@ -215,7 +215,7 @@ def test_session_fallback_is_marked_for_every_address(ipv4: int) -> None:
 
 
 # --------------------------------------------------------------------------
-# Conditions (SPEC §5)
+# Conditions
 # --------------------------------------------------------------------------
 
 

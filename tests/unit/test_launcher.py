@@ -156,7 +156,7 @@ def test_an_envoy_variable_without_value_is_reported(tmp_path: Path) -> None:
         write_envoy_config(tmp_path, DEFAULT_ENVOY_TEMPLATE, variables)
 
 
-# Timeouts for Sluice's answer against the holds of leaky bucket rules (SPEC §7).
+# Timeouts for Sluice's answer against the holds of leaky bucket rules.
 
 LEAKY_RULES = """
 rules:

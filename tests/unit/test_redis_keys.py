@@ -1,4 +1,4 @@
-"""Redis key names of the shared backend (SPEC §9)."""
+"""Redis key names of the shared backend."""
 
 import binascii
 import json

@@ -1,4 +1,4 @@
-"""`sluice replay`: access logs through the rules in virtual time (SPEC §10)."""
+"""`sluice replay`: access logs through the rules in virtual time."""
 
 from __future__ import annotations
 
@@ -283,7 +283,7 @@ rules:
 
 
 def test_response_phase_rules_are_fed_the_logged_statuses(tmp_path):
-    # SPEC §8's worked example: 401, 200, 401 pass; the 4th is refused.
+    # The worked example: 401, 200, 401 pass; the 4th is refused.
     lines = [json_line("192.0.2.1", T0 + i, "/api/login", status) for i, status in enumerate((401, 200, 401, 200))]
     login = rule_of(replay(tmp_path, LOGIN, lines), "login")
     assert outcomes(login) == {"matched": 4, "allowed": 3, "blocked": 1}
@@ -292,7 +292,7 @@ def test_response_phase_rules_are_fed_the_logged_statuses(tmp_path):
 
 
 def test_score_budgets_are_fed_the_logged_upstream_score(tmp_path):
-    # SPEC §7: scores 100, 200, 150 (450 > 400): the 4th request is refused.
+    # Scores 100, 200, 150 (450 > 400): the 4th request is refused.
     lines = [json_line("192.0.2.1", T0 + i, "/api/search", upstream_http_x_score=score)
              for i, score in enumerate(("100", "200", "150", "10"))]
     cost = rule_of(replay(tmp_path, LOGIN, lines), "cost")

@@ -1,4 +1,4 @@
-"""Response-phase counting and score budgets (SPEC §7, §8) on a fake clock."""
+"""Response-phase counting and score budgets on a fake clock."""
 
 import asyncio
 import json
@@ -41,7 +41,7 @@ def exchange(h: Harness, status: int, response_headers=None, **request):
 
 
 def test_login_worked_example_counts_only_401s():
-    """SPEC §8: 401, 200, 401 pass; the 4th is refused at request phase."""
+    """401, 200, 401 pass; the 4th is refused at request phase."""
     h = Harness(LOGIN)
     results = [exchange(h, status, path="/api/login") for status in (401, 200, 401, 200)]
     assert results == [ALLOW, ALLOW, ALLOW, DENY]

@@ -1,5 +1,5 @@
 """BoundedMap: expired entries go first, then the least recently used, at
-O(1) cost per insertion (SPEC §9)."""
+O(1) cost per insertion."""
 
 from sidecar.store.memory import BoundedMap
 

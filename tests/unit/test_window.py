@@ -1,4 +1,4 @@
-"""Window counter arithmetic with exact, injected time (SPEC §2)."""
+"""Window counter arithmetic with exact, injected time."""
 
 import math
 
