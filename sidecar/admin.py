@@ -38,18 +38,21 @@ class Admin:
     def load(self) -> Ruleset:
         return load_ruleset(self.config_path) if self.config_path else default_ruleset()
 
-    def reload(self) -> list[str]:
-        """Reload the rules file; the errors, or [] when the new rules run."""
+    def reload(self, who: str = "signal") -> list[str]:
+        """Reload the rules file; the errors, or [] when the new rules run.
+        ``who`` asked (``signal``, ``token`` or ``loopback``): the audit line says."""
         try:
             ruleset = self.load()
         except ConfigError as exc:
             errors = [str(issue) for issue in exc.issues]
             log.error("reload refused, the old rules keep running:\n%s", "\n".join(errors))
+            self.engine.log.audit("reload", who, "refused", errors=len(errors))
             return errors
         self.engine.reload(ruleset)
         log.info("reloaded %d rules from %s", len(ruleset.rules), ruleset.source)
         for warning in ruleset.warnings:
             log.warning("%s", warning)
+        self.engine.log.audit("reload", who, "reloaded", rules=len(ruleset.rules))
         return []
 
     # -- access --------------------------------------------------------------
@@ -96,8 +99,16 @@ class Admin:
             "remaining_seconds": round(ban.expires - now, 3),
         } for ban in await self.engine.active_bans()]
 
-    async def lift_ban(self, address: str) -> bool:
-        return await self.engine.lift_ban(address)
+    async def lift_ban(self, address: str, who: str) -> bool:
+        lifted = await self.engine.lift_ban(address)
+        self.engine.log.audit("unban", who, "lifted" if lifted else "no ban", address=address)
+        return lifted
+
+    @property
+    def caller(self) -> str:
+        """Who an allowed admin request came from, for the audit line: the
+        token's holder, or a loopback peer."""
+        return "token" if self._token is not None else "loopback"
 
 
 def read_token(path: str | None) -> bytes | None:

@@ -150,12 +150,18 @@ def serve(config: str | None, host: str, port: int, uds: str | None, hook_udp: s
                 # challenge credentials alike: without challenge.secret_file,
                 # one random key for all of them.
                 "secret": None if ruleset.secret is not None else os.urandom(32).hex()}
-    click.echo(f"sluice: {len(ruleset.rules)} rules from {ruleset.source}, node {ruleset.node}"
-               + (f", {workers} workers" if workers > 1 else ""), err=True)
+    from sidecar.logs import configure_logging, logging_config
+
+    configure_logging(log_level)
+    log = logging.getLogger("sluice")
+    log.info("%d rules from %s, node %s%s", len(ruleset.rules), ruleset.source, ruleset.node,
+             f", {workers} workers" if workers > 1 else "")
     for warning in ruleset.warnings:
-        click.echo(f"sluice: warning: {warning}", err=True)
+        log.warning("%s", warning)
+
     options: dict[str, Any] = dict(
         host=host, port=port, uds=uds, access_log=False, log_level=log_level, lifespan="on",
+        log_config=logging_config(log_level),
         server_header=False, date_header=False,
         # The client address is Sluice's business: uvicorn must
         # not rewrite the peer from X-Forwarded-For by itself.
@@ -186,11 +192,11 @@ def service(settings: dict[str, Any], ruleset: Ruleset | None = None) -> Any:
     from sidecar.app import create_app
     from sidecar.decisionlog import configure_decision_log
     from sidecar.engine import Engine
+    from sidecar.logs import configure_logging
     from sidecar.server import tune_garbage_collector
 
     tune_garbage_collector()
-    logging.basicConfig(level=settings["log_level"].upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings["log_level"])
     configure_decision_log()
     ruleset = ruleset or _load(settings["config"])
     engine = Engine(ruleset, secret=bytes.fromhex(settings["secret"]) if settings.get("secret") else None)

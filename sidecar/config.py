@@ -520,8 +520,20 @@ class Override(Strict):
     multiply: float = Field(gt=0)
 
 
+LogKeys = Literal["hash", "clear", "omit"]
+
+
+class DecisionLogConfig(Strict):
+    # How counting-key values (API keys, phone numbers, session ids: personal
+    # data or secrets) appear in decision lines: a keyed hash, stable per
+    # value (hash), as they are (clear), or not at all (omit). Client
+    # addresses are shown either way.
+    keys: LogKeys = "hash"
+
+
 class RulesFile(Strict):
     node: str | None = Field(None, min_length=1)
+    decision_log: DecisionLogConfig = DecisionLogConfig()
     # draft: allowed responses also carry the IETF RateLimit-Policy and
     # RateLimit fields (draft-ietf-httpapi-ratelimit-headers) (SPEC §6).
     headers: Literal["standard", "draft"] = "standard"

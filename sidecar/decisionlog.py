@@ -1,5 +1,13 @@
-"""The decision log: one bare JSON line per refusal, observation and counted
-response, on the ``sluice.decisions`` logger.
+"""The decision log: one bare JSON line per refusal, observation, counted
+response and admin action, on the ``sluice.decisions`` logger.
+
+Counting-key values are personal data or secrets (API keys, phone numbers,
+session ids). By default a line shows each as a keyed hash: the first 12
+hex digits of an HMAC-SHA256 under a key derived from the node's secret
+(``challenge.secret_file``, else one random per start), stable per value,
+so one key can still be followed through the log, and across nodes and
+restarts when they share the secret file. ``decision_log.keys`` chooses
+``hash``, ``clear`` or ``omit``; client addresses are shown in every case.
 
 Lines are built only when the logger is enabled, so a disabled log costs a
 level check per event and nothing else.
@@ -7,27 +15,61 @@ level check per event and nothing else.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import sys
 import time
-from typing import Callable, TextIO
+from typing import Callable, Hashable, TextIO
 
-from sidecar.keys import CountingKey
+from sidecar.config import LogKeys
+from sidecar.keys import CountingKey, key_dimensions, key_values
 from sidecar.request import CheckRequest
 from sidecar.rules import CompiledRule, describe_key
 from sidecar.state import Check, ResponseCount
 
 decision_log = logging.getLogger("sluice.decisions")
 
-# A counting key's values come from the client (a header, a cookie): a
-# decision line shows at most this much of them, however long they are.
+# A counting key's values, a path and a user agent come from the client: a
+# decision line shows at most this much of each, however long they are.
 LOGGED_KEY_CHARS = 256
 
 
-def logged_key(key: CountingKey) -> str:
-    text = describe_key(key)
+def _bounded(text: str) -> str:
     return text if len(text) <= LOGGED_KEY_CHARS else text[:LOGGED_KEY_CHARS] + "…"
+
+
+def log_hash_key(secret: bytes) -> bytes:
+    """The key of the log's hashes: derived, so that it signs nothing else."""
+    return hmac.new(secret, b"sluice decision log", hashlib.sha256).digest()
+
+
+def logged_key(key: CountingKey, keys: LogKeys = "clear", hash_key: bytes = b"") -> str:
+    """The key as a decision line shows it: every dimension by name, client
+    addresses as they are, other values as ``keys`` says."""
+    if keys == "clear":
+        return _bounded(describe_key(key))
+    parts = []
+    for name, value in zip(key_dimensions(key), key_values(key)):
+        if name == "ip" or (isinstance(value, tuple) and value[0] == "ip"):
+            parts.append(f"{name}={value!r}" if isinstance(value, tuple) else f"{name}={value}")
+        elif keys == "omit":
+            parts.append(name)
+        else:
+            parts.append(f"{name}=#{_hashed(value, hash_key)}")
+    return _bounded(" ".join(parts))
+
+
+def _hashed(value: Hashable, hash_key: bytes) -> str:
+    text = value[1] if isinstance(value, tuple) else value  # a session cookie's value
+    data = str(text).encode("utf-8", "surrogateescape")
+    return hmac.new(hash_key, data, hashlib.sha256).hexdigest()[:12]
+
+
+def iso_time(wall: float) -> str:
+    """ISO 8601, UTC, to the millisecond."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(wall)) + f".{int(wall * 1000) % 1000:03d}Z"
 
 
 def configure_decision_log(stream: TextIO = sys.stderr) -> None:
@@ -40,27 +82,47 @@ def configure_decision_log(stream: TextIO = sys.stderr) -> None:
 
 
 class DecisionLog:
-    """Writes the lines; ``node`` names this node (it may change on reload)."""
+    """Writes the lines; ``node`` names this node and ``keys`` how values
+    show (both may change on reload); ``secret`` is the node's secret."""
 
-    def __init__(self, node: Callable[[], str], wall_clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, node: Callable[[], str], wall_clock: Callable[[], float] = time.time,
+                 keys: Callable[[], LogKeys] = lambda: "hash", secret: Callable[[], bytes] = lambda: b"") -> None:
         self._node = node
         self._wall_clock = wall_clock
+        self._keys = keys
+        self._secret = secret
+        self._hash_key: tuple[bytes, bytes] = (b"", log_hash_key(b""))  # (secret, its log key)
+
+    def _key(self, key: CountingKey) -> str:
+        secret = self._secret()
+        if self._hash_key[0] != secret:
+            self._hash_key = (secret, log_hash_key(secret))
+        return logged_key(key, self._keys(), self._hash_key[1])
+
+    def _head(self) -> dict[str, object]:
+        wall = self._wall_clock()
+        return {"time": iso_time(wall), "ts": round(wall, 3)}
 
     def matched(self, request: CheckRequest, rule: CompiledRule, check: Check, outcome: str,
                 banned: bool = False) -> None:
         """A rule over its limit: the request refused, or observed."""
         if not decision_log.isEnabledFor(logging.INFO):
             return
-        entry: dict[str, object] = {
-            "ts": round(self._wall_clock(), 3),
+        entry = self._head()
+        entry.update({
             "request_id": request.request_id,
             "rule": rule.id,
             "action": rule.action,
             "outcome": outcome,
-            "key": logged_key(check.key),
+            "key": self._key(check.key),
             "client": request.client.key,
+            "method": request.method,
+            "host": _bounded(request.host),
+            # The path without its query, whose values may be secrets.
+            "path": _bounded(request.path),
+            "user_agent": _bounded(request.headers.get("user-agent", "")),
             "node": self._node(),
-        }
+        })
         if banned:
             entry["ban_seconds"] = check.ban_duration
         self._write(entry)
@@ -68,8 +130,18 @@ class DecisionLog:
     def counted(self, rule: CompiledRule, count: ResponseCount) -> None:
         """A reported response counted for a rule."""
         if decision_log.isEnabledFor(logging.INFO):
-            self._write({"ts": round(self._wall_clock(), 3), "rule": rule.id, "outcome": "counted",
-                         "amount": count.amount, "key": logged_key(count.key), "node": self._node()})
+            entry = self._head()
+            entry.update({"rule": rule.id, "outcome": "counted", "amount": count.amount,
+                          "key": self._key(count.key), "node": self._node()})
+            self._write(entry)
+
+    def audit(self, action: str, who: str, result: str, **details: object) -> None:
+        """An admin action: what, by whom (``token``, ``loopback`` or
+        ``signal``), and how it ended."""
+        if decision_log.isEnabledFor(logging.INFO):
+            entry = self._head()
+            entry.update({"audit": action, "who": who, "result": result, **details, "node": self._node()})
+            self._write(entry)
 
     @staticmethod
     def _write(entry: dict[str, object]) -> None:

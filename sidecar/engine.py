@@ -92,11 +92,14 @@ class Engine:
         self.ruleset = ruleset
         self.clock = clock
         self.wall_clock = wall_clock
-        self.tokens = Tokens.from_secret(secret or ruleset.secret, wall_clock)
+        # The node's secret: signs tokens and keys the decision log's hashes.
+        self._secret = secret or ruleset.secret or os.urandom(32)
+        self.tokens = Tokens.from_secret(self._secret, wall_clock)
         self.store: StateStore = store if store is not None else \
             open_store(ruleset.backend, ruleset.url, ruleset.max_keys, ruleset.node, clock, ruleset.cluster)
         self.metrics = metrics if metrics is not None else Metrics()
-        self.log = DecisionLog(lambda: self.ruleset.node)
+        self.log = DecisionLog(lambda: self.ruleset.node, wall_clock, keys=lambda: self.ruleset.log_keys,
+                               secret=lambda: self._secret)
         self.responses = ResponsePhase(self)
         # SPEC §9 and §3: counted always, logged at most every 10 s / 60 s.
         self._store_error_log = RateLimitedLog(log, 10)
@@ -117,6 +120,7 @@ class Engine:
     def reload(self, ruleset: Ruleset) -> None:
         """Run new rules from the next request on; counters and bans stay."""
         if ruleset.secret is not None:
+            self._secret = ruleset.secret
             self.tokens = Tokens.from_secret(ruleset.secret, self.wall_clock)
         self.store.configure(ruleset.max_keys, ruleset.node)
         self.ruleset = ruleset

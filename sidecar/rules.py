@@ -316,6 +316,7 @@ class Ruleset:
     source: str
     secret: bytes | None  # HMAC key from challenge.secret_file
     draft_headers: bool  # RateLimit-Policy / RateLimit on allowed responses
+    log_keys: config.LogKeys  # how decision lines show counting-key values
     difficulty: int  # proof-of-work zero bits of a challenge
     auto_ban: AutoBan  # challenges per address before it is banned
     holds: bool = field(init=False)  # any rule may hold a request (read for every request)
@@ -407,6 +408,7 @@ def compile_rules(loaded: LoadedRules) -> Ruleset:
         source=loaded.source,
         secret=_read_secret(model.challenge.secret_file, loaded.base_dir),
         draft_headers=model.headers == "draft",
+        log_keys=model.decision_log.keys,
         difficulty=model.challenge.difficulty,
         auto_ban=AutoBan.from_config(model.challenge.auto_ban),
     )

@@ -100,13 +100,13 @@ def admin_routes(admin: Admin) -> APIRouter:
     @router.delete("/bans", status_code=204)
     async def lift_ban(address: str) -> Response:
         """Lift the ban of one address (as listed: an IPv6 /64 as ``2001:db8::/64``)."""
-        if not await admin.lift_ban(address):
+        if not await admin.lift_ban(address, admin.caller):
             raise HTTPException(404, f"no active ban for {address!r}")
         return Response(status_code=204)
 
     @router.post("/reload")
     async def reload() -> JSONResponse:
-        errors = admin.reload()
+        errors = admin.reload(admin.caller)
         if errors:
             return JSONResponse({"reloaded": False, "errors": errors}, status_code=422)
         return JSONResponse({"reloaded": True, "rules": len(admin.engine.ruleset.rules)})

@@ -356,6 +356,7 @@ def test_without_draft_headers_there_is_no_quota():
 
 def test_a_decision_line_shows_a_bounded_part_of_a_huge_key_value(caplog):
     h = Harness("""
+decision_log: {keys: clear}
 rules:
   - id: keyed
     key: ["header:x-k"]
