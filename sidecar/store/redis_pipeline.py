@@ -11,10 +11,15 @@ being down, and only a real failure makes the store unavailable:
 * Redis has answered nothing for ``timeout`` seconds while commands wait.
   The clock starts at the oldest unanswered command, or at the last reply
   if that came later: a long queue that Redis works through is progress,
-  not a failure.
+  not a failure;
+* Redis answers that it cannot take the command now: ``READONLY`` (a
+  replica, such as a master a failover demoted), ``LOADING`` (a restarted
+  server reading its data) or ``MASTERDOWN`` (a replica that lost its
+  master).
 
 Either way every waiting command fails at once with ``StoreUnavailable``
-(the caller fails open or closed), and the next command connects again.
+(the caller fails open or closed), and the next command connects again,
+to the address its ``Locator`` names then.
 Replies are parsed by hiredis's C reader and commands packed by its
 ``pack_command``.
 """
@@ -26,7 +31,7 @@ import collections
 import hashlib
 import socket
 import ssl
-from typing import Any, Callable, cast
+from typing import Any, Callable, Protocol, cast
 from urllib.parse import unquote, urlsplit, parse_qs
 
 import hiredis
@@ -41,6 +46,11 @@ class RedisReplyError(Exception):
 
 class NoScriptError(RedisReplyError):
     """EVALSHA named a script this Redis does not have (yet)."""
+
+
+# Error replies that say the server cannot take commands now, not that a
+# command is wrong: the store is unavailable, and the connection is dropped.
+_UNAVAILABLE_REPLIES = ("READONLY ", "LOADING ", "MASTERDOWN ")
 
 
 class RedisAddress:
@@ -118,8 +128,14 @@ class _ReplyProtocol(asyncio.Protocol):
                 if future.done():
                     continue  # its caller gave up
                 if isinstance(reply, hiredis.ReplyError):
-                    error_class = NoScriptError if str(reply).startswith("NOSCRIPT") else RedisReplyError
-                    future.set_exception(error_class(str(reply)))
+                    message = str(reply)
+                    if message.startswith(_UNAVAILABLE_REPLIES):
+                        unavailable = StoreUnavailable(f"Redis cannot take commands now ({message[:200]})")
+                        future.set_exception(unavailable)
+                        self.fail(unavailable)
+                        return
+                    error_class = NoScriptError if message.startswith("NOSCRIPT") else RedisReplyError
+                    future.set_exception(error_class(message))
                 else:
                     future.set_result(reply)
         except (hiredis.ProtocolError, IndexError) as exc:
@@ -161,15 +177,41 @@ class _ReplyProtocol(asyncio.Protocol):
         self._fail_waiting(StoreUnavailable(f"connection to Redis lost ({exc or 'closed'})"))
 
 
+class Locator(Protocol):
+    """Where to connect, asked before every (re)connect: Redis Sentinel's
+    master changes with a failover (sidecar.store.sentinel)."""
+
+    async def locate(self) -> RedisAddress:
+        """The address to connect to now, or StoreUnavailable."""
+    async def close(self) -> None: ...
+
+
+class FixedAddress:
+    """The locator of one address that never moves (a URL's)."""
+
+    def __init__(self, address: RedisAddress) -> None:
+        self.address = address
+
+    async def locate(self) -> RedisAddress:
+        return self.address
+
+    async def close(self) -> None:
+        pass
+
+
 class PipelinedRedis:
     """The commands of every caller on one connection, made on first use
-    and again after a failure; ``timeout`` bounds connecting and silence."""
+    and again after a failure; ``timeout`` bounds connecting and silence.
+    ``where`` is a URL, an address or a ``Locator``."""
 
-    def __init__(self, url: str, timeout: float) -> None:
-        self.address = RedisAddress(url)
+    def __init__(self, where: str | RedisAddress | Locator, timeout: float) -> None:
+        if isinstance(where, str):
+            where = RedisAddress(where)
+        self.locator = FixedAddress(where) if isinstance(where, RedisAddress) else where
         self.timeout = timeout
         self._protocol: _ReplyProtocol | None = None
         self._connecting: asyncio.Future[_ReplyProtocol] | None = None
+        self._drops = 0  # calls of drop(), which also voids a connection being made
         self._scripts: dict[str, str] = {}  # digest -> source, loaded on each new connection
 
     def script(self, source: str) -> str:
@@ -205,9 +247,10 @@ class PipelinedRedis:
 
     async def _connect(self) -> _ReplyProtocol:
         loop = asyncio.get_running_loop()
+        drops = self._drops
+        address = await self.locator.locate()
         protocol = _ReplyProtocol(loop, self._forget)
         protocol.timeout = self.timeout
-        address = self.address
         try:
             if address.path is not None:
                 connecting = loop.create_unix_connection(lambda: protocol, address.path)
@@ -227,6 +270,10 @@ class PipelinedRedis:
             # reason is in the store-unavailable warning.
             protocol.fail(StoreUnavailable(f"Redis refused the connection's setup ({exc})"))
             raise StoreUnavailable(f"Redis refused the connection's setup ({exc})") from exc
+        if self._drops != drops:
+            # Located before the master moved: to the old one.
+            protocol.fail(StoreUnavailable("the connection was given up while it was being made"))
+            raise StoreUnavailable("the connection was given up while it was being made")
         self._protocol = protocol
         return protocol
 
@@ -234,7 +281,16 @@ class PipelinedRedis:
         if self._protocol is protocol:
             self._protocol = None
 
+    def drop(self, reason: str) -> None:
+        """Give up the connection now, or the one being made (a failover
+        moved the master): the commands waiting on it fail, and the next
+        one connects again."""
+        self._drops += 1
+        if self._protocol is not None:
+            self._protocol.fail(StoreUnavailable(reason))
+
     async def close(self) -> None:
         protocol, self._protocol = self._protocol, None
         if protocol is not None and protocol.transport is not None:
             protocol.transport.close()
+        await self.locator.close()
