@@ -93,7 +93,7 @@ class Engine:
         self.wall_clock = wall_clock
         self.tokens = Tokens.from_secret(secret or ruleset.secret, wall_clock)
         self.store: StateStore = store if store is not None else \
-            open_store(ruleset.backend, ruleset.url, ruleset.max_keys, ruleset.node, clock)
+            open_store(ruleset.backend, ruleset.url, ruleset.max_keys, ruleset.node, clock, ruleset.sentinel)
         self.metrics = metrics if metrics is not None else Metrics()
         self.log = DecisionLog(lambda: self.ruleset.node)
         self.responses = ResponsePhase(self)

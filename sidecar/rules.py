@@ -310,6 +310,7 @@ class Ruleset:
     max_delayed: int
     backend: config.Backend
     url: str  # the shared store's, with backend redis
+    sentinel: config.SentinelConfig | None  # or the sentinels that name its master
     fail: config.FailMode  # a request when the shared store is unavailable (SPEC §9)
     source: str
     secret: bytes | None  # HMAC key from challenge.secret_file
@@ -397,6 +398,7 @@ def compile_rules(loaded: LoadedRules) -> Ruleset:
         max_delayed=model.state.max_delayed,
         backend=model.state.backend,
         url=model.state.url,
+        sentinel=model.state.sentinel,
         fail=model.state.fail,
         source=loaded.source,
         secret=_read_secret(model.challenge.secret_file, loaded.base_dir),

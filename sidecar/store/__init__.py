@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Callable, Protocol, Sequence
 
-from sidecar.config import Backend
+from sidecar.config import Backend, SentinelConfig
 from sidecar.limiters import Hit
 from sidecar.state import BanRecord, Check, Evaluation, ResponseCount
 
@@ -43,11 +43,16 @@ class StateStore(Protocol):
     async def close(self) -> None: ...
 
 
-def open_store(backend: Backend, url: str, max_keys: int, node: str, clock: Callable[[], float]) -> StateStore:
+def open_store(backend: Backend, url: str, max_keys: int, node: str, clock: Callable[[], float],
+               sentinel: SentinelConfig | None = None) -> StateStore:
     """The store a ruleset's ``state:`` asks for."""
     if backend == "redis":
         from sidecar.store.redis import RedisStore
 
+        if sentinel is not None:
+            from sidecar.store.sentinel import sentinel_client
+
+            return RedisStore(sentinel_client(sentinel), node, max_keys=max_keys, clock=clock)
         return RedisStore.from_url(url, node, max_keys=max_keys, clock=clock)
     from sidecar.store.memory import MemoryStore
 
