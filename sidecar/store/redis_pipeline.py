@@ -9,9 +9,9 @@ being down, and only a real failure makes the store unavailable:
 * the connection is refused, reset or closed, or cannot be made within the
   timeout;
 * Redis has answered nothing for ``timeout`` seconds while commands wait.
-  The clock starts at the oldest unanswered command, or at the last reply
-  if that came later: a long queue that Redis works through is progress,
-  not a failure;
+  The clock starts when the oldest unanswered command was written, or at
+  the last reply if that came later: a long queue that Redis works through
+  is progress, not a failure, and neither is a Sluice too busy to read;
 * Redis answers that it cannot take the command now: ``READONLY`` (a
   replica, such as a master a failover demoted), ``LOADING`` (a restarted
   server reading its data) or ``MASTERDOWN`` (a replica that lost its
@@ -31,6 +31,7 @@ import collections
 import hashlib
 import socket
 import ssl
+import time
 from typing import Any, Callable, Protocol, cast
 from urllib.parse import unquote, urlsplit, parse_qs
 
@@ -47,6 +48,10 @@ class RedisReplyError(Exception):
 class NoScriptError(RedisReplyError):
     """EVALSHA named a script this Redis does not have (yet)."""
 
+
+# After a check found Redis silent past the timeout, the next one looks
+# again this much later (one more turn of the loop, which reads replies).
+_LOOK_AGAIN = 0.001
 
 # Error replies that say the server cannot take commands now, not that a
 # command is wrong: the store is unavailable, and the connection is dropped.
@@ -90,9 +95,13 @@ class _ReplyProtocol(asyncio.Protocol):
         self.reader = hiredis.Reader(encoding="utf-8", errors="replace")
         self.waiting: collections.deque[asyncio.Future[Any]] = collections.deque()
         self.transport: asyncio.Transport | None = None
-        self.progress = 0.0  # loop time of the last reply, or of a send into an empty queue
+        # time.monotonic() of the last reply, or of a write when nothing
+        # written was waiting for one: real time, not the loop's (uvloop's
+        # is read once per turn, and a busy turn is long).
+        self.progress = 0.0
         self._outgoing: list[bytes] = []
         self._watchdog: asyncio.TimerHandle | None = None
+        self._silent = False  # the last check found the timeout passed
         self.timeout = 0.1
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -103,10 +112,6 @@ class _ReplyProtocol(asyncio.Protocol):
 
     def send(self, command: bytes) -> asyncio.Future[Any]:
         future = self.loop.create_future()
-        if not self.waiting:
-            self.progress = self.loop.time()
-            if self._watchdog is None:
-                self._watchdog = self.loop.call_at(self.progress + self.timeout, self._check)
         self.waiting.append(future)
         if not self._outgoing:
             # Commands made in one turn of the loop leave in one write.
@@ -116,7 +121,12 @@ class _ReplyProtocol(asyncio.Protocol):
 
     def _flush(self) -> None:
         if self.transport is not None and self._outgoing:
+            if len(self.waiting) == len(self._outgoing):
+                # Nothing written is waiting: Redis's time starts now.
+                self.progress = time.monotonic()
             self.transport.write(b"".join(self._outgoing))
+            if self._watchdog is None:
+                self._watchdog = self.loop.call_later(self.timeout, self._check)
         self._outgoing.clear()
 
     def data_received(self, data: bytes) -> None:
@@ -141,19 +151,30 @@ class _ReplyProtocol(asyncio.Protocol):
         except (hiredis.ProtocolError, IndexError) as exc:
             self.fail(StoreUnavailable(f"unreadable reply from Redis: {exc}"))
             return
-        self.progress = self.loop.time()
+        self.progress = time.monotonic()
 
     def _check(self) -> None:
         """Redis is unavailable when it answered nothing for ``timeout``
-        while commands waited."""
+        while commands waited.
+
+        A loop busy past the deadline (a burst of checks to parse) may not
+        have read replies that are already in the socket, and uvloop runs
+        timers before it reads: the verdict waits for one more look, after
+        the loop has read what arrived.
+        """
         self._watchdog = None
         if not self.waiting:
+            self._silent = False
             return
-        silent_until = self.progress + self.timeout
-        if self.loop.time() >= silent_until:
-            self.fail(StoreUnavailable(f"Redis answered nothing for {self.timeout:g} s"))
+        silent_for = time.monotonic() - self.progress
+        if silent_for < self.timeout:
+            self._silent = False
+            self._watchdog = self.loop.call_later(self.timeout - silent_for, self._check)
+        elif not self._silent:
+            self._silent = True
+            self._watchdog = self.loop.call_later(_LOOK_AGAIN, self._check)
         else:
-            self._watchdog = self.loop.call_at(silent_until, self._check)
+            self.fail(StoreUnavailable(f"Redis answered nothing for {self.timeout:g} s"))
 
     def fail(self, error: StoreUnavailable) -> None:
         """Give up the connection: every waiting command fails now."""

@@ -4,11 +4,13 @@ failure (refused, reset, silence) and what is only a queue (slow progress)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Awaitable, Callable
 
 import hiredis
 import pytest
+import uvloop
 
 from sidecar.store import StoreUnavailable
 from sidecar.store.redis_pipeline import NoScriptError, PipelinedRedis, RedisAddress
@@ -114,6 +116,40 @@ def test_a_silent_redis_fails_every_waiting_command_after_the_timeout() -> None:
         assert TIMEOUT <= took < 3 * TIMEOUT
         await fake.stop()
     run(test)
+
+
+def fake_in_a_thread(reply: Reply) -> str:
+    """A FakeRedis on an event loop of its own thread: it answers while the
+    test's loop is blocked. Its URL."""
+    url: list[str] = []
+    ready = threading.Event()
+
+    async def serve() -> None:
+        url.append(await FakeRedis(reply).start())
+        ready.set()
+        await asyncio.Event().wait()
+
+    threading.Thread(target=lambda: asyncio.run(serve()), daemon=True).start()
+    assert ready.wait(5)
+    return url[0]
+
+
+@pytest.mark.parametrize("new_loop", [asyncio.new_event_loop, uvloop.new_event_loop], ids=["asyncio", "uvloop"])
+def test_a_loop_too_busy_to_read_the_replies_is_not_a_silent_redis(new_loop: Callable[[], asyncio.AbstractEventLoop]) -> None:
+    """Sluice's own load (a burst of checks to parse) must not pass for an
+    outage: Redis answered in time, the replies wait in the socket."""
+    url = fake_in_a_thread(answer_at_once)
+
+    async def test() -> None:
+        client = PipelinedRedis(url, TIMEOUT)
+        await client.execute("PING")
+        replies = [asyncio.ensure_future(client.execute("ECHO", str(n))) for n in range(10)]
+        asyncio.get_running_loop().call_soon(time.sleep, 3 * TIMEOUT)  # the loop is busy
+        assert await asyncio.gather(*replies) == [str(n) for n in range(10)]
+        await client.close()
+
+    with asyncio.Runner(loop_factory=new_loop) as runner:
+        runner.run(test())
 
 
 # How a first command fails: the fake server drops the connection (None),
