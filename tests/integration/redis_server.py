@@ -49,6 +49,7 @@ class RedisServer:
                 return
             except redis.exceptions.ConnectionError:
                 if time.monotonic() > deadline or self.process.poll() is not None:
+                    self.stop()
                     raise RuntimeError(f"redis-server did not start: {' '.join(self.command())}")
                 time.sleep(0.02)
 
@@ -114,15 +115,19 @@ class SentinelGroup:
                                down_after_ms, failover_timeout_ms)
 
     def start(self) -> None:
-        for server in (*self.servers, *self.sentinels):
-            server.start()
-        # The sentinels know the replica and each other before a failover
-        # can be asked of them.
-        deadline = time.monotonic() + 20
-        while not all(self._ready(sentinel) for sentinel in self.sentinels):
-            if time.monotonic() > deadline:
-                raise RuntimeError("the sentinels did not find the replica and each other")
-            time.sleep(0.05)
+        try:
+            for server in (*self.servers, *self.sentinels):
+                server.start()
+            # The sentinels know the replica and each other before a
+            # failover can be asked of them.
+            deadline = time.monotonic() + 20
+            while not all(self._ready(sentinel) for sentinel in self.sentinels):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the sentinels did not find the replica and each other")
+                time.sleep(0.05)
+        except BaseException:
+            self.stop()  # nothing left running
+            raise
 
     def _ready(self, sentinel: Sentinel) -> bool:
         master = sentinel.client().sentinel_master(self.MASTER)

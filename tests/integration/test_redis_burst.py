@@ -96,6 +96,10 @@ def two_processes(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisS
     action: block
 """ for kind, limit in LIMITS.items()))
     with SluiceServe(rules, workers=2) as first, SluiceServe(rules, workers=2) as second:
+        # Every worker connects to Redis (and loads the scripts) before the
+        # bursts: fresh connections take turns between the workers.
+        for sluice in (first, second):
+            assert {sluice.get("/v1/check", {"x-limit": "tokens", "x-k": "warm-up"}) for _ in range(20)} == {200}
         yield [first, second]
 
 
