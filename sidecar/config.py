@@ -117,7 +117,34 @@ def parse_regex(value: Any) -> re.Pattern[str]:
         raise ValueError(f"invalid regular expression {value!r}: {exc}") from None
 
 
+# Sentinel's own port, when a node names none.
+SENTINEL_PORT = 26379
+_HOST_PORT_RE = re.compile(r"^(?:\[([0-9A-Fa-f:.]+)\]|([A-Za-z0-9_.-]+))(?::(\d{1,5}))?$")
+
+
+def parse_host_port(value: Any) -> tuple[str, int]:
+    """``HOST:PORT`` (an IPv6 address in brackets; the port defaults to
+    Sentinel's 26379)."""
+    match = _HOST_PORT_RE.match(value.strip()) if isinstance(value, str) else None
+    if match is None or (match.group(1) and not _is_ipv6(match.group(1))):
+        raise ValueError(f"expected HOST:PORT like '10.0.0.5:26379' (an IPv6 address in brackets: "
+                         f"'[2001:db8::5]:26379'), got {value!r}")
+    port = int(match.group(3) or SENTINEL_PORT)
+    if not 1 <= port <= 65535:
+        raise ValueError(f"port {port} is out of range in {value!r}")
+    return match.group(1) or match.group(2), port
+
+
+def _is_ipv6(text: str) -> bool:
+    try:
+        ipaddress.IPv6Address(text)
+        return True
+    except ValueError:
+        return False
+
+
 Duration = Annotated[float, PlainValidator(parse_duration)]
+HostPort = Annotated[tuple[str, int], PlainValidator(parse_host_port)]
 Network = Annotated[Any, PlainValidator(parse_network)]
 Regex = Annotated[Any, PlainValidator(parse_regex)]
 
@@ -450,9 +477,45 @@ class ClusterConfig(Strict):
         return nodes
 
 
+class SentinelConfig(Strict):
+    """Redis Sentinel: the sentinels name the master, asked again after
+    every lost connection (sidecar.store.sentinel)."""
+
+    master: str  # the name the sentinels monitor
+    nodes: list[HostPort] = Field(min_length=1)
+    db: int = Field(0, ge=0)
+    password: str | None = Field(None, min_length=1)  # the master's (and replicas')
+    username: str | None = Field(None, min_length=1)
+    sentinel_password: str | None = Field(None, min_length=1)  # the sentinels' own requirepass
+
+    @field_validator("master")
+    @classmethod
+    def _one_word(cls, value: str) -> str:
+        if not re.fullmatch(r"[^\s]+", value):
+            raise ValueError(f"expected the master's name as the sentinels know it (one word), got {value!r}")
+        return value
+
+    @field_validator("nodes")
+    @classmethod
+    def _no_repeats(cls, value: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        if len(set(value)) != len(value):
+            raise ValueError("a sentinel is listed twice")
+        return value
+
+    @field_validator("username")
+    @classmethod
+    def _with_password(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and info.data.get("password") is None:
+            raise ValueError("a username needs a password")
+        return value
+
+
 class StateConfig(Strict):
     backend: Backend = "memory"
-    # with backend: redis; on a cluster, the credentials and TLS of its nodes
+    # With backend: redis, the sentinels that name the master, or the url
+    # of one server (fields are validated in this order: url's check sees
+    # sentinel's); on a cluster, url gives the credentials and TLS of its nodes.
+    sentinel: SentinelConfig | None = None
     url: str = "redis://127.0.0.1:6379/0"
     cluster: ClusterConfig | None = None
     max_keys: int = Field(100_000, ge=1)
@@ -461,11 +524,21 @@ class StateConfig(Strict):
     max_delayed: int = Field(1_000, ge=0)
     fail: FailMode = "open"
 
+    @field_validator("sentinel")
+    @classmethod
+    def _sentinel_needs_redis(cls, value: SentinelConfig | None, info: ValidationInfo) -> SentinelConfig | None:
+        if value is not None and info.data.get("backend", "redis") != "redis":
+            raise ValueError("sentinel: is for backend: redis")
+        return value
+
     @field_validator("url")
     @classmethod
-    def _redis_url(cls, url: str) -> str:
+    def _redis_url(cls, url: str, info: ValidationInfo) -> str:
         from sidecar.store.redis_pipeline import RedisAddress
 
+        if info.data.get("sentinel") is not None:
+            raise ValueError("give either url or sentinel, not both: the sentinels name the master "
+                             "(its database and password go in sentinel.db and sentinel.password)")
         try:
             RedisAddress(url)
         except ValueError as exc:  # a bad scheme, port or database number
@@ -478,6 +551,8 @@ class StateConfig(Strict):
         if self.cluster is not None:
             if self.backend != "redis":
                 raise ValueError("cluster: needs backend: redis")
+            if self.sentinel is not None:
+                raise ValueError("cluster: and sentinel: exclude each other (a Redis Cluster fails over by itself)")
             from sidecar.store.redis_pipeline import RedisAddress
 
             address = RedisAddress(self.url)

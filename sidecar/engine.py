@@ -96,7 +96,8 @@ class Engine:
         self._secret = secret or ruleset.secret or os.urandom(32)
         self.tokens = Tokens.from_secret(self._secret, wall_clock)
         self.store: StateStore = store if store is not None else \
-            open_store(ruleset.backend, ruleset.url, ruleset.max_keys, ruleset.node, clock, ruleset.cluster)
+            open_store(ruleset.backend, ruleset.url, ruleset.max_keys, ruleset.node, clock,
+                       cluster=ruleset.cluster, sentinel=ruleset.sentinel)
         self.metrics = metrics if metrics is not None else Metrics()
         self.log = DecisionLog(lambda: self.ruleset.node, wall_clock, keys=lambda: self.ruleset.log_keys,
                                secret=lambda: self._secret)

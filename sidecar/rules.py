@@ -312,6 +312,7 @@ class Ruleset:
     backend: config.Backend
     url: str  # the shared store's, with backend redis
     cluster: tuple[tuple[str, int], ...]  # a Redis Cluster's configured nodes, or none
+    sentinel: config.SentinelConfig | None  # or the sentinels that name its master
     fail: config.FailMode  # a request when the shared store is unavailable (SPEC §9)
     source: str
     secret: bytes | None  # HMAC key from challenge.secret_file
@@ -404,6 +405,7 @@ def compile_rules(loaded: LoadedRules) -> Ruleset:
         backend=model.state.backend,
         url=model.state.url,
         cluster=tuple(parse_node(node) for node in model.state.cluster.nodes) if model.state.cluster else (),
+        sentinel=model.state.sentinel,
         fail=model.state.fail,
         source=loaded.source,
         secret=_read_secret(model.challenge.secret_file, loaded.base_dir),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Callable, Protocol, Sequence
 
-from sidecar.config import Backend
+from sidecar.config import Backend, SentinelConfig
 from sidecar.keys import CountingKey
 from sidecar.limiters import Hit
 from sidecar.state import BanRecord, Check, Evaluation, ResponseCount
@@ -48,12 +48,16 @@ class StateStore(Protocol):
 
 
 def open_store(backend: Backend, url: str, max_keys: int, node: str, clock: Callable[[], float],
-               cluster: Sequence[tuple[str, int]] = ()) -> StateStore:
+               cluster: Sequence[tuple[str, int]] = (), sentinel: SentinelConfig | None = None) -> StateStore:
     """The store a ruleset's ``state:`` asks for; ``cluster`` names some
-    nodes of a Redis Cluster."""
+    nodes of a Redis Cluster, ``sentinel`` the sentinels of a master."""
     if backend == "redis":
         from sidecar.store.redis import RedisStore
 
+        if sentinel is not None:
+            from sidecar.store.sentinel import sentinel_client
+
+            return RedisStore(sentinel_client(sentinel), node, max_keys=max_keys, clock=clock)
         return RedisStore.from_url(url, node, max_keys=max_keys, clock=clock, cluster=cluster)
     from sidecar.store.memory import MemoryStore
 

@@ -9,12 +9,17 @@ being down, and only a real failure makes the store unavailable:
 * the connection is refused, reset or closed, or cannot be made within the
   timeout;
 * Redis has answered nothing for ``timeout`` seconds while commands wait.
-  The clock starts at the oldest unanswered command, or at the last reply
-  if that came later: a long queue that Redis works through is progress,
-  not a failure.
+  The clock starts when the oldest unanswered command was written, or at
+  the last reply if that came later: a long queue that Redis works through
+  is progress, not a failure, and neither is a Sluice too busy to read;
+* Redis answers that it cannot take the command now: ``READONLY`` (a
+  replica, such as a master a failover demoted), ``LOADING`` (a restarted
+  server reading its data) or ``MASTERDOWN`` (a replica that lost its
+  master).
 
 Either way every waiting command fails at once with ``StoreUnavailable``
-(the caller fails open or closed), and the next command connects again.
+(the caller fails open or closed), and the next command connects again,
+to the address its ``Locator`` names then.
 Replies are parsed by hiredis's C reader and commands packed by its
 ``pack_command``.
 """
@@ -27,7 +32,8 @@ import copy
 import hashlib
 import socket
 import ssl
-from typing import Any, Callable, cast
+import time
+from typing import Any, Callable, Protocol, cast
 from urllib.parse import unquote, urlsplit, parse_qs
 
 import hiredis
@@ -42,6 +48,15 @@ class RedisReplyError(Exception):
 
 class NoScriptError(RedisReplyError):
     """EVALSHA named a script this Redis does not have (yet)."""
+
+
+# After a check found Redis silent past the timeout, the next one looks
+# again this much later (one more turn of the loop, which reads replies).
+_LOOK_AGAIN = 0.001
+
+# Error replies that say the server cannot take commands now, not that a
+# command is wrong: the store is unavailable, and the connection is dropped.
+_UNAVAILABLE_REPLIES = ("READONLY ", "LOADING ", "MASTERDOWN ")
 
 
 class RedisAddress:
@@ -87,9 +102,13 @@ class _ReplyProtocol(asyncio.Protocol):
         self.reader = hiredis.Reader(encoding="utf-8", errors="replace")
         self.waiting: collections.deque[asyncio.Future[Any]] = collections.deque()
         self.transport: asyncio.Transport | None = None
-        self.progress = 0.0  # loop time of the last reply, or of a send into an empty queue
+        # time.monotonic() of the last reply, or of a write when nothing
+        # written was waiting for one: real time, not the loop's (uvloop's
+        # is read once per turn, and a busy turn is long).
+        self.progress = 0.0
         self._outgoing: list[bytes] = []
         self._watchdog: asyncio.TimerHandle | None = None
+        self._silent = False  # the last check found the timeout passed
         self.timeout = 0.1
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -100,10 +119,6 @@ class _ReplyProtocol(asyncio.Protocol):
 
     def send(self, command: bytes) -> asyncio.Future[Any]:
         future = self.loop.create_future()
-        if not self.waiting:
-            self.progress = self.loop.time()
-            if self._watchdog is None:
-                self._watchdog = self.loop.call_at(self.progress + self.timeout, self._check)
         self.waiting.append(future)
         if not self._outgoing:
             # Commands made in one turn of the loop leave in one write.
@@ -113,7 +128,12 @@ class _ReplyProtocol(asyncio.Protocol):
 
     def _flush(self) -> None:
         if self.transport is not None and self._outgoing:
+            if len(self.waiting) == len(self._outgoing):
+                # Nothing written is waiting: Redis's time starts now.
+                self.progress = time.monotonic()
             self.transport.write(b"".join(self._outgoing))
+            if self._watchdog is None:
+                self._watchdog = self.loop.call_later(self.timeout, self._check)
         self._outgoing.clear()
 
     def data_received(self, data: bytes) -> None:
@@ -125,26 +145,43 @@ class _ReplyProtocol(asyncio.Protocol):
                 if future.done():
                     continue  # its caller gave up
                 if isinstance(reply, hiredis.ReplyError):
-                    error_class = NoScriptError if str(reply).startswith("NOSCRIPT") else RedisReplyError
-                    future.set_exception(error_class(str(reply)))
+                    message = str(reply)
+                    if message.startswith(_UNAVAILABLE_REPLIES):
+                        unavailable = StoreUnavailable(f"Redis cannot take commands now ({message[:200]})")
+                        future.set_exception(unavailable)
+                        self.fail(unavailable)
+                        return
+                    error_class = NoScriptError if message.startswith("NOSCRIPT") else RedisReplyError
+                    future.set_exception(error_class(message))
                 else:
                     future.set_result(reply)
         except (hiredis.ProtocolError, IndexError) as exc:
             self.fail(StoreUnavailable(f"unreadable reply from Redis: {exc}"))
             return
-        self.progress = self.loop.time()
+        self.progress = time.monotonic()
 
     def _check(self) -> None:
         """Redis is unavailable when it answered nothing for ``timeout``
-        while commands waited."""
+        while commands waited.
+
+        A loop busy past the deadline (a burst of checks to parse) may not
+        have read replies that are already in the socket, and uvloop runs
+        timers before it reads: the verdict waits for one more look, after
+        the loop has read what arrived.
+        """
         self._watchdog = None
         if not self.waiting:
+            self._silent = False
             return
-        silent_until = self.progress + self.timeout
-        if self.loop.time() >= silent_until:
-            self.fail(StoreUnavailable(f"Redis answered nothing for {self.timeout:g} s"))
+        silent_for = time.monotonic() - self.progress
+        if silent_for < self.timeout:
+            self._silent = False
+            self._watchdog = self.loop.call_later(self.timeout - silent_for, self._check)
+        elif not self._silent:
+            self._silent = True
+            self._watchdog = self.loop.call_later(_LOOK_AGAIN, self._check)
         else:
-            self._watchdog = self.loop.call_at(silent_until, self._check)
+            self.fail(StoreUnavailable(f"Redis answered nothing for {self.timeout:g} s"))
 
     def fail(self, error: StoreUnavailable) -> None:
         """Give up the connection: every waiting command fails now."""
@@ -168,19 +205,45 @@ class _ReplyProtocol(asyncio.Protocol):
         self._fail_waiting(StoreUnavailable(f"connection to Redis lost ({exc or 'closed'})"))
 
 
+class Locator(Protocol):
+    """Where to connect, asked before every (re)connect: Redis Sentinel's
+    master changes with a failover (sidecar.store.sentinel)."""
+
+    async def locate(self) -> RedisAddress:
+        """The address to connect to now, or StoreUnavailable."""
+    async def close(self) -> None: ...
+
+
+class FixedAddress:
+    """The locator of one address that never moves (a URL's)."""
+
+    def __init__(self, address: RedisAddress) -> None:
+        self.address = address
+
+    async def locate(self) -> RedisAddress:
+        return self.address
+
+    async def close(self) -> None:
+        pass
+
+
 class PipelinedRedis:
     """The commands of every caller on one connection, made on first use
-    and again after a failure; ``timeout`` bounds connecting and silence."""
+    and again after a failure; ``timeout`` bounds connecting and silence.
+    ``where`` is a URL, an address or a ``Locator``."""
 
     # One server holds every key: no command needs grouping by hash slot
     # (see sidecar.store.redis_cluster for the other case).
     clustered = False
 
-    def __init__(self, url: str | RedisAddress, timeout: float) -> None:
-        self.address = RedisAddress(url) if isinstance(url, str) else url
+    def __init__(self, where: str | RedisAddress | Locator, timeout: float) -> None:
+        if isinstance(where, str):
+            where = RedisAddress(where)
+        self.locator = FixedAddress(where) if isinstance(where, RedisAddress) else where
         self.timeout = timeout
         self._protocol: _ReplyProtocol | None = None
         self._connecting: asyncio.Future[_ReplyProtocol] | None = None
+        self._drops = 0  # calls of drop(), which also voids a connection being made
         self._scripts: dict[str, str] = {}  # digest -> source, loaded on each new connection
 
     @classmethod
@@ -268,9 +331,10 @@ class PipelinedRedis:
 
     async def _connect(self) -> _ReplyProtocol:
         loop = asyncio.get_running_loop()
+        drops = self._drops
+        address = await self.locator.locate()
         protocol = _ReplyProtocol(loop, self._forget)
         protocol.timeout = self.timeout
-        address = self.address
         try:
             if address.path is not None:
                 connecting = loop.create_unix_connection(lambda: protocol, address.path)
@@ -290,6 +354,10 @@ class PipelinedRedis:
             # reason is in the store-unavailable warning.
             protocol.fail(StoreUnavailable(f"Redis refused the connection's setup ({exc})"))
             raise StoreUnavailable(f"Redis refused the connection's setup ({exc})") from exc
+        if self._drops != drops:
+            # Located before the master moved: to the old one.
+            protocol.fail(StoreUnavailable("the connection was given up while it was being made"))
+            raise StoreUnavailable("the connection was given up while it was being made")
         self._protocol = protocol
         return protocol
 
@@ -297,7 +365,16 @@ class PipelinedRedis:
         if self._protocol is protocol:
             self._protocol = None
 
+    def drop(self, reason: str) -> None:
+        """Give up the connection now, or the one being made (a failover
+        moved the master): the commands waiting on it fail, and the next
+        one connects again."""
+        self._drops += 1
+        if self._protocol is not None:
+            self._protocol.fail(StoreUnavailable(reason))
+
     async def close(self) -> None:
         protocol, self._protocol = self._protocol, None
         if protocol is not None and protocol.transport is not None:
             protocol.transport.close()
+        await self.locator.close()

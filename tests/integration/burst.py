@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from tests.integration.clients import LOOPBACK
 
@@ -34,16 +34,17 @@ async def _burst(targets: list[tuple[int, bytes]], source: str, timeout: float) 
 def burst(port: int, count: int, path: str = "/", headers: Mapping[str, str] | None = None,
           source: str = LOOPBACK, timeout: float = 60.0) -> collections.Counter[int]:
     """Send ``count`` GETs at once on ``count`` connections; the statuses counted."""
-    return burst_across([port], count, path, headers, source, timeout)
+    return burst_over([port], count, path, headers, source, timeout)
 
 
-def burst_across(ports: list[int], count: int, path: str = "/", headers: Mapping[str, str] | None = None,
-                 source: str = LOOPBACK, timeout: float = 60.0) -> collections.Counter[int]:
-    """``burst``, the ``count`` connections dealt out in turn to the servers of ``ports``."""
-    requests = {}
-    for port in ports:
+def burst_over(ports: Sequence[int], count: int, path: str = "/", headers: Mapping[str, str] | None = None,
+               source: str = LOOPBACK, timeout: float = 60.0) -> collections.Counter[int]:
+    """``burst``, its requests dealt out over ``ports`` in turn."""
+    def request(port: int) -> bytes:
         lines = [f"GET {path} HTTP/1.1", f"Host: {LOOPBACK}:{port}", "Connection: close"]
         lines += [f"{name}: {value}" for name, value in (headers or {}).items()]
-        requests[port] = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-    targets = [(ports[i % len(ports)], requests[ports[i % len(ports)]]) for i in range(count)]
-    return collections.Counter(asyncio.run(_burst(targets, source, timeout)))
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+    targets = [(port, request(port)) for port in ports]
+    return collections.Counter(asyncio.run(_burst([targets[n % len(targets)] for n in range(count)],
+                                                  source, timeout)))

@@ -79,7 +79,13 @@ def unique_path(prefix: str) -> str:
 
 def sluice_metric(stack: Stack, name: str, labels: str = "") -> float:
     """One sample of Sluice's /metrics, e.g. ("sluice_rule_hits_total", 'rule="x"'); 0 if absent."""
-    connection = http.client.HTTPConnection(LOOPBACK, stack.ports.sluice, timeout=2.0)
+    return metric_at(stack.ports.sluice, name, labels)
+
+
+def metric_at(port: int, name: str, labels: str = "") -> float:
+    """One sample of the /metrics of the Sluice on ``port`` (of one worker, with
+    several: each connection may reach another)."""
+    connection = http.client.HTTPConnection(LOOPBACK, port, timeout=2.0)
     try:
         connection.request("GET", "/metrics")
         text = connection.getresponse().read().decode()

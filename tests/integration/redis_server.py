@@ -1,10 +1,14 @@
-"""A throwaway redis-server for integration tests."""
+"""Throwaway redis-servers for integration tests: a server, a replica of
+one, and a group of sentinels watching them."""
 
 from __future__ import annotations
 
+import secrets
 import shutil
+import signal
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import redis
@@ -16,22 +20,27 @@ REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 
 
 class RedisServer:
-    """A throwaway redis-server: loopback only, nothing saved to disk."""
+    """A throwaway redis-server: loopback only, nothing saved to disk.
+    ``arguments`` are added to its command line (``--replicaof H P``)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, arguments: Sequence[str] = ()) -> None:
         self.port = free_port()
         self.directory = directory
+        directory.mkdir(parents=True, exist_ok=True)
+        self.arguments = list(arguments)
         self.process: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
         return f"redis://{LOOPBACK}:{self.port}/0"
 
-    def start(self, *options: str) -> None:
-        self.process = subprocess.Popen(
-            [REDIS_SERVER, "--port", str(self.port), "--bind", LOOPBACK, "--save", "",
-             "--appendonly", "no", "--dir", str(self.directory), *options],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    def command(self) -> list[str]:
+        return [REDIS_SERVER, "--port", str(self.port), "--bind", LOOPBACK, "--save", "",
+                "--appendonly", "no", "--dir", str(self.directory), *self.arguments]
+
+    def start(self) -> None:
+        """Start (or start again, on the same port) and wait until it answers."""
+        self.process = subprocess.Popen(self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis(host=LOOPBACK, port=self.port, socket_timeout=0.5)
         deadline = time.monotonic() + 10
         while True:
@@ -40,7 +49,8 @@ class RedisServer:
                 return
             except redis.exceptions.ConnectionError:
                 if time.monotonic() > deadline or self.process.poll() is not None:
-                    raise RuntimeError("redis-server did not start")
+                    self.stop()
+                    raise RuntimeError(f"redis-server did not start: {' '.join(self.command())}")
                 time.sleep(0.02)
 
     def stop(self) -> None:
@@ -48,8 +58,94 @@ class RedisServer:
             self.process.terminate()
             self.process.wait(timeout=10)
 
+    def kill(self) -> None:
+        """SIGKILL: no goodbye to its clients but what the kernel sends."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=10)
+
     def client(self) -> redis.Redis:
         return redis.Redis(host=LOOPBACK, port=self.port, decode_responses=True)
+
+
+class Sentinel(RedisServer):
+    """``redis-server --sentinel`` with a configuration file of its own
+    (sentinels rewrite theirs)."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(directory)
+        self.config = directory / f"sentinel-{self.port}.conf"
+        self.id = secrets.token_hex(20)
+
+    def configure(self, master: str, master_port: int, replica_ports: Sequence[int],
+                  others: Sequence["Sentinel"], down_after_ms: int, failover_timeout_ms: int) -> None:
+        """Watch ``master``; the replicas and the other sentinels are known
+        from the start, so that no discovery delays the first failover."""
+        lines = [f"port {self.port}", f"bind {LOOPBACK}", f"dir {self.directory}", f"sentinel myid {self.id}",
+                 f"sentinel monitor {master} {LOOPBACK} {master_port} {len(others) // 2 + 1}",
+                 f"sentinel down-after-milliseconds {master} {down_after_ms}",
+                 f"sentinel failover-timeout {master} {failover_timeout_ms}",
+                 f"sentinel parallel-syncs {master} 1"]
+        lines += [f"sentinel known-replica {master} {LOOPBACK} {port}" for port in replica_ports]
+        lines += [f"sentinel known-sentinel {master} {LOOPBACK} {other.port} {other.id}" for other in others]
+        self.config.write_text("\n".join(lines) + "\n")
+
+    def command(self) -> list[str]:
+        return [REDIS_SERVER, str(self.config), "--sentinel"]
+
+
+class SentinelGroup:
+    """A master, one replica of it and three sentinels, on loopback, with
+    short timers so that a failover takes about a second."""
+
+    MASTER = "sluice-test"
+
+    def __init__(self, directory: Path, down_after_ms: int = 400, failover_timeout_ms: int = 2000) -> None:
+        while True:
+            # A replica's first sync starts at once, not after the default 5 s.
+            self.servers = [RedisServer(directory / name, ["--repl-diskless-sync-delay", "0"]) for name in "ab"]
+            self.sentinels = [Sentinel(directory / f"s{number}") for number in range(3)]
+            # Each port found free on its own: two may be the same one.
+            if len({server.port for server in (*self.servers, *self.sentinels)}) == 5:
+                break
+        self.servers[1].arguments += ["--replicaof", LOOPBACK, str(self.servers[0].port)]
+        for sentinel in self.sentinels:
+            sentinel.configure(self.MASTER, self.servers[0].port, [self.servers[1].port],
+                               [other for other in self.sentinels if other is not sentinel],
+                               down_after_ms, failover_timeout_ms)
+
+    def start(self) -> None:
+        try:
+            for server in (*self.servers, *self.sentinels):
+                server.start()
+            # The sentinels know the replica and each other before a
+            # failover can be asked of them.
+            deadline = time.monotonic() + 20
+            while not all(self._ready(sentinel) for sentinel in self.sentinels):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the sentinels did not find the replica and each other")
+                time.sleep(0.05)
+        except BaseException:
+            self.stop()  # nothing left running
+            raise
+
+    def _ready(self, sentinel: Sentinel) -> bool:
+        master = sentinel.client().sentinel_master(self.MASTER)
+        return bool(master["num-slaves"] == 1 and master["num-other-sentinels"] == 2
+                    and self.servers[1].client().info("replication")["master_link_status"] == "up")
+
+    def stop(self) -> None:
+        for server in (*self.sentinels, *self.servers):
+            server.stop()
+
+    @property
+    def nodes(self) -> list[str]:
+        return [f"{LOOPBACK}:{sentinel.port}" for sentinel in self.sentinels]
+
+    def master(self) -> RedisServer:
+        """The server the sentinels name as master now."""
+        host, port = self.sentinels[0].client().sentinel_get_master_addr_by_name(self.MASTER)
+        return next(server for server in self.servers if server.port == int(port))
 
 
 class RedisCluster:
@@ -58,18 +154,20 @@ class RedisCluster:
     then ``redis-cli --cluster create``."""
 
     def __init__(self, directory: Path, masters: int = 3) -> None:
-        self.nodes = [RedisServer(directory / f"node-{i}") for i in range(masters)]
         self.bus_ports = [free_port() for _ in range(masters)]
+        self.nodes = [RedisServer(directory / f"node-{i}", [
+            "--cluster-enabled", "yes", "--cluster-port", str(bus),
+            "--cluster-config-file", str(directory / f"node-{i}" / "nodes.conf")])
+            for i, bus in enumerate(self.bus_ports)]
 
     @property
     def addresses(self) -> list[str]:
         return [f"{LOOPBACK}:{node.port}" for node in self.nodes]
 
     def start(self) -> None:
-        for node, bus in zip(self.nodes, self.bus_ports):
+        for node in self.nodes:
             node.directory.mkdir(parents=True, exist_ok=True)
-            node.start("--cluster-enabled", "yes", "--cluster-port", str(bus),
-                       "--cluster-config-file", str(node.directory / "nodes.conf"))
+            node.start()
         subprocess.run([shutil.which("redis-cli") or "/usr/bin/redis-cli", "--cluster", "create",
                         *self.addresses, "--cluster-yes"],
                        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=60)

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from sidecar.launcher import Stack
-from tests.integration.burst import burst, burst_across
+from tests.integration.burst import burst, burst_over
 from tests.integration.clients import LOOPBACK, Client
 from tests.integration.conftest import (
     RULES,
@@ -197,12 +197,12 @@ rules:
         assert not any("Traceback" in log for log in logs), logs
 
 
-def test_a_burst_across_two_sluice_processes_on_one_redis_admits_exactly_the_limit(
+def test_a_burst_over_two_sluice_processes_on_one_redis_admits_exactly_the_limit(
         two_sluices: list[SluiceProcess], redis_server: RedisServer) -> None:
     key = uuid.uuid4().hex
     # Straight to each Sluice, as nginx's check subrequest asks; no report
     # ever comes, so every admitted request keeps its slot for its lease.
-    statuses = burst_across([sluice.port for sluice in two_sluices], BURST, "/v1/nginx/auth",
+    statuses = burst_over([sluice.port for sluice in two_sluices], BURST, "/v1/nginx/auth",
                             {"X-Sluice-Client-Addr": "10.70.0.1", "X-Original-URI": "/export", "x-k": key},
                             source=fresh_client_address())
 

@@ -9,13 +9,8 @@ exact; one test uses the server's own TIME.
 from __future__ import annotations
 
 import asyncio
-import http.client
 import random
-import shutil
 import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,12 +22,13 @@ from hypothesis import strategies as st
 
 from sidecar.engine import ALLOW, CLOSE, DENY, Engine
 from sidecar.frontdoors.nginx import DenyToken
-from sidecar.store.redis import RedisStore, _lua_string
+from sidecar.store.redis import DEFAULT_TIMEOUT, RedisStore, _lua_string
 from sidecar.request import CheckRequest
 from sidecar.store.memory import MemoryStore
-from tests.integration.clients import LOOPBACK
+from tests.integration.check_load import COUNTED_RULES, COUNTED_TOKENS, CheckLoad, percentile, remaining
+from tests.integration.conftest import metric_at, wait_until
 from tests.integration.redis_server import REDIS_SERVER, RedisServer
-from tests.integration.conftest import free_port
+from tests.integration.sluice_serve import SluiceServe
 from tests.unit.conftest import FakeClock, ruleset_from
 
 pytestmark = pytest.mark.integration
@@ -512,26 +508,9 @@ def test_fail_closed_refuses_with_a_503_page(url: str, redis_server: RedisServer
 def test_workers_of_sluice_serve_share_one_budget(url: str, tmp_path: Path) -> None:
     rules = tmp_path / "rules.yaml"
     rules.write_text(f"state: {{backend: redis, url: '{url}'}}\n" + SLIDING.replace("requests: 3", "requests: 5"))
-    port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "sidecar", "serve", "--config", str(rules),
-                                "--port", str(port), "--workers", "3", "--hook-udp",
-                                f"{LOOPBACK}:{free_port(socket.SOCK_DGRAM)}"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                status = check(port, "/healthz")
-                break
-            except OSError:
-                assert process.poll() is None and time.monotonic() < deadline, process.stderr.read().decode()
-                time.sleep(0.05)
-        assert status == 200
+    with SluiceServe(rules, workers=3) as sluice:
         # A fresh connection per request: uvicorn's workers take turns.
-        assert [check(port, "/v1/check") for _ in range(7)] == [200] * 5 + [429] * 2
-    finally:
-        process.terminate()
-        process.wait(timeout=20)
+        assert [sluice.get("/v1/check", {"x-forwarded-uri": "/"}) for _ in range(7)] == [200] * 5 + [429] * 2
 
 
 def check(port: int, path: str) -> int:
@@ -597,3 +576,60 @@ rules:
 def test_text_written_into_a_script_reads_back_the_same(redis_server: RedisServer, text: str) -> None:
     # Rule ids are plain today; whatever a rule's part holds must survive.
     assert redis_server.client().eval("return " + _lua_string(text), 0) == text
+
+
+# Redis killed under load: clients sending checks straight to one Sluice,
+# back to back, each on its own connection, while redis-server is killed
+# and started again on its port.
+OUTAGE_CLIENTS = 64
+# What a check may take beyond the store's timeout on the test machine:
+# the queue of 64 clients in front of one Sluice process, and the clients'
+# own event loop, on two cores shared with Redis.
+LATENCY_SLACK = 0.15
+
+
+def test_redis_killed_under_load_every_check_fails_open_promptly_and_counting_resumes(
+        redis_server: RedisServer, tmp_path: Path) -> None:
+    redis_server.client().flushdb()
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(f"state: {{backend: redis, url: '{redis_server.url}', fail: open}}\n" + COUNTED_RULES)
+    with SluiceServe(rules) as sluice, \
+            CheckLoad(sluice.port, OUTAGE_CLIENTS, {"X-Sluice-Client-Addr": "10.80.0.1", "x-k": "outage"}) as load:
+        wait_until(lambda: load.count() >= 1000, "1000 checks decided before the kill", 20)
+        redis_server.kill()
+        killed = time.monotonic()
+        wait_until(lambda: time.monotonic() > killed + 1 and sum(a.sent > killed for a in load.answers()) >= 2000,
+                   "a second and 2000 checks of outage", 20)
+        restarted = time.monotonic()
+        redis_server.start()
+        back = time.monotonic()  # it answers PING
+        wait_until(lambda: any(a.sent >= restarted and remaining(a) is not None for a in load.answers()),
+                   "a check decided by the restarted Redis", 5)
+        recovered = time.monotonic()
+        wait_until(lambda: sum(a.sent > recovered for a in load.answers()) >= 1000, "1000 checks after it", 20)
+        store_errors = metric_at(sluice.port, "sluice_store_errors_total")
+        internal_errors = metric_at(sluice.port, "sluice_internal_errors_total")
+    answers = load.answers()
+    during = [a for a in answers if killed < a.sent and a.answered < restarted]
+    first_counted = min(a.answered for a in answers if a.sent >= restarted and remaining(a) is not None)
+    after = [a for a in answers if a.sent > first_counted]
+    counted_again = [remaining(a) for a in answers if a.sent >= restarted and remaining(a) is not None]
+    latencies = [a.took for a in during]
+    print(f"\nRedis killed under {OUTAGE_CLIENTS} clients: {len(during)} checks during the outage "
+          f"({restarted - killed:.2f} s), max {max(latencies) * 1000:.1f} ms, "
+          f"p99 {percentile(latencies, 0.99) * 1000:.1f} ms, median {percentile(latencies, 0.5) * 1000:.1f} ms; "
+          f"before: max {max(a.took for a in answers if a.answered < killed) * 1000:.1f} ms; "
+          f"counted by Redis again {(first_counted - restarted) * 1000:.0f} ms after its start "
+          f"({(back - restarted) * 1000:.0f} ms until it answered PING); "
+          f"failed open after the restart: {sum(remaining(a) is None for a in answers if a.sent >= restarted)}")
+
+    assert {a.status for a in answers} == {200}  # no 5xx, none left without an answer
+    assert all(remaining(a) is None for a in during)  # each one failed open...
+    assert max(latencies) <= DEFAULT_TIMEOUT + LATENCY_SLACK  # ...promptly
+    assert first_counted - back <= 2.0
+    assert all(remaining(a) is not None for a in after)
+    # The restarted Redis (empty) counted every decision it made, once:
+    # the tokens left after each are every number from the top down.
+    top = COUNTED_TOKENS - 1
+    assert sorted(counted_again, reverse=True) == list(range(top, top - len(counted_again), -1))
+    assert store_errors == sum(remaining(a) is None for a in answers) and internal_errors == 0

@@ -9,6 +9,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from sidecar import config
 from sidecar.config import ConfigError, ConfigIssue, LoadedRules, load_rules_file, parse_duration, parse_rules_text
@@ -967,3 +969,61 @@ def test_a_bad_cluster_setting_is_an_error_at_its_field(state: str, field: str, 
     issues = issues_of(f"state: {state}\n")
     assert [issue.field for issue in issues] == [field]
     assert message in issues[0].message and issues[0].line == 1
+
+
+SENTINEL = """\
+state:
+  backend: redis
+  sentinel:
+    master: main
+    nodes: ["10.0.0.5:26379", "[2001:db8::5]", "sentinel-c.internal:26380"]
+"""
+
+
+def test_sentinel_settings_load_with_the_redis_backend() -> None:
+    sentinel = compile_rules(parse(SENTINEL + VALID_RULE)).sentinel
+    assert sentinel is not None
+    assert (sentinel.master, sentinel.nodes, sentinel.db, sentinel.password) == (
+        "main", [("10.0.0.5", 26379), ("2001:db8::5", 26379), ("sentinel-c.internal", 26380)], 0, None)
+
+
+@pytest.mark.parametrize(("text", "fragment", "field"), [
+    (SENTINEL + "  url: redis://10.0.0.9:6379/0\n", "url:", "state.url"),
+    (SENTINEL.replace("backend: redis", "backend: memory"), "sentinel:", "state.sentinel"),
+    (SENTINEL.replace('"10.0.0.5:26379"', '"::1:26379"'), "nodes", "state.sentinel.nodes[0]"),
+    (SENTINEL.replace("26380", "70000"), "nodes", "state.sentinel.nodes[2]"),
+    (SENTINEL.replace("[2001:db8::5]", "[2001:zz::5]"), "nodes", "state.sentinel.nodes[1]"),
+    (SENTINEL.replace('"[2001:db8::5]"', '"10.0.0.5:26379"'), "nodes", "state.sentinel.nodes"),
+    (SENTINEL.replace('nodes: ["10.0.0.5:26379", "[2001:db8::5]", "sentinel-c.internal:26380"]', "nodes: []"),
+     "nodes", "state.sentinel.nodes"),
+    (SENTINEL.replace("master: main", "master: my master"), "master:", "state.sentinel.master"),
+    (SENTINEL.replace("    master: main\n", ""), "sentinel:", "state.sentinel.master"),
+    (SENTINEL + "    username: app\n", "username", "state.sentinel.username"),
+    (SENTINEL + "    db: -1\n", "db:", "state.sentinel.db"),
+    (SENTINEL + "    tls: true\n", "tls", "state.sentinel.tls"),
+])
+def test_a_bad_sentinel_setting_is_an_error_at_its_line(text: str, fragment: str, field: str) -> None:
+    issue = only_issue(text)
+    assert (issue.line, issue.field) == (line_of(text, fragment), field)
+
+
+def test_a_sentinel_with_a_url_says_where_the_database_and_password_go() -> None:
+    issue = only_issue(SENTINEL + "  url: redis://:pw@10.0.0.9:6379/2\n")
+    assert "either url or sentinel" in issue.message and "sentinel.db" in issue.message
+
+
+@given(st.text(max_size=40) | st.integers() | st.none())
+def test_any_sentinel_node_is_an_address_or_a_clear_error(value: object) -> None:
+    try:
+        host, port = config.parse_host_port(value)
+    except ValueError as exc:
+        assert "HOST:PORT" in str(exc) or "out of range" in str(exc)
+        return
+    assert host and 1 <= port <= 65535
+
+
+@given(st.ip_addresses() | st.from_regex(r"[a-z][a-z0-9-]{0,20}(\.[a-z0-9-]{1,10}){0,3}", fullmatch=True),
+       st.integers(1, 65535))
+def test_a_sentinel_node_written_as_host_and_port_reads_back(host: object, port: int) -> None:
+    text = f"[{host}]" if ":" in str(host) else str(host)
+    assert config.parse_host_port(f"{text}:{port}") == (str(host), port)

@@ -4,11 +4,13 @@ failure (refused, reset, silence) and what is only a queue (slow progress)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Awaitable, Callable
 
 import hiredis
 import pytest
+import uvloop
 
 from sidecar.store import StoreUnavailable
 from sidecar.store.redis_pipeline import NoScriptError, PipelinedRedis, RedisAddress
@@ -25,6 +27,7 @@ class FakeRedis:
         self.reply = reply
         self.commands: list[list[str]] = []
         self.connections = 0
+        self.writer: asyncio.StreamWriter | None = None  # the connection of the command being answered
         self.server: asyncio.base_events.Server | None = None
 
     async def start(self) -> str:
@@ -40,6 +43,7 @@ class FakeRedis:
                 parser.feed(data)
                 while (command := parser.gets()) is not False:
                     self.commands.append(command)
+                    self.writer = writer
                     answer = await self.reply(command)
                     if answer is not None:
                         writer.write(answer)
@@ -59,6 +63,10 @@ def ok(value: str = "ok") -> bytes:
 
 async def answer_at_once(command: list[str]) -> bytes:
     return ok(command[-1])
+
+
+async def silent(command: list[str]) -> None:
+    return None
 
 
 def run(test: Callable[[], Awaitable[None]]) -> None:
@@ -97,9 +105,6 @@ def test_a_slow_redis_that_keeps_answering_is_a_queue_not_a_failure() -> None:
 
 
 def test_a_silent_redis_fails_every_waiting_command_after_the_timeout() -> None:
-    async def silent(command: list[str]) -> None:
-        return None
-
     async def test() -> None:
         fake = FakeRedis(silent)
         client = PipelinedRedis(await fake.start(), TIMEOUT)
@@ -113,21 +118,67 @@ def test_a_silent_redis_fails_every_waiting_command_after_the_timeout() -> None:
     run(test)
 
 
-def test_a_reset_fails_at_once_and_the_next_command_connects_again() -> None:
+def fake_in_a_thread(reply: Reply) -> str:
+    """A FakeRedis on an event loop of its own thread: it answers while the
+    test's loop is blocked. Its URL."""
+    url: list[str] = []
+    ready = threading.Event()
+
+    async def serve() -> None:
+        url.append(await FakeRedis(reply).start())
+        ready.set()
+        await asyncio.Event().wait()
+
+    threading.Thread(target=lambda: asyncio.run(serve()), daemon=True).start()
+    assert ready.wait(5)
+    return url[0]
+
+
+@pytest.mark.parametrize("new_loop", [asyncio.new_event_loop, uvloop.new_event_loop], ids=["asyncio", "uvloop"])
+def test_a_loop_too_busy_to_read_the_replies_is_not_a_silent_redis(new_loop: Callable[[], asyncio.AbstractEventLoop]) -> None:
+    """Sluice's own load (a burst of checks to parse) must not pass for an
+    outage: Redis answered in time, the replies wait in the socket."""
+    url = fake_in_a_thread(answer_at_once)
+
+    async def test() -> None:
+        client = PipelinedRedis(url, TIMEOUT)
+        await client.execute("PING")
+        replies = [asyncio.ensure_future(client.execute("ECHO", str(n))) for n in range(10)]
+        asyncio.get_running_loop().call_soon(time.sleep, 3 * TIMEOUT)  # the loop is busy
+        assert await asyncio.gather(*replies) == [str(n) for n in range(10)]
+        await client.close()
+
+    with asyncio.Runner(loop_factory=new_loop) as runner:
+        runner.run(test())
+
+
+# How a first command fails: the fake server drops the connection (None),
+# or answers that it cannot take commands now (a replica, such as a master
+# a failover demoted; a server loading its data; a replica without master).
+@pytest.mark.parametrize("failure", [
+    None,
+    b"-READONLY You can't write against a read only replica.\r\n",
+    b"-LOADING Redis is loading the dataset in memory\r\n",
+    b"-MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'.\r\n",
+], ids=["reset", "READONLY", "LOADING", "MASTERDOWN"])
+def test_a_failure_is_unavailable_at_once_and_the_next_command_connects_again(failure: bytes | None) -> None:
     calls = 0
 
-    async def reset_first(command: list[str]) -> bytes:
+    async def fail_first(command: list[str]) -> bytes:
         nonlocal calls
         calls += 1
         if calls == 1:
-            raise ConnectionResetError  # the fake server drops the connection
+            if failure is None:
+                raise ConnectionResetError
+            return failure
         return ok(command[-1])
 
     async def test() -> None:
-        fake = FakeRedis(reset_first)
+        fake = FakeRedis(fail_first)
         client = PipelinedRedis(await fake.start(), TIMEOUT)
-        with pytest.raises(StoreUnavailable):
-            await client.execute("ECHO", "lost")
+        with pytest.raises(StoreUnavailable, match=failure.split()[0][1:].decode() if failure else "lost"):
+            await client.execute("EVALSHA", "digest", 0)
+        # After a failover, the new connection goes to the new master.
         assert await client.execute("ECHO", "again") == "again"
         assert fake.connections == 2
         await client.close()
@@ -208,3 +259,80 @@ def test_addresses_from_urls(url: str, where: tuple) -> None:
 def test_an_unknown_scheme_is_refused() -> None:
     with pytest.raises(ValueError, match="redis://"):
         RedisAddress("http://127.0.0.1:6379")
+
+
+def test_the_locator_is_asked_before_every_connection() -> None:
+    async def test() -> None:
+        servers = [FakeRedis(answer_at_once), FakeRedis(answer_at_once)]
+        addresses = [RedisAddress(await server.start()) for server in servers]
+
+        class Moving:
+            """Names the first server, then the second."""
+            asked = 0
+            closed = False
+
+            async def locate(self) -> RedisAddress:
+                self.asked += 1
+                return addresses[self.asked - 1]
+
+            async def close(self) -> None:
+                self.closed = True
+
+        locator = Moving()
+        client = PipelinedRedis(locator, TIMEOUT)
+        assert await client.execute("ECHO", "first") == "first"
+        assert await client.execute("ECHO", "same connection") == "same connection"
+        client.drop("moved")
+        assert await client.execute("ECHO", "second") == "second"
+        await client.close()
+        assert (locator.asked, locator.closed) == (2, True)
+        assert [server.commands for server in servers] == [
+            [["ECHO", "first"], ["ECHO", "same connection"]], [["ECHO", "second"]]]
+        for server in servers:
+            await server.stop()
+    run(test)
+
+
+def test_dropping_the_connection_fails_the_commands_waiting_on_it() -> None:
+    async def test() -> None:
+        fake = FakeRedis(silent)
+        client = PipelinedRedis(await fake.start(), 10.0)
+        waiting = asyncio.ensure_future(client.execute("ECHO", "x"))
+        while not fake.commands:
+            await asyncio.sleep(0.001)
+        client.drop("failover: the master is now elsewhere")
+        with pytest.raises(StoreUnavailable, match="failover"):
+            await waiting
+        await client.close()
+        await fake.stop()
+    run(test)
+
+
+def test_dropping_while_a_connection_is_being_made_voids_that_connection() -> None:
+    async def test() -> None:
+        fake = FakeRedis(answer_at_once)
+        address = RedisAddress(await fake.start())
+        located = asyncio.Event()
+        release = asyncio.Event()
+
+        class Slow:
+            async def locate(self) -> RedisAddress:
+                located.set()
+                await release.wait()
+                return address
+
+            async def close(self) -> None:
+                pass
+
+        client = PipelinedRedis(Slow(), TIMEOUT)
+        first = asyncio.ensure_future(client.execute("ECHO", "to the old master"))
+        await located.wait()
+        client.drop("failover")  # the address being connected to is stale
+        release.set()
+        with pytest.raises(StoreUnavailable, match="given up"):
+            await first
+        assert await client.execute("ECHO", "again") == "again"
+        assert ["ECHO", "to the old master"] not in fake.commands and fake.connections == 2
+        await client.close()
+        await fake.stop()
+    run(test)
