@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from sidecar.admin import Admin
+from sidecar.store import StoreUnavailable
 from sidecar.engine import Engine
 from sidecar.health import HealthListener, Heartbeat
 from sidecar.hook import listen_for_reports
@@ -27,6 +28,10 @@ def build_api(engine: Engine, report_udp: tuple[str, int] | None = None,
 
     @contextlib.asynccontextmanager
     async def lifespan(_api: FastAPI) -> AsyncIterator[None]:
+        try:
+            await engine.store.open()
+        except StoreUnavailable as exc:
+            engine.store_failed(exc)  # the first requests connect again
         transport = await listen_for_reports(engine, *report_udp, reuse_port=share_report_port) \
             if report_udp else None
         loop = asyncio.get_running_loop()

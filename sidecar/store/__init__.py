@@ -44,6 +44,10 @@ class StateStore(Protocol):
         """New settings from a reload."""
     def gauges(self) -> dict[str, tuple[str, Callable[[], float]]]:
         """Metrics only this store can tell, by name: (help, read)."""
+    async def open(self) -> None:
+        """Connect ahead of the first request (a shared store), so that a
+        burst at start does not wait for the connection and its scripts;
+        StoreUnavailable if that fails (the first request tries again)."""
     async def close(self) -> None: ...
 
 

@@ -330,5 +330,8 @@ class MemoryStore:
                                        lambda: len(self.bans_in_force(self._clock()))),
                 "sluice_tracked_keys": ("Counting keys held in memory.", self.tracked_keys)}
 
+    async def open(self) -> None:
+        """Nothing to open: the state is in the process."""
+
     async def close(self) -> None:
         """Nothing to close: the state goes with the process."""

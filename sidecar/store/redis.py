@@ -417,5 +417,8 @@ class RedisStore:
                                                  "limit, without a round trip (a running count).",
                                                  lambda: self.penalties.answered)}
 
+    async def open(self) -> None:
+        await self.client.open()
+
     async def close(self) -> None:
         await self.client.close()

@@ -111,6 +111,11 @@ class ClusterRedis:
             if cursor == "0":
                 return names
 
+    async def open(self) -> None:
+        """Read the slot map and connect to every master now."""
+        await self._mapped()
+        await asyncio.gather(*(self._client(node).open() for node in {n for n in self._slots if n is not None}))
+
     async def close(self) -> None:
         clients, self._clients = list(self._clients.values()), {}
         for client in clients:

@@ -277,6 +277,11 @@ class PipelinedRedis:
         """No longer load a script on new connections."""
         self._scripts.pop(digest, None)
 
+    async def open(self) -> None:
+        """Connect now (and load the scripts) rather than at the first command."""
+        if self._protocol is None:
+            await self._connected()
+
     async def execute(self, *command: Any) -> Any:
         protocol = self._protocol
         if protocol is None:

@@ -26,7 +26,8 @@ from sidecar.store.redis import DEFAULT_TIMEOUT, RedisStore, _lua_string
 from sidecar.request import CheckRequest
 from sidecar.store.memory import MemoryStore
 from tests.integration.check_load import COUNTED_RULES, COUNTED_TOKENS, CheckLoad, percentile, remaining
-from tests.integration.conftest import metric_at, wait_until
+from tests.integration.clients import LOOPBACK
+from tests.integration.conftest import free_port, metric_at, wait_until
 from tests.integration.redis_server import REDIS_SERVER, RedisServer
 from tests.integration.sluice_serve import SluiceServe
 from tests.unit.conftest import FakeClock, ruleset_from
@@ -513,15 +514,6 @@ def test_workers_of_sluice_serve_share_one_budget(url: str, tmp_path: Path) -> N
         assert [sluice.get("/v1/check", {"x-forwarded-uri": "/"}) for _ in range(7)] == [200] * 5 + [429] * 2
 
 
-def check(port: int, path: str) -> int:
-    connection = http.client.HTTPConnection(LOOPBACK, port, timeout=5)
-    try:
-        connection.request("GET", path, headers={"x-forwarded-uri": "/"})
-        return connection.getresponse().status
-    finally:
-        connection.close()
-
-
 def test_a_request_sends_one_number_per_check_and_the_rules_once(url: str, redis_server: RedisServer) -> None:
     """The rules' parameters are written into the script, once per kind of
     check: a new version of it when a kind is first seen (an override's
@@ -633,3 +625,37 @@ def test_redis_killed_under_load_every_check_fails_open_promptly_and_counting_re
     top = COUNTED_TOKENS - 1
     assert sorted(counted_again, reverse=True) == list(range(top, top - len(counted_again), -1))
     assert store_errors == sum(remaining(a) is None for a in answers) and internal_errors == 0
+
+
+def test_open_connects_and_loads_the_scripts_before_the_first_request(url: str, redis_server: RedisServer) -> None:
+    """A process that starts under a burst must not make its first checks
+    wait for the connection and the scripts (service.py opens the store)."""
+    client = redis_server.client()
+    client.script_flush()
+
+    async def run() -> tuple[int, int]:
+        store = RedisStore.from_url(url, "a")
+        try:
+            before = client.info("clients")["connected_clients"]
+            await store.open()
+            return before, client.info("clients")["connected_clients"]
+        finally:
+            await store.close()
+    before, after = asyncio.run(run())
+    assert after == before + 1
+    record = RedisStore.from_url(url, "a")._record  # its digest
+    assert client.script_exists(record) == [True]
+
+
+def test_a_store_that_cannot_connect_at_start_is_counted_and_the_service_starts() -> None:
+    from sidecar.service import build_api
+
+    rules = f"state: {{backend: redis, url: 'redis://{LOOPBACK}:{free_port()}/0'}}\nrules: []\n"
+    e = Engine(ruleset_from(rules), clock=FakeClock())
+    api = build_api(e)
+
+    async def start_and_stop() -> None:
+        async with api.router.lifespan_context(api):
+            pass
+    asyncio.run(start_and_stop())
+    assert e.metrics.store_errors.value == 1
