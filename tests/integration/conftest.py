@@ -79,7 +79,12 @@ def unique_path(prefix: str) -> str:
 
 def sluice_metric(stack: Stack, name: str, labels: str = "") -> float:
     """One sample of Sluice's /metrics, e.g. ("sluice_rule_hits_total", 'rule="x"'); 0 if absent."""
-    connection = http.client.HTTPConnection(LOOPBACK, stack.ports.sluice, timeout=2.0)
+    return sluice_metric_at(stack.ports.sluice, name, labels)
+
+
+def sluice_metric_at(port: int, name: str, labels: str = "") -> float:
+    """`sluice_metric` of the Sluice listening on `port` of loopback."""
+    connection = http.client.HTTPConnection(LOOPBACK, port, timeout=2.0)
     try:
         connection.request("GET", "/metrics")
         text = connection.getresponse().read().decode()
