@@ -8,6 +8,10 @@ where to send requests and stops everything it started on Ctrl-C or SIGTERM.
 nginx and Envoy are two front doors to the same Sluice and application. It
 does not restart a component that dies: with Sluice gone, both fail open.
 
+`python -m sidecar.launcher --render FOLDER DIR` only renders the package's
+templates of one folder (`nginx/snippets`, `envoy/fragments`, `nginx`,
+`envoy`) into DIR, for an nginx or Envoy of your own, and starts nothing.
+
 The integration tests use `Stack` directly, with ports of their choosing.
 """
 
@@ -24,6 +28,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -43,6 +48,12 @@ from sidecar.rules import default_ruleset, load_ruleset
 PACKAGE_TEMPLATES = files("sidecar") / "templates"
 DEFAULT_TEMPLATE = PACKAGE_TEMPLATES / "nginx" / "sluice.conf.template"
 DEFAULT_ENVOY_TEMPLATE = PACKAGE_TEMPLATES / "envoy" / "envoy.yaml.template"
+# What an existing nginx includes (the site template includes them too):
+# rendered into SNIPPETS_DIR beside the site, as the nginx image renders
+# the templates' subfolders into conf.d/.
+NGINX_SNIPPETS = PACKAGE_TEMPLATES / "nginx" / "snippets"
+SNIPPETS_DIR = "snippets"
+TEMPLATE_SUFFIX = ".template"
 # The folder that holds this package (a source checkout or site-packages):
 # the children are pointed at it, to import the same package as the launcher.
 PACKAGE_PARENT = Path(__file__).resolve().parent.parent
@@ -419,25 +430,85 @@ class Stack:
         return argv
 
 
+# A line "@include envoy/fragments/NAME" stands for that template of the
+# package, indented as the line is: YAML has no include, and the Envoy
+# bootstrap is the fragments an existing Envoy pastes in, put in place. A
+# YAML line cannot start with "@", so a template rendered by a tool that
+# does not know these lines fails to load instead of silently missing a
+# fragment.
+_INCLUDE = re.compile(r"^([ ]*)@include[ ]+(\S+)[ ]*$", re.MULTILINE)
+
+
+def expand_includes(text: str, root: Traversable = PACKAGE_TEMPLATES) -> str:
+    """The template text with every `@include` line replaced by the named
+    template (a path under `root`, the package's templates), indented alike."""
+
+    def include(match: re.Match[str]) -> str:
+        indent, name = match.group(1), match.group(2)
+        fragment = _descendant(root, name)
+        if not fragment.is_file():
+            raise StackError(f"@include {name}: no such template in {root}")
+        # The line's own end of line follows; blank lines stay empty, which
+        # YAML's block scalars allow.
+        return textwrap.indent(fragment.read_text().removesuffix("\n"), indent)
+
+    return _INCLUDE.sub(include, text)
+
+
+def _descendant(root: Traversable, path: str) -> Traversable:
+    """`root / "a/b"` for a Traversable, which takes one name at a time;
+    never a path outside `root`."""
+    for part in path.strip("/").split("/"):
+        if part in ("", ".", ".."):
+            raise StackError(f"{path}: not a path of a template under {root}")
+        root = root / part
+    return root
+
+
 def render_template_file(template: Traversable, variables: Mapping[str, str], what: str) -> str:
-    """The rendered text of a template file; every `${NAME}` in it must have a value."""
+    """The rendered text of a template file, its `@include` lines expanded;
+    every `${NAME}` in it must have a value."""
     try:
         template_text = template.read_text()
     except OSError as error:
         raise StackError(f"cannot read the {what} template: {error}") from error
-    rendered = render_template(template_text, variables)
+    rendered = render_template(expand_includes(template_text), variables)
     left = sorted(set(re.findall(r"\$\{(\w+)\}", rendered)))
     if left:
         raise StackError(f"{template}: no value for {', '.join(left)}")
     return rendered
 
 
+def render_folder(folder: Traversable, variables: Mapping[str, str]) -> dict[str, str]:
+    """Every template directly in `folder`, rendered, by the name it is
+    rendered to (without `.template`), as the nginx image names them."""
+    rendered = {}
+    for template in sorted(folder.iterdir(), key=lambda entry: entry.name):
+        if template.is_file() and template.name.endswith(TEMPLATE_SUFFIX):
+            rendered[template.name.removesuffix(TEMPLATE_SUFFIX)] = render_template_file(template, variables, "package")
+    return rendered
+
+
+def write_rendered(directory: Path, rendered: Mapping[str, str]) -> list[Path]:
+    """Write each rendered text under its name in `directory`; the paths written."""
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, text in rendered.items():
+        path = directory / name
+        path.write_text(text)
+        written.append(path)
+    return written
+
+
 def write_nginx_config(run_dir: Path, template: Traversable, variables: Mapping[str, str]) -> Path:
-    """Render the template into run_dir/conf.d and write the nginx.conf that includes it."""
+    """Render the template into run_dir/conf.d, the package's snippets into
+    run_dir/conf.d/snippets, and write the nginx.conf that includes the site."""
     site = render_template_file(template, variables, "nginx")
+    snippets = render_folder(NGINX_SNIPPETS, variables)
     for directory in ("conf.d", "logs", "tmp"):
         (run_dir / directory).mkdir(parents=True, exist_ok=True)
     (run_dir / "logs" / "access.log").unlink(missing_ok=True)
+    write_rendered(run_dir / "conf.d" / SNIPPETS_DIR, snippets)
     site_config = run_dir / "conf.d" / "sluice.conf"
     site_config.write_text(site)
     main_config = run_dir / "nginx.conf"
@@ -452,6 +523,34 @@ def write_envoy_config(run_dir: Path, template: Traversable, variables: Mapping[
     config = run_dir / "envoy.yaml"
     config.write_text(bootstrap)
     return config
+
+
+def render_package_folder(folder: str, destination: Path, variables: Mapping[str, str]) -> list[Path]:
+    """Render the templates of one folder of the package (`nginx/snippets`,
+    `envoy/fragments`, ...) into `destination`; nothing is written unless
+    every template has all its values."""
+    source = _descendant(PACKAGE_TEMPLATES, folder)
+    if not source.is_dir():
+        raise StackError(f"{folder}: no such folder of templates; one of {', '.join(template_folders())}")
+    return write_rendered(destination, render_folder(source, variables))
+
+
+def template_folders() -> list[str]:
+    """The package's folders that hold templates, as `--render` names them."""
+    found = []
+    for proxy in sorted(PACKAGE_TEMPLATES.iterdir(), key=lambda entry: entry.name):
+        if proxy.is_dir():
+            found.append(proxy.name)
+            found += [f"{proxy.name}/{sub.name}" for sub in sorted(proxy.iterdir(), key=lambda entry: entry.name)
+                      if sub.is_dir()]
+    return found
+
+
+def rendering_variables(ports: StackPorts, longest_hold: float, environment: Mapping[str, str]) -> dict[str, str]:
+    """What `--render` fills in: the values of the local stack (`make run`),
+    each replaced by the environment variable of the same name if set."""
+    defaults = template_variables(ports, "127.0.0.1", longest_hold)
+    return {name: environment.get(name, value) for name, value in defaults.items()}
 
 
 def _envoy_argv(envoy: str, config: Path) -> list[str]:
@@ -575,6 +674,19 @@ def _print_banner(stack: Stack) -> None:
     )
 
 
+def render_only(folder: str, destination: Path, ports: StackPorts, rules: Path | None) -> int:
+    """The body of `--render`: exit status 0, or 1 with the reason on stderr."""
+    try:
+        variables = rendering_variables(ports, longest_hold_of(rules), os.environ)
+        written = render_package_folder(folder, destination, variables)
+    except (StackError, OSError) as error:
+        print(f"sluice render: {error}", file=sys.stderr)
+        return 1
+    for path in written:
+        print(path)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sidecar.launcher", description=__doc__.splitlines()[0])
     parser.add_argument("--rules", type=Path, help="rules file (default: Sluice's built-in rules)")
@@ -590,6 +702,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="nginx template to render (default: the one shipped in the package)")
     parser.add_argument("--envoy-template", type=Path, default=DEFAULT_ENVOY_TEMPLATE, metavar="FILE",
                         help="Envoy bootstrap template to render (default: the one shipped in the package)")
+    parser.add_argument("--render", nargs=2, metavar=("FOLDER", "DIR"),
+                        help="only render the package's templates of FOLDER (nginx/snippets, envoy/fragments, "
+                             "nginx, envoy) into DIR, with the values of this stack or, for each one set, the "
+                             "environment variable's, and exit")
     args = parser.parse_args(argv)
     ports = StackPorts(
         nginx=args.nginx_port,
@@ -599,6 +715,8 @@ def main(argv: list[str] | None = None) -> int:
         envoy_admin=args.envoy_admin_port,
         sluice_hook=args.sluice_hook_port,
     )
+    if args.render is not None:
+        return render_only(args.render[0], Path(args.render[1]), ports, args.rules)
     stack = Stack(args.run_dir, rules=args.rules, ports=ports, template=args.nginx_template,
                   envoy_template=args.envoy_template)
     return run_foreground(stack)

@@ -11,6 +11,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
+
 LOOPBACK = "127.0.0.1"
 
 # What a client sees when nginx closes the connection without a response (444).
@@ -156,3 +158,16 @@ def assert_observed(reply: Reply, limit: int, reset: int) -> None:
     assert reply.headers["X-RateLimit"] == "true"
     assert reply.headers["X-RateLimit-Limit"] == str(limit)
     assert reply.headers["X-RateLimit-Reset"] == str(reset)
+
+
+def assert_refused_by_closing(client: Client, path: str, front_door: str) -> None:
+    """`close: true` and bans (SPEC §6). nginx closes the connection without
+    a response; Envoy's ext_authz cannot, so Envoy answers an empty 403 with
+    `Connection: close` and then closes the connection."""
+    if front_door == "nginx":
+        with pytest.raises(CONNECTION_CLOSED):
+            client.request(path)
+        return
+    reply, closed = client.request_and_watch_connection(path)
+    assert (reply.status, reply.headers["Connection"], reply.body) == (403, "close", b"")
+    assert closed

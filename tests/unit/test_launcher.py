@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import re
 import subprocess
 import sys
 import tomllib
@@ -46,6 +47,10 @@ def test_default_templates_are_package_data_the_wheel_ships() -> None:
         assert isinstance(template, Path) and template.is_file()
         assert template.resolve() in shipped
     assert files("sidecar") / "templates" / "nginx" / "sluice.conf.template" == DEFAULT_TEMPLATE
+    # The snippets and fragments too: every template of the folder.
+    templates = set((PACKAGE / "templates").rglob("*.template"))
+    assert len(templates) >= 8
+    assert templates <= shipped
 
 
 # Run with nothing but the package, zipped: no checkout around it, and its
@@ -85,7 +90,12 @@ def test_the_launcher_renders_its_templates_from_a_zipped_package(tmp_path: Path
     assert imported_from.startswith(str(archive))
     assert not template_is_a_path
     assert "listen 127.0.0.1:18080;" in (run_dir / "conf.d" / "sluice.conf").read_text()
-    assert "${" not in (run_dir / "envoy.yaml").read_text()
+    assert "server 127.0.0.1:8181;" in (run_dir / "conf.d" / "snippets" / "sluice-http.conf").read_text()
+    # The fragments, included from the archive.
+    envoy = (run_dir / "envoy.yaml").read_text()
+    assert "${" not in envoy
+    assert not re.search(r"^\s*@include", envoy, re.MULTILINE)
+    assert "name: sluice_hook" in envoy
 
 
 def test_defined_variables_are_replaced_in_both_envsubst_spellings() -> None:
@@ -106,11 +116,13 @@ def test_shipped_template_has_a_value_for_every_variable(tmp_path: Path) -> None
     config = write_nginx_config(tmp_path, DEFAULT_TEMPLATE, variables)
 
     site = (tmp_path / "conf.d" / "sluice.conf").read_text()
+    http = (tmp_path / "conf.d" / "snippets" / "sluice-http.conf").read_text()
     assert "listen 127.0.0.1:18080;" in site
-    assert "server 127.0.0.1:18181;" in site
     assert "server 127.0.0.1:19000;" in site
-    assert "syslog:server=127.0.0.1:18182," in site
-    assert "${" not in site
+    assert "server 127.0.0.1:18181;" in http
+    assert "syslog:server=127.0.0.1:18182," in http
+    for rendered in (tmp_path / "conf.d").rglob("*.conf"):
+        assert "${" not in rendered.read_text(), rendered
     assert f'include "{tmp_path / "conf.d" / "sluice.conf"}";' in config.read_text()
 
 
@@ -209,8 +221,8 @@ def test_rendered_front_doors_wait_past_the_longest_hold_but_connect_quickly(tmp
     write_nginx_config(tmp_path, DEFAULT_TEMPLATE, variables)
     envoy_config = write_envoy_config(tmp_path, DEFAULT_ENVOY_TEMPLATE, variables)
 
-    site = (tmp_path / "conf.d" / "sluice.conf").read_text()
-    check = site[site.index("location = /_sluice/auth {"):]
+    server = (tmp_path / "conf.d" / "snippets" / "sluice-server.conf").read_text()
+    check = server[server.index("location = /_sluice/auth {"):]
     check = check[: check.index("}")]
     assert "proxy_connect_timeout 100ms;" in check
     assert "proxy_read_timeout 3s;" in check

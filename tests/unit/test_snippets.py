@@ -1,0 +1,300 @@
+"""The nginx snippets and Envoy fragments an existing proxy takes, and the
+shipped site and bootstrap built from them, never beside them."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sidecar import launcher
+from sidecar.launcher import (
+    DEFAULT_ENVOY_TEMPLATE,
+    DEFAULT_TEMPLATE,
+    PACKAGE_TEMPLATES,
+    StackError,
+    StackPorts,
+    expand_includes,
+    render_template_file,
+    template_variables,
+)
+
+TEMPLATES = Path(str(PACKAGE_TEMPLATES))
+SNIPPETS = TEMPLATES / "nginx" / "snippets"
+FRAGMENTS = TEMPLATES / "envoy" / "fragments"
+VARIABLES = template_variables(StackPorts(sluice=18181, sluice_hook=18182), "127.0.0.1")
+
+
+def directives(text: str) -> list[str]:
+    """The lines of an nginx or YAML template that are not comments."""
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
+
+
+def rendered_yaml(template: Path) -> Any:
+    return yaml.safe_load(render_template_file(template, VARIABLES, "test"))
+
+
+# -- nginx: the site is the three snippets, included ------------------------
+
+
+def nginx_blocks(text: str) -> list[tuple[str, str]]:
+    """(enclosing block, directive) for each directive of an nginx file:
+    the block is "" at the top, else the opening line (`server`, `location /`)."""
+    found, stack = [], [""]
+    for line in directives(text):
+        if line.endswith("{"):
+            stack.append(line[:-1].strip())
+        elif line == "}":
+            stack.pop()
+        else:
+            found.append((stack[-1], line))
+    return found
+
+
+def test_the_site_includes_each_snippet_where_an_existing_nginx_does() -> None:
+    includes = {directive.split()[1].rstrip(";").rsplit("/", 1)[1]: block
+                for block, directive in nginx_blocks(DEFAULT_TEMPLATE.read_text())
+                if directive.startswith("include ")}
+
+    assert includes == {
+        "sluice-http.conf": "",
+        "sluice-server.conf": "server",
+        "sluice-location.conf": "location /",
+    }
+
+
+def test_the_location_names_its_upstream_for_failing_open_and_proxies_to_it() -> None:
+    location = [directive for block, directive in nginx_blocks(DEFAULT_TEMPLATE.read_text()) if block == "location /"]
+
+    assert location == [
+        "set $sluice_upstream http://sluice_protected_app;",
+        "include conf.d/snippets/sluice-location.conf;",
+        "proxy_pass $sluice_upstream;",
+    ]
+    fail_open = nginx_blocks((SNIPPETS / "sluice-server.conf.template").read_text())
+    assert ("location @sluice_fail_open", "proxy_pass $sluice_upstream;") in fail_open
+
+
+@pytest.mark.parametrize("marker", [
+    "log_format sluice_report", "access_log syslog:", "upstream sluice {",
+    "location = /_sluice/auth {", "location @sluice_deny {", "location @sluice_close {",
+    "location @sluice_fail_open {", "location = /.sluice/challenge {",
+    "auth_request /_sluice/auth;", "error_page 403 = @sluice_deny;", "add_header X-RateLimit ",
+])
+def test_each_piece_of_sluices_nginx_configuration_is_written_once(marker: str) -> None:
+    holders = [template.name for template in sorted(TEMPLATES.glob("nginx/**/*.template"))
+               if any(line.startswith(marker) for line in directives(template.read_text()))]
+
+    assert len(holders) == 1, holders
+    assert holders[0].startswith("sluice-") and holders[0] != DEFAULT_TEMPLATE.name
+
+
+def test_the_snippets_name_only_sluices_settings() -> None:
+    used = {name for snippet in SNIPPETS.glob("*.template")
+            for name in re.findall(r"\$\{(\w+)\}", snippet.read_text())}
+
+    assert used == {"SLUICE_ADDR", "SLUICE_HOOK_ADDR", "SLUICE_CONNECT_TIMEOUT", "SLUICE_READ_TIMEOUT"}
+
+
+# -- Envoy: the bootstrap is the three fragments, put in place --------------
+
+
+def http_connection_manager(bootstrap: Any) -> Any:
+    (listener,) = bootstrap["static_resources"]["listeners"]
+    return listener["filter_chains"][0]["filters"][0]["typed_config"]
+
+
+def test_the_bootstrap_holds_the_fragments_exactly() -> None:
+    bootstrap = rendered_yaml(DEFAULT_ENVOY_TEMPLATE)
+    manager = http_connection_manager(bootstrap)
+    filters = rendered_yaml(FRAGMENTS / "sluice-http-filters.yaml.template")
+    clusters = rendered_yaml(FRAGMENTS / "sluice-clusters.yaml.template")
+    routes = rendered_yaml(FRAGMENTS / "sluice-routes.yaml.template")
+
+    assert [f["name"] for f in filters] == ["envoy.filters.http.lua", "envoy.filters.http.ext_authz"]
+    assert manager["http_filters"] == [*filters, manager["http_filters"][-1]]
+    assert manager["http_filters"][-1]["name"] == "envoy.filters.http.router"
+    assert bootstrap["static_resources"]["clusters"][:2] == clusters
+    assert [c["name"] for c in clusters] == ["sluice", "sluice_hook"]
+    (virtual_host,) = manager["route_config"]["virtual_hosts"]
+    assert virtual_host["routes"][: len(routes)] == routes
+
+
+@pytest.mark.parametrize("marker", [
+    '"@type": type.googleapis.com/envoy.extensions.filters.http.ext_authz.v3.ExtAuthz',
+    '"@type": type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua',
+    "function envoy_on_response(response_handle)", "path_prefix: /v1/envoy/auth", "- name: sluice_hook",
+    "- match: {path: \"/.sluice/challenge\"}",
+])
+def test_each_piece_of_sluices_envoy_configuration_is_written_once(marker: str) -> None:
+    holders = [template.name for template in sorted(TEMPLATES.glob("envoy/**/*.template"))
+               if marker in directives(template.read_text())]
+
+    assert len(holders) == 1, holders
+    assert holders[0].startswith("sluice-")
+
+
+# -- includes --------------------------------------------------------------
+
+
+def test_an_include_of_a_template_that_does_not_exist_is_reported() -> None:
+    with pytest.raises(StackError, match="@include envoy/fragments/nope.yaml: no such template"):
+        expand_includes("clusters:\n  @include envoy/fragments/nope.yaml\n")
+
+
+@pytest.mark.parametrize("name", ["../launcher.py", "envoy/../../launcher.py", "/", "envoy//x"])
+def test_an_include_never_leaves_the_templates(name: str) -> None:
+    with pytest.raises(StackError, match="not a path of a template"):
+        expand_includes(f"x:\n  @include {name}\n")
+
+
+def test_an_include_inside_a_line_or_a_comment_is_text() -> None:
+    text = "# @include envoy/fragments/sluice-routes.yaml.template\nkey: a @include b\n"
+
+    assert expand_includes(text) == text
+
+
+def _literal_for_multiline(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|" if "\n" in value else None)
+
+
+class _FragmentDumper(yaml.SafeDumper):
+    """Writes multi-line strings as block scalars, as the Lua of the filters
+    fragment is: blank lines in them must survive the indentation."""
+
+
+_FragmentDumper.add_representer(str, _literal_for_multiline)
+
+SCALARS = st.one_of(
+    st.integers(),
+    st.booleans(),
+    st.text(st.characters(codec="ascii", exclude_categories=["Cc"]), max_size=12),
+    # Lines, as block scalars (a last line ending in a line break would be
+    # kept with `|+` and a document end marker: nothing a fragment holds).
+    st.lists(st.text(st.characters(codec="ascii", exclude_categories=["Cc"]), max_size=10), max_size=4)
+    .map("\n".join).filter(lambda text: not text.endswith("\n")),
+)
+FRAGMENTS_DATA = st.lists(
+    st.dictionaries(st.from_regex(r"[a-z][a-z_]{0,7}", fullmatch=True), SCALARS, min_size=1, max_size=4),
+    min_size=1,
+    max_size=4,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=FRAGMENTS_DATA, indent=st.integers(min_value=0, max_value=12), comment=st.booleans())
+def test_an_included_fragment_loads_where_its_line_stands(data: list[dict[str, Any]], indent: int,
+                                                          comment: bool) -> None:
+    fragment = yaml.dump(data, Dumper=_FragmentDumper, sort_keys=False)
+    if comment:
+        fragment = "# What the fragment is for.\n\n" + fragment
+    with tempfile.TemporaryDirectory() as root:
+        (Path(root) / "proxy").mkdir()
+        (Path(root) / "proxy" / "part.yaml.template").write_text(fragment)
+        template = f"outer:\n  inner:\n{' ' * (indent + 2)}@include proxy/part.yaml.template\n  after: 1\n"
+
+        expanded = expand_includes(template, Path(root))
+
+    assert yaml.safe_load(expanded) == {"outer": {"inner": data, "after": 1}}
+
+
+# -- rendering for a proxy of one's own: --render --------------------------
+
+
+def test_render_writes_the_snippets_with_the_stacks_values(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    assert launcher.main(["--render", "nginx/snippets", str(tmp_path)]) == 0
+
+    assert sorted(path.name for path in tmp_path.iterdir()) == [
+        "sluice-http.conf", "sluice-location.conf", "sluice-server.conf"]
+    assert "server 127.0.0.1:8181;" in (tmp_path / "sluice-http.conf").read_text()
+    assert "proxy_read_timeout 1s;" in (tmp_path / "sluice-server.conf").read_text()
+    assert capsys.readouterr().out.splitlines() == sorted(str(path) for path in tmp_path.iterdir())
+
+
+def test_render_takes_a_value_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLUICE_HOST", "sluice.internal")
+    monkeypatch.setenv("SLUICE_PORT", "8282")
+
+    assert launcher.main(["--render", "envoy/fragments", str(tmp_path)]) == 0
+
+    clusters = yaml.safe_load((tmp_path / "sluice-clusters.yaml").read_text())
+    address = clusters[0]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+    assert address["socket_address"] == {"address": "sluice.internal", "port_value": 8282}
+
+
+def test_render_waits_past_the_longest_hold_of_the_rules(tmp_path: Path) -> None:
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("rules:\n  - id: slow\n    key: [ip]\n    limit: {rate: 2r/s, burst: 4, delay: 1}\n"
+                     "    action: block\n")
+
+    assert launcher.main(["--render", "nginx/snippets", str(tmp_path / "out"), "--rules", str(rules)]) == 0
+
+    assert "proxy_read_timeout 3s;" in (tmp_path / "out" / "sluice-server.conf").read_text()
+
+
+@pytest.mark.parametrize("folder", ["nginx/nope", "..", "lua"])
+def test_render_of_an_unknown_folder_names_the_folders(folder: str, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    assert launcher.main(["--render", folder, str(tmp_path / "out")]) == 1
+
+    error = capsys.readouterr().err
+    assert error.startswith(f"sluice render: {folder}")
+    assert not (tmp_path / "out").exists()
+
+
+# -- the README's examples, with the snippets and fragments rendered --------
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def readme_block(section: str, language: str) -> str:
+    text = README.read_text()
+    start = text.index(f"\n## {section}\n")
+    body = text[start:text.index("\n## ", start + 1)]
+    (block,) = re.findall(rf"```{language}\n(.*?)```", body, re.DOTALL)
+    return block
+
+
+def test_the_readmes_nginx_server_with_three_includes_is_valid(tmp_path: Path) -> None:
+    assert launcher.main(["--render", "nginx/snippets", str(tmp_path / "snippets")]) == 0
+    config = tmp_path / "nginx.conf"
+    config.write_text(f"events {{}}\n{readme_block('Add Sluice to an existing nginx', 'nginx')}")
+
+    result = subprocess.run(
+        [launcher.find_nginx(), "-t", "-q", "-e", "stderr", "-p", str(tmp_path), "-c", str(config),
+         "-g", f"pid {tmp_path / 'nginx.pid'};"],
+        capture_output=True, text=True, timeout=30,
+    )
+
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_readmes_envoy_bootstrap_with_the_fragments_pasted_is_valid(tmp_path: Path) -> None:
+    assert launcher.main(["--render", "envoy/fragments", str(tmp_path)]) == 0
+    text = readme_block("Add Sluice to an existing Envoy", "yaml")
+    # Paste each fragment where the README's comment says, indented alike.
+    for name in ("sluice-routes.yaml", "sluice-http-filters.yaml", "sluice-clusters.yaml"):
+        fragment = (tmp_path / name).read_text()
+        text = re.sub(rf"^( *)# {re.escape(name)}:.*$",
+                      lambda match: "\n".join(match.group(1) + line if line else line
+                                              for line in fragment.splitlines()),
+                      text, count=1, flags=re.MULTILINE)
+        assert fragment.splitlines()[-1] in text, name
+    bootstrap = tmp_path / "envoy.yaml"
+    bootstrap.write_text(text)
+
+    result = subprocess.run(
+        [launcher.find_envoy(), "--mode", "validate", "-c", str(bootstrap), "--disable-hot-restart",
+         "--log-level", "error"],
+        capture_output=True, text=True, timeout=60,
+    )
+
+    assert result.returncode == 0, result.stdout + result.stderr
