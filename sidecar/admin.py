@@ -1,4 +1,4 @@
-"""Reload and the admin API (SPEC §10).
+"""Reload and the admin API.
 
 A reload (``SIGHUP`` or ``POST /v1/admin/reload``) reads the rules file
 again: a valid file replaces the rules at once, keeping counters (a rule

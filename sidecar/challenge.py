@@ -1,4 +1,4 @@
-"""Human verification for ``action: challenge`` (SPEC §6).
+"""Human verification for ``action: challenge``.
 
 A key in the penalty of a challenge rule gets a page with a *challenge*: a
 string signed by Sluice naming the rule, when it was issued, the proof-of-work

@@ -1,7 +1,7 @@
 """The rules file: YAML with line tracking, a strict schema, readable errors.
 
 Loading happens once (at start and on reload). Every problem in the file is
-reported at once as ``FILE:LINE: field.path: message`` (SPEC §10, §12); the
+reported at once as ``FILE:LINE: field.path: message``; the
 per-request path never sees any of this, only the compiled objects built from
 the validated model (see ``sidecar.rules``).
 """
@@ -159,7 +159,7 @@ def parse_dimension(value: Any) -> str:
             return value
         kind, sep, name = value.partition(":")
         if sep and kind in _NAMED_DIMENSIONS and name.strip():
-            # Header names are case-insensitive (SPEC §4); cookie and query
+            # Header names are case-insensitive; cookie and query
             # names are not.
             return f"{kind}:{name.strip().lower() if kind == 'header' else name.strip()}"
     raise ValueError(
@@ -223,7 +223,7 @@ NamedTests = Annotated[list[NamedTest], BeforeValidator(_as_list)]
 
 
 class Condition(Strict):
-    """A ``match:`` mapping: several leaves mean all of them (SPEC §12)."""
+    """A ``match:`` mapping: several leaves mean all of them."""
 
     all: list["Condition"] | None = Field(None, min_length=1)
     any: list["Condition"] | None = Field(None, min_length=1)
@@ -519,7 +519,7 @@ class StateConfig(Strict):
     url: str = "redis://127.0.0.1:6379/0"
     cluster: ClusterConfig | None = None
     max_keys: int = Field(100_000, ge=1)
-    # Requests a leaky bucket may hold at once on this node (SPEC §7): when
+    # Requests a leaky bucket may hold at once on this node: when
     # all are taken, a request that would have to wait is refused instead.
     max_delayed: int = Field(1_000, ge=0)
     fail: FailMode = "open"
@@ -578,7 +578,7 @@ class ChallengeConfig(Strict):
     secret_file: str | None = None
     auto_ban: AutoBan = AutoBan()
     # Leading zero bits of the proof of work: 2**D hashes on average. 16 is
-    # about a second in a browser; every bit more doubles it (SPEC §6).
+    # about a second in a browser; every bit more doubles it.
     difficulty: int = Field(16, ge=1, le=24)
 
     @field_validator("secret_file")
@@ -610,7 +610,7 @@ class RulesFile(Strict):
     node: str | None = Field(None, min_length=1)
     decision_log: DecisionLogConfig = DecisionLogConfig()
     # draft: allowed responses also carry the IETF RateLimit-Policy and
-    # RateLimit fields (draft-ietf-httpapi-ratelimit-headers) (SPEC §6).
+    # RateLimit fields (draft-ietf-httpapi-ratelimit-headers).
     headers: Literal["standard", "draft"] = "standard"
     client_ip: ClientIPConfig = ClientIPConfig()
     state: StateConfig = StateConfig()

@@ -1,4 +1,4 @@
-"""The demo upstream: an application to put behind Sluice (SPEC §11).
+"""The demo upstream: an application to put behind Sluice.
 
 It answers any method and path with 200 and a small JSON echo of the request.
 `?status=N` makes it answer with status N, `?score=S` adds the response

@@ -1,4 +1,4 @@
-"""The request-phase pipeline (SPEC §1): exempt, ban, rules in order, answer.
+"""The request-phase pipeline: exempt, ban, rules in order, answer.
 
 The engine talks to one ``StateStore`` and awaits it; it never learns which
 backend it has."""
@@ -62,7 +62,7 @@ class Decision:
     reset: int = 0  # X-RateLimit-Reset
     retry_after: int = 0
     page: BlockPage | None = None
-    pending: str | None = None  # token for the response report (SPEC §8)
+    pending: str | None = None  # token for the response report
     delay: float = 0.0  # hold an allowed request this long first (leaky bucket)
     quota: tuple[str, str] | None = None  # RateLimit-Policy and RateLimit values
     challenge: IssuedChallenge | None = None  # set for a challenge page
@@ -74,7 +74,7 @@ class Decision:
 
 ALLOWED = Decision(outcome=ALLOW)
 CLOSED = Decision(outcome=CLOSE)
-# fail: closed and the shared store unavailable (SPEC §9): a refusal no rule
+# fail: closed and the shared store unavailable: a refusal no rule
 # made, with the built-in 503 page.
 STORE_UNAVAILABLE = Decision(outcome=DENY, retry_after=1, page=BlockPage.builtin(503))
 
@@ -102,7 +102,7 @@ class Engine:
         self.log = DecisionLog(lambda: self.ruleset.node, wall_clock, keys=lambda: self.ruleset.log_keys,
                                secret=lambda: self._secret)
         self.responses = ResponsePhase(self)
-        # SPEC §9 and §3: counted always, logged at most every 10 s / 60 s.
+        # Counted always, logged at most every 10 s / 60 s.
         self._store_error_log = RateLimitedLog(log, 10)
         self._bad_address_log = RateLimitedLog(log, 60, clock)
         # Requests held by a leaky bucket right now, or about to be: a
@@ -131,7 +131,7 @@ class Engine:
     def resolve_client(self, peer: str, forwarded_for: str | None) -> ClientAddress:
         client = self.ruleset.resolver.resolve(peer, forwarded_for)
         if client is UNKNOWN_CLIENT:
-            # SPEC §3: counted as the empty value, in a metric always and in
+            # Counted as the empty value, in a metric always and in
             # the log at most once per minute.
             self.metrics.invalid_address.inc()
             self._bad_address_log.warning("client address missing or invalid (%r); counting it as the "
@@ -188,7 +188,7 @@ class Engine:
         self.delayed -= 1
 
     def store_failed(self, exc: Exception) -> None:
-        """Counted always, logged at most every 10 s (SPEC §9)."""
+        """Counted always, logged at most every 10 s."""
         self.metrics.store_errors.inc()
         self._store_error_log.warning("state store unavailable (%s); requests %s until it answers again "
                                       "(reported every 10 s at most)", exc,
@@ -219,14 +219,14 @@ class Engine:
             auto_ban = None
             if rule.challenge is not None:
                 if self._has_credential(rule, request):
-                    # Passes this rule, and evaluation ends (SPEC §1 step 5).
+                    # Passes this rule, and evaluation ends.
                     metrics.credentials.inc()
                     break
                 # Verified bots are never banned, not even for challenges;
                 # the challenge itself applies to them as block does.
                 auto_ban = None if verified_bots and self._verified_bot(ruleset, request) else ruleset.auto_ban
             if ban_duration is not None and verified_bots and self._verified_bot(ruleset, request):
-                # A verified bot that triggers a ban is let through (SPEC §6).
+                # A verified bot that triggers a ban is let through.
                 stops, ban_duration = False, None
             matched.append(rule)
             checks.append(Check(rule.id, rule.key(request), rule.limiter,
@@ -242,7 +242,7 @@ class Engine:
         ruleset = self.ruleset
         metrics = self.metrics
         if evaluation.ban is not None and not evaluation.new_ban:
-            # Banned: no evaluation, no counting, no per-request log (SPEC §1).
+            # Banned: no evaluation, no counting, no per-request log.
             metrics.banned_requests.inc()
             return CLOSED
 
@@ -301,7 +301,7 @@ class Engine:
         return draft_fields(quotas) if quotas else None
 
     async def record_response(self, token: str, status: int, headers: dict[str, str]) -> int:
-        """The proxy reports a response (SPEC §8); how many rules counted it."""
+        """The proxy reports a response; how many rules counted it."""
         return await self.responses.record(token, status, headers)
 
     def record_response_now(self, token: str, status: int, headers: dict[str, str]) -> int:

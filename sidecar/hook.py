@@ -1,4 +1,4 @@
-"""The post-response hook: the proxy reports responses (SPEC §8).
+"""The post-response hook: the proxy reports responses.
 
 Two ways in, one meaning: a report carries the pending token Sluice gave at
 request time, the response status and response headers.

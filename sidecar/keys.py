@@ -1,4 +1,4 @@
-"""Counting keys (SPEC §4): which counter a request counts against.
+"""Counting keys: which counter a request counts against.
 
 A key is ``(prefix, *values)``: the prefix is the rule id and the sorted
 names of its dimensions (``rules.compile_key``), the values are the

@@ -1,4 +1,4 @@
-"""The local stack without containers: demo upstream, Sluice, nginx and Envoy (SPEC §11).
+"""The local stack without containers: demo upstream, Sluice, nginx and Envoy.
 
 `python -m sidecar.launcher [--rules FILE]` (what `make run` calls) renders the
 nginx and Envoy templates shipped in the package (or those named by
@@ -116,7 +116,7 @@ def render_template(text: str, variables: Mapping[str, str]) -> str:
 
 def check_timeout_seconds(longest_hold: float) -> int:
     """The front doors' timeout for Sluice's answer, given the longest hold
-    of the rules (`sluice check` prints it, SPEC §7)."""
+    of the rules (`sluice check` prints it)."""
     return max(MIN_CHECK_TIMEOUT_SECONDS, math.ceil(longest_hold + CHECK_TIMEOUT_MARGIN_SECONDS))
 
 

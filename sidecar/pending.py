@@ -1,7 +1,7 @@
 """Pending response-phase counts, carried by the proxy in a signed token.
 
 A response-phase rule (``count_on:``, score budgets) is matched at request
-time but counted only when the proxy reports the response (SPEC §8). Which
+time but counted only when the proxy reports the response. Which
 (rule, key) pairs wait for that response is not kept in Sluice: it travels
 with the request as a token the proxy hands back with the response report.
 So do the concurrency slots the request holds, given back by the report:

@@ -1,4 +1,4 @@
-"""The response phase (SPEC §8): a reported response counts for the rules
+"""The response phase: a reported response counts for the rules
 that were pending on its request, and gives back the concurrency slots the
 request held.
 

@@ -31,7 +31,7 @@ Predicate = Callable[[CheckRequest], bool]
 KeyBuilder = Callable[[CheckRequest], CountingKey]
 
 # --------------------------------------------------------------------------
-# Conditions (SPEC §5)
+# Conditions
 # --------------------------------------------------------------------------
 
 
@@ -115,7 +115,7 @@ def _all(parts: list[Predicate]) -> Predicate:
 
 
 # --------------------------------------------------------------------------
-# Counting keys (SPEC §4)
+# Counting keys
 # --------------------------------------------------------------------------
 
 DimensionValue = Callable[[CheckRequest], Hashable]
@@ -219,7 +219,7 @@ def parse_score(value: str | None) -> int:
 
 @dataclass(frozen=True, slots=True)
 class ResponseCounting:
-    """Which responses a response-phase rule counts, and by how much (SPEC §7, §8).
+    """Which responses a response-phase rule counts, and by how much.
 
     ``count_on`` status and header conditions must all hold; a score budget
     counts the score in ``score_header``.
@@ -260,7 +260,7 @@ class ResponseCounting:
 
 @dataclass(frozen=True, slots=True)
 class ChallengeSettings:
-    """A challenge rule's credential: its cookie and how long it lasts (SPEC §6)."""
+    """A challenge rule's credential: its cookie and how long it lasts."""
 
     cookie: str
     ttl: float
@@ -313,7 +313,7 @@ class Ruleset:
     url: str  # the shared store's, with backend redis
     cluster: tuple[tuple[str, int], ...]  # a Redis Cluster's configured nodes, or none
     sentinel: config.SentinelConfig | None  # or the sentinels that name its master
-    fail: config.FailMode  # a request when the shared store is unavailable (SPEC §9)
+    fail: config.FailMode  # a request when the shared store is unavailable
     source: str
     secret: bytes | None  # HMAC key from challenge.secret_file
     draft_headers: bool  # RateLimit-Policy / RateLimit on allowed responses

@@ -1,4 +1,4 @@
-"""Where counts and bans live: one interface, two backends (SPEC §9).
+"""Where counts and bans live: one interface, two backends.
 
 ``StateStore`` is what the engine talks to; it never learns which backend
 it has. ``MemoryStore`` (``sidecar.store.memory``) keeps the state of one
@@ -32,7 +32,7 @@ class StateStore(Protocol):
         also each counting check's (remaining, reset, window) after the
         decision (None for the others), for the draft RateLimit fields."""
     async def record(self, now: float, counts: Sequence[ResponseCount]) -> list[Hit]:
-        """Count reported responses (SPEC §8)."""
+        """Count reported responses."""
     async def release(self, lease: str, keys: Sequence[CountingKey]) -> int:
         """Give back the concurrency slots a request took under ``lease``,
         one per key, when its response is reported; how many were held."""

@@ -1,4 +1,4 @@
-"""Counts and bans in Redis (or Valkey), shared by every node and worker (SPEC §9).
+"""Counts and bans in Redis (or Valkey), shared by every node and worker.
 
 Each operation is one Lua script, shipped as a file under ``sidecar/lua/``,
 registered once and called by its digest (EVALSHA, loaded again after
@@ -49,8 +49,8 @@ BAN_INDEX = PREFIX + "bans"
 # A ban record is "sluice:{ADDRESS}:ban".
 BAN_HEAD, BAN_TAIL = PREFIX + "{", "}:ban"
 
-# A store that does not answer within this is unavailable for this request
-# (SPEC §9): the request fails open (or closed) instead of waiting.
+# A store that does not answer within this is unavailable for this request:
+# the request fails open (or closed) instead of waiting.
 DEFAULT_TIMEOUT = 0.1
 
 

@@ -161,7 +161,7 @@ def assert_observed(reply: Reply, limit: int, reset: int) -> None:
 
 
 def assert_refused_by_closing(client: Client, path: str, front_door: str) -> None:
-    """`close: true` and bans (SPEC §6). nginx closes the connection without
+    """`close: true` and bans. nginx closes the connection without
     a response; Envoy's ext_authz cannot, so Envoy answers an empty 403 with
     `Connection: close` and then closes the connection."""
     if front_door == "nginx":
