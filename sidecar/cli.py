@@ -33,6 +33,13 @@ def _host_port(value: str, option: str = "--hook-udp") -> tuple[str, int] | None
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+def _address(value: str, option: str) -> tuple[str, int]:
+    address = _host_port(value, option)
+    if address is None:
+        raise click.BadParameter(f"expected HOST:PORT, got {value!r}", param_hint=option)
+    return address
+
+
 def _is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
@@ -74,6 +81,63 @@ def check(file: str) -> None:
     if ruleset.longest_hold:
         click.echo(f"leaky buckets hold requests up to {ruleset.longest_hold:g} s: the proxy's "
                    "timeout for Sluice must be longer, or held requests fail open")
+
+
+# What `sluice config` renders: the package's template folders, and where
+# each one's files go (the full nginx site includes conf.d/snippets/...).
+CONFIG_TARGETS = {
+    "nginx": (("nginx", ""), ("nginx/snippets", "snippets")),
+    "nginx-snippets": (("nginx/snippets", ""),),
+    "envoy": (("envoy", ""),),
+    "envoy-fragments": (("envoy/fragments", ""),),
+}
+
+
+@main.command("config")
+@click.argument("target", type=click.Choice(sorted(CONFIG_TARGETS)))
+@click.option("--listen", default="127.0.0.1:8080",
+              help="HOST:PORT the proxy listens on (nginx's listen, Envoy's listener).")
+@click.option("--sluice", default="127.0.0.1:8181", help="HOST:PORT of sluice serve.")
+@click.option("--hook-udp", default="127.0.0.1:8182", help="HOST:PORT of sluice serve --hook-udp (nginx's reports).")
+@click.option("--upstream", default="127.0.0.1:9000", help="HOST:PORT of the application.")
+@click.option("--envoy-admin-port", default=9901, type=click.IntRange(1, 65535))
+@click.option("--rules", type=click.Path(dir_okay=False, exists=True),
+              help="Rules file: the proxy's timeout for Sluice's answer then outlasts its longest hold.")
+@click.option("--out", type=click.Path(file_okay=False),
+              help="Write the files into this folder (as nginx's conf.d, say) instead of printing them.")
+def config_command(target: str, listen: str, sluice: str, hook_udp: str, upstream: str, envoy_admin_port: int,
+                   rules: str | None, out: str | None) -> None:
+    """Print (or write) the nginx or Envoy configuration for Sluice, rendered
+    for the given addresses: the full site or bootstrap, or the snippets and
+    fragments to add to an existing one."""
+    from pathlib import Path
+
+    from sidecar.launcher import PACKAGE_TEMPLATES, StackError, proxy_variables, render_folder
+
+    longest_hold = _load(rules).longest_hold if rules else 0.0
+    listen_at = _address(listen, "--listen")
+    variables = proxy_variables(listen_at, listen_at, _address(sluice, "--sluice"), _address(hook_udp, "--hook-udp"),
+                                _address(upstream, "--upstream"), envoy_admin_port, longest_hold)
+    files: dict[str, str] = {}
+    try:
+        for folder, into in CONFIG_TARGETS[target]:
+            source = PACKAGE_TEMPLATES.joinpath(*folder.split("/"))
+            for name, text in render_folder(source, variables).items():
+                files[f"{into}/{name}" if into else name] = text
+    except StackError as exc:
+        click.echo(f"error: {exc}", err=True)
+        raise SystemExit(1) from None
+    if out is not None:
+        for name, text in files.items():
+            path = Path(out) / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            click.echo(f"wrote {path}", err=True)
+        return
+    for name, text in files.items():
+        if len(files) > 1:
+            click.echo(f"# ==> {name} <==")
+        click.echo(text, nl=not text.endswith("\n"))
 
 
 @main.command()

@@ -135,28 +135,40 @@ def template_variables(ports: StackPorts, host: str, longest_hold: float = 0.0) 
     The timeouts for Sluice's answer outlast `longest_hold`, the longest a
     leaky bucket rule holds a request (seconds).
     """
+    return proxy_variables(listen=(host, ports.nginx), envoy_listen=(host, ports.envoy),
+                           sluice=(host, ports.sluice), hook_udp=(host, ports.sluice_hook),
+                           upstream=(host, ports.upstream), envoy_admin_port=ports.envoy_admin,
+                           longest_hold=longest_hold)
+
+
+def proxy_variables(listen: tuple[str, int], envoy_listen: tuple[str, int], sluice: tuple[str, int],
+                    hook_udp: tuple[str, int], upstream: tuple[str, int], envoy_admin_port: int = 9901,
+                    longest_hold: float = 0.0) -> dict[str, str]:
+    """The variables of the nginx and Envoy templates for these addresses:
+    where the proxy listens, where Sluice and its UDP report hook are, and
+    the application's upstream."""
     # "Ns" is a duration in both nginx's and Envoy's syntax.
     check_timeout = f"{check_timeout_seconds(longest_hold)}s"
     return {
         # nginx
-        "SLUICE_LISTEN": _host_port(host, ports.nginx),
-        "SLUICE_ADDR": _host_port(host, ports.sluice),
-        "UPSTREAM_ADDR": _host_port(host, ports.upstream),
+        "SLUICE_LISTEN": _host_port(*listen),
+        "SLUICE_ADDR": _host_port(*sluice),
+        "UPSTREAM_ADDR": _host_port(*upstream),
         "SLUICE_CONNECT_TIMEOUT": "100ms",
         "SLUICE_READ_TIMEOUT": check_timeout,
         # Response reports, syslog over UDP.
-        "SLUICE_HOOK_ADDR": _host_port(host, ports.sluice_hook),
+        "SLUICE_HOOK_ADDR": _host_port(*hook_udp),
         # Envoy
-        "ENVOY_LISTEN_ADDRESS": host,
-        "ENVOY_LISTEN_PORT": str(ports.envoy),
-        "ENVOY_ADMIN_PORT": str(ports.envoy_admin),
-        "SLUICE_HOST": host,
-        "SLUICE_PORT": str(ports.sluice),
+        "ENVOY_LISTEN_ADDRESS": envoy_listen[0],
+        "ENVOY_LISTEN_PORT": str(envoy_listen[1]),
+        "ENVOY_ADMIN_PORT": str(envoy_admin_port),
+        "SLUICE_HOST": sluice[0],
+        "SLUICE_PORT": str(sluice[1]),
         # Response reports, POST /v1/hook on Sluice's HTTP port.
-        "SLUICE_HOOK_HOST": host,
-        "SLUICE_HOOK_PORT": str(ports.sluice),
-        "UPSTREAM_HOST": host,
-        "UPSTREAM_PORT": str(ports.upstream),
+        "SLUICE_HOOK_HOST": sluice[0],
+        "SLUICE_HOOK_PORT": str(sluice[1]),
+        "UPSTREAM_HOST": upstream[0],
+        "UPSTREAM_PORT": str(upstream[1]),
         "SLUICE_CHECK_TIMEOUT": check_timeout,
         "ENVOY_UNCHECKED_PREFIX": ENVOY_UNCHECKED_PREFIX,
     }

@@ -1,0 +1,153 @@
+"""The wheel works on its own: built from this checkout, installed into a
+fresh virtualenv, and run from a folder outside the checkout with nothing of
+the repository on the path — `sluice serve`, `check`, `replay` and
+`config` (whose nginx and Envoy output the real nginx and Envoy accept)."""
+
+from __future__ import annotations
+
+import http.client
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sidecar.launcher import find_envoy, find_nginx, nginx_main_config
+from tests.integration.clients import LOOPBACK
+from tests.integration.conftest import free_port
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+
+RULES = """\
+rules:
+  - id: per-ip
+    key: [ip]
+    limit: {requests: 2, per: 60s}
+    action: block
+"""
+
+LOG = "\n".join(f'198.51.100.7 - - [01/Mar/2024:10:00:0{i} +0000] "GET /items HTTP/1.1" 200 12 "-" "curl/8"'
+                for i in range(5)) + "\n"
+
+
+class Installed:
+    """A fresh virtualenv with the wheel installed, and a working folder
+    outside the checkout."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.work = root / "work"
+        self.work.mkdir()
+        wheels = root / "dist"
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(wheels), str(REPO)],
+                       check=True, capture_output=True, timeout=300)
+        [wheel] = wheels.glob("sluice_ratelimit-*.whl")
+        self.venv = root / "venv"
+        subprocess.run([sys.executable, "-m", "venv", str(self.venv)], check=True, timeout=120)
+        subprocess.run([str(self.venv / "bin" / "pip"), "install", "--quiet", str(wheel)],
+                       check=True, capture_output=True, timeout=600)
+        # Nothing of the checkout or the test run leaks in.
+        self.env = {key: value for key, value in os.environ.items()
+                    if key not in ("PYTHONPATH", "VIRTUAL_ENV") and not key.startswith("SLUICE_")}
+        self.env["PATH"] = f"{self.venv / 'bin'}:{os.environ.get('PATH', '')}"
+
+    def sluice(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run([str(self.venv / "bin" / "sluice"), *args], cwd=self.work, env=self.env,
+                                capture_output=True, text=True, timeout=60)
+        if check:
+            assert result.returncode == 0, result.stderr
+        return result
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
+    return Installed(tmp_path_factory.mktemp("wheel"))
+
+
+def test_the_installed_package_is_the_wheel_s_not_the_checkout_s(installed: Installed) -> None:
+    result = subprocess.run([str(installed.venv / "bin" / "python"), "-c", "import sidecar; print(sidecar.__file__)"],
+                            cwd=installed.work, env=installed.env, capture_output=True, text=True, timeout=60)
+    assert result.stdout.startswith(str(installed.venv)), result.stdout
+    assert installed.sluice("--version").stdout.startswith("sluice ")
+    assert installed.sluice("-h").stdout.startswith("Usage: ")
+
+
+def test_check_and_replay_work_from_outside_the_checkout(installed: Installed) -> None:
+    (installed.work / "rules.yaml").write_text(RULES)
+    (installed.work / "bad.yaml").write_text(RULES.replace("per: 60s", "per: soon"))
+    (installed.work / "access.log").write_text(LOG)
+    assert installed.sluice("check", "rules.yaml").stdout == "rules.yaml: OK, 1 rules\n"
+    bad = installed.sluice("check", "bad.yaml", check=False)
+    assert bad.returncode == 1 and bad.stderr.startswith("bad.yaml:4: rules[0](per-ip).limit.per: ")
+    report = installed.sluice("replay", "--config", "rules.yaml", "access.log").stdout
+    assert "replayed 5 requests" in report and "2 allowed" in report and "3 denied" in report
+
+
+def test_config_renders_an_nginx_site_nginx_accepts(installed: Installed) -> None:
+    conf_d = installed.work / "conf.d"
+    installed.sluice("config", "nginx", "--listen", f"{LOOPBACK}:{free_port()}", "--sluice", "10.0.0.5:8181",
+                     "--upstream", "10.0.0.6:8000", "--out", str(conf_d))
+    assert sorted(path.relative_to(conf_d).as_posix() for path in conf_d.rglob("*.conf")) == [
+        "sluice.conf", "snippets/sluice-http.conf", "snippets/sluice-location.conf", "snippets/sluice-server.conf"]
+    site = (conf_d / "sluice.conf").read_text()
+    assert "${" not in site and "10.0.0.5:8181" in (conf_d / "snippets" / "sluice-http.conf").read_text()
+    # The site includes conf.d/snippets/...: nginx's prefix is the folder holding conf.d.
+    for folder in ("logs", "tmp"):
+        (installed.work / folder).mkdir(exist_ok=True)
+    main = installed.work / "nginx.conf"
+    main.write_text(nginx_main_config(installed.work, conf_d / "sluice.conf"))
+    result = subprocess.run([find_nginx(), "-t", "-q", "-e", "stderr", "-p", str(installed.work), "-c", str(main)],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+
+
+def test_config_prints_an_envoy_bootstrap_envoy_accepts(installed: Installed) -> None:
+    bootstrap = installed.sluice("config", "envoy", "--listen", f"{LOOPBACK}:{free_port()}",
+                                 "--sluice", f"{LOOPBACK}:8181", "--upstream", f"{LOOPBACK}:9000",
+                                 "--envoy-admin-port", str(free_port())).stdout
+    path = installed.work / "envoy.yaml"
+    path.write_text(bootstrap)
+    assert "${" not in bootstrap and not any(line.lstrip().startswith("@include") for line in bootstrap.splitlines())
+    result = subprocess.run([find_envoy(), "--mode", "validate", "-c", str(path)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.fixture
+def served(installed: Installed) -> Iterator[int]:
+    (installed.work / "rules.yaml").write_text(RULES)
+    port = free_port()
+    process = subprocess.Popen([str(installed.venv / "bin" / "sluice"), "serve", "--port", str(port),
+                                "--hook-udp", "off"], cwd=installed.work,
+                               env={**installed.env, "SLUICE_CONFIG": "rules.yaml"},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while status(port, "/healthz") != 200:
+            assert process.poll() is None and time.monotonic() < deadline, process.stderr and process.stderr.read()
+            time.sleep(0.05)
+        yield port
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+def status(port: int, path: str, headers: dict[str, str] | None = None) -> int | None:
+    connection = http.client.HTTPConnection(LOOPBACK, port, timeout=5)
+    try:
+        connection.request("GET", path, headers=headers or {})
+        return connection.getresponse().status
+    except OSError:
+        return None
+    finally:
+        connection.close()
+
+
+def test_serve_decides_with_the_rules_the_environment_names(served: int) -> None:
+    check = {"X-Sluice-Client-Addr": "192.0.2.44", "X-Original-URI": "/items"}
+    assert [status(served, "/v1/nginx/auth", check) for _ in range(3)] == [200, 200, 403]
