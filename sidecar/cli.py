@@ -96,7 +96,7 @@ CONFIG_TARGETS = {
 @main.command("config")
 @click.argument("target", type=click.Choice(sorted(CONFIG_TARGETS)))
 @click.option("--listen", default="127.0.0.1:8080",
-              help="HOST:PORT the proxy listens on (nginx's listen, Envoy's listener).")
+              help="HOST:PORT (or PORT: every address) the proxy listens on (nginx's listen, Envoy's listener).")
 @click.option("--sluice", default="127.0.0.1:8181", help="HOST:PORT of sluice serve.")
 @click.option("--hook-udp", default="127.0.0.1:8182", help="HOST:PORT of sluice serve --hook-udp (nginx's reports).")
 @click.option("--upstream", default="127.0.0.1:9000", help="HOST:PORT of the application.")
@@ -115,7 +115,8 @@ def config_command(target: str, listen: str, sluice: str, hook_udp: str, upstrea
     from sidecar.launcher import PACKAGE_TEMPLATES, StackError, proxy_variables, render_folder
 
     longest_hold = _load(rules).longest_hold if rules else 0.0
-    listen_at = _address(listen, "--listen")
+    # A bare port listens on every address, as nginx's `listen 80` does.
+    listen_at = ("0.0.0.0", int(listen)) if listen.isdigit() else _address(listen, "--listen")
     variables = proxy_variables(listen_at, listen_at, _address(sluice, "--sluice"), _address(hook_udp, "--hook-udp"),
                                 _address(upstream, "--upstream"), envoy_admin_port, longest_hold)
     files: dict[str, str] = {}
