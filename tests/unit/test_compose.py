@@ -24,10 +24,9 @@ import pytest
 import yaml
 
 from sidecar import launcher
-from sidecar.launcher import find_envoy, find_nginx, nginx_main_config, render_template
+from sidecar.launcher import find_envoy, render_template
 from sidecar.rules import load_ruleset
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.unit.deploy_files import REPO, dockerfile_instructions, exec_form, nginx_test
 
 
 def _on_disk(template: Traversable) -> Path:
@@ -152,20 +151,7 @@ def test_nginx_accepts_the_rendered_configuration(tmp_path: Path) -> None:
     settings = {
         name: re.sub(rf"^(?:{service_names}):", "127.0.0.1:", value) for name, value in environment("nginx").items()
     }
-    site = tmp_path / "conf.d" / "sluice.conf"
-    site.parent.mkdir()
-    site.write_text(rendered_by_the_image(DEFAULT_TEMPLATE, settings))
-    for directory in ("logs", "tmp"):
-        (tmp_path / directory).mkdir()
-    main_config = tmp_path / "nginx.conf"
-    main_config.write_text(nginx_main_config(tmp_path, site))
-
-    result = subprocess.run(
-        [find_nginx(), "-t", "-q", "-e", "stderr", "-p", str(tmp_path), "-c", str(main_config)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    result = nginx_test(tmp_path, rendered_by_the_image(DEFAULT_TEMPLATE, settings))
 
     assert result.returncode == 0, result.stderr
 
@@ -276,3 +262,48 @@ def test_the_front_doors_report_responses_to_sluice() -> None:
     # Envoy posts to /v1/hook on Sluice's HTTP port.
     sluice_port = command[command.index("--port") + 1]
     assert (envoy["SLUICE_HOOK_HOST"], envoy["SLUICE_HOOK_PORT"]) == ("sluice", sluice_port)
+
+
+# -- (c) healthchecks -----------------------------------------------------
+
+# Runs once and exits: nothing to check the health of.
+ONE_SHOT = {"envoy-config"}
+
+
+def healthcheck_command(service: str) -> list[str]:
+    """The service's healthcheck: its own, or the image's for Sluice's image."""
+    if "healthcheck" in SERVICES[service]:
+        test: list[str] = SERVICES[service]["healthcheck"]["test"]
+        assert test[0] == "CMD", service
+        return test[1:]
+    assert SERVICES[service].get("build") == ".", f"{service} has no healthcheck"
+    [arguments] = [arguments for keyword, arguments in dockerfile_instructions() if keyword == "HEALTHCHECK"]
+    return exec_form(arguments.partition("CMD ")[2])
+
+
+def test_every_service_that_keeps_running_has_a_healthcheck() -> None:
+    for name in set(SERVICES) - ONE_SHOT:
+        assert healthcheck_command(name), name
+        own = SERVICES[name].get("healthcheck")
+        if own is not None:
+            assert {"interval", "timeout", "retries"} <= set(own), name
+
+
+def test_the_front_doors_start_once_sluice_and_the_upstream_are_healthy() -> None:
+    for front_door in ("nginx", "envoy"):
+        depends_on = SERVICES[front_door]["depends_on"]
+        for name in ("sluice", "upstream"):
+            assert depends_on[name] == {"condition": "service_healthy"}, (front_door, name)
+
+
+def test_each_healthcheck_probes_the_port_its_service_listens_on() -> None:
+    sluice = SERVICES["sluice"]["command"]
+    # The image's probe reads SLUICE_PORT, 8181 unless set: the port compose's Sluice is given.
+    assert "SLUICE_PORT" not in environment("sluice")
+    assert "'8181'" in " ".join(healthcheck_command("sluice")) and sluice[sluice.index("--port") + 1] == "8181"
+    upstream = SERVICES["upstream"]["command"]
+    assert f":{upstream[upstream.index('--port') + 1]}/" in " ".join(healthcheck_command("upstream"))
+    assert f"/127.0.0.1/{environment('nginx')['SLUICE_LISTEN']}" in " ".join(healthcheck_command("nginx"))
+    admin_port = environment(service_rendering(DEFAULT_ENVOY_TEMPLATE))["ENVOY_ADMIN_PORT"]
+    assert f"/127.0.0.1/{admin_port} " in " ".join(healthcheck_command("envoy"))
+    assert healthcheck_command("redis") == ["redis-cli", "ping"]
