@@ -60,8 +60,9 @@ $(INSTALLED): pyproject.toml
 # (command redis-cli) and prometheus (command promtool). Debian installs nginx
 # outside the PATH of ordinary users (/usr/sbin). Installing must not start
 # the system's own nginx, caddy, redis or prometheus service (port 80, caddy's
-# admin endpoint on 2019, Redis on 6379, Prometheus on 9090): a policy-rc.d
-# that refuses service starts is the Debian way to ask for that.
+# admin endpoint on 2019, Redis on 6379, Prometheus on 9090 and the node
+# exporter it brings on 9100): a policy-rc.d that refuses service starts is
+# the Debian way to ask for that.
 nginx caddy redis-server redis-tools nodejs prometheus wrk:
 	@if command -v $(or $(if $(filter nodejs,$@),node),$(if $(filter redis-tools,$@),redis-cli),$(if $(filter prometheus,$@),promtool),$@) >/dev/null || [ -x /usr/sbin/$@ ]; then exit 0; fi
 	if [ "$$(id -u)" != 0 ]; then \
