@@ -1,14 +1,43 @@
-# The image of compose.yaml's `sluice` and `upstream` services: Sluice and
-# the demo upstream are one Python package.
+# Sluice's image; also the demo upstream of compose.yaml (one Python package).
+#
+#   docker build -t sluice-ratelimit:0.2.0 .
+#
+# The dependencies are installed from requirements.lock, pinned with their
+# hashes, in a layer of their own: a change to Sluice's code rebuilds only
+# the last layers. Regenerate the lock after changing pyproject.toml's
+# dependencies (see its header, and the README's "Container image").
 FROM python:3.11-slim
 
-# What the package is built from, and nothing else (see .dockerignore).
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1
+
+# A numeric user: Kubernetes' runAsNonRoot accepts only a numeric USER.
+RUN groupadd --system --gid 10001 sluice \
+ && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
+      --shell /usr/sbin/nologin sluice
+
+# Wheels only, each checked against its hash: nothing is compiled here.
+COPY requirements.lock /tmp/requirements.lock
+RUN pip install --require-hashes --only-binary=:all: -r /tmp/requirements.lock \
+ && rm /tmp/requirements.lock
+
+# Sluice itself, without dependencies (all installed above). What it is
+# built from, and nothing else (see .dockerignore).
 COPY pyproject.toml README.md /src/
 COPY sidecar /src/sidecar
-RUN pip install --no-cache-dir /src && rm -rf /src
+RUN pip install --no-deps /src && rm -rf /src
 
-USER nobody
-EXPOSE 8181
-# compose.yaml gives each service its own command; by itself the image runs
-# Sluice with its embedded default rules.
-CMD ["sluice", "serve", "--host", "0.0.0.0", "--port", "8181"]
+USER 10001:10001
+# The check port (HTTP: checks, /healthz, /readyz, /metrics, the admin API)
+# and nginx's response reports (syslog over UDP).
+ENV SLUICE_HOST=0.0.0.0 SLUICE_PORT=8181
+EXPOSE 8181 8182/udp
+# Liveness of the check port; slim images have no curl. A compose service
+# that runs another command from this image sets its own healthcheck.
+HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
+  CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('SLUICE_PORT', '8181') + '/healthz', timeout=2)"]
+# By itself the image runs Sluice with its embedded default rules;
+# --config FILE (or SLUICE_CONFIG) gives it yours.
+CMD ["sluice", "serve", "--hook-udp", "0.0.0.0:8182"]

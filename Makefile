@@ -7,7 +7,9 @@
 # package; as root only). `make test` also installs Debian's caddy, for the
 # forward-auth integration tests, and redis-server and redis-tools (redis-cli,
 # which makes a Redis Cluster), for the shared backend's (the tests start their
-# own servers and cluster on loopback).
+# own servers and cluster on loopback), and prometheus for its promtool, which
+# checks and tests deploy/prometheus/alerts.yaml (the Prometheus server is not
+# started).
 
 SHELL := bash
 .SHELLFLAGS := -euo pipefail -c
@@ -22,12 +24,12 @@ RULES ?= examples/default.yaml
 # Re-installed whenever pyproject.toml changes.
 INSTALLED := $(VENV)/.installed
 
-.PHONY: run test bench nginx caddy redis-server redis-tools nodejs wrk
+.PHONY: run test bench nginx caddy redis-server redis-tools nodejs prometheus wrk
 
 run: $(INSTALLED) nginx
 	$(VENV)/bin/python -m sidecar.launcher --rules "$(RULES)"
 
-test: $(INSTALLED) nginx caddy redis-server redis-tools nodejs
+test: $(INSTALLED) nginx caddy redis-server redis-tools nodejs prometheus
 	$(VENV)/bin/python -m mypy
 	$(VENV)/bin/python -m pytest -q
 
@@ -54,14 +56,15 @@ $(INSTALLED): pyproject.toml
 	touch $@
 
 # Debian's packages, named like their command except nodejs (command node,
-# which runs the challenge page's script in a unit test) and redis-tools
-# (command redis-cli). Debian installs nginx
+# which runs the challenge page's script in a unit test), redis-tools
+# (command redis-cli) and prometheus (command promtool). Debian installs nginx
 # outside the PATH of ordinary users (/usr/sbin). Installing must not start
-# the system's own nginx, caddy or redis service (port 80, caddy's admin
-# endpoint on 2019, Redis on 6379): a policy-rc.d that refuses service starts
-# is the Debian way to ask for that.
-nginx caddy redis-server redis-tools nodejs wrk:
-	@if command -v $(or $(if $(filter nodejs,$@),node),$(if $(filter redis-tools,$@),redis-cli),$@) >/dev/null || [ -x /usr/sbin/$@ ]; then exit 0; fi
+# the system's own nginx, caddy, redis or prometheus service (port 80, caddy's
+# admin endpoint on 2019, Redis on 6379, Prometheus on 9090 and the node
+# exporter it brings on 9100): a policy-rc.d that refuses service starts is
+# the Debian way to ask for that.
+nginx caddy redis-server redis-tools nodejs prometheus wrk:
+	@if command -v $(or $(if $(filter nodejs,$@),node),$(if $(filter redis-tools,$@),redis-cli),$(if $(filter prometheus,$@),promtool),$@) >/dev/null || [ -x /usr/sbin/$@ ]; then exit 0; fi
 	if [ "$$(id -u)" != 0 ]; then \
 	  echo "make: $@ is not installed; install Debian's $@ package (as root: apt-get install $@)" >&2; \
 	  exit 1; \

@@ -46,9 +46,11 @@ class Admin:
         except ConfigError as exc:
             errors = [str(issue) for issue in exc.issues]
             log.error("reload refused, the old rules keep running:\n%s", "\n".join(errors))
+            self.engine.metrics.reloaded(succeeded=False)
             self.engine.log.audit("reload", who, "refused", errors=len(errors))
             return errors
         self.engine.reload(ruleset)
+        self.engine.metrics.reloaded(succeeded=True)
         log.info("reloaded %d rules from %s", len(ruleset.rules), ruleset.source)
         for warning in ruleset.warnings:
             log.warning("%s", warning)

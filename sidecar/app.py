@@ -21,7 +21,7 @@ import time
 
 from sidecar.admin import Admin
 from sidecar.asgi import Receive, Scope, Send
-from sidecar.engine import Decision, Engine
+from sidecar.engine import ALLOW, Decision, Engine
 from sidecar.frontdoors import ROUTES
 from sidecar.frontdoors.common import (
     Check, Reply, RouteTable, header_map, respond, wait_unless_disconnected,
@@ -51,6 +51,7 @@ class SluiceApp:
         self.api = build_api(engine, report_udp, admin, share_report_port, health)
         self._error_log = RateLimitedLog(log, 10)
         self._routes = RouteTable(ROUTES)
+        self._decisions = engine.metrics.decisions
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -88,7 +89,7 @@ class SluiceApp:
         ``scope[HELD]`` then carries to the ASGI path to wait and answer."""
         decided = run_at_once(self._decide(check, scope, headers))
         if decided is None:
-            return FAIL_OPEN
+            return self._fail_open(check)
         request, decision = decided
         if decision.delay > 0:
             scope[HELD] = (check, request, decision)
@@ -100,7 +101,7 @@ class SluiceApp:
         ``check_for``)."""
         decided = await self._decide(check, scope, headers)
         if decided is None:
-            return FAIL_OPEN
+            return self._fail_open(check)
         request, decision = decided
         if decision.delay > 0:
             # Only after a reload made a rule hold while this check was
@@ -114,7 +115,7 @@ class SluiceApp:
     async def _check(self, scope: Scope, receive: Receive, send: Send, check: Check) -> None:
         decided = await self._decide(check, scope, header_map(scope))
         if decided is None:
-            await respond(send, *FAIL_OPEN)
+            await respond(send, *self._fail_open(check))
         elif decided[1].delay > 0:
             await self._answer_after_hold(receive, send, check, *decided)
         else:
@@ -149,10 +150,18 @@ class SluiceApp:
 
     def _answer(self, check: Check, request: CheckRequest, decision: Decision) -> Reply:
         try:
-            return check.answer(request, decision)
+            reply = check.answer(request, decision)
         except Exception:
             self.internal_error()
-            return FAIL_OPEN
+            return self._fail_open(check)
+        self._decisions[check.front_door, decision.outcome] += 1
+        return reply
+
+    def _fail_open(self, check: Check) -> Reply:
+        """The answer to a check that failed inside Sluice (counted and
+        logged already): allow."""
+        self._decisions[check.front_door, ALLOW] += 1
+        return FAIL_OPEN
 
     def internal_error(self) -> None:
         self.engine.metrics.errors.inc()

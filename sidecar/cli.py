@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 
+from sidecar import version
 from sidecar.config import ConfigError
 from sidecar.rules import Ruleset, default_ruleset, load_ruleset
 
@@ -45,19 +46,6 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return host == "localhost"
-
-
-DISTRIBUTION = "sluice-ratelimit"
-
-
-def version() -> str:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as installed
-
-    try:
-        return installed(DISTRIBUTION)
-    except PackageNotFoundError:  # run from a checkout that was never installed
-        return "unknown"
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})

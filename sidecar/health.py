@@ -76,7 +76,8 @@ class _ProbeHandler(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         self.send_header("Cache-Control", "no-store")
         self.end_headers()
-        self.wfile.write(data)
+        if self.command != "HEAD":  # a body after HEAD's headers would be read as the next response
+            self.wfile.write(data)
 
     do_HEAD = do_GET
 

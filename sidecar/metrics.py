@@ -4,18 +4,25 @@ The request path only adds to plain integers (a prometheus_client counter
 takes a lock on every increment, several times the cost of the rest of a
 decision); a collector turns them into Prometheus families at scrape time.
 Everything runs on the event loop's thread, so no lock is needed.
+
+Names: ``sluice_`` and what is counted, in the plural, with ``_total`` for
+counters (``sluice_challenges_issued_total``); a gauge says what it holds
+(``sluice_active_bans``). The registry also carries prometheus_client's
+process, garbage collector and platform collectors.
 """
 
 from __future__ import annotations
 
 import bisect
 import collections
+import time
 from typing import Callable, Iterator
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from sidecar import version
 from sidecar.config import Action
 
 LATENCY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
@@ -65,10 +72,10 @@ COUNTERS = {
                  "Concurrency slots given back by response reports (a slot without one ends with its lease)."),
     "delayed": ("sluice_delayed", "Requests held by a leaky bucket before being allowed."),
     "challenges_issued": ("sluice_challenges_issued", "Challenge pages sent."),
-    "challenges_passed": ("sluice_challenges_passed",
+    "challenges_solved": ("sluice_challenges_solved",
                           "Challenges solved: a credential cookie was issued."),
-    "challenges_failed": ("sluice_challenge_solutions_refused",
-                          "Challenge solutions refused: forged, expired, another client's, or wrong."),
+    "challenges_refused": ("sluice_challenges_refused",
+                           "Challenge solutions refused: forged, expired, another client's, or wrong."),
     "credentials": ("sluice_challenge_credentials_accepted",
                     "Requests that passed a challenge rule with a valid credential."),
 }
@@ -86,20 +93,31 @@ class Metrics(Collector):
     released: Tally
     delayed: Tally
     challenges_issued: Tally
-    challenges_passed: Tally
-    challenges_failed: Tally
+    challenges_solved: Tally
+    challenges_refused: Tally
     credentials: Tally
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None,
+                 wall_clock: Callable[[], float] = time.time) -> None:
         for attribute in COUNTERS:
             setattr(self, attribute, Tally())
         self.latency = LatencyHistogram()
         # Requests counted per rule id: the hot path adds to it directly.
         self.rule_hits: collections.Counter[str] = collections.Counter()
+        # Checks answered, by (front door, outcome): the app adds to it directly.
+        self.decisions: collections.Counter[tuple[str, str]] = collections.Counter()
         self._over: dict[tuple[str, str], Tally] = {}
         self._gauges: dict[str, tuple[str, Callable[[], float]]] = {}
+        self._wall_clock = wall_clock
+        self.reloads = {"success": Tally(), "failure": Tally()}
+        # Made with the engine, whose rules were just loaded.
+        self.rules_loaded_at = wall_clock()
+        self.version = version()
         self.registry = registry if registry is not None else CollectorRegistry()
         self.registry.register(self)
+        ProcessCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
 
     def hit(self, rule_id: str) -> None:
         self.rule_hits[rule_id] += 1
@@ -116,13 +134,38 @@ class Metrics(Collector):
     def over_limit_of(self, rule_id: str) -> dict[str, int]:
         return {action: tally.value for (rule, action), tally in self._over.items() if rule == rule_id}
 
+    def reloaded(self, succeeded: bool) -> None:
+        """A reload of the rules file: its new rules run, or it was refused."""
+        self.reloads["success" if succeeded else "failure"].inc()
+        if succeeded:
+            self.rules_loaded_at = self._wall_clock()
+
     def watch(self, name: str, documentation: str, read: Callable[[], float]) -> None:
-        """A gauge read at scrape time."""
+        """A value read at scrape time: a counter when ``name`` ends in
+        ``_total`` (a running count), else a gauge."""
         self._gauges[name] = (documentation, read)
 
     def collect(self) -> Iterator:
+        info = GaugeMetricFamily("sluice_build_info", "The running Sluice, by version (always 1).", labels=["version"])
+        info.add_metric([self.version], 1)
+        yield info
         for attribute, (name, documentation) in COUNTERS.items():
             yield CounterMetricFamily(name, documentation, value=getattr(self, attribute).value)
+        decisions = CounterMetricFamily("sluice_decisions", "Checks answered, by front door and what the "
+                                        "proxy was told (a check that failed inside Sluice: allow).",
+                                        labels=["front_door", "outcome"])
+        for (front_door, outcome), count in self.decisions.items():
+            decisions.add_metric([front_door, outcome], count)
+        yield decisions
+        reloads = CounterMetricFamily("sluice_reloads", "Reloads of the rules file: success (the new "
+                                      "rules run) or failure (refused, the old rules keep running).",
+                                      labels=["result"])
+        for result, tally in self.reloads.items():
+            reloads.add_metric([result], tally.value)
+        yield reloads
+        yield GaugeMetricFamily("sluice_last_reload_timestamp_seconds",
+                                "When the running rules were loaded (Unix time): at start, or by the "
+                                "last successful reload.", value=self.rules_loaded_at)
         hits = CounterMetricFamily("sluice_rule_hits", "Requests counted by a rule.", labels=["rule"])
         for rule_id, count in self.rule_hits.items():
             hits.add_metric([rule_id], count)
@@ -133,7 +176,8 @@ class Metrics(Collector):
             over.add_metric([rule_id, action], tally.value)
         yield over
         for name, (documentation, read) in self._gauges.items():
-            yield GaugeMetricFamily(name, documentation, value=read())
+            family = CounterMetricFamily if name.endswith("_total") else GaugeMetricFamily
+            yield family(name, documentation, value=read())
         latency = self.latency
         cumulative, buckets = 0, []
         for bound, count in zip((*map(str, LATENCY_BUCKETS), "+Inf"), latency.counts):

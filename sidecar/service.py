@@ -60,15 +60,16 @@ def build_api(engine: Engine, report_udp: tuple[str, int] | None = None,
     engine.metrics.watch("sluice_waiting_requests", "Requests held by a leaky bucket right now.",
                          lambda: engine.delayed)
 
-    @api.get("/healthz", response_class=PlainTextResponse)
+    # HEAD as well as GET: probes and scrapers that only look at the status.
+    @api.api_route("/healthz", methods=["GET", "HEAD"], response_class=PlainTextResponse)
     def healthz() -> str:
         return "ok\n"
 
-    @api.get("/readyz", response_class=PlainTextResponse)
+    @api.api_route("/readyz", methods=["GET", "HEAD"], response_class=PlainTextResponse)
     def readyz() -> str:
         return readiness()
 
-    @api.get("/metrics")
+    @api.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics() -> Response:
         return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

@@ -41,12 +41,12 @@ async def solution(service: Service, scope: Scope, receive: Receive, send: Send)
     # A reload may have removed the rule or changed its action since.
     settings = rule.challenge if rule is not None else None
     if ticket is None or problem or rule is None or settings is None:
-        engine.metrics.challenges_failed.inc()
+        engine.metrics.challenges_refused.inc()
         await respond(send, 403, [("Cache-Control", "no-store"), ("Content-Type", CONTENT_TYPE_HTML)],
                       refused_solution_page(problem or "this page no longer asks for a check",
                                             ticket.location if ticket is not None else "/"))
         return
-    engine.metrics.challenges_passed.inc()
+    engine.metrics.challenges_solved.inc()
     credential = engine.challenges.credential(rule.id, client.key, fingerprint, settings.ttl)
     proto = headers.get("x-forwarded-proto") or scope.get("scheme", "http")
     cookie = (f"{settings.cookie}={credential}; Max-Age={int(settings.ttl)}; Path=/; "

@@ -40,6 +40,7 @@ Endpoint = Callable[[Service, Scope, Receive, Send], Awaitable[None]]
 
 @dataclass(frozen=True)
 class Check:
+    front_door: str  # the label of its answers in sluice_decisions_total
     describe: Describe
     answer: Answer
 

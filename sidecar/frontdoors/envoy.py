@@ -45,4 +45,4 @@ def answer_envoy(request: CheckRequest, decision: Decision) -> Reply:
     return status, headers, body
 
 
-ROUTES = (Route(ENVOY_AUTH_PREFIX, Check(describe_envoy, answer_envoy), prefix=True),)
+ROUTES = (Route(ENVOY_AUTH_PREFIX, Check("envoy", describe_envoy, answer_envoy), prefix=True),)

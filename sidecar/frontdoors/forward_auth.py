@@ -34,4 +34,4 @@ def answer_in_full(request: CheckRequest, decision: Decision) -> Reply:
     return render_deny(request, decision)
 
 
-ROUTES = (Route(FORWARD_AUTH_PATH, Check(describe_forward_auth, answer_in_full)),)
+ROUTES = (Route(FORWARD_AUTH_PATH, Check("forward_auth", describe_forward_auth, answer_in_full)),)

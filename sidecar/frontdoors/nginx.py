@@ -156,6 +156,6 @@ async def deny_page(service: Service, scope: Scope, receive: Receive, send: Send
 
 
 ROUTES = (
-    Route(NGINX_AUTH_PATH, Check(describe_nginx, answer_nginx)),
+    Route(NGINX_AUTH_PATH, Check("nginx", describe_nginx, answer_nginx)),
     Route(NGINX_DENY_PATH, deny_page),
 )

@@ -43,7 +43,8 @@ class StateStore(Protocol):
     def configure(self, max_keys: int, node: str) -> None:
         """New settings from a reload."""
     def gauges(self) -> dict[str, tuple[str, Callable[[], float]]]:
-        """Metrics only this store can tell, by name: (help, read)."""
+        """Metrics only this store can tell, by name: (help, read); a name
+        ending in ``_total`` is a running count, the others gauges."""
     async def open(self) -> None:
         """Connect ahead of the first request (a shared store), so that a
         burst at start does not wait for the connection and its scripts;

@@ -413,9 +413,9 @@ class RedisStore:
         return {"sluice_penalty_cache_keys": ("Keys known over limit on the shared store, answered "
                                               "on this node until their wait ends.",
                                               lambda: len(self.penalties)),
-                "sluice_penalty_cache_answers": ("Requests answered from the cache of keys over "
-                                                 "limit, without a round trip (a running count).",
-                                                 lambda: self.penalties.answered)}
+                "sluice_penalty_cache_answers_total": ("Requests answered from the cache of keys "
+                                                       "over limit, without a round trip.",
+                                                       lambda: self.penalties.answered)}
 
     async def open(self) -> None:
         await self.client.open()

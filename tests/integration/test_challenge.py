@@ -78,7 +78,7 @@ def test_challenge_page_carries_the_over_limit_headers_and_a_signed_challenge(
 
 def test_solving_the_challenge_sets_a_credential_that_passes_the_rule(
         new_client: Callable[..., Client], limits_stack: Stack) -> None:
-    passed_before = sluice_metric(limits_stack, "sluice_challenges_passed_total")
+    passed_before = sluice_metric(limits_stack, "sluice_challenges_solved_total")
     client = new_client()
     path = unique_path("/challenge/") + "?item=1"
     cookie = pass_challenge(client, path)
@@ -86,7 +86,7 @@ def test_solving_the_challenge_sets_a_credential_that_passes_the_rule(
         reply = client.request(path, headers={**HTML, "Cookie": f"theme=dark; {cookie}"})
         assert reply.status == 200 and reply.echo()["path"] == path.partition("?")[0]
         assert "X-RateLimit" not in reply.headers
-    assert sluice_metric(limits_stack, "sluice_challenges_passed_total") >= passed_before + 1
+    assert sluice_metric(limits_stack, "sluice_challenges_solved_total") >= passed_before + 1
 
 
 def test_a_forged_credential_does_not_pass(new_client: Callable[..., Client]) -> None:

@@ -68,7 +68,7 @@ def test_a_client_in_penalty_is_refused_without_a_round_trip_until_it_ends(redis
         after = (await e.decide(request(e, "192.0.2.1"))).outcome
         trips_after = round_trips(redis_server) - before
         return first, trips_during, during, trips_after, after, int(e.store.gauges()[
-            "sluice_penalty_cache_answers"][1]())
+            "sluice_penalty_cache_answers_total"][1]())
 
     first, trips_during, during, trips_after, after, answered = asyncio.run(run())
     assert first == [ALLOW, ALLOW, ALLOW, DENY]

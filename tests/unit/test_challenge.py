@@ -285,7 +285,7 @@ def test_the_solution_endpoint_sets_the_credential_and_goes_back() -> None:
     assert name == "sluice_pass_pages"
     assert set(attributes) == {"Max-Age=3600", "Path=/", "HttpOnly", "SameSite=Lax", "Secure"}
     assert harness.decide_now(path="/page", headers={"cookie": f"{name}={value}"}).outcome == ALLOW
-    assert harness.engine.metrics.challenges_passed.value == 1
+    assert harness.engine.metrics.challenges_solved.value == 1
     assert "Secure" not in post_solution(app, form)[1]["set-cookie"]
 
 
@@ -308,7 +308,7 @@ def test_the_solution_endpoint_refuses_what_does_not_verify(change: str) -> None
     status, headers, body = post_solution(app, {"challenge": text, "nonce": nonce}, address)
     assert status == 403 and "set-cookie" not in headers
     assert b"Verification failed" in body
-    assert harness.engine.metrics.challenges_failed.value == 1
+    assert harness.engine.metrics.challenges_refused.value == 1
 
 
 # --------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import pytest
 import uvicorn
 from click.testing import CliRunner
 
-from sidecar import cli
+from sidecar import DISTRIBUTION, cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,7 +20,7 @@ def test_version_is_the_distribution_s() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     result = CliRunner().invoke(cli.main, ["--version"])
     assert result.exit_code == 0 and result.output == f"sluice {project['version']}\n"
-    assert project["name"] == cli.DISTRIBUTION
+    assert project["name"] == DISTRIBUTION
 
 
 @pytest.mark.parametrize("args", [["-h"], ["--help"], ["serve", "-h"], ["check", "-h"], ["replay", "-h"]])

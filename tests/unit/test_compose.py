@@ -28,8 +28,7 @@ import yaml
 from sidecar import launcher
 from sidecar.launcher import PACKAGE_PARENT, expand_includes, find_envoy, find_nginx, nginx_main_config, render_template
 from sidecar.rules import load_ruleset
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.unit.deploy_files import REPO, dockerfile_instructions, exec_form, nginx_test
 
 
 def _on_disk(template: Traversable) -> Path:
@@ -344,3 +343,48 @@ def test_the_front_doors_report_responses_to_sluice() -> None:
     # Envoy posts to /v1/hook on Sluice's HTTP port.
     sluice_port = command[command.index("--port") + 1]
     assert (envoy["SLUICE_HOOK_HOST"], envoy["SLUICE_HOOK_PORT"]) == ("sluice", sluice_port)
+
+
+# -- (c) healthchecks -----------------------------------------------------
+
+# Runs once and exits: nothing to check the health of.
+ONE_SHOT = {"envoy-config"}
+
+
+def healthcheck_command(service: str) -> list[str]:
+    """The service's healthcheck: its own, or the image's for Sluice's image."""
+    if "healthcheck" in SERVICES[service]:
+        test: list[str] = SERVICES[service]["healthcheck"]["test"]
+        assert test[0] == "CMD", service
+        return test[1:]
+    assert SERVICES[service].get("build") == ".", f"{service} has no healthcheck"
+    [arguments] = [arguments for keyword, arguments in dockerfile_instructions() if keyword == "HEALTHCHECK"]
+    return exec_form(arguments.partition("CMD ")[2])
+
+
+def test_every_service_that_keeps_running_has_a_healthcheck() -> None:
+    for name in set(SERVICES) - ONE_SHOT:
+        assert healthcheck_command(name), name
+        own = SERVICES[name].get("healthcheck")
+        if own is not None:
+            assert {"interval", "timeout", "retries"} <= set(own), name
+
+
+def test_the_front_doors_start_once_sluice_and_the_upstream_are_healthy() -> None:
+    for front_door in ("nginx", "envoy"):
+        depends_on = SERVICES[front_door]["depends_on"]
+        for name in ("sluice", "upstream"):
+            assert depends_on[name] == {"condition": "service_healthy"}, (front_door, name)
+
+
+def test_each_healthcheck_probes_the_port_its_service_listens_on() -> None:
+    sluice = SERVICES["sluice"]["command"]
+    # The image's probe reads SLUICE_PORT, 8181 unless set: the port compose's Sluice is given.
+    assert "SLUICE_PORT" not in environment("sluice")
+    assert "'8181'" in " ".join(healthcheck_command("sluice")) and sluice[sluice.index("--port") + 1] == "8181"
+    upstream = SERVICES["upstream"]["command"]
+    assert f":{upstream[upstream.index('--port') + 1]}/" in " ".join(healthcheck_command("upstream"))
+    assert f"/127.0.0.1/{environment('nginx')['SLUICE_LISTEN']}" in " ".join(healthcheck_command("nginx"))
+    admin_port = environment(ENVOY_RENDERER)["ENVOY_ADMIN_PORT"]
+    assert f"/127.0.0.1/{admin_port} " in " ".join(healthcheck_command("envoy"))
+    assert healthcheck_command("redis") == ["redis-cli", "ping"]
