@@ -36,7 +36,7 @@ class WindowCounter:
     *exceeds* the budget rather than when it reaches it.
     """
 
-    __slots__ = ("threshold", "period", "penalty", "sliding", "exceed", "_lua_limit", "_lua_args")
+    __slots__ = ("threshold", "period", "penalty", "sliding", "exceed", "_lua_limit", "_lua_args", "_window")
     deferred = False  # counts at once; buckets commit only admitted requests
     holds = False  # never asks to hold a request
     scalable = True  # the check's threshold is the limit: overrides may scale it
@@ -55,6 +55,9 @@ class WindowCounter:
         self._lua_limit = (lua_number(period), lua_number(penalty), "1" if sliding else "0",
                            "1" if exceed else "0")
         self._lua_args = ("W", lua_number(self.threshold)) + self._lua_limit
+        # The current window's index, one int object that the states counted
+        # in it share (a new int is 32 bytes of every key under rotation).
+        self._window = -2
 
     def new_state(self) -> WindowState:
         # Positional: made for every new key, and keywords cost a third more.
@@ -72,6 +75,10 @@ class WindowCounter:
             return Hit(True, state.penalty_until - now)
         window = int(now // self.period)
         if window != state.window:
+            if window == self._window:
+                window = self._window
+            else:
+                self._window = window
             state.previous = state.current if window == state.window + 1 else 0
             state.current = 0
             state.window = window
