@@ -181,6 +181,9 @@ def replay(config: str, as_json: bool, top: int, host: str, logs: tuple[str, ...
 @click.option("--health", default="off", show_default=True,
               help="HOST:PORT of a listener of its own for /healthz and /readyz, answered "
                    "even while the main port is flooded (point liveness probes here), or 'off'.")
+@click.option("--grpc-port", type=click.IntRange(1, 65535), envvar="SLUICE_GRPC_PORT", show_envvar=True,
+              help="Also serve Envoy's gRPC ext_authz (envoy.service.auth.v3.Authorization) on this "
+                   "port of --host. Default: off.")
 @click.option("--workers", default=1, show_default=True, type=click.IntRange(min=1))
 @click.option("--log-level", default="info", show_default=True, envvar="SLUICE_LOG_LEVEL", show_envvar=True,
               type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False))
@@ -190,7 +193,7 @@ def replay(config: str, as_json: bool, top: int, host: str, logs: tuple[str, ...
 @click.option("--max-headers", default=16_384, show_default=True, type=click.IntRange(min=1),
               help="Most header fields of one request; more get 431. Keep it above what the proxy forwards.")
 def serve(config: str | None, host: str, port: int, uds: str | None, hook_udp: str,
-          admin_token_file: str | None, health: str, workers: int, log_level: str,
+          admin_token_file: str | None, health: str, grpc_port: int | None, workers: int, log_level: str,
           max_header_bytes: int, max_headers: int) -> None:
     """Run the check service."""
     import uvicorn
@@ -211,6 +214,7 @@ def serve(config: str | None, host: str, port: int, uds: str | None, hook_udp: s
     settings = {"config": config, "admin_token_file": admin_token_file, "hook_udp": _host_port(hook_udp),
                 "loopback": uds is not None or _is_loopback(host), "log_level": log_level,
                 "workers": workers, "health": _host_port(health, "--health"),
+                "grpc": None if grpc_port is None else (host, grpc_port),
                 # Workers must sign and verify pending-count tokens and
                 # challenge credentials alike: without challenge.secret_file,
                 # one random key for all of them.
@@ -271,8 +275,10 @@ def service(settings: dict[str, Any], ruleset: Ruleset | None = None) -> Any:
     # Several workers share the report port: the kernel spreads datagrams
     # over them (SO_REUSEPORT).
     health = settings.get("health")
+    grpc = settings.get("grpc")
     return create_app(engine, tuple(hook_udp) if hook_udp else None, admin,
-                      share_report_port=settings["workers"] > 1, health=tuple(health) if health else None)
+                      share_report_port=settings["workers"] > 1, health=tuple(health) if health else None,
+                      grpc=tuple(grpc) if grpc else None)
 
 
 def worker_service() -> Any:
