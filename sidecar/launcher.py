@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import http.client
 import math
 import os
@@ -428,12 +429,7 @@ class Stack:
                 ("envoy-grpc", envoy_grpc_conf, ports.envoy_grpc, ports.envoy_grpc_admin),
             ):
                 self._start(name, _envoy_argv(envoy, config))
-                # Envoy's admin says LIVE once its listeners are set up, even
-                # when one could not bind its port (Envoy then runs without
-                # it): the listener itself must take connections too.
-                self._wait(name, lambda port=port, admin_port=admin_port:
-                           _http_status(ENVOY_ADMIN_HOST, admin_port, "/ready") == 200
-                           and _accepts_connections(host, port))
+                self._wait(name, functools.partial(_envoy_ready, host, port, admin_port))
         except BaseException:
             self.stop()
             raise
@@ -619,6 +615,13 @@ def _ensure_port_free(host: str, port: int, name: str, kind: socket.SocketKind =
             probe.bind((host, port))
         except OSError as error:
             raise StackError(f"{name}: cannot listen on {_host_port(host, port)}: {error.strerror}") from error
+
+
+def _envoy_ready(host: str, port: int, admin_port: int) -> bool:
+    # Envoy's admin says LIVE once its listeners are set up, even when one
+    # could not bind its port (Envoy then runs without it): the listener
+    # itself must take connections too.
+    return _http_status(ENVOY_ADMIN_HOST, admin_port, "/ready") == 200 and _accepts_connections(host, port)
 
 
 def _accepts_connections(host: str, port: int) -> bool:
