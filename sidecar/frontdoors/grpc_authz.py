@@ -23,15 +23,15 @@ from sidecar.engine import Engine
 from sidecar.frontdoors.authz_messages import (CHECK_METHOD, CHECK_SERVICE, OVERWRITE_IF_EXISTS_OR_ADD,
                                                CheckRequest as CheckRequestMessage, CheckResponse,
                                                HeaderValueOption)
-from sidecar.frontdoors.common import Check, Reply, check_request
+from sidecar.frontdoors.common import Check, Reply, check_request, join_fields
 from sidecar.frontdoors.forward_auth import answer_in_full
 from sidecar.request import CheckRequest, strip_port
 
 # google.rpc.Code values of CheckResponse.status.
 RPC_OK = 0
 RPC_PERMISSION_DENIED = 7
-# What the Lua filter reads from ext_authz's dynamic metadata (see the
-# template's sluice-http-filters.yaml): the same keys over HTTP and gRPC.
+# What the Lua filter reads from ext_authz's dynamic metadata (see
+# sluice-response-filter.yaml): the same keys over HTTP and gRPC.
 METADATA_HEADERS = ("x-sluice-pending", "connection")
 # The scope key under which the gRPC request reaches ``describe_grpc``.
 GRPC_MESSAGE = "sluice.grpc.check"
@@ -43,21 +43,12 @@ def request_headers(http: Any) -> dict[str, str]:
     Host come from their own fields). ``header_map`` (Envoy's
     ``encode_raw_headers``) keeps repeated fields apart; they are joined
     as the HTTP front doors join them."""
-    headers: dict[str, str] = {}
     if http.header_map.headers:
         fields = [(entry.key, entry.value or entry.raw_value.decode("latin-1"))
                   for entry in http.header_map.headers]
     else:
         fields = list(http.headers.items())
-    for raw_name, value in fields:
-        name = raw_name.lower()
-        if name.startswith(":"):
-            continue
-        if name in headers:
-            headers[name] += ("; " if name == "cookie" else ", ") + value
-        else:
-            headers[name] = value
-    return headers
+    return join_fields((name, value) for name, value in fields if not name.startswith(":"))
 
 
 def describe_grpc(engine: Engine, scope: Scope, headers: dict[str, str]) -> CheckRequest:

@@ -11,46 +11,28 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar.app import SluiceApp
+from sidecar.asgi import Scope
+from sidecar.engine import Engine
 from sidecar.frontdoors.authz_messages import CHECK_METHOD, CHECK_SERVICE, CheckRequest, CheckResponse
 from sidecar.frontdoors.common import Check, Reply
 from sidecar.frontdoors.grpc_authz import RPC_OK, RPC_PERMISSION_DENIED, GrpcListener, check_handler
-from sidecar.asgi import Scope
-
-from sidecar.engine import Engine
 
 from .conftest import FakeClock, ruleset_from
+from .test_app import RULES as APP_RULES
 
-RULES = """
-rules:
-  - id: api
-    match: {path: {prefix: /api/}}
-    key: [ip]
-    limit: {requests: 1, per: 10s}
-    action: block
-    block: {status: 503, body: "<p>slow down ${{remote_addr}} on ${{http_host}}</p>"}
+# test_app's rules (a 503 page, a close, observe mode), and two more.
+RULES = APP_RULES + """
   - id: legal
     match: {path: {prefix: /legal}}
     key: [ip]
     limit: {requests: 1, per: 10s}
     action: block
     block: {status: 451, body: "gone"}
-  - id: quiet
-    match: {path: {prefix: /quiet}}
-    key: [ip]
-    limit: {requests: 1, per: 10s}
-    action: block
-    block: {close: true}
-  - id: watch
-    match: {path: {prefix: /watch}}
-    key: [ip]
-    limit: {requests: 1, per: 30s}
-    action: log
   - id: by-agent
     key: [ip, "header:user-agent"]
     limit: {requests: 3, per: 10s}
     action: block
 """
-
 
 RULESET = ruleset_from(RULES)
 
@@ -107,7 +89,7 @@ def test_a_5xx_refusal_is_denied_with_its_status_headers_and_page() -> None:
     assert answer.status.code == RPC_PERMISSION_DENIED
     denied = answer.denied_response
     assert denied.status.code == 503  # passed through by Envoy as it is
-    assert denied.body == "<p>slow down 198.51.100.7 on shop.example</p>"
+    assert denied.body == "<p>slow down 198.51.100.7 on shop.example (rid-1)</p>"
     headers = headers_of(denied.headers)
     assert headers["x-ratelimit-limit"] == "1" and headers["x-request-id"] == "rid-1"
     assert "x-sluice-status" not in headers
