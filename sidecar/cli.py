@@ -90,6 +90,7 @@ CONFIG_TARGETS = {
     "nginx-snippets": (("nginx/snippets", ""),),
     "envoy": (("envoy", ""),),
     "envoy-fragments": (("envoy/fragments", ""),),
+    "envoy-grpc": (("envoy-grpc", ""),),
 }
 
 

@@ -50,7 +50,7 @@ PACKAGE_TEMPLATES = files("sidecar") / "templates"
 DEFAULT_TEMPLATE = PACKAGE_TEMPLATES / "nginx" / "sluice.conf.template"
 DEFAULT_ENVOY_TEMPLATE = PACKAGE_TEMPLATES / "envoy" / "envoy.yaml.template"
 # The same bootstrap with gRPC ext_authz: the third front door.
-DEFAULT_ENVOY_GRPC_TEMPLATE = PACKAGE_TEMPLATES / "envoy" / "envoy-grpc.yaml.template"
+DEFAULT_ENVOY_GRPC_TEMPLATE = PACKAGE_TEMPLATES / "envoy-grpc" / "envoy-grpc.yaml.template"
 # What an existing nginx includes (the site template includes them too):
 # rendered into SNIPPETS_DIR beside the site, as the nginx image renders
 # the templates' subfolders into conf.d/.
