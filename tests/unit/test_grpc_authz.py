@@ -15,7 +15,8 @@ from sidecar.asgi import Scope
 from sidecar.engine import Engine
 from sidecar.frontdoors.authz_messages import CHECK_METHOD, CHECK_SERVICE, CheckRequest, CheckResponse
 from sidecar.frontdoors.common import Check, Reply
-from sidecar.frontdoors.grpc_authz import RPC_OK, RPC_PERMISSION_DENIED, GrpcListener, check_handler
+from sidecar.frontdoors.grpc_authz import (RPC_OK, RPC_PERMISSION_DENIED, GrpcListener, check_handler,
+                                           check_response, request_headers)
 
 from .conftest import FakeClock, ruleset_from
 from .test_app import RULES as APP_RULES
@@ -199,3 +200,37 @@ def test_a_real_grpc_call_is_decided_in_the_servers_event_loop() -> None:
         return sorted(answer.status.code for answer in answers)
 
     assert asyncio.run(calls()) == [RPC_OK] + [RPC_PERMISSION_DENIED] * 19
+
+
+# -- the wire format, against Envoy's own definitions ------------------------
+# Bytes serialized with the classes xds-protos generates from Envoy's API:
+# the declared messages must read and write them exactly.
+ENVOY_REQUEST = (b'\n\x94\x01\n\x15\n\x13\n\x11\x12\x0b2001:db8::7\x18\xc0\xb8\x02"{\x12y\n\x0242\x12\x04POST'
+                 b'\x1a\x12\n\nuser-agent\x12\x04curl"\n/api/x?y=1*\x12shop.example:100002\x04httpH\xff\xff\xff'
+                 b'\xff\xff\xff\xff\xff\xff\x01R\x08HTTP/1.1j\x1e\n\r\n\x06cookie\x1a\x03a=1\n\r\n\x06cookie\x12\x03b=2')
+ENVOY_DENIED = (b'\n\x02\x08\x07\x12"\n\x03\x08\xf7\x03\x12\x15\n\x11\n\x0bretry-after\x12\x0210\x18\x02\x1a\x04busy'
+                b'"\x17\n\x15\n\nconnection\x12\x07\x1a\x05close')
+ENVOY_ALLOWED = (b'\n\x00\x1a\x162\x14\n\x10\n\tratelimit\x12\x03r=1\x18\x02"\x1b\n\x19\n\x10x-sluice-pending'
+                 b'\x12\x05\x1a\x03tok')
+
+
+def test_a_request_as_envoy_encodes_it_reads_field_for_field() -> None:
+    message = CheckRequest.FromString(ENVOY_REQUEST)
+    http = message.attributes.request.http
+
+    assert message.attributes.source.address.socket_address.address == "2001:db8::7"
+    assert (http.method, http.path, http.host) == ("POST", "/api/x?y=1", "shop.example:10000")
+    assert request_headers(http) == {"cookie": "a=1; b=2"}  # header_map wins over the map
+    http.ClearField("header_map")
+    assert request_headers(http) == {"user-agent": "curl"}
+
+
+def test_answers_encode_as_envoys_own_messages_do() -> None:
+    denied = check_response((503, [("Retry-After", "10"), ("Connection", "close")], b"busy"))
+    allowed = check_response((200, [("RateLimit", "r=1"), ("X-Sluice-Pending", "tok")], b""))
+
+    # Envoy's bytes carry the close in the metadata only.
+    assert [option.header.key for option in denied.denied_response.headers] == ["retry-after", "connection"]
+    del denied.denied_response.headers[1]
+    assert denied == CheckResponse.FromString(ENVOY_DENIED)
+    assert allowed.SerializeToString(deterministic=True) == ENVOY_ALLOWED
