@@ -145,9 +145,12 @@ class GrpcListener:
     async def start(self) -> None:
         server = grpc.aio.server(options=[("grpc.so_reuseport", int(self.reuse_port))])
         server.add_generic_rpc_handlers((check_handler(self.service),))
-        self.port = server.add_insecure_port(self.address)
+        try:
+            self.port = server.add_insecure_port(self.address)
+        except RuntimeError:  # grpcio's "Failed to bind"; older versions return 0
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"gRPC: cannot listen on {self.address}")
+            raise OSError(f"--grpc-port: cannot listen on {self.address} (in use?)")
         await server.start()
         self._server = server
 

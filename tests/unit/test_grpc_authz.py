@@ -234,3 +234,22 @@ def test_answers_encode_as_envoys_own_messages_do() -> None:
     del denied.denied_response.headers[1]
     assert denied == CheckResponse.FromString(ENVOY_DENIED)
     assert allowed.SerializeToString(deterministic=True) == ENVOY_ALLOWED
+
+
+def test_a_grpc_port_in_use_is_an_error_that_names_the_option() -> None:
+    async def start_twice() -> tuple[int, str]:
+        first = GrpcListener(new_app(), "127.0.0.1", 0)
+        await first.start()
+        try:
+            second = GrpcListener(new_app(), "127.0.0.1", first.port)
+            try:
+                await second.start()
+            except OSError as error:
+                return first.port, str(error)
+            await second.stop()
+            return first.port, "started"
+        finally:
+            await first.stop()
+
+    port, outcome = asyncio.run(start_twice())
+    assert outcome == f"--grpc-port: cannot listen on 127.0.0.1:{port} (in use?)"
