@@ -102,12 +102,14 @@ CONFIG_TARGETS = {
 @click.option("--hook-udp", default="127.0.0.1:8182", help="HOST:PORT of sluice serve --hook-udp (nginx's reports).")
 @click.option("--upstream", default="127.0.0.1:9000", help="HOST:PORT of the application.")
 @click.option("--envoy-admin-port", default=9901, type=click.IntRange(1, 65535))
+@click.option("--sluice-grpc-port", default=8183, show_default=True, type=click.IntRange(1, 65535),
+              help="Port of sluice serve --grpc-port on the --sluice host (envoy-grpc, envoy-fragments).")
 @click.option("--rules", type=click.Path(dir_okay=False, exists=True),
               help="Rules file: the proxy's timeout for Sluice's answer then outlasts its longest hold.")
 @click.option("--out", type=click.Path(file_okay=False),
               help="Write the files into this folder (as nginx's conf.d, say) instead of printing them.")
 def config_command(target: str, listen: str, sluice: str, hook_udp: str, upstream: str, envoy_admin_port: int,
-                   rules: str | None, out: str | None) -> None:
+                   sluice_grpc_port: int, rules: str | None, out: str | None) -> None:
     """Print (or write) the nginx or Envoy configuration for Sluice, rendered
     for the given addresses: the full site or bootstrap, or the snippets and
     fragments to add to an existing one."""
@@ -119,7 +121,8 @@ def config_command(target: str, listen: str, sluice: str, hook_udp: str, upstrea
     # A bare port listens on every address, as nginx's `listen 80` does.
     listen_at = ("0.0.0.0", int(listen)) if listen.isdigit() else _address(listen, "--listen")
     variables = proxy_variables(listen_at, listen_at, _address(sluice, "--sluice"), _address(hook_udp, "--hook-udp"),
-                                _address(upstream, "--upstream"), envoy_admin_port, longest_hold)
+                                _address(upstream, "--upstream"), envoy_admin_port, longest_hold,
+                                sluice_grpc_port)
     files: dict[str, str] = {}
     try:
         for folder, into in CONFIG_TARGETS[target]:
