@@ -3,14 +3,16 @@
 `python -m sidecar.launcher [--rules FILE]` (what `make run` calls) renders the
 nginx and Envoy templates shipped in the package (or those named by
 `--nginx-template` and `--envoy-template`) the way the official nginx image does,
-starts the four processes on loopback, waits until each is ready, prints
+starts the five processes on loopback, waits until each is ready, prints
 where to send requests and stops everything it started on Ctrl-C or SIGTERM.
-nginx and Envoy are two front doors to the same Sluice and application. It
-does not restart a component that dies: with Sluice gone, both fail open.
+nginx, Envoy and a second Envoy checking over gRPC (`envoy-grpc`) are three
+front doors to the same Sluice and application. It does not restart a
+component that dies: with Sluice gone, all fail open.
 
 `python -m sidecar.launcher --render FOLDER DIR` only renders the package's
 templates of one folder (`nginx/snippets`, `envoy/fragments`, `nginx`,
-`envoy`) into DIR, for an nginx or Envoy of your own, and starts nothing.
+`envoy`, `envoy-grpc`) into DIR, for an nginx or Envoy of your own, and
+starts nothing.
 
 The integration tests use `Stack` directly, with ports of their choosing.
 """
@@ -696,7 +698,7 @@ def _watch(stack: Stack) -> int:
             if reported.issuperset(FRONT_DOORS):
                 return 1
             if name == "sluice":
-                print("nginx and Envoy now let every request through (fail open)", file=sys.stderr)
+                print("nginx and both Envoys now let every request through (fail open)", file=sys.stderr)
         time.sleep(0.5)
 
 
