@@ -1,4 +1,4 @@
-# make run [RULES=path/to/rules.yaml]   the local stack: nginx + Envoy + Sluice + demo upstream
+# make run [RULES=path/to/rules.yaml]   the local stack: nginx + Envoy (HTTP and gRPC ext_authz) + Sluice + demo upstream
 # make test                             every test, integration tests included
 # make bench                            the benchmarks (bench/*.py); never part of make test
 #

@@ -46,9 +46,15 @@ class SluiceApp:
 
     def __init__(self, engine: Engine, report_udp: tuple[str, int] | None = None,
                  admin: Admin | None = None, share_report_port: bool = False,
-                 health: tuple[str, int] | None = None) -> None:
+                 health: tuple[str, int] | None = None, grpc: tuple[str, int] | None = None) -> None:
         self.engine = engine
-        self.api = build_api(engine, report_udp, admin, share_report_port, health)
+        listener = None
+        if grpc is not None:
+            # grpcio is loaded only by a Sluice that serves gRPC.
+            from sidecar.frontdoors.grpc_authz import GrpcListener
+
+            listener = GrpcListener(self, *grpc, reuse_port=share_report_port)
+        self.api = build_api(engine, report_udp, admin, share_report_port, health, listener)
         self._error_log = RateLimitedLog(log, 10)
         self._routes = RouteTable(ROUTES)
         self._decisions = engine.metrics.decisions
@@ -171,9 +177,11 @@ class SluiceApp:
 
 def create_app(engine: Engine, report_udp: tuple[str, int] | None = None,
                admin: Admin | None = None, share_report_port: bool = False,
-               health: tuple[str, int] | None = None) -> SluiceApp:
+               health: tuple[str, int] | None = None, grpc: tuple[str, int] | None = None) -> SluiceApp:
     """``report_udp``: where to receive nginx's response reports (syslog/UDP),
     a port several worker processes share with ``share_report_port`` (the
     health listener's too); ``admin``: reload on SIGHUP and serve the admin
-    API; ``health``: where the probe listener answers (see sidecar.health)."""
-    return SluiceApp(engine, report_udp, admin, share_report_port, health)
+    API; ``health``: where the probe listener answers (see sidecar.health);
+    ``grpc``: where Envoy's gRPC ext_authz is served (see
+    sidecar.frontdoors.grpc_authz)."""
+    return SluiceApp(engine, report_udp, admin, share_report_port, health, grpc)

@@ -78,6 +78,7 @@ CONFIG_TARGETS = {
     "nginx-snippets": (("nginx/snippets", ""),),
     "envoy": (("envoy", ""),),
     "envoy-fragments": (("envoy/fragments", ""),),
+    "envoy-grpc": (("envoy-grpc", ""),),
 }
 
 
@@ -89,12 +90,14 @@ CONFIG_TARGETS = {
 @click.option("--hook-udp", default="127.0.0.1:8182", help="HOST:PORT of sluice serve --hook-udp (nginx's reports).")
 @click.option("--upstream", default="127.0.0.1:9000", help="HOST:PORT of the application.")
 @click.option("--envoy-admin-port", default=9901, type=click.IntRange(1, 65535))
+@click.option("--sluice-grpc-port", default=8183, show_default=True, type=click.IntRange(1, 65535),
+              help="Port of sluice serve --grpc-port on the --sluice host (envoy-grpc, envoy-fragments).")
 @click.option("--rules", type=click.Path(dir_okay=False, exists=True),
               help="Rules file: the proxy's timeout for Sluice's answer then outlasts its longest hold.")
 @click.option("--out", type=click.Path(file_okay=False),
               help="Write the files into this folder (as nginx's conf.d, say) instead of printing them.")
 def config_command(target: str, listen: str, sluice: str, hook_udp: str, upstream: str, envoy_admin_port: int,
-                   rules: str | None, out: str | None) -> None:
+                   sluice_grpc_port: int, rules: str | None, out: str | None) -> None:
     """Print (or write) the nginx or Envoy configuration for Sluice, rendered
     for the given addresses: the full site or bootstrap, or the snippets and
     fragments to add to an existing one."""
@@ -106,7 +109,8 @@ def config_command(target: str, listen: str, sluice: str, hook_udp: str, upstrea
     # A bare port listens on every address, as nginx's `listen 80` does.
     listen_at = ("0.0.0.0", int(listen)) if listen.isdigit() else _address(listen, "--listen")
     variables = proxy_variables(listen_at, listen_at, _address(sluice, "--sluice"), _address(hook_udp, "--hook-udp"),
-                                _address(upstream, "--upstream"), envoy_admin_port, longest_hold)
+                                _address(upstream, "--upstream"), envoy_admin_port, longest_hold,
+                                sluice_grpc_port)
     files: dict[str, str] = {}
     try:
         for folder, into in CONFIG_TARGETS[target]:
@@ -169,6 +173,9 @@ def replay(config: str, as_json: bool, top: int, host: str, logs: tuple[str, ...
 @click.option("--health", default="off", show_default=True,
               help="HOST:PORT of a listener of its own for /healthz and /readyz, answered "
                    "even while the main port is flooded (point liveness probes here), or 'off'.")
+@click.option("--grpc-port", type=click.IntRange(1, 65535), envvar="SLUICE_GRPC_PORT", show_envvar=True,
+              help="Also serve Envoy's gRPC ext_authz (envoy.service.auth.v3.Authorization) on this "
+                   "port of --host. Default: off.")
 @click.option("--workers", default=1, show_default=True, type=click.IntRange(min=1))
 @click.option("--log-level", default="info", show_default=True, envvar="SLUICE_LOG_LEVEL", show_envvar=True,
               type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False))
@@ -178,7 +185,7 @@ def replay(config: str, as_json: bool, top: int, host: str, logs: tuple[str, ...
 @click.option("--max-headers", default=16_384, show_default=True, type=click.IntRange(min=1),
               help="Most header fields of one request; more get 431. Keep it above what the proxy forwards.")
 def serve(config: str | None, host: str, port: int, uds: str | None, hook_udp: str,
-          admin_token_file: str | None, health: str, workers: int, log_level: str,
+          admin_token_file: str | None, health: str, grpc_port: int | None, workers: int, log_level: str,
           max_header_bytes: int, max_headers: int) -> None:
     """Run the check service."""
     import uvicorn
@@ -199,6 +206,7 @@ def serve(config: str | None, host: str, port: int, uds: str | None, hook_udp: s
     settings = {"config": config, "admin_token_file": admin_token_file, "hook_udp": _host_port(hook_udp),
                 "loopback": uds is not None or _is_loopback(host), "log_level": log_level,
                 "workers": workers, "health": _host_port(health, "--health"),
+                "grpc": None if grpc_port is None else (host, grpc_port),
                 # Workers must sign and verify pending-count tokens and
                 # challenge credentials alike: without challenge.secret_file,
                 # one random key for all of them.
@@ -259,8 +267,10 @@ def service(settings: dict[str, Any], ruleset: Ruleset | None = None) -> Any:
     # Several workers share the report port: the kernel spreads datagrams
     # over them (SO_REUSEPORT).
     health = settings.get("health")
+    grpc = settings.get("grpc")
     return create_app(engine, tuple(hook_udp) if hook_udp else None, admin,
-                      share_report_port=settings["workers"] > 1, health=tuple(health) if health else None)
+                      share_report_port=settings["workers"] > 1, health=tuple(health) if health else None,
+                      grpc=tuple(grpc) if grpc else None)
 
 
 def worker_service() -> Any:

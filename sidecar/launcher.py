@@ -3,14 +3,16 @@
 `python -m sidecar.launcher [--rules FILE]` (what `make run` calls) renders the
 nginx and Envoy templates shipped in the package (or those named by
 `--nginx-template` and `--envoy-template`) the way the official nginx image does,
-starts the four processes on loopback, waits until each is ready, prints
+starts the five processes on loopback, waits until each is ready, prints
 where to send requests and stops everything it started on Ctrl-C or SIGTERM.
-nginx and Envoy are two front doors to the same Sluice and application. It
-does not restart a component that dies: with Sluice gone, both fail open.
+nginx, Envoy and a second Envoy checking over gRPC (`envoy-grpc`) are three
+front doors to the same Sluice and application. It does not restart a
+component that dies: with Sluice gone, all fail open.
 
 `python -m sidecar.launcher --render FOLDER DIR` only renders the package's
 templates of one folder (`nginx/snippets`, `envoy/fragments`, `nginx`,
-`envoy`) into DIR, for an nginx or Envoy of your own, and starts nothing.
+`envoy`, `envoy-grpc`) into DIR, for an nginx or Envoy of your own, and
+starts nothing.
 
 The integration tests use `Stack` directly, with ports of their choosing.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import http.client
 import math
 import os
@@ -48,6 +51,8 @@ from sidecar.rules import default_ruleset, load_ruleset
 PACKAGE_TEMPLATES = files("sidecar") / "templates"
 DEFAULT_TEMPLATE = PACKAGE_TEMPLATES / "nginx" / "sluice.conf.template"
 DEFAULT_ENVOY_TEMPLATE = PACKAGE_TEMPLATES / "envoy" / "envoy.yaml.template"
+# The same bootstrap with gRPC ext_authz: the third front door.
+DEFAULT_ENVOY_GRPC_TEMPLATE = PACKAGE_TEMPLATES / "envoy-grpc" / "envoy-grpc.yaml.template"
 # What an existing nginx includes (the site template includes them too):
 # rendered into SNIPPETS_DIR beside the site, as the nginx image renders
 # the templates' subfolders into conf.d/.
@@ -90,10 +95,14 @@ class StackPorts:
     sluice_hook: int = 8182
     # Envoy's admin interface, on 127.0.0.1 whatever the stack's host.
     envoy_admin: int = 9901
+    # The second Envoy, checking over gRPC (`sluice serve --grpc-port`).
+    envoy_grpc: int = 10001
+    envoy_grpc_admin: int = 9902
+    sluice_grpc: int = 8183
 
 
 # The components that clients talk to, in the order they are started.
-FRONT_DOORS = ("nginx", "envoy")
+FRONT_DOORS = ("nginx", "envoy", "envoy-grpc")
 
 
 _TEMPLATE_VARIABLE = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
@@ -138,12 +147,12 @@ def template_variables(ports: StackPorts, host: str, longest_hold: float = 0.0) 
     return proxy_variables(listen=(host, ports.nginx), envoy_listen=(host, ports.envoy),
                            sluice=(host, ports.sluice), hook_udp=(host, ports.sluice_hook),
                            upstream=(host, ports.upstream), envoy_admin_port=ports.envoy_admin,
-                           longest_hold=longest_hold)
+                           longest_hold=longest_hold, sluice_grpc_port=ports.sluice_grpc)
 
 
 def proxy_variables(listen: tuple[str, int], envoy_listen: tuple[str, int], sluice: tuple[str, int],
                     hook_udp: tuple[str, int], upstream: tuple[str, int], envoy_admin_port: int = 9901,
-                    longest_hold: float = 0.0) -> dict[str, str]:
+                    longest_hold: float = 0.0, sluice_grpc_port: int = StackPorts.sluice_grpc) -> dict[str, str]:
     """The variables of the nginx and Envoy templates for these addresses:
     where the proxy listens, where Sluice and its UDP report hook are, and
     the application's upstream."""
@@ -164,6 +173,7 @@ def proxy_variables(listen: tuple[str, int], envoy_listen: tuple[str, int], slui
         "ENVOY_ADMIN_PORT": str(envoy_admin_port),
         "SLUICE_HOST": sluice[0],
         "SLUICE_PORT": str(sluice[1]),
+        "SLUICE_GRPC_PORT": str(sluice_grpc_port),
         # Response reports, POST /v1/hook on Sluice's HTTP port.
         "SLUICE_HOOK_HOST": sluice[0],
         "SLUICE_HOOK_PORT": str(sluice[1]),
@@ -338,6 +348,7 @@ class Stack:
         template: Traversable = DEFAULT_TEMPLATE,
         envoy_template: Traversable = DEFAULT_ENVOY_TEMPLATE,
         variables: Mapping[str, str] | None = None,
+        envoy_grpc_template: Traversable = DEFAULT_ENVOY_GRPC_TEMPLATE,
     ) -> None:
         self.run_dir = run_dir.resolve()
         self.rules = rules.absolute() if rules is not None else None
@@ -345,6 +356,7 @@ class Stack:
         self.host = host
         self.template = template
         self.envoy_template = envoy_template
+        self.envoy_grpc_template = envoy_grpc_template
         self.variables = dict(variables or {})
         self._components: dict[str, Component] = {}
 
@@ -355,6 +367,10 @@ class Stack:
     @property
     def envoy_url(self) -> str:
         return f"http://{_host_port(self.host, self.ports.envoy)}"
+
+    @property
+    def envoy_grpc_url(self) -> str:
+        return f"http://{_host_port(self.host, self.ports.envoy_grpc)}"
 
     @property
     def sluice_url(self) -> str:
@@ -378,7 +394,7 @@ class Stack:
         self.stop()
 
     def start(self) -> None:
-        """Start all four and wait until each is ready; on failure, stop what was started."""
+        """Start all five and wait until each is ready; on failure, stop what was started."""
         if self.rules is not None and not self.rules.is_file():
             raise StackError(f"{self.rules}: no such rules file")
         nginx, envoy = find_nginx(), find_envoy()
@@ -386,15 +402,22 @@ class Stack:
         for name, port in (
             ("nginx", ports.nginx),
             ("envoy", ports.envoy),
+            ("envoy-grpc", ports.envoy_grpc),
             ("sluice", ports.sluice),
+            ("sluice grpc", ports.sluice_grpc),
             ("upstream", ports.upstream),
         ):
             _ensure_port_free(host, port, name)
         _ensure_port_free(ENVOY_ADMIN_HOST, ports.envoy_admin, "envoy admin")
+        _ensure_port_free(ENVOY_ADMIN_HOST, ports.envoy_grpc_admin, "envoy-grpc admin")
         _ensure_port_free(host, ports.sluice_hook, "sluice hook", socket.SOCK_DGRAM)
         variables = {**template_variables(ports, host, longest_hold_of(self.rules)), **self.variables}
         nginx_conf = write_nginx_config(self.run_dir, self.template, variables)
         envoy_conf = write_envoy_config(self.run_dir, self.envoy_template, variables)
+        # The gRPC door is the same bootstrap on ports of its own.
+        envoy_grpc_conf = write_envoy_config(self.run_dir, self.envoy_grpc_template, {
+            **variables, "ENVOY_LISTEN_PORT": str(ports.envoy_grpc),
+            "ENVOY_ADMIN_PORT": str(ports.envoy_grpc_admin)}, "envoy-grpc.yaml")
         try:
             self._start("upstream", [sys.executable, "-m", "sidecar.demo_upstream", "--host", host, "--port", str(ports.upstream)])
             self._wait("upstream", lambda: _http_status(host, ports.upstream, "/") is not None)
@@ -403,19 +426,19 @@ class Stack:
             self._start("nginx", [nginx, "-p", str(self.run_dir), "-c", str(nginx_conf), "-g", "daemon off;"])
             # Not an HTTP probe: a request through nginx would be counted by the rules.
             self._wait("nginx", lambda: _accepts_connections(host, ports.nginx))
-            self._start("envoy", _envoy_argv(envoy, envoy_conf))
-            # Envoy's admin says LIVE once its listeners are set up, even when
-            # one could not bind its port (Envoy then runs without it): the
-            # listener itself must take connections too.
-            self._wait("envoy", lambda: _http_status(ENVOY_ADMIN_HOST, ports.envoy_admin, "/ready") == 200
-                       and _accepts_connections(host, ports.envoy))
+            for name, config, port, admin_port in (
+                ("envoy", envoy_conf, ports.envoy, ports.envoy_admin),
+                ("envoy-grpc", envoy_grpc_conf, ports.envoy_grpc, ports.envoy_grpc_admin),
+            ):
+                self._start(name, _envoy_argv(envoy, config))
+                self._wait(name, functools.partial(_envoy_ready, host, port, admin_port))
         except BaseException:
             self.stop()
             raise
 
     def stop(self) -> None:
         """Stop the front doors first, so that no request arrives at a stopped Sluice."""
-        for name in ("envoy", "nginx", "sluice", "upstream"):
+        for name in ("envoy-grpc", "envoy", "nginx", "sluice", "upstream"):
             component = self._components.pop(name, None)
             if component is not None:
                 component.stop()
@@ -436,6 +459,7 @@ class Stack:
             "--host", self.host,
             "--port", str(self.ports.sluice),
             "--hook-udp", _host_port(self.host, self.ports.sluice_hook),
+            "--grpc-port", str(self.ports.sluice_grpc),
         ]
         if self.rules is not None:
             argv += ["--config", str(self.rules)]
@@ -453,7 +477,8 @@ _INCLUDE = re.compile(r"^([ ]*)@include[ ]+(\S+)[ ]*$", re.MULTILINE)
 
 def expand_includes(text: str, root: Traversable = PACKAGE_TEMPLATES) -> str:
     """The template text with every `@include` line replaced by the named
-    template (a path under `root`, the package's templates), indented alike."""
+    template (a path under `root`, the package's templates, its own
+    includes expanded), indented alike."""
 
     def include(match: re.Match[str]) -> str:
         indent, name = match.group(1), match.group(2)
@@ -461,8 +486,9 @@ def expand_includes(text: str, root: Traversable = PACKAGE_TEMPLATES) -> str:
         if not fragment.is_file():
             raise StackError(f"@include {name}: no such template in {root}")
         # The line's own end of line follows; blank lines stay empty, which
-        # YAML's block scalars allow.
-        return textwrap.indent(fragment.read_text().removesuffix("\n"), indent)
+        # YAML's block scalars allow. A fragment may include another (both
+        # filter fragments include the Lua filter's).
+        return textwrap.indent(expand_includes(fragment.read_text(), root).removesuffix("\n"), indent)
 
     return _INCLUDE.sub(include, text)
 
@@ -528,11 +554,12 @@ def write_nginx_config(run_dir: Path, template: Traversable, variables: Mapping[
     return main_config
 
 
-def write_envoy_config(run_dir: Path, template: Traversable, variables: Mapping[str, str]) -> Path:
-    """Render the Envoy bootstrap into run_dir/envoy.yaml."""
+def write_envoy_config(run_dir: Path, template: Traversable, variables: Mapping[str, str],
+                       name: str = "envoy.yaml") -> Path:
+    """Render the Envoy bootstrap into run_dir/NAME."""
     bootstrap = render_template_file(template, variables, "Envoy")
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    config = run_dir / "envoy.yaml"
+    config = run_dir / name
     config.write_text(bootstrap)
     return config
 
@@ -590,6 +617,13 @@ def _ensure_port_free(host: str, port: int, name: str, kind: socket.SocketKind =
             probe.bind((host, port))
         except OSError as error:
             raise StackError(f"{name}: cannot listen on {_host_port(host, port)}: {error.strerror}") from error
+
+
+def _envoy_ready(host: str, port: int, admin_port: int) -> bool:
+    # Envoy's admin says LIVE once its listeners are set up, even when one
+    # could not bind its port (Envoy then runs without it): the listener
+    # itself must take connections too.
+    return _http_status(ENVOY_ADMIN_HOST, admin_port, "/ready") == 200 and _accepts_connections(host, port)
 
 
 def _accepts_connections(host: str, port: int) -> bool:
@@ -664,7 +698,7 @@ def _watch(stack: Stack) -> int:
             if reported.issuperset(FRONT_DOORS):
                 return 1
             if name == "sluice":
-                print("nginx and Envoy now let every request through (fail open)", file=sys.stderr)
+                print("nginx and both Envoys now let every request through (fail open)", file=sys.stderr)
         time.sleep(0.5)
 
 
@@ -675,10 +709,11 @@ def _print_banner(stack: Stack) -> None:
         f"Sluice stack is up, rules: {rules}\n"
         f"  send requests to  {stack.nginx_url}/  (nginx, checked by Sluice)\n"
         f"               or   {stack.envoy_url}/  (Envoy, checked by Sluice; {ENVOY_UNCHECKED_PREFIX} is not)\n"
+        f"               or   {stack.envoy_grpc_url}/  (Envoy, checked by Sluice over gRPC)\n"
         f"  Sluice            {stack.sluice_url}/  (/healthz, /metrics)\n"
         f"  demo upstream     {stack.upstream_url}/  (?status=N, ?score=S)\n"
         f"  Envoy admin       http://{_host_port(ENVOY_ADMIN_HOST, stack.ports.envoy_admin)}/\n"
-        f"  logs              {logs}/{{nginx,envoy,sluice,upstream,access}}.log\n"
+        f"  logs              {logs}/{{nginx,envoy,envoy-grpc,sluice,upstream,access}}.log\n"
         f"try: curl -i {stack.nginx_url}/hello\n"
         f"     curl -i {stack.envoy_url}/hello\n"
         "Ctrl-C stops everything.",
@@ -708,6 +743,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--upstream-port", type=int, default=StackPorts.upstream)
     parser.add_argument("--envoy-port", type=int, default=StackPorts.envoy)
     parser.add_argument("--envoy-admin-port", type=int, default=StackPorts.envoy_admin)
+    parser.add_argument("--envoy-grpc-port", type=int, default=StackPorts.envoy_grpc)
+    parser.add_argument("--envoy-grpc-admin-port", type=int, default=StackPorts.envoy_grpc_admin)
+    parser.add_argument("--sluice-grpc-port", type=int, default=StackPorts.sluice_grpc)
     parser.add_argument("--sluice-hook-port", type=int, default=StackPorts.sluice_hook, help="UDP")
     # argparse converts string defaults only: the package's own stay Traversables.
     parser.add_argument("--nginx-template", type=Path, default=DEFAULT_TEMPLATE, metavar="FILE",
@@ -725,6 +763,9 @@ def main(argv: list[str] | None = None) -> int:
         upstream=args.upstream_port,
         envoy=args.envoy_port,
         envoy_admin=args.envoy_admin_port,
+        envoy_grpc=args.envoy_grpc_port,
+        envoy_grpc_admin=args.envoy_grpc_admin_port,
+        sluice_grpc=args.sluice_grpc_port,
         sluice_hook=args.sluice_hook_port,
     )
     if args.render is not None:

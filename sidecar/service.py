@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Protocol
 
 from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -20,9 +20,17 @@ from sidecar.health import HealthListener, Heartbeat
 from sidecar.hook import listen_for_reports
 
 
+class Listener(Protocol):
+    """A server of another protocol in the same event loop (the gRPC front door)."""
+
+    def start(self) -> Awaitable[None]: ...
+
+    def stop(self) -> Awaitable[None]: ...
+
+
 def build_api(engine: Engine, report_udp: tuple[str, int] | None = None,
               admin: Admin | None = None, share_report_port: bool = False,
-              health: tuple[str, int] | None = None) -> FastAPI:
+              health: tuple[str, int] | None = None, grpc: Listener | None = None) -> FastAPI:
     def readiness() -> str:
         return f"ok: {len(engine.ruleset.rules)} rules from {engine.ruleset.source}\n"
 
@@ -43,9 +51,13 @@ def build_api(engine: Engine, report_udp: tuple[str, int] | None = None,
             heartbeat.start(loop)
             probes = HealthListener(*health, heartbeat, readiness, reuse_port=share_report_port)
             probes.start()
+        if grpc is not None:
+            await grpc.start()
         try:
             yield
         finally:
+            if grpc is not None:
+                await grpc.stop()
             if probes is not None:
                 probes.heartbeat.stop()
                 await asyncio.to_thread(probes.stop)

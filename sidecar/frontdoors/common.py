@@ -83,10 +83,16 @@ class RouteTable:
 
 def header_map(scope: Scope) -> dict[str, str]:
     """Request headers by lower-case name; repeated headers are joined."""
+    return join_fields((raw_name.decode("latin-1"), raw_value.decode("latin-1"))
+                       for raw_name, raw_value in scope["headers"])
+
+
+def join_fields(fields: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """Header fields by lower-case name, repeated ones joined (cookies with
+    "; ", as a client sends them in one field)."""
     headers: dict[str, str] = {}
-    for raw_name, raw_value in scope["headers"]:
-        name = raw_name.decode("latin-1").lower()
-        value = raw_value.decode("latin-1")
+    for name, value in fields:
+        name = name.lower()
         if name in headers:
             headers[name] += ("; " if name == "cookie" else ", ") + value
         else:

@@ -3,8 +3,8 @@
 Tests send from loopback addresses of their own (127.1.x.y; Linux accepts any
 127/8 source address without configuration), so per-address counters and bans
 of one test never touch another's. Tests that take the `front_door` fixture
-run once through nginx and once through Envoy; both front doors of a stack
-share one Sluice, and fresh addresses keep their counters apart too.
+run through nginx, through Envoy with HTTP ext_authz and through Envoy with
+gRPC ext_authz ("envoy-grpc"); the front doors of a stack share one Sluice, and fresh addresses keep their counters apart too.
 """
 
 from __future__ import annotations
@@ -47,6 +47,9 @@ def start_stack(run_dir: Path, rules: Path, variables: Mapping[str, str] | None 
             upstream=free_port(),
             envoy=free_port(),
             envoy_admin=free_port(),
+            envoy_grpc=free_port(),
+            envoy_grpc_admin=free_port(),
+            sluice_grpc=free_port(),
             sluice_hook=free_port(socket.SOCK_DGRAM),
         )
         stack = Stack(run_dir / f"attempt-{attempt}" if attempt else run_dir, rules=rules, ports=ports,
@@ -61,7 +64,8 @@ def start_stack(run_dir: Path, rules: Path, variables: Mapping[str, str] | None 
 
 
 def front_door_port(stack: Stack, front_door: str) -> int:
-    return {"nginx": stack.ports.nginx, "envoy": stack.ports.envoy}[front_door]
+    return {"nginx": stack.ports.nginx, "envoy": stack.ports.envoy,
+            "envoy-grpc": stack.ports.envoy_grpc}[front_door]
 
 
 _client_numbers = itertools.count(1)
@@ -153,7 +157,7 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator["RedisCl
 
 @pytest.fixture(params=FRONT_DOORS)
 def front_door(request: pytest.FixtureRequest) -> str:
-    """The proxy the test's clients talk to: "nginx" or "envoy"."""
+    """The proxy the test's clients talk to: "nginx", "envoy" or "envoy-grpc"."""
     name: str = request.param
     return name
 

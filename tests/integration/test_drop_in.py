@@ -32,6 +32,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from sidecar.launcher import (
+    FRONT_DOORS,
     PACKAGE_PARENT,
     Component,
     StackError,
@@ -126,7 +127,7 @@ def envoy_cluster(name: str, port: int) -> dict[str, Any]:
             "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [endpoint]}]}}
 
 
-def envoy_bootstrap(ports: StackPorts, reports_port: int) -> dict[str, Any]:
+def envoy_bootstrap(ports: StackPorts, reports_port: int, listen_port: int, admin_port: int) -> dict[str, Any]:
     """The test's own Envoy, before Sluice: the same routes as the nginx site."""
     routes = [
         {"match": {"prefix": "/public/"}, "route": {"cluster": "shop"}, "typed_per_filter_config": UNCHECKED,
@@ -146,28 +147,31 @@ def envoy_bootstrap(ports: StackPorts, reports_port: int) -> dict[str, Any]:
         "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
     }
-    listener = {"name": "shop", "address": {"socket_address": {"address": LOOPBACK, "port_value": ports.envoy}},
+    listener = {"name": "shop", "address": {"socket_address": {"address": LOOPBACK, "port_value": listen_port}},
                 "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
                                                 "typed_config": manager}]}]}
     return {
-        "admin": {"address": {"socket_address": {"address": LOOPBACK, "port_value": ports.envoy_admin}}},
+        "admin": {"address": {"socket_address": {"address": LOOPBACK, "port_value": admin_port}}},
         "static_resources": {"listeners": [listener],
                              "clusters": [envoy_cluster("shop", ports.upstream),
                                           envoy_cluster("reports", reports_port)]},
     }
 
 
-def paste_fragments(bootstrap: dict[str, Any], fragments: Path) -> None:
-    """What the README tells a user to paste, and where."""
+def paste_fragments(bootstrap: dict[str, Any], fragments: Path, grpc: bool = False) -> None:
+    """What the README tells a user to paste, and where (with gRPC
+    ext_authz: the gRPC filters, and the gRPC cluster too)."""
     def load(name: str) -> Any:
         return yaml.safe_load((fragments / name).read_text())
 
     manager = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    manager["http_filters"][0:0] = load("sluice-http-filters.yaml")
+    manager["http_filters"][0:0] = load("sluice-grpc-http-filters.yaml" if grpc else "sluice-http-filters.yaml")
     virtual_host = manager["route_config"]["virtual_hosts"][0]
     virtual_host["routes"][0:0] = load("sluice-routes.yaml")
     virtual_host["request_headers_to_remove"] = ["x-sluice-pending"]
     bootstrap["static_resources"]["clusters"] += load("sluice-clusters.yaml")
+    if grpc:
+        bootstrap["static_resources"]["clusters"] += load("sluice-grpc-clusters.yaml")
 
 
 def child_environment(**values: str) -> dict[str, str]:
@@ -204,13 +208,16 @@ class DropIn:
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
         self.ports = StackPorts(nginx=free_port(), sluice=free_port(), upstream=free_port(), envoy=free_port(),
-                                envoy_admin=free_port(), sluice_hook=free_port(socket.SOCK_DGRAM))
+                                envoy_admin=free_port(), envoy_grpc=free_port(), envoy_grpc_admin=free_port(),
+                                sluice_grpc=free_port(), sluice_hook=free_port(socket.SOCK_DGRAM))
         self.reports_port = free_port()
         self.components: dict[str, Component] = {}
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         (run_dir / "tmp").mkdir(exist_ok=True)
         self.nginx_config = self._configure_nginx()
-        self.envoy_config = self._configure_envoy()
+        self.envoy_config = self._configure_envoy("envoy.yaml", self.ports.envoy, self.ports.envoy_admin)
+        self.envoy_grpc_config = self._configure_envoy("envoy-grpc.yaml", self.ports.envoy_grpc,
+                                                       self.ports.envoy_grpc_admin, grpc=True)
 
     def _configure_nginx(self) -> Path:
         render("nginx/snippets", self.run_dir / "snippets",
@@ -223,13 +230,14 @@ class DropIn:
         config.write_text(nginx_main_config(self.run_dir, site))
         return config
 
-    def _configure_envoy(self) -> Path:
+    def _configure_envoy(self, name: str, listen_port: int, admin_port: int, grpc: bool = False) -> Path:
         render("envoy/fragments", self.run_dir / "fragments",
                SLUICE_HOST=LOOPBACK, SLUICE_PORT=str(self.ports.sluice),
+               SLUICE_GRPC_PORT=str(self.ports.sluice_grpc),
                SLUICE_HOOK_HOST=LOOPBACK, SLUICE_HOOK_PORT=str(self.ports.sluice))
-        bootstrap = envoy_bootstrap(self.ports, self.reports_port)
-        paste_fragments(bootstrap, self.run_dir / "fragments")
-        config = self.run_dir / "envoy.yaml"
+        bootstrap = envoy_bootstrap(self.ports, self.reports_port, listen_port, admin_port)
+        paste_fragments(bootstrap, self.run_dir / "fragments", grpc)
+        config = self.run_dir / name
         config.write_text(yaml.safe_dump(bootstrap, sort_keys=False))
         return config
 
@@ -242,9 +250,13 @@ class DropIn:
             self._start("nginx", [find_nginx(), "-p", str(self.run_dir), "-c", str(self.nginx_config),
                                   "-g", "daemon off;"], lambda: accepts_connections(self.ports.nginx))
             # As the launcher waits for it: LIVE, and the listener bound.
-            self._start("envoy", [find_envoy(), "-c", str(self.envoy_config), "--disable-hot-restart",
-                                  "--log-level", "warning"],
-                        lambda: answers_200(self.ports.envoy_admin, "/ready") and accepts_connections(self.ports.envoy))
+            for name, config, port, admin_port in (
+                ("envoy", self.envoy_config, self.ports.envoy, self.ports.envoy_admin),
+                ("envoy-grpc", self.envoy_grpc_config, self.ports.envoy_grpc, self.ports.envoy_grpc_admin),
+            ):
+                self._start(name, [find_envoy(), "-c", str(config), "--disable-hot-restart", "--log-level", "warning"],
+                            lambda port=port, admin_port=admin_port: answers_200(admin_port, "/ready")
+                            and accepts_connections(port))
         except BaseException:
             self.stop()
             raise
@@ -253,7 +265,7 @@ class DropIn:
         self._start("sluice", [
             sys.executable, "-m", "sidecar", "serve", "--host", LOOPBACK, "--port", str(self.ports.sluice),
             "--hook-udp", f"{LOOPBACK}:{self.ports.sluice_hook}", "--config", str(RULES / "drop_in.yaml"),
-            "--max-header-bytes", str(SLUICE_MAX_HEADER_BYTES),
+            "--max-header-bytes", str(SLUICE_MAX_HEADER_BYTES), "--grpc-port", str(self.ports.sluice_grpc),
         ], lambda: answers_200(self.ports.sluice, "/healthz"))
 
     def kill_sluice(self) -> None:
@@ -266,13 +278,13 @@ class DropIn:
         self.components[name].wait_until_ready(ready, START_SECONDS)
 
     def stop(self) -> None:
-        for name in ("envoy", "nginx", "sluice", "reports", "shop"):
+        for name in ("envoy-grpc", "envoy", "nginx", "sluice", "reports", "shop"):
             component = self.components.pop(name, None)
             if component is not None:
                 component.stop()
 
     def port(self, front_door: str) -> int:
-        return {"nginx": self.ports.nginx, "envoy": self.ports.envoy}[front_door]
+        return {"nginx": self.ports.nginx, "envoy": self.ports.envoy, "envoy-grpc": self.ports.envoy_grpc}[front_door]
 
     def reached(self, application: str, path: str) -> int:
         """How many requests for `path` reached the application so far."""
@@ -483,7 +495,7 @@ def resolved(path: str) -> str:
 def banned_sources(drop_in: DropIn) -> dict[str, str]:
     """A banned loopback address per front door."""
     sources = {}
-    for front_door in ("nginx", "envoy"):
+    for front_door in FRONT_DOORS:
         client = client_of(drop_in, front_door)
         path = unique_path("/shop/ban/")
         assert client.request(path).status == 200

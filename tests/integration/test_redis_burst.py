@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.launcher import Stack
+from sidecar.launcher import FRONT_DOORS, Stack
 from tests.integration.burst import burst, burst_over
-from tests.integration.conftest import fresh_client_address, metric_at, sluice_metric, start_stack, wait_until
+from tests.integration.conftest import (fresh_client_address, front_door_port, metric_at, sluice_metric, start_stack,
+                                        wait_until)
 from tests.integration.redis_server import RedisServer
 from tests.integration.sluice_serve import SluiceServe
 
@@ -56,10 +57,10 @@ def door_port(stack: Stack, door: str) -> tuple[int, str, dict[str, str]]:
     if door == "sluice":
         # As nginx's check subrequest asks.
         return stack.ports.sluice, "/v1/nginx/auth", {"X-Sluice-Client-Addr": "10.70.0.1"}
-    return {"nginx": stack.ports.nginx, "envoy": stack.ports.envoy}[door], "/burst", {}
+    return front_door_port(stack, door), "/burst", {}
 
 
-@pytest.mark.parametrize("door", ["sluice", "nginx", "envoy"])
+@pytest.mark.parametrize("door", ["sluice", *FRONT_DOORS])
 @pytest.mark.parametrize("concurrency", [100, 400, 1000])
 def test_a_burst_on_one_key_admits_exactly_the_budget(redis_stack: Stack, door: str, concurrency: int) -> None:
     port, path, headers = door_port(redis_stack, door)

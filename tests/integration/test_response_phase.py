@@ -279,7 +279,7 @@ def test_responses_are_not_delayed_when_the_hook_is_dead(
     # never requests.
     assert statuses == [401] * REQUESTS
     assert sluice_metric(dead_hook_stack, "sluice_responses_reported_total") == 0
-    if front_door == "envoy":
+    if front_door != "nginx":
         # Envoy did send its reports, to a hook that never answers.
         wait_until(lambda: len(dead_hook.received()) >= reports_before + REQUESTS, "Envoy's reports",
                    REPORT_DEADLINE_SECONDS)

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import uvicorn
+import yaml
 from click.testing import CliRunner
 
 from sidecar import DISTRIBUTION, cli
@@ -103,3 +104,22 @@ def test_sluice_and_uvicorn_log_json_lines(capfd: pytest.CaptureFixture[str]) ->
         ("sluice", "warning", 'a "quoted"\nmessage'), ("uvicorn.error", "info", "Started server process"),
         ("sluice", "error", "failed")]
     assert "ValueError: boom" in lines[-1]["error"]
+
+
+def test_serve_takes_a_grpc_port_on_its_host(served: list) -> None:
+    result = CliRunner().invoke(cli.main, ["serve", "--host", "127.0.0.3"], env={"SLUICE_GRPC_PORT": "9393"})
+    assert result.exit_code == 0, result.output
+    assert served[0]["app"]["grpc"] == ("127.0.0.3", 9393)
+    assert CliRunner().invoke(cli.main, ["serve"]).exit_code == 0
+    assert served[1]["app"]["grpc"] is None  # off by default
+
+
+def test_config_envoy_grpc_checks_over_grpc_at_the_given_port() -> None:
+    result = CliRunner().invoke(cli.main, ["config", "envoy-grpc", "--sluice", "10.0.0.5:8181",
+                                           "--sluice-grpc-port", "9393"])
+    assert result.exit_code == 0, result.output
+    bootstrap = yaml.safe_load(result.output)
+    clusters = {cluster["name"]: cluster for cluster in bootstrap["static_resources"]["clusters"]}
+    endpoint = clusters["sluice_grpc"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+    assert endpoint["address"]["socket_address"] == {"address": "10.0.0.5", "port_value": 9393}
+    assert "grpc_service:" in result.output and "http_service:" not in result.output

