@@ -67,7 +67,7 @@ def describe_grpc(engine: Engine, scope: Scope, headers: dict[str, str]) -> Chec
     )
 
 
-GRPC_CHECK = Check(describe_grpc, answer_in_full)
+GRPC_CHECK = Check("envoy_grpc", describe_grpc, answer_in_full)
 
 
 def check_response(reply: Reply) -> Any:
