@@ -57,7 +57,8 @@ def test_the_compose_healthchecks_pass_against_the_real_services_and_fail_withou
 
 
 def decisions(stack: Stack, front_door: str) -> dict[str, float]:
-    return {outcome: sluice_metric(stack, "sluice_decisions_total", f'front_door="{front_door}",outcome="{outcome}"')
+    label = front_door.replace("-", "_")  # the envoy-grpc door's answers are envoy_grpc's
+    return {outcome: sluice_metric(stack, "sluice_decisions_total", f'front_door="{label}",outcome="{outcome}"')
             for outcome in ("allow", "deny", "close")}
 
 
