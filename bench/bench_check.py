@@ -46,6 +46,7 @@ import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from importlib.resources.abc import Traversable
 from pathlib import Path
 
 import yaml
@@ -57,6 +58,7 @@ sys.path.insert(0, str(ROOT))
 from bench_engine import TEN_RULES  # noqa: E402  (bench/ is on sys.path as the script's directory)
 
 from sidecar.launcher import (  # noqa: E402
+    DEFAULT_ENVOY_GRPC_TEMPLATE,
     DEFAULT_ENVOY_TEMPLATE,
     DEFAULT_TEMPLATE,
     StackPorts,
@@ -312,6 +314,7 @@ class Bench:
         # Each Sluice's --hook-udp, where nginx sends response reports (none
         # in these rules' traffic), by the Sluice's port.
         self.hook_ports: dict[int, int] = {}
+        self.grpc_ports: dict[int, int] = {}  # Sluice port -> its gRPC ext_authz port
 
     def start_upstream(self) -> int:
         port = self.upstream_port
@@ -330,15 +333,20 @@ class Bench:
         return process.pid
 
     def start_sluice(self, name: str = "sluice", profile: Path | None = None, rules: Path | None = None,
-                     workers: int = 1) -> tuple[list[int], int]:
-        """Sluice's pids (the worker processes' too) and port."""
+                     workers: int = 1, grpc: bool = False) -> tuple[list[int], int]:
+        """Sluice's pids (the worker processes' too) and port; with ``grpc``
+        it also serves gRPC ext_authz, on a port of its own."""
         port, hook = free_port(), free_port(socket.SOCK_DGRAM)
         self.hook_ports[port] = hook
+        grpc_options: list[str] = []
+        if grpc:
+            self.grpc_ports[port] = free_port()
+            grpc_options = ["--grpc-port", str(self.grpc_ports[port])]
         prefix = [self.python] + (["-m", "cProfile", "-o", str(profile)] if profile else [])
         process = self.procs.start(name, prefix + [
             "-m", "sidecar", "serve", "--config", str(rules or self.rules), "--host", "127.0.0.1",
             "--port", str(port), "--hook-udp", f"127.0.0.1:{hook}", "--log-level", "warning",
-            "--workers", str(workers)],
+            "--workers", str(workers), *grpc_options],
             lambda: http_ok(f"http://127.0.0.1:{port}/healthz"))
         pids = [process.pid]
         if workers > 1:
@@ -360,7 +368,8 @@ class Bench:
     def ports(self, sidecar_port: int) -> StackPorts:
         return StackPorts(nginx=free_port(), sluice=sidecar_port, upstream=self.upstream_port,
                           envoy=free_port(), envoy_admin=free_port(),
-                          sluice_hook=self.hook_ports.get(sidecar_port, 0) or free_port(socket.SOCK_DGRAM))
+                          sluice_hook=self.hook_ports.get(sidecar_port, 0) or free_port(socket.SOCK_DGRAM),
+                          sluice_grpc=self.grpc_ports.get(sidecar_port, 0) or free_port())
 
     def variables(self, ports: StackPorts) -> dict[str, str]:
         # The same timeouts the launcher would compute for these rules (no leaky bucket holds).
@@ -380,10 +389,11 @@ class Bench:
             time.sleep(0.05)
         return workers
 
-    def start_envoy(self, name: str, sidecar_port: int, without_lua: bool = False) -> tuple[int, int]:
+    def start_envoy(self, name: str, sidecar_port: int, without_lua: bool = False,
+                    template: Traversable = DEFAULT_ENVOY_TEMPLATE) -> tuple[int, int]:
         ports = self.ports(sidecar_port)
         run_dir = self.run / name
-        config = write_envoy_config(run_dir, DEFAULT_ENVOY_TEMPLATE, self.variables(ports))
+        config = write_envoy_config(run_dir, template, self.variables(ports))
         if without_lua:
             config.write_text(lua_free(config.read_text()))
         # As the launcher starts it (sidecar/launcher.py _envoy_argv).
@@ -455,6 +465,12 @@ def report(configs: dict[str, Config], seconds: float, rounds: int) -> None:
     cpu_row("   Envoy: Envoy CPU per request, with Lua / without", c["envoy-sluice"], c["envoy-sluice-nolua"],
             "envoy")
     rate_row("   Envoy: req/s, with Lua / without (both Sluice)", c["envoy-sluice"], c["envoy-sluice-nolua"])
+    rate_row("   Envoy: req/s, gRPC ext_authz / HTTP ext_authz", c["envoy-grpc-sluice"], c["envoy-sluice"],
+             "  (target >= 0.9)")
+    cpu_row("   Envoy: sidecar CPU per check, gRPC / HTTP ext_authz", c["envoy-grpc-sluice"], c["envoy-sluice"],
+            "sidecar")
+    cpu_row("   Envoy: Envoy CPU per request, gRPC / HTTP ext_authz", c["envoy-grpc-sluice"], c["envoy-sluice"],
+            "envoy")
     rate_row("4. nginx limit_req / nginx without a check (C ref.)", c["nginx-limit_req"], c["nginx-nocheck"])
     cpu_row("   nginx limit_req: nginx CPU per request / no check", c["nginx-limit_req"], c["nginx-nocheck"], "nginx")
     rate_row("   nginx + Sluice / nginx without a check", c["nginx-sluice"], c["nginx-nocheck"])
@@ -540,7 +556,7 @@ def main() -> None:
         try:
             upstream = [bench.start_upstream()]
             redis = [bench.start_redis()]
-            sluice, sluice_port = bench.start_sluice()
+            sluice, sluice_port = bench.start_sluice(grpc=True)
             shared, shared_port = bench.start_sluice("sluice-redis", rules=bench.redis_rules)
             shared2, shared2_port = bench.start_sluice("sluice-redis-unix-w2", rules=bench.redis_unix_rules,
                                                        workers=2)
@@ -551,6 +567,8 @@ def main() -> None:
             envoy_s, envoy_s_port = bench.start_envoy("envoy-sluice", sluice_port)
             envoy_b, envoy_b_port = bench.start_envoy("envoy-bare", bare_port)
             envoy_n, envoy_n_port = bench.start_envoy("envoy-sluice-nolua", sluice_port, without_lua=True)
+            envoy_g, envoy_g_port = bench.start_envoy("envoy-grpc-sluice", sluice_port,
+                                                      template=DEFAULT_ENVOY_GRPC_TEMPLATE)
             nginx_r, nginx_r_port = bench.start_nginx("nginx-sluice-redis", shared_port)
             nginx_r2, nginx_r2_port = bench.start_nginx("nginx-sluice-redis-unix-w2", shared2_port)
             plain, plain_port, limited_port = bench.start_plain_nginx()
@@ -570,6 +588,8 @@ def main() -> None:
                        {"sidecar": sluice, "envoy": [envoy_s], "upstream": upstream}),
                 Config("envoy-sluice-nolua", url(envoy_n_port),
                        {"sidecar": sluice, "envoy": [envoy_n], "upstream": upstream}),
+                Config("envoy-grpc-sluice", url(envoy_g_port),
+                       {"sidecar": sluice, "envoy": [envoy_g], "upstream": upstream}),
                 Config("nginx-nocheck", url(plain_port), {"nginx": plain, "upstream": upstream}),
                 Config("nginx-limit_req", url(limited_port), {"nginx": plain, "upstream": upstream}),
                 Config("direct-bare", url(bare_port, "/v1/nginx/auth"), {"sidecar": bare}, direct=True),
