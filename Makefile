@@ -41,6 +41,7 @@ bench: $(INSTALLED) nginx wrk redis-server
 	$(VENV)/bin/python -m pip install --quiet limits
 	$(VENV)/bin/python bench/bench_engine.py
 	$(VENV)/bin/python bench/bench_check.py
+	$(VENV)/bin/python bench/bench_grpc.py
 
 $(INSTALLED): pyproject.toml
 	@if ! $(PYTHON) -m venv $(VENV); then \
