@@ -74,9 +74,9 @@ def sentinel_stack(tmp_path: Path, group: SentinelGroup) -> Iterator[Stack]:
 def test_a_failover_moves_decisions_to_the_new_master_and_counting_carries_on(
         group: SentinelGroup, sentinel_stack: Stack, switch: str) -> None:
     old, new = group.servers
-    check_headers = {"X-Sluice-Client-Addr": "10.90.0.1", "x-k": "shared"}
+    check_headers = {"X-Sluice-Client-Addr": "10.90.0.1", "x-k": "one-budget"}
     with CheckLoad(sentinel_stack.ports.sluice, CHECK_CLIENTS, check_headers) as checks, \
-            CheckLoad(sentinel_stack.ports.nginx, DOOR_CLIENTS, {"x-k": "shared"}, path="/sentinel") as door:
+            CheckLoad(sentinel_stack.ports.nginx, DOOR_CLIENTS, {"x-k": "one-budget"}, path="/sentinel") as door:
         wait_until(lambda: checks.count() >= 1000 and door.count() >= 50, "checks before the switch", 20)
         switched = time.monotonic()
         if switch == "failover":
