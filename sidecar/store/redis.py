@@ -312,18 +312,28 @@ class RedisStore:
         first = parts[0] if parts else None
         if first is not None and first.banned:
             return Evaluation(ban=self._ban_record(address, now, first.ban))
-        hit_of: dict[int, tuple[_Part, Hit]] = {}
-        for part in parts:
-            for i, hit in zip(part.indices, part.hits):
-                hit_of[i] = part, hit
         evaluation = Evaluation()
         refusing: _Part | None = None
-        for i in range(len(checks)):
-            part, hit = hit_of[i]
-            evaluation.hits.append(hit)
-            if hit.over_limit and checks[i].stops:
-                refusing = part
-                break
+        if len(parts) == 1:
+            # One script (a single Redis, or every check in the address's
+            # slot): it already stopped where evaluation stops.
+            evaluation.hits = first.hits if first is not None else []
+            if evaluation.hits and evaluation.hits[-1].over_limit and checks[len(evaluation.hits) - 1].stops:
+                refusing = first
+        else:
+            # Each part's checks in rule order: the hits up to the first
+            # refusal of any part (later checks of other parts counted too).
+            owner: list[_Part | None] = [None] * len(checks)
+            hit_at: list[Hit | None] = [None] * len(checks)
+            for part in parts:
+                for i, answered in zip(part.indices, part.hits):
+                    owner[i], hit_at[i] = part, answered
+            for i, found in enumerate(hit_at):
+                assert found is not None  # a part stops only after an earlier refusal
+                evaluation.hits.append(found)
+                if found.over_limit and checks[i].stops:
+                    refusing = owner[i]
+                    break
         if refusing is None:
             evaluation.delay = max((part.delay for part in parts), default=0.0)
         elif refusing.new_ban == 1:
