@@ -32,7 +32,7 @@ import zlib
 from json.encoder import encode_basestring_ascii
 import time
 from importlib import resources
-from typing import Any, Callable, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 from sidecar.keys import CountingKey, key_dimensions
 from sidecar.limiters import ALLOWED, Hit, lua_libraries
@@ -181,6 +181,11 @@ def _hits(values: Sequence[Any]) -> list[Hit]:
             for i in range(0, len(values), 2)]
 
 
+async def _all(calls: Sequence[Awaitable[Any]]) -> list[Any]:
+    """The results of calls made at once (one is awaited as it is)."""
+    return [await calls[0]] if len(calls) == 1 else list(await asyncio.gather(*calls))
+
+
 class _Part:
     """One call of the evaluation script: the checks of one hash slot (all
     of them on a single Redis), and what the script answered for them."""
@@ -284,7 +289,7 @@ class RedisStore:
                 keys.append(names[i])
                 args.append(numbers[i])
             calls.append(self.client.evalsha(rules.digest, keys, args))
-        results = [await calls[0]] if len(calls) == 1 else await asyncio.gather(*calls)
+        results = await _all(calls)
         for part, result in zip(parts, results):
             part.read(result, quotas)
         evaluation = await self._combined(now, address, checks, parts, [record, counter], head[:11], quotas)
@@ -297,12 +302,19 @@ class RedisStore:
         hash slot, the address's first (it checks the ban)."""
         if not self.client.clustered:
             return [_Part("F", list(range(len(names))))]
+        groups = self._by_slot(names, ban_key(address) if address else None)
+        return [_Part("S" if address and n == 0 else "N", indices) for n, indices in enumerate(groups)]
+
+    def _by_slot(self, names: Sequence[str], first: str | None = None) -> list[list[int]]:
+        """The positions of ``names`` grouped by hash slot (one group on a
+        single Redis); with ``first``, its slot's group comes first, empty
+        if no name shares it."""
         slots: dict[int, list[int]] = {}
-        if address:
-            slots[self.client.slot(ban_key(address))] = []
+        if first is not None:
+            slots[self.client.slot(first)] = []
         for i, name in enumerate(names):
             slots.setdefault(self.client.slot(name), []).append(i)
-        return [_Part("S" if address and n == 0 else "N", indices) for n, indices in enumerate(slots.values())]
+        return list(slots.values())
 
     async def _combined(self, now: float, address: str, checks: Sequence[Check], parts: list[_Part],
                         own: list[str], head: list[str], quotas: bool) -> Evaluation:
@@ -359,19 +371,17 @@ class RedisStore:
 
     async def record(self, now: float, counts: Sequence[ResponseCount]) -> list[Hit]:
         names = [counting_key(count.key) for count in counts]
-        slots: dict[int, list[int]] = {}
-        for i, name in enumerate(names):
-            slots.setdefault(self.client.slot(name), []).append(i)
+        groups = self._by_slot(names)
         calls = []
-        for indices in slots.values():
+        for indices in groups:
             args = [self._now(now)]
             for i in indices:
                 args.append(str(counts[i].amount))
                 args += counts[i].limiter.redis_args(counts[i].threshold)
             calls.append(self.client.evalsha(self._record, [names[i] for i in indices], args))
-        results = [await calls[0]] if len(calls) == 1 else await asyncio.gather(*calls)
+        results = await _all(calls)
         hits: list[Hit] = [ALLOWED] * len(counts)
-        for indices, result in zip(slots.values(), results):
+        for indices, result in zip(groups, results):
             for i, hit in zip(indices, _hits(result)):
                 hits[i] = hit
         return hits
@@ -379,12 +389,9 @@ class RedisStore:
     async def release(self, lease: str, keys: Sequence[CountingKey]) -> int:
         """Every slot of the request by its lease id: one script call (per
         hash slot of its keys, all at once, on a Redis Cluster)."""
-        slots: dict[int, list[str]] = {}
-        for key in keys:
-            name = counting_key(key)
-            slots.setdefault(self.client.slot(name), []).append(name)
-        released = await asyncio.gather(*(self.client.evalsha(self._release, names, [lease])
-                                          for names in slots.values()))
+        names = [counting_key(key) for key in keys]
+        released = await _all([self.client.evalsha(self._release, [names[i] for i in indices], [lease])
+                               for indices in self._by_slot(names)])
         return sum(int(count) for count in released)
 
     async def active_bans(self, now: float) -> list[BanRecord]:
