@@ -21,8 +21,9 @@ import uvloop  # noqa: E402
 
 from bench_engine import TEN_RULES, engine_for  # noqa: E402
 from sidecar.app import SluiceApp  # noqa: E402
-from sidecar.frontdoors.authz_messages import CheckRequest  # noqa: E402
-from sidecar.frontdoors.grpc_authz import CHECK_METHOD, CHECK_SERVICE, GrpcListener, check_handler  # noqa: E402
+from sidecar.frontdoors.messages import CheckRequest  # noqa: E402
+from sidecar.frontdoors.grpc_authz import CHECK_METHOD, CHECK_SERVICE, check_handler  # noqa: E402
+from sidecar.frontdoors.grpc_server import GrpcListener  # noqa: E402
 
 CHECKS = 5_000
 

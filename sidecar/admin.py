@@ -1,9 +1,11 @@
 """Reload and the admin API.
 
 A reload (``SIGHUP`` or ``POST /v1/admin/reload``) reads the rules file
-again: a valid file replaces the rules at once, keeping counters (a rule
-keeps its counters under the same id and dimensions, §2); an invalid one is
-refused with its errors and the old rules keep running.
+again, and the Rate Limit Service configurations when Sluice serves them:
+valid files replace the rules at once, keeping counters (a rule keeps its
+counters under the same id and dimensions, a descriptor under the same
+entries); an invalid one is refused with its errors and the old rules and
+configurations keep running.
 
 The admin API answers only with a bearer token (``--admin-token-file``,
 compared in constant time), or — with no token configured — only to
@@ -17,19 +19,24 @@ import ipaddress
 import logging
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sidecar.config import ConfigError
 from sidecar.engine import Engine
 from sidecar.rules import Ruleset, default_ruleset, load_ruleset
+
+if TYPE_CHECKING:
+    from sidecar.frontdoors.rls import RateLimitService
 
 log = logging.getLogger("sluice")
 
 
 class Admin:
     def __init__(self, engine: Engine, config_path: str | None, token: bytes | None = None,
-                 loopback_listener: bool = False) -> None:
+                 loopback_listener: bool = False, rls: RateLimitService | None = None) -> None:
         self.engine = engine
         self.config_path = config_path
+        self.rls = rls
         self._token = token
         self.loopback_listener = loopback_listener
 
@@ -41,15 +48,26 @@ class Admin:
     def reload(self, who: str = "signal") -> list[str]:
         """Reload the rules file; the errors, or [] when the new rules run.
         ``who`` asked (``signal``, ``token`` or ``loopback``): the audit line says."""
+        errors: list[str] = []
         try:
             ruleset = self.load()
         except ConfigError as exc:
             errors = [str(issue) for issue in exc.issues]
+        rls_config = None
+        if self.rls is not None:
+            try:
+                rls_config = self.rls.read()
+            except ConfigError as exc:
+                errors.extend(str(issue) for issue in exc.issues)
+        if errors:
             log.error("reload refused, the old rules keep running:\n%s", "\n".join(errors))
             self.engine.metrics.reloaded(succeeded=False)
             self.engine.log.audit("reload", who, "refused", errors=len(errors))
             return errors
         self.engine.reload(ruleset)
+        if self.rls is not None and rls_config is not None:
+            self.rls.config = rls_config
+            log.info("reloaded %d Rate Limit Service limits from %s", rls_config.limits, self.rls.path)
         self.engine.metrics.reloaded(succeeded=True)
         log.info("reloaded %d rules from %s", len(ruleset.rules), ruleset.source)
         for warning in ruleset.warnings:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from sidecar.admin import Admin
 from sidecar.asgi import Receive, Scope, Send
@@ -30,6 +31,9 @@ from sidecar.ratelog import RateLimitedLog
 from sidecar.request import CheckRequest
 from sidecar.service import build_api
 from sidecar.store.memory import run_at_once
+
+if TYPE_CHECKING:
+    from sidecar.frontdoors.rls import RateLimitService
 
 log = logging.getLogger("sluice")
 
@@ -46,14 +50,15 @@ class SluiceApp:
 
     def __init__(self, engine: Engine, report_udp: tuple[str, int] | None = None,
                  admin: Admin | None = None, share_report_port: bool = False,
-                 health: tuple[str, int] | None = None, grpc: tuple[str, int] | None = None) -> None:
+                 health: tuple[str, int] | None = None, grpc: tuple[str, int] | None = None,
+                 rls: RateLimitService | None = None) -> None:
         self.engine = engine
         listener = None
         if grpc is not None:
             # grpcio is loaded only by a Sluice that serves gRPC.
-            from sidecar.frontdoors.grpc_authz import GrpcListener
+            from sidecar.frontdoors.grpc_server import GrpcListener
 
-            listener = GrpcListener(self, *grpc, reuse_port=share_report_port)
+            listener = GrpcListener(self, *grpc, reuse_port=share_report_port, rls=rls)
         self.api = build_api(engine, report_udp, admin, share_report_port, health, listener)
         self._error_log = RateLimitedLog(log, 10)
         self._routes = RouteTable(ROUTES)
@@ -177,11 +182,13 @@ class SluiceApp:
 
 def create_app(engine: Engine, report_udp: tuple[str, int] | None = None,
                admin: Admin | None = None, share_report_port: bool = False,
-               health: tuple[str, int] | None = None, grpc: tuple[str, int] | None = None) -> SluiceApp:
+               health: tuple[str, int] | None = None, grpc: tuple[str, int] | None = None,
+               rls: RateLimitService | None = None) -> SluiceApp:
     """``report_udp``: where to receive nginx's response reports (syslog/UDP),
     a port several worker processes share with ``share_report_port`` (the
     health listener's too); ``admin``: reload on SIGHUP and serve the admin
     API; ``health``: where the probe listener answers (see sidecar.health);
     ``grpc``: where Envoy's gRPC ext_authz is served (see
-    sidecar.frontdoors.grpc_authz)."""
-    return SluiceApp(engine, report_udp, admin, share_report_port, health, grpc)
+    sidecar.frontdoors.grpc_authz), and with it ``rls``, the Rate Limit
+    Service (sidecar.frontdoors.rls)."""
+    return SluiceApp(engine, report_udp, admin, share_report_port, health, grpc, rls)

@@ -7,7 +7,7 @@ import json
 import logging
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -15,10 +15,37 @@ from sidecar import version
 from sidecar.config import ConfigError
 from sidecar.rules import Ruleset, default_ruleset, load_ruleset
 
+if TYPE_CHECKING:
+    from sidecar.rls import RlsConfig
+
 
 def _load(config: str | None) -> Ruleset:
     try:
         return load_ruleset(config) if config else default_ruleset()
+    except ConfigError as exc:
+        for issue in exc.issues:
+            click.echo(str(issue), err=True)
+        raise SystemExit(1) from None
+
+
+def _is_rls(path: str) -> bool:
+    """A directory, or a file with a top-level domain: Rate Limit Service configurations."""
+    from sidecar.rls import is_rls_text
+
+    if os.path.isdir(path):
+        return True
+    try:
+        with open(path, encoding="utf-8") as file:
+            return is_rls_text(file.read())
+    except (OSError, UnicodeDecodeError):
+        return False  # the rules loader says what is wrong with it
+
+
+def _load_rls(path: str) -> RlsConfig:
+    from sidecar.rls import load_rls
+
+    try:
+        return load_rls(path)
     except ConfigError as exc:
         for issue in exc.issues:
             click.echo(str(issue), err=True)
@@ -59,9 +86,17 @@ def main() -> None:
 
 
 @main.command()
-@click.argument("file", type=click.Path(dir_okay=False))
+@click.argument("file", type=click.Path())
 def check(file: str) -> None:
-    """Validate a rules file: exit 0, or 1 with every error as FILE:LINE: field: message."""
+    """Validate a rules file, or Rate Limit Service configurations (a file
+    with a top-level domain, or a directory of them): exit 0, or 1 with
+    every error as FILE:LINE: field: message."""
+    if _is_rls(file):
+        config = _load_rls(file)
+        domains = ", ".join(sorted(config.domains))
+        click.echo(f"{file}: OK, Rate Limit Service: {len(config.domains)} domains ({domains}), "
+                   f"{config.limits} limits")
+        return
     ruleset = _load(file)
     click.echo(f"{file}: OK, {len(ruleset.rules)} rules")
     for warning in ruleset.warnings:
@@ -176,6 +211,12 @@ def replay(config: str, as_json: bool, top: int, host: str, logs: tuple[str, ...
 @click.option("--grpc-port", type=click.IntRange(1, 65535), envvar="SLUICE_GRPC_PORT", show_envvar=True,
               help="Also serve Envoy's gRPC ext_authz (envoy.service.auth.v3.Authorization) on this "
                    "port of --host. Default: off.")
+@click.option("--rls-config", type=click.Path(exists=True), envvar="SLUICE_RLS_CONFIG", show_envvar=True,
+              help="Also serve Envoy's Rate Limit Service (envoy.service.ratelimit.v3) on --grpc-port, "
+                   "with envoyproxy/ratelimit's configuration: one YAML file, or a directory of them.")
+@click.option("--rls-shadow", is_flag=True, envvar="SLUICE_RLS_SHADOW", show_envvar=True,
+              help="Rate Limit Service in shadow mode: count and report every descriptor, but always "
+                   "answer OK overall (envoyproxy/ratelimit's SHADOW_MODE).")
 @click.option("--workers", default=1, show_default=True, type=click.IntRange(min=1))
 @click.option("--log-level", default="info", show_default=True, envvar="SLUICE_LOG_LEVEL", show_envvar=True,
               type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False))
@@ -185,8 +226,8 @@ def replay(config: str, as_json: bool, top: int, host: str, logs: tuple[str, ...
 @click.option("--max-headers", default=16_384, show_default=True, type=click.IntRange(min=1),
               help="Most header fields of one request; more get 431. Keep it above what the proxy forwards.")
 def serve(config: str | None, host: str, port: int, uds: str | None, hook_udp: str,
-          admin_token_file: str | None, health: str, grpc_port: int | None, workers: int, log_level: str,
-          max_header_bytes: int, max_headers: int) -> None:
+          admin_token_file: str | None, health: str, grpc_port: int | None, rls_config: str | None,
+          rls_shadow: bool, workers: int, log_level: str, max_header_bytes: int, max_headers: int) -> None:
     """Run the check service."""
     import uvicorn
 
@@ -194,6 +235,11 @@ def serve(config: str | None, host: str, port: int, uds: str | None, hook_udp: s
     from sidecar.admin import read_token
 
     ruleset = _load(config)
+    if rls_config is not None:
+        if grpc_port is None:
+            raise click.BadParameter("the Rate Limit Service is served on the gRPC port: give --grpc-port too",
+                                     param_hint="--rls-config")
+        _load_rls(rls_config)  # every error at start, as for the rules file
     if workers > 1 and ruleset.backend == "memory":
         click.echo("error: --workers > 1 needs a shared state backend (state.backend: redis): "
                    "with the memory backend each worker would keep its own counters and "
@@ -207,6 +253,7 @@ def serve(config: str | None, host: str, port: int, uds: str | None, hook_udp: s
                 "loopback": uds is not None or _is_loopback(host), "log_level": log_level,
                 "workers": workers, "health": _host_port(health, "--health"),
                 "grpc": None if grpc_port is None else (host, grpc_port),
+                "rls_config": rls_config, "rls_shadow": rls_shadow,
                 # Workers must sign and verify pending-count tokens and
                 # challenge credentials alike: without challenge.secret_file,
                 # one random key for all of them.
@@ -261,8 +308,13 @@ def service(settings: dict[str, Any], ruleset: Ruleset | None = None) -> Any:
     configure_decision_log()
     ruleset = ruleset or _load(settings["config"])
     engine = Engine(ruleset, secret=bytes.fromhex(settings["secret"]) if settings.get("secret") else None)
+    rls = None
+    if settings.get("rls_config"):
+        from sidecar.frontdoors.rls import RateLimitService
+
+        rls = RateLimitService(engine, settings["rls_config"], shadow=settings.get("rls_shadow", False))
     admin = Admin(engine, settings["config"], read_token(settings["admin_token_file"]),
-                  loopback_listener=settings["loopback"])
+                  loopback_listener=settings["loopback"], rls=rls)
     hook_udp = settings["hook_udp"]
     # Several workers share the report port: the kernel spreads datagrams
     # over them (SO_REUSEPORT).
@@ -270,7 +322,7 @@ def service(settings: dict[str, Any], ruleset: Ruleset | None = None) -> Any:
     grpc = settings.get("grpc")
     return create_app(engine, tuple(hook_udp) if hook_udp else None, admin,
                       share_report_port=settings["workers"] > 1, health=tuple(health) if health else None,
-                      grpc=tuple(grpc) if grpc else None)
+                      grpc=tuple(grpc) if grpc else None, rls=rls)
 
 
 def worker_service() -> Any:

@@ -36,6 +36,11 @@ decision_log = logging.getLogger("sluice.decisions")
 LOGGED_KEY_CHARS = 256
 
 
+# Dimensions whose values are client addresses, shown as they are: a rule's
+# ``ip``, and a Rate Limit Service descriptor's ``remote_address``.
+ADDRESS_DIMENSIONS = ("ip", "remote_address")
+
+
 def _bounded(text: str) -> str:
     return text if len(text) <= LOGGED_KEY_CHARS else text[:LOGGED_KEY_CHARS] + "…"
 
@@ -52,7 +57,7 @@ def logged_key(key: CountingKey, keys: LogKeys = "clear", hash_key: bytes = b"")
         return _bounded(describe_key(key))
     parts = []
     for name, value in zip(key_dimensions(key), key_values(key)):
-        if name == "ip" or (isinstance(value, tuple) and value[0] == "ip"):
+        if name in ADDRESS_DIMENSIONS or (isinstance(value, tuple) and value[0] == "ip"):
             parts.append(f"{name}={value!r}" if isinstance(value, tuple) else f"{name}={value}")
         elif keys == "omit":
             parts.append(name)
@@ -125,6 +130,17 @@ class DecisionLog:
         })
         if banned:
             entry["ban_seconds"] = check.ban_duration
+        self._write(entry)
+
+    def rls(self, domain: str, rule_id: str, key: CountingKey, shadow: bool, banned: bool) -> None:
+        """A Rate Limit Service descriptor over its limit: refused, banned,
+        or only observed (shadow_mode)."""
+        if not decision_log.isEnabledFor(logging.INFO):
+            return
+        entry = self._head()
+        entry.update({"front_door": "rls", "domain": domain, "rule": rule_id,
+                      "action": "shadow" if shadow else "ban" if banned else "block",
+                      "outcome": "observe" if shadow else "deny", "key": self._key(key), "node": self._node()})
         self._write(entry)
 
     def counted(self, rule: CompiledRule, count: ResponseCount) -> None:

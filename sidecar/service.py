@@ -81,6 +81,11 @@ def build_api(engine: Engine, report_udp: tuple[str, int] | None = None,
     def readyz() -> str:
         return readiness()
 
+    # envoyproxy/ratelimit's health path, for probes carried over unchanged.
+    @api.api_route("/healthcheck", methods=["GET", "HEAD"], response_class=PlainTextResponse)
+    def healthcheck() -> str:
+        return "OK"
+
     @api.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics() -> Response:
         return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)

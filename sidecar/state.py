@@ -59,7 +59,7 @@ class DeferredLimiter(Limiter, Protocol):
     charged when one refuses). ``lease`` is the request's lease id, under
     which a concurrency limit takes its slot."""
 
-    def assess(self, state: Any, now: float, lease: str = "") -> Hit: ...
+    def assess(self, state: Any, now: float, lease: str = "", amount: int = 1) -> Hit: ...
     def commit(self, state: Any, hit: Hit) -> None: ...
 
 
@@ -102,6 +102,9 @@ class Check:
     count: bool = True  # False: a response-phase rule, only its penalty is checked
     auto_ban: AutoBan | None = None  # over limit issues a challenge, counted per address
     lease: str = ""  # the request's lease id, in a ruleset with a concurrency limit
+    # Requests this check counts at once (Envoy's hits_addend); 0 looks
+    # without counting.
+    amount: int = 1
 
 
 @dataclass(frozen=True, slots=True)

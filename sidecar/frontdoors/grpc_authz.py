@@ -9,7 +9,7 @@ headers and page in ``denied_response``, an allow's headers in
 filter acts on (the pending token, a close) in ``dynamic_metadata``, where
 the HTTP door's ``dynamic_metadata_from_headers`` puts them too.
 
-The messages are declared in ``sidecar.frontdoors.authz_messages``.
+The messages are declared in ``sidecar.frontdoors.messages``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import grpc
 
 from sidecar.asgi import Scope
 from sidecar.engine import Engine
-from sidecar.frontdoors.authz_messages import (CHECK_METHOD, CHECK_SERVICE, OVERWRITE_IF_EXISTS_OR_ADD,
+from sidecar.frontdoors.messages import (CHECK_METHOD, CHECK_SERVICE, OVERWRITE_IF_EXISTS_OR_ADD,
                                                CheckRequest as CheckRequestMessage, CheckResponse,
                                                HeaderValueOption)
 from sidecar.frontdoors.common import Check, Reply, check_request, join_fields
@@ -128,33 +128,3 @@ def check_handler(service: CheckingService) -> Any:
     method = grpc.unary_unary_rpc_method_handler(check, request_deserializer=CheckRequestMessage.FromString,
                                                  response_serializer=CheckResponse.SerializeToString)
     return grpc.method_handlers_generic_handler(CHECK_SERVICE, {CHECK_METHOD: method})
-
-
-class GrpcListener:
-    """The gRPC server, started and stopped by the HTTP server's lifespan.
-    Several worker processes share its port (SO_REUSEPORT) with
-    ``reuse_port``; otherwise a port in use is an error at start."""
-
-    def __init__(self, service: CheckingService, host: str, port: int, reuse_port: bool = False) -> None:
-        self.service = service
-        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        self.reuse_port = reuse_port
-        self.port = port  # the port bound, once started (port 0: one the system chose)
-        self._server: Any = None
-
-    async def start(self) -> None:
-        server = grpc.aio.server(options=[("grpc.so_reuseport", int(self.reuse_port))])
-        server.add_generic_rpc_handlers((check_handler(self.service),))
-        try:
-            self.port = server.add_insecure_port(self.address)
-        except RuntimeError:  # grpcio's "Failed to bind"; older versions return 0
-            self.port = 0
-        if self.port == 0:
-            raise OSError(f"--grpc-port: cannot listen on {self.address} (in use?)")
-        await server.start()
-        self._server = server
-
-    async def stop(self) -> None:
-        if self._server is not None:
-            await self._server.stop(grace=1.0)
-            self._server = None

@@ -64,7 +64,8 @@ class ConcurrencyLimiter:
     def peek(self, state: LeaseState, now: float) -> Hit:
         return self._refusal(state, now) or ALLOWED
 
-    def assess(self, state: LeaseState, now: float, lease: str = "") -> Hit:
+    def assess(self, state: LeaseState, now: float, lease: str = "", amount: int = 1) -> Hit:
+        """One slot per request, whatever its ``amount``."""
         return self._refusal(state, now) or Hit(False, proposal=(lease, now + self.lease))
 
     @staticmethod

@@ -53,32 +53,37 @@ class LeakyBucket(Bucket):
     def new_state(self) -> LeakyState:
         return LeakyState(0, None, NO_PENALTY, self)
 
-    def assess(self, state: LeakyState, now: float, lease: str = "") -> Hit:
+    def assess(self, state: LeakyState, now: float, lease: str = "", amount: int = 1) -> Hit:
+        """``amount`` requests at once add ``amount`` to the excess (the
+        first of a key's fills the bucket's first place, as one request does)."""
         held = in_penalty(state, now)
         if held is not None:
             return held
         now_ms = int(now * 1000 + 1e-6)  # whole ms; the epsilon absorbs float error
-        excess = 0 if state.last is None else self._excess(state, now_ms)
+        if state.last is None and amount == 0:
+            return Hit(False)  # a look at a key never seen: nothing to write
+        excess = 1000 * (amount - 1) if state.last is None else self._excess(state, now_ms, amount)
         if excess > self.burst:
-            return self.refuse(state, now, self._wait_ms(state, now_ms) / 1000)
+            return self.refuse(state, now, self._wait_ms(state, now_ms, amount) / 1000)
         delay_ms = 0 if excess <= self.delay else (excess - self.delay) * 1000 // self.rate
         return Hit(False, delay=delay_ms / 1000, proposal=(excess, now_ms))
 
-    def _excess(self, state: LeakyState, now_ms: int) -> int:
+    def _excess(self, state: LeakyState, now_ms: int, amount: int = 1) -> int:
         assert state.last is not None
         elapsed = max(0, now_ms - state.last)
-        return max(0, state.excess - self.rate * elapsed // 1000 + 1000)
+        return max(0, state.excess - self.rate * elapsed // 1000 + 1000 * amount)
 
-    def _wait_ms(self, state: LeakyState, now_ms: int) -> int:
-        """Milliseconds until a request would fit within the burst again."""
+    def _wait_ms(self, state: LeakyState, now_ms: int, amount: int = 1) -> int:
+        """Milliseconds until ``amount`` requests would fit within the burst again."""
         assert state.last is not None
-        needed = state.excess + 1000 - self.burst  # thousandths to drain
+        needed = state.excess + 1000 * amount - self.burst  # thousandths to drain
         # The smallest ms with rate * ms // 1000 >= needed.
         return max(0, state.last - (-needed * 1000 // self.rate) - now_ms)
 
     @staticmethod
     def commit(state: LeakyState, hit: Hit) -> None:
-        state.excess, state.last = hit.proposal
+        if hit.proposal is not None:
+            state.excess, state.last = hit.proposal
 
     def quota(self, state: LeakyState, now: float, threshold: float) -> tuple[int, float, float]:
         """Requests that would still be admitted now, the time to drain, and

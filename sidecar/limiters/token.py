@@ -41,14 +41,17 @@ class TokenBucket(Bucket):
             return state.tokens
         return min(float(self.capacity), state.tokens + self.refill * max(0.0, now - state.last))
 
-    def assess(self, state: TokenState, now: float, lease: str = "") -> Hit:
+    def assess(self, state: TokenState, now: float, lease: str = "", amount: int = 1) -> Hit:
+        """``amount`` requests at once cost ``amount`` times the cost (0: a
+        look that takes nothing)."""
         held = in_penalty(state, now)
         if held is not None:
             return held
         tokens = self.tokens_at(state, now)
-        if self.cost > tokens:
-            return self.refuse(state, now, (self.cost - tokens) / self.refill)
-        return Hit(False, proposal=(tokens - self.cost, now))
+        cost = self.cost * amount
+        if cost > tokens:
+            return self.refuse(state, now, (cost - tokens) / self.refill)
+        return Hit(False, proposal=(tokens - cost, now))
 
     @staticmethod
     def commit(state: TokenState, hit: Hit) -> None:

@@ -34,26 +34,37 @@ class WindowCounter:
     A score budget is the same counter fed with amounts (the
     upstream's score) instead of ones, entering the penalty when the total
     *exceeds* the budget rather than when it reaches it.
+
+    With ``fit`` (the Rate Limit Service's descriptors), a request of
+    ``amount`` is admitted only when the estimate with it stays within the
+    threshold, and a refusal is not counted: the first ``threshold``
+    requests of a window pass and the next are refused until the estimate
+    falls, with no penalty unless one is set (then a refusal starts it).
     """
 
-    __slots__ = ("threshold", "period", "penalty", "sliding", "exceed", "_lua_limit", "_lua_args", "_window")
+    __slots__ = ("threshold", "period", "penalty", "sliding", "exceed", "fit", "_lua_limit", "_lua_args",
+                 "_window")
     deferred = False  # counts at once; buckets commit only admitted requests
     holds = False  # never asks to hold a request
     scalable = True  # the check's threshold is the limit: overrides may scale it
     leases = False  # takes no slot
 
     def __init__(self, threshold: int, period: float, penalty: float, sliding: bool = True,
-                 exceed: bool = False) -> None:
-        # Threshold 0 behaves as 1, as in the reference system.
-        self.threshold = max(threshold, 1)
+                 exceed: bool = False, fit: bool = False) -> None:
+        # Threshold 0 behaves as 1, as in the reference system; a fitting
+        # counter's 0 refuses everything.
+        self.threshold = threshold if fit else max(threshold, 1)
         self.period = period
         self.penalty = penalty
         self.sliding = sliding
         self.exceed = exceed
+        self.fit = fit
         # window.lua's limit after the threshold, and the whole arguments for
-        # the threshold of the rule itself: made once, not per request.
+        # the threshold of the rule itself: made once, not per request. The
+        # last says when the threshold is crossed: reached (0), exceeded (1)
+        # or the request would not fit (2).
         self._lua_limit = (lua_number(period), lua_number(penalty), "1" if sliding else "0",
-                           "1" if exceed else "0")
+                           "2" if fit else "1" if exceed else "0")
         self._lua_args = ("W", lua_number(self.threshold)) + self._lua_limit
         # The current window's index, one int object that the states counted
         # in it share (a new int is 32 bytes of every key under rotation).
@@ -82,6 +93,8 @@ class WindowCounter:
             state.previous = state.current if window == state.window + 1 else 0
             state.current = 0
             state.window = window
+        if self.fit:
+            return self._fit(state, now, threshold, amount)
         state.current += amount
         estimate = float(state.current)
         if self.sliding and state.previous:
@@ -91,6 +104,30 @@ class WindowCounter:
         if estimate > threshold if self.exceed else estimate >= threshold:
             state.penalty_until = now + self.penalty
         return ALLOWED
+
+    def _fit(self, state: WindowState, now: float, threshold: float, amount: int) -> Hit:
+        """``hit`` of a fitting counter, in the key's current window."""
+        elapsed = now - state.window * self.period
+        previous = state.previous * (self.period - elapsed) / self.period if self.sliding else 0.0
+        if state.current + amount + previous <= threshold:
+            state.current += amount
+            return ALLOWED
+        if self.penalty > 0:
+            state.penalty_until = now + self.penalty
+            return Hit(True, self.penalty)
+        return Hit(True, self._fits_in(state, elapsed, threshold, amount))
+
+    def _fits_in(self, state: WindowState, elapsed: float, threshold: float, amount: int) -> float:
+        """Seconds until ``amount`` would fit: this window's count weighs in
+        whole until the window ends, then fades over the next one."""
+        period = self.period
+        if not self.sliding or amount > threshold:
+            return period - elapsed
+        room = threshold - amount - state.current
+        if room >= 0 and state.previous:  # the previous window fades enough within this one
+            return max(0.0, period - room * period / state.previous - elapsed)
+        room = threshold - amount
+        return period - elapsed + (period - room * period / state.current if state.current else 0.0)
 
     def quota(self, state: WindowState, now: float, threshold: float) -> tuple[int, float, float]:
         """(requests still allowed, seconds until that resets, window) for
@@ -105,6 +142,8 @@ class WindowCounter:
         else:
             current, previous = 0, state.current if window == state.window + 1 else 0
         estimate = current + (previous * (self.period - elapsed) / self.period if self.sliding else 0)
+        if self.fit:  # requests that still fit whole
+            return max(0, math.floor(threshold - estimate)), self.period - elapsed, self.period
         return max(0, math.ceil(threshold - estimate)), self.period - elapsed, self.period
 
     def expires_at(self, state: WindowState) -> float:

@@ -12,7 +12,8 @@
 --   fresh(bucket): v of a key never seen,
 --   window(bucket): the window of the draft RateLimit fields,
 --   expires(bucket, v, l): when a state last accounted at l stops mattering,
---   assess(bucket, v, l, now): true, wait (refused) or false, delay, proposal {v, l},
+--   assess(bucket, v, l, now, amount): true, wait (refused) or false, delay, proposal {v, l}
+--     (nil: nothing to write), for `amount` requests at once,
 --   quota(bucket, v, l, now): remaining, reset, window outside a penalty,
 -- }
 local BUCKETS = {}
@@ -60,13 +61,14 @@ local function bucket_refuse(key, bucket, state, now, wait)
   return true, penalty, 0, nil
 end
 
--- assess: (over, retry after, delay in seconds, proposal {v, l}).
-local function bucket_assess(key, bucket, state, now)
+-- assess `amount` requests at once: (over, retry after, delay in seconds,
+-- proposal {v, l}).
+local function bucket_assess(key, bucket, state, now, amount)
   local until_ = state[3]
   if now < until_ then
     return true, until_ - now, 0, nil
   end
-  local over, wait_or_delay, proposal = BUCKETS[bucket[1]].assess(bucket, state[1], state[2], now)
+  local over, wait_or_delay, proposal = BUCKETS[bucket[1]].assess(bucket, state[1], state[2], now, amount)
   if over then
     return bucket_refuse(key, bucket, state, now, wait_or_delay)
   end
@@ -77,6 +79,9 @@ end
 local function bucket_commit(key, bucket, state, now, proposal)
   -- Numbers go as they are (17 significant digits, as num() would write
   -- them); a fresh key gets its kind, a key of another kind goes first.
+  if proposal == nil then
+    return
+  end
   if state[5] then
     redis.call('DEL', key)
   end

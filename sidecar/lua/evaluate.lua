@@ -21,7 +21,8 @@
 --       auto-ban {'W', threshold, period, penalty, sliding, exceed, duration},
 --       can delay (1/0: a bucket may hold the request), quotas (1/0), mode,
 --       the request's lease id ('' = none: it takes no concurrency slot),
---       then per check its number in RULES.
+--       then per check its number in RULES, followed by '*' and the
+--       requests it counts at once when that is not 1 ('3*5', '3*0': a look).
 -- RULES, written into the script by sidecar/store/redis.py, holds what a
 -- check does, once for all requests: rule id, count (1/0), stops (1/0), ban
 -- duration ('' = none), auto-ban (1/0), then the limiter's arguments: its
@@ -50,6 +51,16 @@ if address ~= '' and mode ~= 'N' then
   end
 end
 
+-- A check's entry in RULES and the requests it counts.
+local function check_of(spec)
+  local number = tonumber(spec)
+  if number then
+    return RULES[number], 1
+  end
+  local star = string.find(spec, '*', 1, true)
+  return RULES[tonumber(string.sub(spec, 1, star - 1))], tonumber(string.sub(spec, star + 1))
+end
+
 local hits = {}
 local buckets = {}
 local leases = {}
@@ -57,14 +68,14 @@ local refused = false
 local result = {0, 0, '', '', '', '', ''}
 local checks = #ARGV - FIRST + 1
 for i = 0, checks - 1 do
-  local rule = RULES[tonumber(ARGV[FIRST + i])]
+  local rule, amount = check_of(ARGV[FIRST + i])
   local key = KEYS[4 + i]
   local rule_id, count, stops, ban_duration = rule[1], rule[2], rule[3], rule[4]
   local over, retry
   if count ~= '1' then
     over, retry = peek(key, now)
   elseif rule[6] == 'W' then
-    over, retry = hit(key, now, limit_from(rule, 7), 1)
+    over, retry = hit(key, now, limit_from(rule, 7), amount)
   elseif rule[6] == 'C' then
     local slots = slots_from(rule, 6)
     slots[3] = lease_id
@@ -74,7 +85,7 @@ for i = 0, checks - 1 do
     local bucket = bucket_from(rule, 6)
     local state = bucket_state(key, bucket)
     local delay, proposal
-    over, retry, delay, proposal = bucket_assess(key, bucket, state, now)
+    over, retry, delay, proposal = bucket_assess(key, bucket, state, now, amount)
     if delay > 0 and not can_delay then
       -- The wait queue is full: a refusal, and nothing charged.
       over, retry = true, delay
@@ -140,7 +151,7 @@ end
 
 if want_quotas then
   for i = 0, checks - 1 do
-    local rule = RULES[tonumber(ARGV[FIRST + i])]
+    local rule = check_of(ARGV[FIRST + i])
     local remaining, reset, window = '', '', ''
     if rule[2] == '1' then
       if rule[6] == 'W' then

@@ -37,16 +37,19 @@ BUCKETS.L = {
     return math.max(drained, l + 60000) / 1000
   end,
 
-  assess = function(bucket, v, l, now)
+  assess = function(bucket, v, l, now, amount)
     local rate, burst, delay = bucket[2], bucket[3], bucket[4]
     local now_ms = whole_ms(now)
-    local excess = 0
+    if l == nil and amount == 0 then
+      return false, 0, nil  -- a look at a key never seen: nothing to write
+    end
+    local excess = 1000 * (amount - 1)
     if l ~= nil then
-      excess = math.max(0, v - idiv(rate * math.max(0, now_ms - l), 1000) + 1000)
+      excess = math.max(0, v - idiv(rate * math.max(0, now_ms - l), 1000) + 1000 * amount)
     end
     if excess > burst then
-      -- _wait_ms: until a request fits within the burst again.
-      local needed = v + 1000 - burst
+      -- _wait_ms: until `amount` requests fit within the burst again.
+      local needed = v + 1000 * amount - burst
       return true, math.max(0, l - idiv(-needed * 1000, rate) - now_ms) / 1000
     end
     local delay_ms = 0

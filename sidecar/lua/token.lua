@@ -17,8 +17,8 @@ BUCKETS.T = {
   -- Until full again.
   expires = function(bucket, v, l) return l + (bucket[2] - v) / bucket[3] end,
 
-  assess = function(bucket, v, l, now)
-    local refill, cost = bucket[3], bucket[4]
+  assess = function(bucket, v, l, now, amount)
+    local refill, cost = bucket[3], bucket[4] * amount
     local tokens = tokens_at(bucket, v, l, now)
     if cost > tokens then
       return true, (cost - tokens) / refill

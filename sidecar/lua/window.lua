@@ -63,6 +63,49 @@ local function read_window(key)
     tonumber(state[4]) or -math.huge
 end
 
+-- Seconds until `amount` would fit (WindowCounter._fits_in): this window's
+-- count weighs in whole until the window ends, then fades over the next one.
+local function fits_in(limit, elapsed, previous, current, amount)
+  local threshold, period, sliding = limit[1], limit[2], limit[4]
+  if not sliding or amount > threshold then
+    return period - elapsed
+  end
+  local room = threshold - amount - current
+  if room >= 0 and previous ~= 0 then
+    return math.max(0, period - room * period / previous - elapsed)
+  end
+  room = threshold - amount
+  local next_window = 0
+  if current ~= 0 then next_window = period - room * period / current end
+  return period - elapsed + next_window
+end
+
+-- hit of a fitting counter (WindowCounter._fit), once the key's window is
+-- the current one: counted only when the request fits whole.
+local function fit(key, now, limit, amount, moved, window, previous, current, until_)
+  local threshold, period, penalty, sliding = limit[1], limit[2], limit[3], limit[4]
+  local elapsed = now - window * period
+  local faded = 0
+  if sliding then faded = previous * (period - elapsed) / period end
+  if current + amount + faded > threshold then
+    if penalty > 0 then
+      until_ = now + penalty
+      redis.call('HSET', key, 'w', window, 'p', previous, 'c', current, 'u', until_)
+      pexpire_at(key, now, math.max((window + (sliding and 2 or 1)) * period, until_))
+      return true, penalty
+    end
+    return true, fits_in(limit, elapsed, previous, current, amount)
+  end
+  current = current + amount
+  if moved then
+    redis.call('HSET', key, 'w', window, 'p', previous, 'c', current)
+    pexpire_at(key, now, math.max((window + (sliding and 2 or 1)) * period, until_))
+  else
+    redis.call('HSET', key, 'c', current)
+  end
+  return false, 0
+end
+
 -- Count `amount` for the key: WindowCounter.hit. `limit` is the table
 -- {threshold, period, penalty, sliding, exceed}.
 local function hit(key, now, limit, amount)
@@ -80,6 +123,9 @@ local function hit(key, now, limit, amount)
     if index == window + 1 then previous = current else previous = 0 end
     current = 0
     window = index
+  end
+  if limit[6] then
+    return fit(key, now, limit, amount, moved, window, previous, current, until_)
   end
   current = current + amount
   local estimate = current
@@ -116,9 +162,12 @@ local function hit(key, now, limit, amount)
   return false, 0
 end
 
+-- The last value says when the threshold is crossed: reached ('0'),
+-- exceeded ('1', a score budget) or when the request would not fit ('2', a
+-- Rate Limit Service descriptor).
 local function limit_from(argv, at)
   return {tonumber(argv[at]), tonumber(argv[at + 1]), tonumber(argv[at + 2]),
-          argv[at + 3] == '1', argv[at + 4] == '1'}
+          argv[at + 3] == '1', argv[at + 4] == '1', argv[at + 4] == '2'}
 end
 
 -- (remaining, reset, window) for the draft RateLimit fields:
@@ -138,6 +187,9 @@ local function window_quota(key, now, limit, threshold)
   local estimate = current
   if sliding then
     estimate = current + previous * (period - elapsed) / period
+  end
+  if limit[6] then  -- requests that still fit whole
+    return math.max(0, math.floor(threshold - estimate)), period - elapsed, period
   end
   return math.max(0, math.ceil(threshold - estimate)), period - elapsed, period
 end

@@ -215,15 +215,15 @@ class MemoryStore:
                 if state is not None:
                     data[key] = state
                 if state is not None and state.limiter is limiter:
-                    hit = limiter.hit(state, now, check.threshold, 1)
+                    hit = limiter.hit(state, now, check.threshold, check.amount)
                 else:  # a new key, or one a reload gave another limiter
-                    hit = self._count(key, state, limiter, now, check.threshold, 1)
+                    hit = self._count(key, state, limiter, now, check.threshold, check.amount)
             elif not check.count:
                 state, stored = self._state(key, limiter)
                 hit = limiter.peek(state, now) if stored else ALLOWED
             elif is_deferred(limiter):
                 state, stored = self._state(key, limiter)
-                hit = limiter.assess(state, now, check.lease)
+                hit = limiter.assess(state, now, check.lease, check.amount)
                 if hit.delay and not can_delay:
                     hit = Hit(True, hit.delay)  # the wait queue is full: refuse
                 buckets.append((check, limiter, state, stored, hit))

@@ -150,7 +150,7 @@ class _RuleTable:
                           _flag(check.auto_ban is not None), *check.limiter.redis_args(check.threshold)]
                 self._entries.append("{" + ",".join(map(_lua_string, fields)) + "}")
                 added = True
-            numbers.append(known[0])
+            numbers.append(known[0] if check.amount == 1 else f"{known[0]}*{check.amount}")
         if added or not self.digest:
             self.digest = self._publish()
         return numbers

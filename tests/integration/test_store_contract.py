@@ -297,3 +297,72 @@ def test_a_reload_that_changes_a_keys_kind_starts_it_afresh(open_store) -> None:
             seen.append((await store.evaluate(NOW + 2, ADDRESS, [check])).hits[0].over_limit)
         return seen
     assert run(open_store, test) == [False, False, False, False, 0, False, False]
+
+
+def fitting(rule: str = "f", threshold: int = 10, per: float = 60.0, sliding: bool = False,
+            penalty: float = 0.0, amount: int = 1) -> Check:
+    """A Rate Limit Service descriptor's counter: admitted only when the request fits whole."""
+    return Check(rule, ((rule, ("k",)), "v"), WindowCounter(threshold, per, penalty, sliding=sliding, fit=True),
+                 float(threshold), False, amount=amount)
+
+
+def test_a_fitting_window_admits_what_fits_whole_and_counts_no_refusal(open_store) -> None:
+    async def test(store: StateStore) -> list[Any]:
+        start = NOW - NOW % 60  # the start of a window
+        seen = []
+        for amount in (4, 5, 2, 1, 0, 1):
+            evaluation = await store.evaluate(start + 1, "", [fitting(amount=amount)], quotas=True)
+            seen.append((evaluation.hits[0].over_limit, evaluation.quotas[0][0]))
+        # A new window counts from nothing.
+        evaluation = await store.evaluate(start + 60, "", [fitting(amount=10)], quotas=True)
+        seen.append((evaluation.hits[0].over_limit, evaluation.quotas[0][0]))
+        return seen
+    # 4 and 5 fit (9 of 10); 2 does not and is not counted; 1 fits (10);
+    # a look (0) fits and counts nothing; one more does not fit.
+    assert run(open_store, test) == [(False, 6), (False, 1), (True, 1), (False, 0), (False, 0), (True, 0),
+                                     (False, 0)]
+
+
+def test_a_fitting_window_refuses_until_its_window_ends_then_a_penalty_when_it_has_one(open_store) -> None:
+    async def test(store: StateStore) -> list[Any]:
+        start = NOW - NOW % 60
+        plain, penalized = fitting("plain", threshold=2), fitting("penalized", threshold=2, penalty=90.0)
+        answers = []
+        for check in (plain, penalized):
+            for _ in range(2):
+                await store.evaluate(start + 10, "", [check])
+            refused = (await store.evaluate(start + 20, "", [check])).hits[0]
+            later = (await store.evaluate(start + 61, "", [check])).hits[0]
+            answers.append((refused.over_limit, round(refused.retry_after, 3), later.over_limit))
+        return answers
+    assert run(open_store, test) == [(True, 40.0, False), (True, 90.0, True)]
+
+
+def test_a_fitting_sliding_window_weighs_the_previous_window_in(open_store) -> None:
+    async def test(store: StateStore) -> list[Any]:
+        start = NOW - NOW % 60
+        check = fitting(threshold=10, sliding=True)
+        await store.evaluate(start + 30, "", [fitting(threshold=10, sliding=True, amount=10)])
+        # A quarter into the next window, the previous 10 weigh 7.5: 2 fit, 3 do not.
+        three = (await store.evaluate(start + 75, "", [fitting(threshold=10, sliding=True, amount=3)])).hits[0]
+        two = (await store.evaluate(start + 75, "", [fitting(threshold=10, sliding=True, amount=2)])).hits[0]
+        one = (await store.evaluate(start + 75, "", [check])).hits[0]
+        return [three.over_limit, two.over_limit, one.over_limit, round(one.retry_after, 3)]
+    # After 2, 10 - 2 - 1 = 7 of the previous 10 may weigh: at 30% of the window, 3 s from now.
+    assert run(open_store, test) == [True, False, True, 3.0]
+
+
+def test_buckets_take_a_requests_amount_at_once_and_a_look_takes_nothing(open_store) -> None:
+    async def test(store: StateStore) -> list[bool]:
+        token = TokenBucket(10, 1.0, 1, None)
+        leaky = LeakyBucket(Rate(1, 1.0), 4, None, None)
+        over = []
+        for limiter in (token, leaky):
+            key = ((f"b-{limiter.__class__.__name__}", ("k",)), "v")
+            for amount in (0, 5, 6, 5, 0):
+                check = Check("b", key, limiter, 10.0, False, amount=amount)
+                over.append((await store.evaluate(NOW, "", [check])).hits[0].over_limit)
+        return over
+    # Ten tokens: a look, 5, then 6 does not fit, 5 does, a look still passes.
+    # A burst of 4 holds 5 at once: the look, 5, then nothing more fits.
+    assert run(open_store, test) == [False, False, True, False, False, False, False, True, True, False]

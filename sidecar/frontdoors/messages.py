@@ -1,5 +1,7 @@
-"""The messages of Envoy's gRPC ext_authz that Sluice reads and writes,
-declared here with Envoy's names and field numbers.
+"""The gRPC messages Sluice reads and writes, declared here with their own
+names and field numbers: Envoy's ext_authz (``envoy.service.auth.v3``),
+Envoy's Rate Limit Service (``envoy.service.ratelimit.v3``) and gRPC's
+health checking (``grpc.health.v1``).
 
 Only the fields Sluice uses are declared: protobuf skips the others on the
 wire, and a message is what its full name and field numbers say, not where
@@ -17,12 +19,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, struct_pb2
+from google.protobuf import descriptor_pb2, descriptor_pool, duration_pb2, message_factory, struct_pb2, wrappers_pb2
 
 _Field = descriptor_pb2.FieldDescriptorProto
-STRING, BYTES, INT32, UINT32, INT64, MESSAGE = (
+STRING, BYTES, INT32, UINT32, INT64, MESSAGE, ENUM = (
     _Field.TYPE_STRING, _Field.TYPE_BYTES, _Field.TYPE_INT32, _Field.TYPE_UINT32, _Field.TYPE_INT64,
-    _Field.TYPE_MESSAGE)
+    _Field.TYPE_MESSAGE, _Field.TYPE_ENUM)
 # A field: (name, number, type, message type's full name or "", repeated).
 # Enumerations are declared as int32, their encoding on the wire.
 FieldSpec = tuple[str, int, int, str, bool]
@@ -34,6 +36,20 @@ CHECK_SERVICE = f"{AUTH}.Authorization"
 CHECK_METHOD = "Check"
 # HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD.
 OVERWRITE_IF_EXISTS_OR_ADD = 2
+
+RLS = "envoy.service.ratelimit.v3"
+RLS_COMMON = "envoy.extensions.common.ratelimit.v3"
+RATE_LIMIT_SERVICE = f"{RLS}.RateLimitService"
+SHOULD_RATE_LIMIT = "ShouldRateLimit"
+# RateLimitResponse.Code.
+UNKNOWN, OK, OVER_LIMIT = 0, 1, 2
+# RateLimitResponse.RateLimit.Unit and envoy.type.v3.RateLimitUnit (the same numbers).
+UNITS = {"SECOND": 1, "MINUTE": 2, "HOUR": 3, "DAY": 4, "MONTH": 5, "YEAR": 6}
+
+HEALTH = "grpc.health.v1"
+HEALTH_SERVICE = f"{HEALTH}.Health"
+# HealthCheckResponse.ServingStatus.
+SERVING, NOT_SERVING, SERVICE_UNKNOWN = 1, 2, 3
 
 
 def _message(name: str, fields: list[FieldSpec], nested: list[descriptor_pb2.DescriptorProto] | None = None,
@@ -107,19 +123,69 @@ _FILES = [
         ]),
     ], dependencies=("google/protobuf/struct.proto", "sluice/google_rpc.proto", "sluice/envoy_type.proto",
                      "sluice/envoy_core.proto")),
+    _file("sluice/envoy_ratelimit_common.proto", RLS_COMMON, [
+        _message("RateLimitDescriptor", [
+            ("entries", 1, MESSAGE, f"{RLS_COMMON}.RateLimitDescriptor.Entry", True),
+            ("limit", 2, MESSAGE, f"{RLS_COMMON}.RateLimitDescriptor.RateLimitOverride", False),
+            ("hits_addend", 3, MESSAGE, "google.protobuf.UInt64Value", False),
+        ], nested=[
+            _message("Entry", [("key", 1, STRING, "", False), ("value", 2, STRING, "", False)]),
+            _message("RateLimitOverride", [("requests_per_unit", 1, UINT32, "", False),
+                                           ("unit", 2, INT32, "", False)]),
+        ]),
+    ], dependencies=("google/protobuf/wrappers.proto",)),
+    _file("sluice/envoy_ratelimit.proto", RLS, [
+        _message("RateLimitRequest", [
+            ("domain", 1, STRING, "", False),
+            ("descriptors", 2, MESSAGE, f"{RLS_COMMON}.RateLimitDescriptor", True),
+            ("hits_addend", 3, UINT32, "", False),
+        ]),
+        _message("RateLimitResponse", [
+            ("overall_code", 1, INT32, "", False),
+            ("statuses", 2, MESSAGE, f"{RLS}.RateLimitResponse.DescriptorStatus", True),
+            ("response_headers_to_add", 3, MESSAGE, f"{CORE}.HeaderValue", True),
+            ("request_headers_to_add", 4, MESSAGE, f"{CORE}.HeaderValue", True),
+            ("raw_body", 5, BYTES, "", False),
+        ], nested=[
+            _message("RateLimit", [("requests_per_unit", 1, UINT32, "", False), ("unit", 2, INT32, "", False),
+                                   ("name", 3, STRING, "", False)]),
+            _message("DescriptorStatus", [
+                ("code", 1, INT32, "", False),
+                ("current_limit", 2, MESSAGE, f"{RLS}.RateLimitResponse.RateLimit", False),
+                ("limit_remaining", 3, UINT32, "", False),
+                ("duration_until_reset", 4, MESSAGE, "google.protobuf.Duration", False),
+            ]),
+        ]),
+    ], dependencies=("google/protobuf/duration.proto", "sluice/envoy_core.proto",
+                     "sluice/envoy_ratelimit_common.proto")),
+    _file("sluice/grpc_health.proto", HEALTH, [
+        _message("HealthCheckRequest", [("service", 1, STRING, "", False)]),
+        _message("HealthCheckResponse", [("status", 1, INT32, "", False)]),
+    ]),
 ]
 
 
 def _pool() -> descriptor_pool.DescriptorPool:
     pool = descriptor_pool.DescriptorPool()
-    struct_file = descriptor_pb2.FileDescriptorProto()
-    struct_pb2.DESCRIPTOR.CopyToProto(struct_file)
-    for file in (struct_file, *_FILES):
+    known = []
+    for module in (struct_pb2, duration_pb2, wrappers_pb2):
+        known.append(descriptor_pb2.FileDescriptorProto())
+        module.DESCRIPTOR.CopyToProto(known[-1])
+    for file in (*known, *_FILES):
         pool.Add(file)
     return pool
 
 
+def _class(name: str) -> Any:
+    return message_factory.GetMessageClass(_POOL.FindMessageTypeByName(name))
+
+
 _POOL = _pool()
-CheckRequest: Any = message_factory.GetMessageClass(_POOL.FindMessageTypeByName(f"{AUTH}.CheckRequest"))
-CheckResponse: Any = message_factory.GetMessageClass(_POOL.FindMessageTypeByName(f"{AUTH}.CheckResponse"))
-HeaderValueOption: Any = message_factory.GetMessageClass(_POOL.FindMessageTypeByName(f"{CORE}.HeaderValueOption"))
+CheckRequest: Any = _class(f"{AUTH}.CheckRequest")
+CheckResponse: Any = _class(f"{AUTH}.CheckResponse")
+HeaderValueOption: Any = _class(f"{CORE}.HeaderValueOption")
+RateLimitRequest: Any = _class(f"{RLS}.RateLimitRequest")
+RateLimitResponse: Any = _class(f"{RLS}.RateLimitResponse")
+RateLimitDescriptor: Any = _class(f"{RLS_COMMON}.RateLimitDescriptor")
+HealthCheckRequest: Any = _class(f"{HEALTH}.HealthCheckRequest")
+HealthCheckResponse: Any = _class(f"{HEALTH}.HealthCheckResponse")
