@@ -114,6 +114,7 @@ CONFIG_TARGETS = {
     "envoy": (("envoy", ""),),
     "envoy-fragments": (("envoy/fragments", ""),),
     "envoy-grpc": (("envoy-grpc", ""),),
+    "envoy-rls": (("envoy-rls", ""),),
 }
 
 

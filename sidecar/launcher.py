@@ -6,12 +6,14 @@ nginx and Envoy templates shipped in the package (or those named by
 starts the five processes on loopback, waits until each is ready, prints
 where to send requests and stops everything it started on Ctrl-C or SIGTERM.
 nginx, Envoy and a second Envoy checking over gRPC (`envoy-grpc`) are three
-front doors to the same Sluice and application. It does not restart a
+front doors to the same Sluice and application; a fourth Envoy (`envoy-rls`)
+asks Sluice's Rate Limit Service with the descriptors of its `rate_limits`
+(`--rls-config`, by default the package's `default_rls.yaml`). It does not restart a
 component that dies: with Sluice gone, all fail open.
 
 `python -m sidecar.launcher --render FOLDER DIR` only renders the package's
 templates of one folder (`nginx/snippets`, `envoy/fragments`, `nginx`,
-`envoy`, `envoy-grpc`) into DIR, for an nginx or Envoy of your own, and
+`envoy`, `envoy-grpc`, `envoy-rls`) into DIR, for an nginx or Envoy of your own, and
 starts nothing.
 
 The integration tests use `Stack` directly, with ports of their choosing.
@@ -53,6 +55,12 @@ DEFAULT_TEMPLATE = PACKAGE_TEMPLATES / "nginx" / "sluice.conf.template"
 DEFAULT_ENVOY_TEMPLATE = PACKAGE_TEMPLATES / "envoy" / "envoy.yaml.template"
 # The same bootstrap with gRPC ext_authz: the third front door.
 DEFAULT_ENVOY_GRPC_TEMPLATE = PACKAGE_TEMPLATES / "envoy-grpc" / "envoy-grpc.yaml.template"
+# Envoy's ratelimit filter asking Sluice's Rate Limit Service: the fourth.
+DEFAULT_ENVOY_RLS_TEMPLATE = PACKAGE_TEMPLATES / "envoy-rls" / "envoy-rls.yaml.template"
+# The Rate Limit Service configuration of `make run` (envoyproxy/ratelimit's format).
+DEFAULT_RLS_CONFIG = files("sidecar") / "default_rls.yaml"
+# The domain of that file, which the envoy-rls filter asks about.
+DEFAULT_RLS_DOMAIN = "sluice"
 # What an existing nginx includes (the site template includes them too):
 # rendered into SNIPPETS_DIR beside the site, as the nginx image renders
 # the templates' subfolders into conf.d/.
@@ -99,6 +107,9 @@ class StackPorts:
     envoy_grpc: int = 10001
     envoy_grpc_admin: int = 9902
     sluice_grpc: int = 8183
+    # The Envoy whose ratelimit filter asks Sluice's Rate Limit Service.
+    envoy_rls: int = 10002
+    envoy_rls_admin: int = 9903
 
 
 # The components that clients talk to, in the order they are started.
@@ -181,6 +192,7 @@ def proxy_variables(listen: tuple[str, int], envoy_listen: tuple[str, int], slui
         "UPSTREAM_PORT": str(upstream[1]),
         "SLUICE_CHECK_TIMEOUT": check_timeout,
         "ENVOY_UNCHECKED_PREFIX": ENVOY_UNCHECKED_PREFIX,
+        "SLUICE_RLS_DOMAIN": DEFAULT_RLS_DOMAIN,
     }
 
 
@@ -336,7 +348,9 @@ class Stack:
     `run_dir`. `template` and `envoy_template` default to the package's
     own. `variables` replace values of template variables (see
     `template_variables`), e.g. to send the front doors' response reports
-    somewhere other than Sluice.
+    somewhere other than Sluice. With `rls_config`, Sluice also serves its
+    Rate Limit Service with those files, and a fourth front door (Envoy's
+    ratelimit filter, `envoy-rls`) asks it.
     """
 
     def __init__(
@@ -349,6 +363,8 @@ class Stack:
         envoy_template: Traversable = DEFAULT_ENVOY_TEMPLATE,
         variables: Mapping[str, str] | None = None,
         envoy_grpc_template: Traversable = DEFAULT_ENVOY_GRPC_TEMPLATE,
+        rls_config: Path | None = None,
+        envoy_rls_template: Traversable = DEFAULT_ENVOY_RLS_TEMPLATE,
     ) -> None:
         self.run_dir = run_dir.resolve()
         self.rules = rules.absolute() if rules is not None else None
@@ -357,6 +373,8 @@ class Stack:
         self.template = template
         self.envoy_template = envoy_template
         self.envoy_grpc_template = envoy_grpc_template
+        self.rls_config = rls_config.absolute() if rls_config is not None else None
+        self.envoy_rls_template = envoy_rls_template
         self.variables = dict(variables or {})
         self._components: dict[str, Component] = {}
 
@@ -371,6 +389,10 @@ class Stack:
     @property
     def envoy_grpc_url(self) -> str:
         return f"http://{_host_port(self.host, self.ports.envoy_grpc)}"
+
+    @property
+    def envoy_rls_url(self) -> str:
+        return f"http://{_host_port(self.host, self.ports.envoy_rls)}"
 
     @property
     def sluice_url(self) -> str:
@@ -394,7 +416,7 @@ class Stack:
         self.stop()
 
     def start(self) -> None:
-        """Start all five and wait until each is ready; on failure, stop what was started."""
+        """Start them all and wait until each is ready; on failure, stop what was started."""
         if self.rules is not None and not self.rules.is_file():
             raise StackError(f"{self.rules}: no such rules file")
         nginx, envoy = find_nginx(), find_envoy()
@@ -406,10 +428,13 @@ class Stack:
             ("sluice", ports.sluice),
             ("sluice grpc", ports.sluice_grpc),
             ("upstream", ports.upstream),
+            *((("envoy-rls", ports.envoy_rls),) if self.rls_config is not None else ()),
         ):
             _ensure_port_free(host, port, name)
         _ensure_port_free(ENVOY_ADMIN_HOST, ports.envoy_admin, "envoy admin")
         _ensure_port_free(ENVOY_ADMIN_HOST, ports.envoy_grpc_admin, "envoy-grpc admin")
+        if self.rls_config is not None:
+            _ensure_port_free(ENVOY_ADMIN_HOST, ports.envoy_rls_admin, "envoy-rls admin")
         _ensure_port_free(host, ports.sluice_hook, "sluice hook", socket.SOCK_DGRAM)
         variables = {**template_variables(ports, host, longest_hold_of(self.rules)), **self.variables}
         nginx_conf = write_nginx_config(self.run_dir, self.template, variables)
@@ -418,6 +443,13 @@ class Stack:
         envoy_grpc_conf = write_envoy_config(self.run_dir, self.envoy_grpc_template, {
             **variables, "ENVOY_LISTEN_PORT": str(ports.envoy_grpc),
             "ENVOY_ADMIN_PORT": str(ports.envoy_grpc_admin)}, "envoy-grpc.yaml")
+        envoys = [("envoy", envoy_conf, ports.envoy, ports.envoy_admin),
+                  ("envoy-grpc", envoy_grpc_conf, ports.envoy_grpc, ports.envoy_grpc_admin)]
+        if self.rls_config is not None:
+            envoys.append(("envoy-rls", write_envoy_config(self.run_dir, self.envoy_rls_template, {
+                **variables, "ENVOY_LISTEN_PORT": str(ports.envoy_rls),
+                "ENVOY_ADMIN_PORT": str(ports.envoy_rls_admin)}, "envoy-rls.yaml"), ports.envoy_rls,
+                ports.envoy_rls_admin))
         try:
             self._start("upstream", [sys.executable, "-m", "sidecar.demo_upstream", "--host", host, "--port", str(ports.upstream)])
             self._wait("upstream", lambda: _http_status(host, ports.upstream, "/") is not None)
@@ -426,10 +458,7 @@ class Stack:
             self._start("nginx", [nginx, "-p", str(self.run_dir), "-c", str(nginx_conf), "-g", "daemon off;"])
             # Not an HTTP probe: a request through nginx would be counted by the rules.
             self._wait("nginx", lambda: _accepts_connections(host, ports.nginx))
-            for name, config, port, admin_port in (
-                ("envoy", envoy_conf, ports.envoy, ports.envoy_admin),
-                ("envoy-grpc", envoy_grpc_conf, ports.envoy_grpc, ports.envoy_grpc_admin),
-            ):
+            for name, config, port, admin_port in envoys:
                 self._start(name, _envoy_argv(envoy, config))
                 self._wait(name, functools.partial(_envoy_ready, host, port, admin_port))
         except BaseException:
@@ -438,7 +467,7 @@ class Stack:
 
     def stop(self) -> None:
         """Stop the front doors first, so that no request arrives at a stopped Sluice."""
-        for name in ("envoy-grpc", "envoy", "nginx", "sluice", "upstream"):
+        for name in ("envoy-rls", "envoy-grpc", "envoy", "nginx", "sluice", "upstream"):
             component = self._components.pop(name, None)
             if component is not None:
                 component.stop()
@@ -463,6 +492,8 @@ class Stack:
         ]
         if self.rules is not None:
             argv += ["--config", str(self.rules)]
+        if self.rls_config is not None:
+            argv += ["--rls-config", str(self.rls_config)]
         return argv
 
 
@@ -698,7 +729,7 @@ def _watch(stack: Stack) -> int:
             if reported.issuperset(FRONT_DOORS):
                 return 1
             if name == "sluice":
-                print("nginx and both Envoys now let every request through (fail open)", file=sys.stderr)
+                print("nginx and the Envoys now let every request through (fail open)", file=sys.stderr)
         time.sleep(0.5)
 
 
@@ -710,12 +741,16 @@ def _print_banner(stack: Stack) -> None:
         f"  send requests to  {stack.nginx_url}/  (nginx, checked by Sluice)\n"
         f"               or   {stack.envoy_url}/  (Envoy, checked by Sluice; {ENVOY_UNCHECKED_PREFIX} is not)\n"
         f"               or   {stack.envoy_grpc_url}/  (Envoy, checked by Sluice over gRPC)\n"
+        + (f"               or   {stack.envoy_rls_url}/  (Envoy's ratelimit filter, Sluice's Rate Limit "
+           f"Service: {stack.rls_config})\n" if stack.rls_config is not None else "") +
         f"  Sluice            {stack.sluice_url}/  (/healthz, /metrics)\n"
         f"  demo upstream     {stack.upstream_url}/  (?status=N, ?score=S)\n"
         f"  Envoy admin       http://{_host_port(ENVOY_ADMIN_HOST, stack.ports.envoy_admin)}/\n"
-        f"  logs              {logs}/{{nginx,envoy,envoy-grpc,sluice,upstream,access}}.log\n"
+        f"  logs              {logs}/{{nginx,envoy,envoy-grpc,envoy-rls,sluice,upstream,access}}.log\n"
         f"try: curl -i {stack.nginx_url}/hello\n"
         f"     curl -i {stack.envoy_url}/hello\n"
+        + (f"     curl -i -H 'x-api-key: demo' {stack.envoy_rls_url}/hello   (x-ratelimit-* headers; 429 after 10 at once)\n"
+           if stack.rls_config is not None else "") +
         "Ctrl-C stops everything.",
         flush=True,
     )
@@ -747,6 +782,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--envoy-grpc-admin-port", type=int, default=StackPorts.envoy_grpc_admin)
     parser.add_argument("--sluice-grpc-port", type=int, default=StackPorts.sluice_grpc)
     parser.add_argument("--sluice-hook-port", type=int, default=StackPorts.sluice_hook, help="UDP")
+    parser.add_argument("--envoy-rls-port", type=int, default=StackPorts.envoy_rls)
+    parser.add_argument("--envoy-rls-admin-port", type=int, default=StackPorts.envoy_rls_admin)
+    parser.add_argument("--rls-config", type=Path, metavar="PATH",
+                        help="Rate Limit Service configuration, a file or a directory in envoyproxy/ratelimit's "
+                             "format (default: the package's default_rls.yaml)")
+    parser.add_argument("--no-rls", action="store_true", help="no Rate Limit Service, no envoy-rls front door")
     # argparse converts string defaults only: the package's own stay Traversables.
     parser.add_argument("--nginx-template", type=Path, default=DEFAULT_TEMPLATE, metavar="FILE",
                         help="nginx template to render (default: the one shipped in the package)")
@@ -754,7 +795,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="Envoy bootstrap template to render (default: the one shipped in the package)")
     parser.add_argument("--render", nargs=2, metavar=("FOLDER", "DIR"),
                         help="only render the package's templates of FOLDER (nginx/snippets, envoy/fragments, "
-                             "nginx, envoy) into DIR, with the values of this stack or, for each one set, the "
+                             "nginx, envoy, envoy-grpc, envoy-rls) into DIR, with the values of this stack or, for each one set, the "
                              "environment variable's, and exit")
     args = parser.parse_args(argv)
     ports = StackPorts(
@@ -767,11 +808,14 @@ def main(argv: list[str] | None = None) -> int:
         envoy_grpc_admin=args.envoy_grpc_admin_port,
         sluice_grpc=args.sluice_grpc_port,
         sluice_hook=args.sluice_hook_port,
+        envoy_rls=args.envoy_rls_port,
+        envoy_rls_admin=args.envoy_rls_admin_port,
     )
     if args.render is not None:
         return render_only(args.render[0], Path(args.render[1]), ports, args.rules)
+    rls_config = None if args.no_rls else args.rls_config or Path(str(DEFAULT_RLS_CONFIG))
     stack = Stack(args.run_dir, rules=args.rules, ports=ports, template=args.nginx_template,
-                  envoy_template=args.envoy_template)
+                  envoy_template=args.envoy_template, rls_config=rls_config)
     return run_foreground(stack)
 
 

@@ -24,6 +24,7 @@ under (``RlsConfig.match``), most specific entry first.
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from dataclasses import dataclass, field
@@ -94,13 +95,6 @@ class Extension(Strict):
     penalty: Duration | None = None  # refused for this long once over the limit
     ban: Duration | None = None  # the remote_address entry's address is banned
 
-    @field_validator("window", "penalty")
-    @classmethod
-    def _positive(cls, value: float | None) -> float | None:
-        if value is not None and value <= 0:
-            raise ValueError("must be longer than 0s")
-        return value
-
     @field_validator("ban")
     @classmethod
     def _ban_range(cls, value: float | None) -> float | None:
@@ -128,7 +122,7 @@ EntryText = Annotated[str, BeforeValidator(_text)]
 
 
 class Descriptor(Strict):
-    key: EntryText = Field(min_length=1)
+    key: EntryText
     value: EntryText | None = None
     rate_limit: RateLimit | None = None
     descriptors: list["Descriptor"] = []
@@ -139,6 +133,13 @@ class Descriptor(Strict):
     share_threshold: bool = False
     metadata: Any = None
     sluice: Extension | None = None
+
+    @field_validator("key")
+    @classmethod
+    def _key(cls, value: str) -> str:
+        if not value:
+            raise ValueError("a descriptor's key cannot be empty")
+        return value
 
     @model_validator(mode="after")
     def _extension_needs_a_limit(self) -> "Descriptor":
@@ -359,12 +360,23 @@ def parse_rls_text(text: str, source: str) -> RlsFile:
         model = RlsFile.model_validate(document.data)
     except ValidationError as exc:
         for error in exc.errors():
-            issues.append(document.issue(tuple(error["loc"]), _message(error), missing=error["type"] == "missing"))
+            message = _message(error)
+            if error["type"] == "extra_forbidden" and error["loc"]:
+                message += _did_you_mean(str(error["loc"][-1]))
+            issues.append(document.issue(tuple(error["loc"]), message, missing=error["type"] == "missing"))
     if isinstance(document.data.get("descriptors"), list):
         issues.extend(_tree_checks(document, document.data["descriptors"], ("descriptors",), False))
     if issues or model is None:
         raise ConfigError(sorted(set(issues), key=lambda i: (i.line, i.field, i.message)))
     return model
+
+
+def _did_you_mean(name: str) -> str:
+    """A hint for a misspelt field: the known name it most looks like."""
+    names = sorted({field.alias or field_name for model in (RlsFile, Descriptor, RateLimit, Replace, Extension)
+                    for field_name, field in model.model_fields.items()})
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.7)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _tree_checks(document: _Document, descriptors: list[Any], loc: tuple[str | int, ...],

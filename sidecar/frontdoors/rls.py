@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import grpc
-from prometheus_client.core import CounterMetricFamily, Metric, UnknownMetricFamily
+from prometheus_client.core import Metric, UnknownMetricFamily
 from prometheus_client.registry import Collector
 
 from sidecar.clientip import parse_address
@@ -127,11 +127,12 @@ class RlsStats(Collector):
                 else:
                     family.add_metric([domain, key1, ""], counts[index])
             yield family
+        # Counters under envoyproxy/ratelimit's exact names, which have no _total.
         for result, count in self.config_loads.items():
-            yield CounterMetricFamily(f"ratelimit_service_config_load_{result}",
+            yield UnknownMetricFamily(f"ratelimit_service_config_load_{result}",
                                       f"Rate Limit Service configuration loads that ended in {result}.",
                                       value=count)
-        errors = CounterMetricFamily("ratelimit_service_should_rate_limit_error",
+        errors = UnknownMetricFamily("ratelimit_service_should_rate_limit_error",
                                      "ShouldRateLimit calls that failed: redis_error (the shared store "
                                      "did not answer), service_error (an invalid request).",
                                      labels=["err_type"])
@@ -242,8 +243,10 @@ class RateLimitService:
             key: CountingKey = (("rls:" + domain, keys), *values)
             ban = None if limit.shadow else limit.ban
             if ban is not None and not address:
-                address = next((value for name, value in zip(keys, values) if name == "remote_address"), "")
-                address = address if parse_address(address) is not None else ""
+                # The address as the rules count it: the ban is the same one
+                # the HTTP front doors refuse.
+                address = next((value for name, value in zip(keys, values)
+                                if name == "remote_address" and value != ""), "")
             descriptor.check = len(checks)
             checks.append(Check(limit.rule_id, key, limit.limiter, limit.threshold, ban is not None, ban,
                                 amount=hits))
@@ -271,6 +274,7 @@ class RateLimitService:
             address = parse_address(value)
             if address is not None:
                 return resolver.key_for(address)
+            value = ""  # no address: counted as the empty value, and never banned
         if len(value) > MAX_KEY_VALUE:
             return "sha256:" + hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()
         return value

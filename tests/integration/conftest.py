@@ -33,8 +33,10 @@ def free_port(kind: socket.SocketKind = socket.SOCK_STREAM) -> int:
         return port
 
 
-def start_stack(run_dir: Path, rules: Path, variables: Mapping[str, str] | None = None) -> Stack:
-    """A stack on free loopback ports; `variables` override template values.
+def start_stack(run_dir: Path, rules: Path, variables: Mapping[str, str] | None = None,
+                rls_config: Path | None = None) -> Stack:
+    """A stack on free loopback ports; `variables` override template values;
+    with `rls_config`, the Rate Limit Service and its Envoy door too.
 
     A port found free can be taken before the server binds it (by another
     connection's source port, in a suite that opens thousands): the stack
@@ -51,9 +53,11 @@ def start_stack(run_dir: Path, rules: Path, variables: Mapping[str, str] | None 
             envoy_grpc_admin=free_port(),
             sluice_grpc=free_port(),
             sluice_hook=free_port(socket.SOCK_DGRAM),
+            envoy_rls=free_port(),
+            envoy_rls_admin=free_port(),
         )
         stack = Stack(run_dir / f"attempt-{attempt}" if attempt else run_dir, rules=rules, ports=ports,
-                      variables=variables)
+                      variables=variables, rls_config=rls_config)
         try:
             stack.start()
             return stack
