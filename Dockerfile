@@ -30,10 +30,12 @@ COPY sidecar /src/sidecar
 RUN pip install --no-deps /src && rm -rf /src
 
 USER 10001:10001
-# The check port (HTTP: checks, /healthz, /readyz, /metrics, the admin API)
-# and nginx's response reports (syslog over UDP).
+# The check port (HTTP: checks, /healthz, /readyz, /metrics, the admin API),
+# nginx's response reports (syslog over UDP), and the gRPC port when asked
+# for (--grpc-port 8183: ext_authz, and the Rate Limit Service with
+# --rls-config).
 ENV SLUICE_HOST=0.0.0.0 SLUICE_PORT=8181
-EXPOSE 8181 8182/udp
+EXPOSE 8181 8182/udp 8183
 # Liveness of the check port; slim images have no curl. A compose service
 # that runs another command from this image sets its own healthcheck.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \

@@ -1,4 +1,6 @@
-# make run [RULES=path/to/rules.yaml]   the local stack: nginx + Envoy (HTTP and gRPC ext_authz) + Sluice + demo upstream
+# make run [RULES=path/to/rules.yaml] [RLS=path]
+#                                       the local stack: nginx + Envoy (HTTP and gRPC ext_authz, and the
+#                                       ratelimit filter asking Sluice's Rate Limit Service) + Sluice + demo upstream
 # make test                             every test, integration tests included
 # make bench                            the benchmarks (bench/*.py); never part of make test
 #
@@ -20,6 +22,8 @@ SHELL := bash
 PYTHON ?= python3
 VENV := .venv
 RULES ?= examples/default.yaml
+# The Rate Limit Service configuration (a file or a directory); the package's own by default.
+RLS ?=
 
 # Re-installed whenever pyproject.toml changes.
 INSTALLED := $(VENV)/.installed
@@ -27,7 +31,7 @@ INSTALLED := $(VENV)/.installed
 .PHONY: run test bench nginx caddy redis-server redis-tools nodejs prometheus wrk
 
 run: $(INSTALLED) nginx
-	$(VENV)/bin/python -m sidecar.launcher --rules "$(RULES)"
+	$(VENV)/bin/python -m sidecar.launcher --rules "$(RULES)" $(if $(RLS),--rls-config "$(RLS)")
 
 test: $(INSTALLED) nginx caddy redis-server redis-tools nodejs prometheus
 	$(VENV)/bin/python -m mypy

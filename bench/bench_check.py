@@ -18,7 +18,11 @@ second (noisy) and CPU time per request of each process (utime + stime from
 5. the same nginx with Sluice on a shared redis-server (started by the
    bench on loopback): one process over TCP, and ``--workers 2`` over the
    server's Unix socket, against the memory backend; the Redis server's own
-   CPU is charged to the check.
+   CPU is charged to the check;
+6. Envoy's ratelimit filter asking Sluice's Rate Limit Service (the shipped
+   envoy-rls bootstrap and rate_limits: two descriptors a request, limits
+   far above the load) against the same Envoy with ``local_ratelimit``
+   instead, the in-process floor.
 
 Clients: ``wrk -t2 -c32`` with bench/rotate.lua, which rotates the client
 address over 100,000 IPv4 values in a trusted X-Forwarded-For and varies
@@ -59,6 +63,7 @@ from bench_engine import TEN_RULES  # noqa: E402  (bench/ is on sys.path as the 
 
 from sidecar.launcher import (  # noqa: E402
     DEFAULT_ENVOY_GRPC_TEMPLATE,
+    DEFAULT_ENVOY_RLS_TEMPLATE,
     DEFAULT_ENVOY_TEMPLATE,
     DEFAULT_TEMPLATE,
     StackPorts,
@@ -274,6 +279,52 @@ class Config:
         return [result.rate for result in self.passes]
 
 
+# The Rate Limit Service configuration of the bench: the descriptors of the
+# shipped rate_limits (remote_address; remote_address and api_key), with
+# limits no pass reaches.
+BENCH_RLS = """
+domain: sluice
+descriptors:
+  - key: remote_address
+    rate_limit: {unit: second, requests_per_unit: 1000000000}
+    descriptors:
+      - key: api_key
+        rate_limit: {unit: second, requests_per_unit: 1000000000}
+"""
+
+# Envoy's own token bucket, in place of the ratelimit filter: never empty.
+LOCAL_RATELIMIT = {
+    "name": "envoy.filters.http.local_ratelimit",
+    "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit",
+        "stat_prefix": "local_rate_limit",
+        "token_bucket": {"max_tokens": 1000000000, "tokens_per_fill": 1000000000, "fill_interval": "1s"},
+        "filter_enabled": {"runtime_key": "local_rate_limit_enabled",
+                           "default_value": {"numerator": 100, "denominator": "HUNDRED"}},
+        "filter_enforced": {"runtime_key": "local_rate_limit_enforced",
+                            "default_value": {"numerator": 100, "denominator": "HUNDRED"}},
+    },
+}
+
+
+def http_filters_of(bootstrap: dict) -> list[dict]:
+    """The HTTP connection manager's filters of the bootstrap's one listener."""
+    manager = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    filters: list[dict] = manager["http_filters"]
+    return filters
+
+
+def with_local_ratelimit(config_text: str) -> str:
+    """The rendered envoy-rls bootstrap with local_ratelimit in place of the ratelimit filter."""
+    bootstrap = yaml.safe_load(config_text)
+    filters = http_filters_of(bootstrap)
+    names = [f["name"] for f in filters]
+    if "envoy.filters.http.ratelimit" not in names:
+        raise SystemExit("expected the ratelimit filter in the envoy-rls template")
+    filters[names.index("envoy.filters.http.ratelimit")] = LOCAL_RATELIMIT
+    return yaml.safe_dump(bootstrap, sort_keys=False)
+
+
 def lua_free(config_text: str) -> str:
     """The rendered Envoy bootstrap without the template's Lua filter."""
     bootstrap = yaml.safe_load(config_text)
@@ -315,6 +366,8 @@ class Bench:
         # in these rules' traffic), by the Sluice's port.
         self.hook_ports: dict[int, int] = {}
         self.grpc_ports: dict[int, int] = {}  # Sluice port -> its gRPC ext_authz port
+        self.rls_config = run / "rls.yaml"
+        self.rls_config.write_text(BENCH_RLS)
 
     def start_upstream(self) -> int:
         port = self.upstream_port
@@ -341,7 +394,7 @@ class Bench:
         grpc_options: list[str] = []
         if grpc:
             self.grpc_ports[port] = free_port()
-            grpc_options = ["--grpc-port", str(self.grpc_ports[port])]
+            grpc_options = ["--grpc-port", str(self.grpc_ports[port]), "--rls-config", str(self.rls_config)]
         prefix = [self.python] + (["-m", "cProfile", "-o", str(profile)] if profile else [])
         process = self.procs.start(name, prefix + [
             "-m", "sidecar", "serve", "--config", str(rules or self.rules), "--host", "127.0.0.1",
@@ -390,12 +443,15 @@ class Bench:
         return workers
 
     def start_envoy(self, name: str, sidecar_port: int, without_lua: bool = False,
-                    template: Traversable = DEFAULT_ENVOY_TEMPLATE) -> tuple[int, int]:
+                    template: Traversable = DEFAULT_ENVOY_TEMPLATE, local_ratelimit: bool = False
+                    ) -> tuple[int, int]:
         ports = self.ports(sidecar_port)
         run_dir = self.run / name
         config = write_envoy_config(run_dir, template, self.variables(ports))
         if without_lua:
             config.write_text(lua_free(config.read_text()))
+        if local_ratelimit:
+            config.write_text(with_local_ratelimit(config.read_text()))
         # As the launcher starts it (sidecar/launcher.py _envoy_argv).
         process = self.procs.start(name, [self.envoy, "-c", str(config), "--disable-hot-restart",
                                           "--log-level", "warning"],
@@ -471,6 +527,13 @@ def report(configs: dict[str, Config], seconds: float, rounds: int) -> None:
             "sidecar")
     cpu_row("   Envoy: Envoy CPU per request, gRPC / HTTP ext_authz", c["envoy-grpc-sluice"], c["envoy-sluice"],
             "envoy")
+    rate_row("   Envoy ratelimit filter: req/s, Sluice RLS / local_ratelimit", c["envoy-rls-sluice"],
+             c["envoy-local-ratelimit"])
+    cpu_row("   Envoy ratelimit filter: Envoy CPU per request, RLS / local", c["envoy-rls-sluice"],
+            c["envoy-local-ratelimit"], "envoy")
+    rows.append(("   Envoy ratelimit filter: Sluice CPU per RLS call",
+                 f"{c['envoy-rls-sluice'].us_per_request('sidecar'):6.1f} µs/req",
+                 f"{c['envoy-sluice'].us_per_request('sidecar'):6.1f} µs/req", "(ref.: HTTP ext_authz check)"))
     rate_row("4. nginx limit_req / nginx without a check (C ref.)", c["nginx-limit_req"], c["nginx-nocheck"])
     cpu_row("   nginx limit_req: nginx CPU per request / no check", c["nginx-limit_req"], c["nginx-nocheck"], "nginx")
     rate_row("   nginx + Sluice / nginx without a check", c["nginx-sluice"], c["nginx-nocheck"])
@@ -569,6 +632,10 @@ def main() -> None:
             envoy_n, envoy_n_port = bench.start_envoy("envoy-sluice-nolua", sluice_port, without_lua=True)
             envoy_g, envoy_g_port = bench.start_envoy("envoy-grpc-sluice", sluice_port,
                                                       template=DEFAULT_ENVOY_GRPC_TEMPLATE)
+            envoy_rls, envoy_rls_port = bench.start_envoy("envoy-rls-sluice", sluice_port,
+                                                          template=DEFAULT_ENVOY_RLS_TEMPLATE)
+            envoy_l, envoy_l_port = bench.start_envoy("envoy-local-ratelimit", sluice_port,
+                                                      template=DEFAULT_ENVOY_RLS_TEMPLATE, local_ratelimit=True)
             nginx_r, nginx_r_port = bench.start_nginx("nginx-sluice-redis", shared_port)
             nginx_r2, nginx_r2_port = bench.start_nginx("nginx-sluice-redis-unix-w2", shared2_port)
             plain, plain_port, limited_port = bench.start_plain_nginx()
@@ -590,6 +657,9 @@ def main() -> None:
                        {"sidecar": sluice, "envoy": [envoy_n], "upstream": upstream}),
                 Config("envoy-grpc-sluice", url(envoy_g_port),
                        {"sidecar": sluice, "envoy": [envoy_g], "upstream": upstream}),
+                Config("envoy-rls-sluice", url(envoy_rls_port),
+                       {"sidecar": sluice, "envoy": [envoy_rls], "upstream": upstream}),
+                Config("envoy-local-ratelimit", url(envoy_l_port), {"envoy": [envoy_l], "upstream": upstream}),
                 Config("nginx-nocheck", url(plain_port), {"nginx": plain, "upstream": upstream}),
                 Config("nginx-limit_req", url(limited_port), {"nginx": plain, "upstream": upstream}),
                 Config("direct-bare", url(bare_port, "/v1/nginx/auth"), {"sidecar": bare}, direct=True),

@@ -31,7 +31,6 @@ import grpc
 from prometheus_client.core import Metric, UnknownMetricFamily
 from prometheus_client.registry import Collector
 
-from sidecar.clientip import parse_address
 from sidecar.config import ConfigError
 from sidecar.engine import Engine
 from sidecar.frontdoors.messages import (
@@ -77,11 +76,22 @@ class RlsStats(Collector):
 
     def __init__(self) -> None:
         self.counts: dict[tuple[str, str, str], list[int]] = {}
+        # The counters of a descriptor's (domain, levels), without making
+        # its labels again: the same few for every request.
+        self._series: dict[tuple[str, tuple[str, ...]], list[int]] = {}
         self.config_loads = {"success": 0, "error": 0}
         self.errors: collections.Counter[str] = collections.Counter()  # redis_error, service_error
 
-    def series(self, domain: str, levels: Sequence[str], fallback: Sequence[str]) -> list[int]:
+    def series(self, domain: str, levels: tuple[str, ...], fallback: tuple[str, ...]) -> list[int]:
         """The counters of one descriptor (total, over, near, within, shadow)."""
+        counts = self._series.get((domain, levels))
+        if counts is None:
+            counts = self._series_of(domain, levels, fallback)
+            if len(self._series) < MAX_STAT_KEYS:
+                self._series[domain, levels] = counts
+        return counts
+
+    def _series_of(self, domain: str, levels: tuple[str, ...], fallback: tuple[str, ...]) -> list[int]:
         labels = self._labels(domain, levels)
         counts = self.counts.get(labels)
         if counts is None:
@@ -271,10 +281,9 @@ class RateLimitService:
         """A value as it counts: a client address as the rules count it (an
         IPv6 address by its /64), a long value by its digest."""
         if key == "remote_address":
-            address = parse_address(value)
-            if address is not None:
-                return resolver.key_for(address)
-            value = ""  # no address: counted as the empty value, and never banned
+            # The peer's key, as the front doors resolve it (fast paths and
+            # all); no address: the empty value, never banned.
+            return str(resolver.resolve(value, None).key)
         if len(value) > MAX_KEY_VALUE:
             return "sha256:" + hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()
         return value
