@@ -22,7 +22,7 @@ from sidecar.asgi import Scope
 from sidecar.engine import Engine
 from sidecar.frontdoors.messages import (CHECK_METHOD, CHECK_SERVICE, OVERWRITE_IF_EXISTS_OR_ADD,
                                                CheckRequest as CheckRequestMessage, CheckResponse,
-                                               HeaderValueOption)
+                                               HeaderValueOption, reader)
 from sidecar.frontdoors.common import Check, Reply, check_request, join_fields
 from sidecar.frontdoors.forward_auth import answer_in_full
 from sidecar.request import CheckRequest, strip_port
@@ -117,6 +117,8 @@ def check_handler(service: CheckingService) -> Any:
     ``service``, or an allow when that fails inside Sluice (counted)."""
 
     async def check(message: Any, context: Any) -> Any:
+        if message is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "not a CheckRequest")
         try:
             headers = request_headers(message.attributes.request.http)
             reply = await service.check_later(GRPC_CHECK, {"type": "grpc", GRPC_MESSAGE: message}, headers)
@@ -125,6 +127,6 @@ def check_handler(service: CheckingService) -> Any:
             service.internal_error()
             return check_response((200, [], b""))
 
-    method = grpc.unary_unary_rpc_method_handler(check, request_deserializer=CheckRequestMessage.FromString,
+    method = grpc.unary_unary_rpc_method_handler(check, request_deserializer=reader(CheckRequestMessage),
                                                  response_serializer=CheckResponse.SerializeToString)
     return grpc.method_handlers_generic_handler(CHECK_SERVICE, {CHECK_METHOD: method})

@@ -10,7 +10,7 @@ import grpc
 
 from sidecar.frontdoors.grpc_authz import CheckingService, check_handler
 from sidecar.frontdoors.messages import (HEALTH_SERVICE, NOT_SERVING, SERVING, HealthCheckRequest,
-                                         HealthCheckResponse)
+                                         HealthCheckResponse, reader)
 
 if TYPE_CHECKING:
     from sidecar.frontdoors.rls import RateLimitService
@@ -33,6 +33,8 @@ class Health:
         self.serving = True
 
     async def check(self, request: Any, context: Any) -> Any:
+        if request is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "not a HealthCheckRequest")
         if request.service not in HEALTH_NAMES:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
         return HealthCheckResponse(status=SERVING if self.serving else NOT_SERVING)
@@ -44,10 +46,10 @@ class Health:
     def handler(self) -> Any:
         methods = {
             "Check": grpc.unary_unary_rpc_method_handler(
-                self.check, request_deserializer=HealthCheckRequest.FromString,
+                self.check, request_deserializer=reader(HealthCheckRequest),
                 response_serializer=HealthCheckResponse.SerializeToString),
             "Watch": grpc.unary_stream_rpc_method_handler(
-                self.watch, request_deserializer=HealthCheckRequest.FromString,
+                self.watch, request_deserializer=reader(HealthCheckRequest),
                 response_serializer=HealthCheckResponse.SerializeToString),
         }
         return grpc.method_handlers_generic_handler(HEALTH_SERVICE, methods)

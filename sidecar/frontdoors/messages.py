@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from google.protobuf.message import DecodeError
 from google.protobuf import descriptor_pb2, descriptor_pool, duration_pb2, message_factory, struct_pb2, wrappers_pb2
 
 _Field = descriptor_pb2.FieldDescriptorProto
@@ -178,6 +179,20 @@ def _pool() -> descriptor_pool.DescriptorPool:
 
 def _class(name: str) -> Any:
     return message_factory.GetMessageClass(_POOL.FindMessageTypeByName(name))
+
+
+def reader(message_class: Any) -> Any:
+    """A gRPC request deserializer that answers None for bytes that are not
+    the message, which the method then refuses as INVALID_ARGUMENT (grpcio
+    would answer UNKNOWN with the parser's exception)."""
+
+    def read(data: bytes) -> Any:
+        try:
+            return message_class.FromString(data)
+        except DecodeError:
+            return None
+
+    return read
 
 
 _POOL = _pool()

@@ -34,7 +34,7 @@ from prometheus_client.registry import Collector
 from sidecar.config import ConfigError
 from sidecar.engine import Engine
 from sidecar.frontdoors.messages import (
-    OK, OVER_LIMIT, RATE_LIMIT_SERVICE, SHOULD_RATE_LIMIT, RateLimitRequest, RateLimitResponse,
+    OK, OVER_LIMIT, RATE_LIMIT_SERVICE, SHOULD_RATE_LIMIT, RateLimitRequest, RateLimitResponse, reader,
 )
 from sidecar.keys import CountingKey
 from sidecar.ratelog import RateLimitedLog
@@ -369,6 +369,9 @@ def rls_handler(service: RateLimitService, internal_error: Callable[[], None]) -
     failure inside Sluice an OK (fail open, counted)."""
 
     async def should_rate_limit(message: Any, context: Any) -> Any:
+        if message is None:
+            service.stats.errors["service_error"] += 1
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "not a RateLimitRequest")
         try:
             return await service.answer(message)
         except InvalidRequest as exc:
@@ -382,6 +385,6 @@ def rls_handler(service: RateLimitService, internal_error: Callable[[], None]) -
             return response
 
     method = grpc.unary_unary_rpc_method_handler(should_rate_limit,
-                                                 request_deserializer=RateLimitRequest.FromString,
+                                                 request_deserializer=reader(RateLimitRequest),
                                                  response_serializer=RateLimitResponse.SerializeToString)
     return grpc.method_handlers_generic_handler(RATE_LIMIT_SERVICE, {SHOULD_RATE_LIMIT: method})

@@ -516,3 +516,51 @@ def test_rls_and_health_answer_on_the_grpc_port_and_a_failure_inside_sluice_fail
     assert codes == [OK] * 10 + [OVER_LIMIT]
     assert statuses == [SERVING, SERVING] and unknown == grpc.StatusCode.NOT_FOUND
     assert failed == OK and service.engine.metrics.errors.value == 1
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Context:
+    """What a method handler is given: abort raises, as grpc.aio's does."""
+
+    code: Any = None
+
+    async def abort(self, code: Any, details: str) -> None:
+        self.code = code
+        raise _Aborted(details)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.binary(max_size=200) | st.builds(lambda r: r.SerializeToString(), st.builds(
+    RateLimitRequest, domain=st.sampled_from(["messaging", "", "x"]), hits_addend=st.integers(0, 2**32 - 1))))
+def test_any_bytes_on_the_grpc_methods_get_an_answer_or_invalid_argument(data: bytes) -> None:
+    import grpc
+
+    from sidecar.app import SluiceApp
+    from sidecar.frontdoors.grpc_authz import check_handler
+    from sidecar.frontdoors.grpc_server import Health
+    from sidecar.frontdoors.rls import rls_handler
+
+    class Method:
+        invocation_metadata = ()
+
+        def __init__(self, method: str) -> None:
+            self.method = method
+
+    app = SluiceApp(FUZZED.engine)
+    handlers = [
+        (rls_handler(FUZZED.service, app.internal_error), "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"),
+        (check_handler(app), "/envoy.service.auth.v3.Authorization/Check"),
+        (Health().handler(), "/grpc.health.v1.Health/Check"),
+    ]
+    for generic, path in handlers:
+        method = generic.service(Method(path))
+        context = _Context()
+        try:
+            answer = asyncio.run(method.unary_unary(method.request_deserializer(data), context))
+            method.response_serializer(answer)
+        except _Aborted:
+            assert context.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND)
+    assert FUZZED.engine.metrics.errors.value == 0
