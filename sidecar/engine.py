@@ -25,7 +25,7 @@ from sidecar.ratelog import RateLimitedLog
 from sidecar.request import CheckRequest
 from sidecar.responses import ResponsePhase
 from sidecar.rules import CompiledRule, Ruleset
-from sidecar.state import BanRecord, Check, Evaluation
+from sidecar.state import BanRecord, Check, Evaluation, epoch_clock
 from sidecar.store import StateStore, StoreUnavailable, open_store
 from sidecar.store.memory import run_at_once
 from sidecar.tokens import Tokens
@@ -87,7 +87,7 @@ class Engine:
     """
 
     def __init__(self, ruleset: Ruleset, store: StateStore | None = None,
-                 clock: Clock = time.monotonic, metrics: Metrics | None = None,
+                 clock: Clock = epoch_clock, metrics: Metrics | None = None,
                  secret: bytes | None = None, wall_clock: Clock = time.time) -> None:
         self.ruleset = ruleset
         self.clock = clock

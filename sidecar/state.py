@@ -8,6 +8,7 @@ evaluated nor counted. The stores themselves are in ``sidecar.store``.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence, TypeGuard
 
@@ -17,6 +18,18 @@ from sidecar.limiters import ALLOWED, Hit
 from sidecar.limiters.window import WindowCounter
 
 Clock = Callable[[], float]
+
+# The time of the stores: monotonic seconds on the Unix epoch's scale
+# (time.monotonic shifted by the wall clock once, at start). Windows are
+# aligned to multiples of their period since the epoch, so a day's window
+# ends at 00:00 UTC and a minute's on the minute, as with Redis's own clock
+# (which the Redis store counts on) and envoyproxy/ratelimit; setting the
+# wall clock later moves nothing.
+_EPOCH_OFFSET = time.time() - time.monotonic()
+
+
+def epoch_clock() -> float:
+    return time.monotonic() + _EPOCH_OFFSET
 
 
 class Limiter(Protocol):
@@ -123,7 +136,7 @@ class BanRecord:
     rule_id: str
     node: str
     started_wall: float  # wall-clock start, for people reading ban records
-    expires: float  # monotonic
+    expires: float  # on the store's clock (epoch_clock)
     duration: float
 
 

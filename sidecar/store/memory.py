@@ -15,7 +15,7 @@ from typing import Any, Callable, Coroutine, Hashable, Sequence, TypeVar, cast
 from sidecar.keys import CountingKey
 from sidecar.limiters import ALLOWED, Hit
 from sidecar.state import (BanRecord, Check, Clock, DeferredLimiter, Evaluation, Limiter, ResponseCount,
-                           is_deferred)
+                           epoch_clock, is_deferred)
 
 T = TypeVar("T")
 
@@ -176,7 +176,7 @@ class MemoryStore:
 
     answers_at_once = True
 
-    def __init__(self, max_keys: int, node: str, clock: Clock = time.monotonic,
+    def __init__(self, max_keys: int, node: str, clock: Clock = epoch_clock,
                  wall_clock: Clock = time.time) -> None:
         self.node = node
         self._clock = clock

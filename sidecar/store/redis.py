@@ -40,7 +40,7 @@ from sidecar.store import StoreUnavailable
 from sidecar.store.penalties import PenaltyCache
 from sidecar.store.redis_cluster import ClusterRedis
 from sidecar.store.redis_pipeline import PipelinedRedis, RedisAddress
-from sidecar.state import BanRecord, Check, Clock, Evaluation, ResponseCount
+from sidecar.state import BanRecord, Check, Clock, Evaluation, ResponseCount, epoch_clock
 
 __all__ = ["RedisStore", "StoreUnavailable", "counting_key", "ban_key"]
 
@@ -216,7 +216,7 @@ class RedisStore:
 
     def __init__(self, client: PipelinedRedis | ClusterRedis, node: str, server_time: bool = True,
                  wall_clock: Clock = time.time, max_keys: int = 100_000,
-                 clock: Clock = time.monotonic) -> None:
+                 clock: Clock = epoch_clock) -> None:
         self.client = client
         self.node = node
         # Keys known over limit: answered on this node, no round trip.

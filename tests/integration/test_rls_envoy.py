@@ -15,11 +15,10 @@ answer. Three files add what envoyproxy/ratelimit cannot do (Sluice's
 The stack is started once for the module, so counters are shared: every test
 counts by values (numbers, users, addresses) no other test uses.
 
-Windows: envoyproxy/ratelimit aligns a fixed window to multiples of its unit
-since the Unix epoch; Sluice aligns them to multiples of the monotonic clock
-(test_windows_are_aligned_to_the_unix_epoch, xfail). A test that needs its
-requests in one window waits for a stretch that is inside one window by
-both clocks, and checks afterwards that it stayed there: such sleeps only
+Windows: Sluice aligns a fixed window to multiples of its unit since the
+Unix epoch, as envoyproxy/ratelimit does (test_windows_are_aligned_to_the_unix_epoch).
+A test that needs its requests in one window waits until enough of one is
+left, and checks afterwards that it stayed there: such sleeps only
 synchronize, they never stand in for an assertion.
 """
 
@@ -234,22 +233,20 @@ def assert_refused(reply: Reply) -> None:
     assert reply.headers["x-ratelimit-remaining"] == "0"
 
 
-def _windows(period: float) -> tuple[int, int]:
-    """The current window of ``period`` seconds by the Unix epoch and by the monotonic clock."""
-    return int(time.time() // period), int(time.monotonic() // period)
+def _windows(period: float) -> int:
+    """The current window of ``period`` seconds since the Unix epoch."""
+    return int(time.time() // period)
 
 
 def _room(period: float) -> float:
-    """Seconds until the nearer of the two clocks' next window boundary."""
-    return min(period - time.time() % period, period - time.monotonic() % period)
+    """Seconds until the next window boundary."""
+    return period - time.time() % period
 
 
 def wait_for_window(period: float, room: float, fresh: bool) -> None:
     """Sleep until at least ``room`` seconds are left in the current window
-    of ``period`` by both clocks. ``room`` is at most half the period: the
-    two clocks' boundaries cut each period in two stretches, one of them at
-    least half of it. ``fresh``: only just after a boundary, so that the
-    window has none of the hits made before the call."""
+    of ``period`` (at most half the period). ``fresh``: only just after a
+    boundary, so that the window has none of the hits made before the call."""
     deadline = time.monotonic() + 2 * period + 1
     while fresh or _room(period) < room:
         time.sleep(_room(period) + 0.005)
@@ -258,8 +255,8 @@ def wait_for_window(period: float, room: float, fresh: bool) -> None:
 
 
 def in_one_window(period: float, room: float, attempt: Callable[[int], T], fresh: bool = True) -> T:
-    """``attempt(n)``'s result, run in one window of ``period`` seconds by
-    both clocks. An attempt that ran into a boundary is thrown away and the
+    """``attempt(n)``'s result, run in one window of ``period`` seconds.
+    An attempt that ran into a boundary is thrown away and the
     next, ``attempt(n + 1)``, starts in another window. With ``fresh``
     False, an attempt may start in a window that has seen hits already
     (each attempt must then count by values of its own, n being part of
@@ -501,9 +498,6 @@ def test_a_domain_no_file_configures_is_not_limited(rls: RlsStack) -> None:
         assert_unlimited(rls.get("/anything/else"))
 
 
-@pytest.mark.xfail(strict=True, reason="Sluice aligns RLS windows to time.monotonic() multiples (the engine's "
-                                       "clock), not to the Unix epoch as envoyproxy/ratelimit does: a day "
-                                       "resets at a time set by the machine's boot, not at 00:00 UTC")
 def test_windows_are_aligned_to_the_unix_epoch(rls: RlsStack) -> None:
     """A day limit resets at 00:00 UTC, as envoyproxy/ratelimit's key
     (the time divided by the unit) makes it: x-ratelimit-reset of Example
