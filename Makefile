@@ -28,12 +28,12 @@ RLS ?=
 # Re-installed whenever pyproject.toml changes.
 INSTALLED := $(VENV)/.installed
 
-.PHONY: run test bench nginx caddy redis-server redis-tools nodejs prometheus wrk
+.PHONY: run test bench nginx caddy redis-server redis-tools nodejs prometheus chromium wrk
 
 run: $(INSTALLED) nginx
 	$(VENV)/bin/python -m sidecar.launcher --rules "$(RULES)" $(if $(RLS),--rls-config "$(RLS)")
 
-test: $(INSTALLED) nginx caddy redis-server redis-tools nodejs prometheus
+test: $(INSTALLED) nginx caddy redis-server redis-tools nodejs prometheus chromium
 	$(VENV)/bin/python -m mypy
 	$(VENV)/bin/python -m pytest -q
 
@@ -62,13 +62,14 @@ $(INSTALLED): pyproject.toml
 
 # Debian's packages, named like their command except nodejs (command node,
 # which runs the challenge page's script in a unit test), redis-tools
-# (command redis-cli) and prometheus (command promtool). Debian installs nginx
+# (command redis-cli) and prometheus (command promtool); chromium is the
+# headless browser of the challenge-page and replay-report tests. Debian installs nginx
 # outside the PATH of ordinary users (/usr/sbin). Installing must not start
 # the system's own nginx, caddy, redis or prometheus service (port 80, caddy's
 # admin endpoint on 2019, Redis on 6379, Prometheus on 9090 and the node
 # exporter it brings on 9100): a policy-rc.d that refuses service starts is
 # the Debian way to ask for that.
-nginx caddy redis-server redis-tools nodejs prometheus wrk:
+nginx caddy redis-server redis-tools nodejs prometheus chromium wrk:
 	@if command -v $(or $(if $(filter nodejs,$@),node),$(if $(filter redis-tools,$@),redis-cli),$(if $(filter prometheus,$@),promtool),$@) >/dev/null || [ -x /usr/sbin/$@ ]; then exit 0; fi
 	if [ "$$(id -u)" != 0 ]; then \
 	  echo "make: $@ is not installed; install Debian's $@ package (as root: apt-get install $@)" >&2; \
