@@ -33,17 +33,19 @@ log = logging.getLogger("sluice")
 
 class Admin:
     def __init__(self, engine: Engine, config_path: str | None, token: bytes | None = None,
-                 loopback_listener: bool = False, rls: RateLimitService | None = None) -> None:
+                 loopback_listener: bool = False, rls: RateLimitService | None = None,
+                 shadow: bool = False) -> None:
         self.engine = engine
         self.config_path = config_path
         self.rls = rls
+        self.shadow = shadow  # sluice serve --shadow: every rule reloaded in shadow mode
         self._token = token
         self.loopback_listener = loopback_listener
 
     # -- reload --------------------------------------------------------------
 
     def load(self) -> Ruleset:
-        return load_ruleset(self.config_path) if self.config_path else default_ruleset()
+        return load_ruleset(self.config_path, self.shadow) if self.config_path else default_ruleset(self.shadow)
 
     def reload(self, who: str = "signal") -> list[str]:
         """Reload the rules file; the errors, or [] when the new rules run.
@@ -117,6 +119,7 @@ class Admin:
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ban.started_wall)),
             "duration_seconds": ban.duration,
             "remaining_seconds": round(ban.expires - now, 3),
+            "shadow": ban.shadow,
         } for ban in await self.engine.active_bans()]
 
     async def lift_ban(self, address: str, who: str) -> bool:

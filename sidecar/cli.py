@@ -19,9 +19,9 @@ if TYPE_CHECKING:
     from sidecar.rls import RlsConfig
 
 
-def _load(config: str | None) -> Ruleset:
+def _load(config: str | None, shadow: bool = False) -> Ruleset:
     try:
-        return load_ruleset(config) if config else default_ruleset()
+        return load_ruleset(config, shadow) if config else default_ruleset(shadow)
     except ConfigError as exc:
         for issue in exc.issues:
             click.echo(str(issue), err=True)
@@ -218,6 +218,9 @@ def replay(config: str, as_json: bool, top: int, host: str, logs: tuple[str, ...
 @click.option("--rls-shadow", is_flag=True, envvar="SLUICE_RLS_SHADOW", show_envvar=True,
               help="Rate Limit Service in shadow mode: count and report every descriptor, but always "
                    "answer OK overall (envoyproxy/ratelimit's SHADOW_MODE).")
+@click.option("--shadow", is_flag=True, envvar="SLUICE_SHADOW", show_envvar=True,
+              help="Every rule in shadow mode: evaluated and counted as when enforcing, but no request is "
+                   "refused, banned or challenged; what would have been is logged and counted.")
 @click.option("--workers", default=1, show_default=True, type=click.IntRange(min=1))
 @click.option("--log-level", default="info", show_default=True, envvar="SLUICE_LOG_LEVEL", show_envvar=True,
               type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False))
@@ -228,14 +231,15 @@ def replay(config: str, as_json: bool, top: int, host: str, logs: tuple[str, ...
               help="Most header fields of one request; more get 431. Keep it above what the proxy forwards.")
 def serve(config: str | None, host: str, port: int, uds: str | None, hook_udp: str,
           admin_token_file: str | None, health: str, grpc_port: int | None, rls_config: str | None,
-          rls_shadow: bool, workers: int, log_level: str, max_header_bytes: int, max_headers: int) -> None:
+          rls_shadow: bool, shadow: bool, workers: int, log_level: str, max_header_bytes: int,
+          max_headers: int) -> None:
     """Run the check service."""
     import uvicorn
 
     log_level = log_level.lower()
     from sidecar.admin import read_token
 
-    ruleset = _load(config)
+    ruleset = _load(config, shadow)
     if rls_config is not None:
         if grpc_port is None:
             raise click.BadParameter("the Rate Limit Service is served on the gRPC port: give --grpc-port too",
@@ -254,7 +258,7 @@ def serve(config: str | None, host: str, port: int, uds: str | None, hook_udp: s
                 "loopback": uds is not None or _is_loopback(host), "log_level": log_level,
                 "workers": workers, "health": _host_port(health, "--health"),
                 "grpc": None if grpc_port is None else (host, grpc_port),
-                "rls_config": rls_config, "rls_shadow": rls_shadow,
+                "rls_config": rls_config, "rls_shadow": rls_shadow, "shadow": shadow,
                 # Workers must sign and verify pending-count tokens and
                 # challenge credentials alike: without challenge.secret_file,
                 # one random key for all of them.
@@ -307,7 +311,7 @@ def service(settings: dict[str, Any], ruleset: Ruleset | None = None) -> Any:
     tune_garbage_collector()
     configure_logging(settings["log_level"])
     configure_decision_log()
-    ruleset = ruleset or _load(settings["config"])
+    ruleset = ruleset or _load(settings["config"], settings.get("shadow", False))
     engine = Engine(ruleset, secret=bytes.fromhex(settings["secret"]) if settings.get("secret") else None)
     rls = None
     if settings.get("rls_config"):
@@ -315,7 +319,7 @@ def service(settings: dict[str, Any], ruleset: Ruleset | None = None) -> Any:
 
         rls = RateLimitService(engine, settings["rls_config"], shadow=settings.get("rls_shadow", False))
     admin = Admin(engine, settings["config"], read_token(settings["admin_token_file"]),
-                  loopback_listener=settings["loopback"], rls=rls)
+                  loopback_listener=settings["loopback"], rls=rls, shadow=settings.get("shadow", False))
     hook_udp = settings["hook_udp"]
     # Several workers share the report port: the kernel spreads datagrams
     # over them (SO_REUSEPORT).

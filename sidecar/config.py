@@ -427,6 +427,9 @@ class Rule(Strict):
     ban: BanAction | None = None
     challenge: ChallengeAction | None = None
     count_on: CountOn | None = None
+    # Evaluated, counted and decided as when enforcing, but its block, ban
+    # or challenge is not applied: the request is allowed, and logged.
+    shadow: bool = False
 
     @field_validator("id")
     @classmethod
@@ -607,6 +610,8 @@ class DecisionLogConfig(Strict):
 
 
 class RulesFile(Strict):
+    # shadow: every rule as with `shadow: true`.
+    mode: Literal["enforce", "shadow"] = "enforce"
     node: str | None = Field(None, min_length=1)
     decision_log: DecisionLogConfig = DecisionLogConfig()
     # draft: allowed responses also carry the IETF RateLimit-Policy and

@@ -109,8 +109,9 @@ class DecisionLog:
         return {"time": iso_time(wall), "ts": round(wall, 3)}
 
     def matched(self, request: CheckRequest, rule: CompiledRule, check: Check, outcome: str,
-                banned: bool = False) -> None:
-        """A rule over its limit: the request refused, or observed."""
+                banned: bool = False, shadow: bool = False) -> None:
+        """A rule over its limit: the request refused, or observed; a shadow
+        rule's line has its would-be action and ``"shadow":true``."""
         if not decision_log.isEnabledFor(logging.INFO):
             return
         entry = self._head()
@@ -130,6 +131,10 @@ class DecisionLog:
         })
         if banned:
             entry["ban_seconds"] = check.ban_duration
+        if shadow:
+            entry["shadow"] = True
+            if rule.ban_duration is not None:
+                entry["ban_seconds"] = rule.ban_duration
         self._write(entry)
 
     def rls(self, domain: str, rule_id: str, key: CountingKey, shadow: bool, banned: bool) -> None:

@@ -79,6 +79,33 @@ CLOSED = Decision(outcome=CLOSE)
 STORE_UNAVAILABLE = Decision(outcome=DENY, retry_after=1, page=BlockPage.builtin(503))
 
 
+class ShadowBans:
+    """The bans shadow rules would have issued, by address, until they
+    would have ended: listed beside the real ones, applied to nobody. Kept
+    on the node that saw them, at most ``max_keys`` (the oldest go first)."""
+
+    def __init__(self, max_keys: Callable[[], int], node: Callable[[], str], wall_clock: Clock) -> None:
+        self._bans: dict[str, BanRecord] = {}
+        self._max_keys = max_keys
+        self._node = node
+        self._wall_clock = wall_clock
+
+    def record(self, now: float, address: str, rule_id: str, duration: float) -> None:
+        bans = self._bans
+        bans.pop(address, None)
+        if len(bans) >= self._max_keys():
+            for gone in [key for key, ban in bans.items() if ban.expires <= now] or list(bans)[:1]:
+                del bans[gone]
+        bans[address] = BanRecord(address, rule_id, self._node(), self._wall_clock(), now + duration, duration,
+                                  shadow=True)
+
+    def in_force(self, now: float) -> list[BanRecord]:
+        return [ban for ban in self._bans.values() if now < ban.expires]
+
+    def lift(self, address: str) -> bool:
+        return self._bans.pop(address, None) is not None
+
+
 class Engine:
     """Evaluates requests against the current ruleset and the state store.
 
@@ -105,6 +132,8 @@ class Engine:
         # Counted always, logged at most every 10 s / 60 s.
         self._store_error_log = RateLimitedLog(log, 10)
         self._bad_address_log = RateLimitedLog(log, 60, clock)
+        # Shadow rules' would-be bans, on this node (they refuse nothing).
+        self.shadow_bans = ShadowBans(lambda: self.ruleset.max_keys, lambda: self.ruleset.node, wall_clock)
         # Requests held by a leaky bucket right now, or about to be: a
         # decision takes a slot before asking the store, and a decision that
         # holds keeps it until the caller's release_hold (state.max_delayed).
@@ -214,7 +243,7 @@ class Engine:
             condition = rule.condition
             if condition is not None and not condition(request):
                 continue
-            ban_duration = rule.ban_duration
+            ban_duration = rule.applied_ban
             stops = rule.stops
             auto_ban = None
             if rule.challenge is not None:
@@ -223,8 +252,10 @@ class Engine:
                     metrics.credentials.inc()
                     break
                 # Verified bots are never banned, not even for challenges;
-                # the challenge itself applies to them as block does.
-                auto_ban = None if verified_bots and self._verified_bot(ruleset, request) else ruleset.auto_ban
+                # the challenge itself applies to them as block does. A
+                # shadow challenge is never issued, so it counts towards no ban.
+                auto_ban = None if rule.shadow or (verified_bots and self._verified_bot(ruleset, request)) \
+                    else ruleset.auto_ban
             if ban_duration is not None and verified_bots and self._verified_bot(ruleset, request):
                 # A verified bot that triggers a ban is let through.
                 stops, ban_duration = False, None
@@ -262,10 +293,14 @@ class Engine:
                     # Counted, maybe, when the response is reported.
                     pending.append((rule.id, check.threshold, key_values(check.key)))
                 continue
-            metrics.over_limit(rule.id, rule.action)
             limit = math.ceil(check.threshold)
             # Bucket rules without a penalty report when the next request fits.
             reset = rule.reset if rule.reset is not None else retry_after_seconds(hit.retry_after)
+            if rule.shadow:
+                observed = observed or Decision(outcome=ALLOW, rule=rule, limit=limit, reset=reset)
+                self._shadowed(request, rule, check)
+                continue
+            metrics.over_limit(rule.id, rule.action)
             if check.stops:
                 decision = self._apply(request, rule, limit, reset, hit, evaluation.new_ban)
                 self.log.matched(request, rule, check, decision.outcome, banned=evaluation.ban is not None)
@@ -289,6 +324,15 @@ class Engine:
         return Decision(outcome=ALLOW, rule=allowed.rule, limit=allowed.limit, reset=allowed.reset,
                         pending=token, delay=evaluation.delay, quota=quota)
 
+    def _shadowed(self, request: CheckRequest, rule: CompiledRule, check: Check) -> None:
+        """A shadow rule over its limit: its action is counted and logged
+        as it would have been applied; a would-be ban is recorded as a
+        shadow ban, which refuses nothing."""
+        self.metrics.shadow_action(rule.id, rule.action)
+        if rule.ban_duration is not None and request.client.key:
+            self.shadow_bans.record(self.clock(), request.client.key, rule.id, rule.ban_duration)
+        self.log.matched(request, rule, check, "allow", shadow=True)
+
     def _quota(self, matched: list[CompiledRule], checks: list[Check],
                evaluation: Evaluation) -> tuple[str, str] | None:
         """The draft RateLimit fields for the enforcing request-phase rules
@@ -311,10 +355,13 @@ class Engine:
     # -- bans, for the admin API --------------------------------------------
 
     async def active_bans(self) -> list[BanRecord]:
-        return await self.store.active_bans(self.clock())
+        """The bans in force, then the shadow bans of this node."""
+        now = self.clock()
+        return await self.store.active_bans(now) + self.shadow_bans.in_force(now)
 
     async def lift_ban(self, address: str) -> bool:
-        return await self.store.lift_ban(address)
+        shadow = self.shadow_bans.lift(address)
+        return await self.store.lift_ban(address) or shadow
 
     def _apply(self, request: CheckRequest, rule: CompiledRule, limit: int, reset: int, hit: Hit,
                banned: bool) -> Decision:

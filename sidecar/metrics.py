@@ -107,6 +107,8 @@ class Metrics(Collector):
         # Checks answered, by (front door, outcome): the app adds to it directly.
         self.decisions: collections.Counter[tuple[str, str]] = collections.Counter()
         self._over: dict[tuple[str, str], Tally] = {}
+        # Actions shadow rules would have taken, by (rule, action).
+        self.shadow_actions: collections.Counter[tuple[str, str]] = collections.Counter()
         self._gauges: dict[str, tuple[str, Callable[[], float]]] = {}
         self._wall_clock = wall_clock
         self.reloads = {"success": Tally(), "failure": Tally()}
@@ -127,6 +129,9 @@ class Metrics(Collector):
         if tally is None:
             tally = self._over[(rule_id, action)] = Tally()
         tally.value += 1
+
+    def shadow_action(self, rule_id: str, action: str) -> None:
+        self.shadow_actions[rule_id, action] += 1
 
     def hits_of(self, rule_id: str) -> int:
         return self.rule_hits[rule_id]
@@ -175,6 +180,12 @@ class Metrics(Collector):
         for (rule_id, action), tally in self._over.items():
             over.add_metric([rule_id, action], tally.value)
         yield over
+        shadow = CounterMetricFamily("sluice_shadow_actions", "Blocks, bans and challenges shadow rules would "
+                                     "have applied (the requests were allowed), by rule and action.",
+                                     labels=["rule", "action"])
+        for (rule_id, action), count in self.shadow_actions.items():
+            shadow.add_metric([rule_id, action], count)
+        yield shadow
         for name, (documentation, read) in self._gauges.items():
             family = CounterMetricFamily if name.endswith("_total") else GaugeMetricFamily
             yield family(name, documentation, value=read())

@@ -281,14 +281,19 @@ class CompiledRule:
     ban_duration: float | None
     response: ResponseCounting | None  # set: counted when the response is reported
     challenge: ChallengeSettings | None = None
+    # Shadow mode: evaluated and counted as enforcing, its action not
+    # applied (the request is allowed, the would-be action logged).
+    shadow: bool = False
     # Derived once, read on every request.
-    stops: bool = field(init=False)  # over limit ends evaluation: every action but log
+    stops: bool = field(init=False)  # over limit ends evaluation: every action but log, unless shadow
     counts: bool = field(init=False)  # counted at request time (no count_on, no score)
+    applied_ban: float | None = field(init=False)  # the ban the store issues: none in shadow mode
     base_threshold: float = field(init=False)  # the threshold as a float, before overrides
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stops", self.action != "log")
+        object.__setattr__(self, "stops", self.action != "log" and not self.shadow)
         object.__setattr__(self, "counts", self.response is None)
+        object.__setattr__(self, "applied_ban", None if self.shadow else self.ban_duration)
         object.__setattr__(self, "base_threshold", float(self.threshold))
 
     def threshold_for(self, address: IPAddress | None) -> float:
@@ -340,8 +345,10 @@ class Ruleset:
         return max((rule.limiter.longest_hold() for rule in self.rules), default=0.0)
 
 
-def compile_rules(loaded: LoadedRules) -> Ruleset:
-    """Build the immutable ruleset; raise ConfigError for what cannot run."""
+def compile_rules(loaded: LoadedRules, shadow: bool = False) -> Ruleset:
+    """Build the immutable ruleset; raise ConfigError for what cannot run.
+    ``shadow`` puts every rule in shadow mode (``sluice serve --shadow``),
+    as the file's ``mode: shadow`` does."""
     model = loaded.model
     issues: list[ConfigIssue] = []
     overrides: dict[str, list[Override]] = {}
@@ -366,7 +373,8 @@ def compile_rules(loaded: LoadedRules) -> Ruleset:
             page = CHALLENGE_PAGE
             challenge = ChallengeSettings(cookie_name(rule.id), (rule.challenge or config.ChallengeAction()).ttl)
         key_prefix, key = compile_key(rule.id, rule.key)
-        limit = build_limiter(rule.limit, rule.penalty)
+        in_shadow = rule.shadow or shadow or model.mode == "shadow"
+        limit = build_limiter(_without_holds(rule.limit) if in_shadow else rule.limit, rule.penalty)
         if rule.id in overrides and not limit.limiter.scalable:
             issues.append(loaded.issue(loc + ("limit",), "overrides scale request and score "
                                        "thresholds; a bucket or concurrent rule cannot be listed in "
@@ -388,6 +396,7 @@ def compile_rules(loaded: LoadedRules) -> Ruleset:
             ban_duration=(rule.ban or config.BanAction()).duration if rule.action == "ban" else None,
             response=response,
             challenge=challenge,
+            shadow=in_shadow,
         ))
     if issues:
         raise ConfigError(issues)
@@ -422,12 +431,20 @@ def _read_secret(name: str | None, base_dir: Path) -> bytes | None:
     return config.resolve_file(name, base_dir).read_bytes().strip() or None
 
 
-def load_ruleset(path: str) -> Ruleset:
-    return compile_rules(config.load_rules_file(path))
+def _without_holds(limit: config.Limit) -> config.Limit:
+    """A shadow rule's limit: a leaky bucket admits and refuses exactly as
+    its own, but never holds a request (``nodelay``), which would apply it."""
+    if isinstance(limit, config.LeakyLimit):
+        return limit.model_copy(update={"nodelay": True, "delay": None})
+    return limit
 
 
-def default_ruleset() -> Ruleset:
+def load_ruleset(path: str, shadow: bool = False) -> Ruleset:
+    return compile_rules(config.load_rules_file(path), shadow)
+
+
+def default_ruleset(shadow: bool = False) -> Ruleset:
     """The embedded default rules, used when ``serve`` gets no ``--config``."""
     text = resources.files("sidecar").joinpath("default_rules.yaml").read_text(encoding="utf-8")
-    return compile_rules(config.parse_rules_text(text, "<default rules>", Path.cwd()))
+    return compile_rules(config.parse_rules_text(text, "<default rules>", Path.cwd()), shadow)
 

@@ -138,6 +138,7 @@ class BanRecord:
     started_wall: float  # wall-clock start, for people reading ban records
     expires: float  # on the store's clock (epoch_clock)
     duration: float
+    shadow: bool = False  # a shadow rule's would-be ban: listed, never applied
 
 
 @dataclass(slots=True)

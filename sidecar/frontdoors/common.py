@@ -135,6 +135,8 @@ def allow_headers(decision: Decision) -> list[tuple[str, str]]:
     proxy hands back with the response report."""
     rule = decision.rule
     headers = [] if rule is None else over_limit_headers(decision.limit, decision.reset)
+    if rule is not None and rule.shadow:
+        headers.append(("X-RateLimit-Shadow", "true"))
     if decision.pending is not None:
         headers.append(("X-Sluice-Pending", decision.pending))
     if decision.quota is not None:

@@ -21,8 +21,8 @@ class FakeClock:
         self.now += seconds
 
 
-def ruleset_from(text: str, base_dir: Path | None = None) -> Ruleset:
-    return compile_rules(parse_rules_text(text, "test.yaml", base_dir or Path.cwd()))
+def ruleset_from(text: str, base_dir: Path | None = None, shadow: bool = False) -> Ruleset:
+    return compile_rules(parse_rules_text(text, "test.yaml", base_dir or Path.cwd()), shadow)
 
 
 class Harness:
