@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from sidecar.launcher import Stack
+from sidecar.launcher import FRONT_DOORS, Stack
 from tests.integration.browser import Chromium
 from tests.integration.conftest import RULES, front_door_port, start_stack
 
@@ -43,7 +43,7 @@ def browser_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     stack.stop()
 
 
-@pytest.fixture(params=("nginx", "envoy"))
+@pytest.fixture(params=FRONT_DOORS)
 def site(request: pytest.FixtureRequest, browser_stack: Stack) -> str:
     """The protected site's base URL, through nginx or Envoy with HTTP ext_authz."""
     return f"http://127.0.0.1:{front_door_port(browser_stack, request.param)}"
