@@ -416,6 +416,12 @@ class CountOn(Strict):
         return self
 
 
+class ResetOn(Strict):
+    """Responses that clear the rule's counter (and penalty) for the key."""
+
+    status: list[Annotated[int, Field(ge=100, le=599)]] = Field(min_length=1)
+
+
 class Rule(Strict):
     id: str
     match: Condition | None = None
@@ -427,6 +433,7 @@ class Rule(Strict):
     ban: BanAction | None = None
     challenge: ChallengeAction | None = None
     count_on: CountOn | None = None
+    reset_on: ResetOn | None = None
     # Evaluated, counted and decided as when enforcing, but its block, ban
     # or challenge is not applied: the request is allowed, and logged.
     shadow: bool = False
@@ -449,6 +456,17 @@ class Rule(Strict):
     def _count_on_needs_a_counter(self) -> "Rule":
         if self.count_on is not None and isinstance(self.limit, (TokenLimit, LeakyLimit)):
             raise ValueError("count_on works with requests and score limits, not with buckets")
+        return self
+
+    @model_validator(mode="after")
+    def _reset_on_and_count_on_apart(self) -> "Rule":
+        if self.reset_on is not None and self.count_on is not None and self.count_on.status is not None:
+            both = set(self.reset_on.status) & set(self.count_on.status)
+            if both:
+                raise ValueError(f"status {min(both)} both counts (count_on) and resets (reset_on)")
+        if self.reset_on is not None and isinstance(self.limit, ConcurrentLimit):
+            raise ValueError("a concurrent limit is given back by each response already; reset_on "
+                             "needs a requests, score or bucket limit")
         return self
 
     @model_validator(mode="after")

@@ -284,6 +284,9 @@ class Engine:
         slots: list[SlotEntry] = []
         rule_hits = metrics.rule_hits
         for rule, check, hit in zip(matched, checks, evaluation.hits):
+            if rule.reset_on is not None and rule.counts:
+                # A response it names clears the key, when it is reported.
+                pending.append((rule.id, check.threshold, key_values(check.key)))
             if not hit.over_limit:
                 if rule.counts:
                     rule_hits[rule.id] += 1

@@ -68,6 +68,7 @@ COUNTERS = {
                         "Response reports with a missing, forged or expired token."),
     "unreportable": ("sluice_pending_too_long",
                      "Requests whose pending counts were too long to carry (their responses go uncounted)."),
+    "resets": ("sluice_counter_resets", "Counting keys cleared by a reported response (reset_on)."),
     "released": ("sluice_concurrency_released",
                  "Concurrency slots given back by response reports (a slot without one ends with its lease)."),
     "delayed": ("sluice_delayed", "Requests held by a leaky bucket before being allowed."),
@@ -91,6 +92,7 @@ class Metrics(Collector):
     reports_refused: Tally
     unreportable: Tally
     released: Tally
+    resets: Tally
     delayed: Tally
     challenges_issued: Tally
     challenges_solved: Tally

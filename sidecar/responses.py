@@ -41,6 +41,13 @@ class ResponsePhase:
         engine.metrics.reports.inc()
         if pending.slots:
             await self._release(pending)
+        resets = self._resets(pending, status)
+        if resets:
+            try:
+                await engine.store.reset(resets)
+            except StoreUnavailable as exc:
+                engine.store_failed(exc)  # the key keeps its count, as with a lost report
+            engine.metrics.resets.inc(len(resets))
         prepared = self._counts(pending, status, headers)
         if prepared is None:
             return 0
@@ -71,6 +78,18 @@ class ResponsePhase:
         for rule_id, values in slots:
             rule = by_id.get(rule_id)
             if rule is not None and len(values) == len(rule.key_prefix[1]):
+                keys.append((rule.key_prefix, *values))
+        return keys
+
+    def _resets(self, pending: Pending, status: int) -> list[CountingKey]:
+        """The keys this response clears: of the pending rules whose
+        ``reset_on`` names its status."""
+        by_id = self._engine.ruleset.by_id
+        keys: list[CountingKey] = []
+        for rule_id, _, values in pending.counts:
+            rule = by_id.get(rule_id)
+            if rule is not None and rule.reset_on is not None and status in rule.reset_on \
+                    and len(values) == len(rule.key_prefix[1]):
                 keys.append((rule.key_prefix, *values))
         return keys
 

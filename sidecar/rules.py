@@ -284,6 +284,8 @@ class CompiledRule:
     # Shadow mode: evaluated and counted as enforcing, its action not
     # applied (the request is allowed, the would-be action logged).
     shadow: bool = False
+    # Response statuses that clear the key's counter and penalty (reset_on).
+    reset_on: frozenset[int] | None = None
     # Derived once, read on every request.
     stops: bool = field(init=False)  # over limit ends evaluation: every action but log, unless shadow
     counts: bool = field(init=False)  # counted at request time (no count_on, no score)
@@ -397,6 +399,7 @@ def compile_rules(loaded: LoadedRules, shadow: bool = False) -> Ruleset:
             response=response,
             challenge=challenge,
             shadow=in_shadow,
+            reset_on=frozenset(rule.reset_on.status) if rule.reset_on is not None else None,
         ))
     if issues:
         raise ConfigError(issues)

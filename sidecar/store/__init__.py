@@ -36,6 +36,8 @@ class StateStore(Protocol):
     async def release(self, lease: str, keys: Sequence[CountingKey]) -> int:
         """Give back the concurrency slots a request took under ``lease``,
         one per key, when its response is reported; how many were held."""
+    async def reset(self, keys: Sequence[CountingKey]) -> int:
+        """Clear the keys' counters and penalties; how many were stored."""
     async def active_bans(self, now: float) -> list[BanRecord]: ...
     async def lift_ban(self, address: str) -> bool: ...
     def may_be_banned(self) -> bool:

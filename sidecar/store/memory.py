@@ -273,6 +273,9 @@ class MemoryStore:
                     self._states.pop(key)
         return released
 
+    async def reset(self, keys: Sequence[CountingKey]) -> int:
+        return sum(self._states.pop(key, None) is not None for key in keys)
+
     def _state(self, key: Hashable, limiter: Limiter) -> tuple[Any, bool]:
         """The key's state for this limiter, and whether it is stored yet."""
         state = self._states.get(key)

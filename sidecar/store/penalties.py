@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from sidecar.keys import CountingKey
 from sidecar.limiters import Hit
 from sidecar.state import Check, Clock, Evaluation
 from sidecar.store.memory import BoundedMap
@@ -63,6 +64,10 @@ class PenaltyCache:
         for check, hit in zip(checks, hits):
             if hit.over_limit and hit.retry_after > 0 and _cacheable(check):
                 self._until[check.key] = now + hit.retry_after, check.limiter
+
+    def forget(self, key: CountingKey) -> None:
+        """The key was reset on the shared store: ask the store again."""
+        self._until.pop(key, None)
 
     def configure(self, max_keys: int) -> None:
         self._until.max_keys = max_keys

@@ -406,6 +406,18 @@ class RedisStore:
         return [self._ban_record(name[len(BAN_HEAD):-len(BAN_TAIL)], now, fields)
                 for name, fields in zip(names, records) if fields]
 
+    async def reset(self, keys: Sequence[CountingKey]) -> int:
+        """DEL of each key (on a cluster, each at its own slot's master);
+        the node forgets what it knew of them being over limit."""
+        for key in keys:
+            self.penalties.forget(key)
+        names = [counting_key(key) for key in keys]
+        if not names:
+            return 0
+        if isinstance(self.client, ClusterRedis):
+            return sum(await _all([self.client.execute(name, "DEL", name) for name in names]))
+        return int(await self.client.execute("DEL", *names))
+
     async def lift_ban(self, address: str) -> bool:
         if isinstance(self.client, ClusterRedis):
             return bool(await self.client.execute(ban_key(address), "DEL", ban_key(address)))

@@ -117,3 +117,62 @@ rules:
     assert all(d.outcome == ALLOW and d.delay == 0 and d.challenge is None for d in decisions)
     assert h.engine.metrics.challenges_issued.value == 0
     assert metric(h, "sluice_shadow_actions_total", {"rule": "paced", "action": "block"}) == 2
+
+
+# -- reset on success ----------------------------------------------------------
+
+LOGIN = """\
+rules:
+  - id: login
+    match: {path: {equals: /login}}
+    key: [ip]
+    limit: {requests: 3, per: 1h}
+    action: block
+    count_on: {status: [401]}
+    reset_on: {status: [200, 204]}
+  - id: api
+    match: {path: {prefix: /items}}
+    key: [ip]
+    limit: {requests: 3, per: 1h}
+    action: block
+    reset_on: {status: [205]}
+"""
+
+
+def login(h: Harness, status: int, ip: str = "192.0.2.40", path: str = "/login") -> str:
+    decision = h.decide_now(ip=ip, path=path)
+    if decision.outcome != ALLOW:
+        return decision.outcome
+    assert decision.pending is not None
+    h.engine.record_response_now(decision.pending, status, {})
+    return decision.outcome
+
+
+def test_a_successful_login_wipes_the_failed_login_count() -> None:
+    h = Harness(LOGIN)
+    assert [login(h, 401) for _ in range(2)] + [login(h, 200)] + [login(h, 401) for _ in range(3)] == \
+        [ALLOW] * 6
+    # Without the success: three failures, then refused.
+    assert [login(h, 401, ip="192.0.2.41") for _ in range(4)] == [ALLOW] * 3 + [DENY]
+    assert h.engine.metrics.resets.value == 1
+
+
+def test_a_reset_ends_the_penalty_of_a_request_phase_rule() -> None:
+    h = Harness(LOGIN)
+    outcomes = [login(h, 200, ip="192.0.2.42", path="/items") for _ in range(4)]
+    assert outcomes == [ALLOW] * 3 + [DENY]
+    # The third request started the penalty; a 205 to an allowed request
+    # (reported late) clears the key: the next one passes.
+    decision = h.decide_now(ip="192.0.2.43", path="/items")
+    for _ in range(3):
+        h.decide_now(ip="192.0.2.43", path="/items")
+    assert h.decide_now(ip="192.0.2.43", path="/items").outcome == DENY
+    h.engine.record_response_now(decision.pending, 205, {})
+    assert h.decide_now(ip="192.0.2.43", path="/items").outcome == ALLOW
+
+
+def test_reset_on_and_count_on_cannot_name_the_same_status() -> None:
+    from sidecar.config import ConfigError
+
+    with pytest.raises(ConfigError, match="status 401 both counts"):
+        ruleset_from(LOGIN.replace("[200, 204]", "[200, 401]"))
