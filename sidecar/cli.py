@@ -169,27 +169,61 @@ def config_command(target: str, listen: str, sluice: str, hook_udp: str, upstrea
         click.echo(text, nl=not text.endswith("\n"))
 
 
+def _sweep_option(ctx: click.Context, param: click.Parameter,
+                  values: tuple[str, ...]) -> list[tuple[str, tuple[int, ...]]]:
+    from sidecar.replay import SweepError, parse_sweep
+
+    try:
+        return [parse_sweep(value) for value in values]
+    except SweepError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from None
+
+
 @main.command()
 @click.option("--config", "config", required=True, type=click.Path(dir_okay=False), help="Rules file.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--top", default=5, show_default=True, type=click.IntRange(min=0), help="Keys listed per rule.")
 @click.option("--host", default="", help="Host for log lines that do not record one (the combined format).")
+@click.option("--exclude-top", default=0, show_default=True, type=click.IntRange(min=0), metavar="N",
+              help="Also give each rule's peak percentiles without its N keys of highest peak, so that "
+                   "a few abusers do not set P99.")
+@click.option("--sweep", "sweeps", multiple=True, metavar="RULE=N,N,...", callback=_sweep_option,
+              help="Replay as well with each of these thresholds for RULE (its limit's requests, score, "
+                   "tokens, burst or concurrent) and report what each would refuse. Once per rule; "
+                   "each threshold is one more replay, in the same pass over the logs.")
+@click.option("--html", "html", type=click.Path(dir_okay=False, writable=True), metavar="FILE",
+              help="Also write the report as one self-contained HTML page (charts of the peaks, with "
+                   "the sweep's thresholds) to FILE.")
 @click.argument("logs", nargs=-1, required=True)
-def replay(config: str, as_json: bool, top: int, host: str, logs: tuple[str, ...]) -> None:
+def replay(config: str, as_json: bool, top: int, host: str, exclude_top: int,
+           sweeps: list[tuple[str, tuple[int, ...]]], html: str | None, logs: tuple[str, ...]) -> None:
     """Replay nginx access logs (combined or JSON lines; .gz; - for stdin) through the
     rules in virtual time, and report what each rule would have done."""
     from sidecar.accesslog import LogError
-    from sidecar.replay import render_json, render_text, replay_logs
+    from sidecar.replay import SweepError, prepare_sweeps, render_json, render_text, replay_logs
 
     ruleset = _load(config)
+    try:
+        trials = prepare_sweeps(config, sweeps)
+    except SweepError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--sweep'") from None
     # The report counts invalid client addresses; the engine's once-a-minute
     # warning about them would repeat for every minute of log time.
     logging.getLogger("sluice").setLevel(logging.ERROR)
     try:
-        report = replay_logs(ruleset, logs, top=top, default_host=host)
+        report = replay_logs(ruleset, logs, top=top, default_host=host, exclude_top=exclude_top, sweeps=trials)
     except LogError as exc:
         click.echo(f"error: {exc}", err=True)
         raise SystemExit(2) from None
+    if html is not None:
+        from sidecar.replay_report import render_html
+
+        try:
+            with open(html, "w", encoding="utf-8") as page:
+                page.write(render_html(report))
+        except OSError as exc:
+            click.echo(f"error: cannot write {html}: {exc.strerror or exc}", err=True)
+            raise SystemExit(2) from None
     click.echo(render_json(report) if as_json else render_text(report), nl=False)
 
 

@@ -4,16 +4,27 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
+import re
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import datetime, timezone
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from sidecar import cli
 from sidecar.accesslog import AccessLogs, LogError, UnparsableLine, parse_line
-from sidecar.replay import percentile, replay_logs
+from sidecar.config import parse_rules_text
+from sidecar.replay import (SweepError, build_sweep, parse_sweep, peak_histogram, percentile, prepare_sweeps,
+                            render_text, replay_logs)
+from sidecar.replay_report import escape, render_html, threshold_position
 
 from .conftest import ruleset_from
 
@@ -461,3 +472,447 @@ def test_command_exits_2_for_a_corrupt_gzip_log(tmp_path, content):
     (tmp_path / "a.log.gz").write_bytes(content)
     result = sluice_replay("--config", "rules.yaml", "a.log.gz", cwd=tmp_path)
     assert result.returncode == 2 and result.stderr.startswith("error: cannot read a.log.gz: ")
+
+
+# --------------------------------------------------------------------------
+# Whom a rule refused
+# --------------------------------------------------------------------------
+
+
+def one_window(tmp_path: Path, rules: str, **kwargs) -> dict:
+    """All at one instant, so that a limit of N lets each key's first N
+    through: 192.0.2.1 sends 5, 192.0.2.3 sends 6 with a browser each (a
+    shared NAT), 192.0.2.2 and 192.0.2.4 one each."""
+    lines = [combined("192.0.2.1", T0)] * 5 + [combined("192.0.2.2", T0)]
+    lines += [combined("192.0.2.3", T0, agent=f"browser-{i}") for i in range(6)] + [combined("192.0.2.4", T0)]
+    return replay(tmp_path, rules, lines, **kwargs)
+
+
+def test_the_keys_a_rule_refused_are_counted_with_their_share_and_how_many_look_shared(tmp_path):
+    report = one_window(tmp_path, TWO_PER_TEN)
+    api = rule_of(report, "api")
+    assert (api["refused_requests"], api["refused_keys"], api["refused_keys_share"], api["refused_shared_keys"]) \
+        == (3 + 4, 2, 0.5, 1)
+    assert api["refuses"] is True and api["keys"] == 4
+    assert "  refused: 7 requests from 2 of 4 keys (50.0%), 1 of them with 5+ user agents (a shared NAT?)" \
+        in render_text(report).splitlines()
+
+
+def test_a_log_rule_reports_whom_it_let_through_over_its_limit(tmp_path):
+    report = one_window(tmp_path, TWO_PER_TEN.replace("action: block", "action: log"))
+    api = rule_of(report, "api")
+    assert api["refuses"] is False and api["observed"] == 7
+    assert (api["refused_requests"], api["refused_keys"], api["refused_shared_keys"]) == (7, 2, 1)
+    assert "  over the limit, let through (action log): 7 requests from 2 of 4 keys (50.0%), 1 of them with " \
+        "5+ user agents (a shared NAT?)" in render_text(report).splitlines()
+
+
+def test_a_ban_rule_refused_the_trigger_and_every_request_its_bans_closed(tmp_path):
+    lines = [combined("192.0.2.1", T0 + t, "/scrape" if t % 10 == 0 else "/other") for t in range(0, 1200, 5)]
+    lines += [combined("192.0.2.9", T0 + t, "/scrape") for t in range(0, 1200, 60)]
+    scrapers = rule_of(replay(tmp_path, BAN, in_time_order(lines)), "scrapers")
+    assert (scrapers["refused_requests"], scrapers["refused_keys"], scrapers["refused_keys_share"]) == \
+        (4 + 212, 1, 0.5)
+
+
+def test_a_rule_that_refused_nobody_says_so(tmp_path):
+    report = replay(tmp_path, TWO_PER_TEN, [combined("192.0.2.1", T0)])
+    assert rule_of(report, "api")["refused_keys"] == 0
+    assert "  refused: none" in render_text(report).splitlines()
+
+
+# --------------------------------------------------------------------------
+# Rules not reached, and why
+# --------------------------------------------------------------------------
+
+
+def test_a_rule_not_reached_names_the_earlier_rule_that_refused_first(tmp_path):
+    rules = TWO_PER_TEN + """
+  - id: watch
+    key: [ip]
+    limit: {requests: 100, per: 60s}
+    action: log
+"""
+    report = replay(tmp_path, rules, [combined("192.0.2.1", T0)] * 5 + [combined("192.0.2.2", T0)] * 3)
+    assert rule_of(report, "watch")["not_reached_because"] == [{"rule": "api", "by": "refused", "requests": 4}]
+    assert rule_of(report, "api")["not_reached_because"] == []
+    assert "`watch` was not reached for 4 requests because `api` refused them first" in render_text(report)
+
+
+def test_requests_closed_by_a_ban_are_not_reached_because_of_the_ban(tmp_path):
+    lines = [combined("192.0.2.1", T0 + t, "/scrape" if t % 10 == 0 else "/other") for t in range(0, 1200, 5)]
+    report = replay(tmp_path, BAN, lines)
+    assert rule_of(report, "scrapers")["not_reached_because"] == [
+        {"rule": "scrapers", "by": "ban", "requests": 104}]
+    assert "`scrapers` was not reached for 104 requests because a ban by `scrapers` closed them first" \
+        in render_text(report)
+
+
+def test_one_request_not_reached_is_said_in_the_singular(tmp_path):
+    rules = TWO_PER_TEN + "\n  - id: watch\n    key: [ip]\n    limit: {requests: 100, per: 60s}\n    action: log\n"
+    text = render_text(replay(tmp_path, rules, [combined("192.0.2.1", T0)] * 3))
+    assert "`watch` was not reached for 1 request because `api` refused it first" in text
+
+
+# --------------------------------------------------------------------------
+# Percentiles without the heaviest keys, and the histogram
+# --------------------------------------------------------------------------
+
+
+def known_distribution() -> list[str]:
+    """Key k sends k requests in one second (k = 1..100)."""
+    return [json_line(f"198.51.100.{k}", T0 + k * 20 + i / 1000) for k in range(1, 101) for i in range(k)]
+
+
+@pytest.mark.parametrize(("excluded", "expected", "line"), [
+    (1, {"p50": 50, "p95": 95, "p99": 99, "max": 99}, "without the 1 heaviest key: P50 50, P95 95, P99 99, max 99"),
+    (5, {"p50": 48, "p95": 91, "p99": 95, "max": 95}, "without the 5 heaviest keys: P50 48, P95 91, P99 95, max 95"),
+    (100, None, "without the 100 heaviest keys: no key left"),
+])
+def test_percentiles_without_the_heaviest_keys(tmp_path, excluded, expected, line):
+    report = replay(tmp_path, WATCH, known_distribution(), exclude_top=excluded)
+    watch = rule_of(report, "watch")
+    assert watch["peak"] == {"p50": 50, "p95": 95, "p99": 99, "max": 100}  # all of them, as before
+    assert watch["peak_without_top"] == expected
+    assert report["exclude_top"] == excluded
+    assert "  " + line in render_text(report).splitlines()
+
+
+def test_without_exclude_top_there_is_no_second_line_of_percentiles(tmp_path):
+    report = replay(tmp_path, WATCH, known_distribution())
+    assert rule_of(report, "watch")["peak_without_top"] is None
+    assert "heaviest" not in render_text(report)
+
+
+def test_peaks_are_counted_in_buckets_that_double():
+    assert peak_histogram([1, 2, 3, 5, 12]) == [
+        {"low": 1, "high": 1, "keys": 1}, {"low": 2, "high": 3, "keys": 2},
+        {"low": 4, "high": 7, "keys": 1}, {"low": 8, "high": 15, "keys": 1}]
+    assert peak_histogram([0, 0, 40]) == [
+        {"low": 0, "high": 0, "keys": 2}, {"low": 1, "high": 1, "keys": 0}, {"low": 2, "high": 3, "keys": 0},
+        {"low": 4, "high": 7, "keys": 0}, {"low": 8, "high": 15, "keys": 0}, {"low": 16, "high": 31, "keys": 0},
+        {"low": 32, "high": 63, "keys": 1}]
+    assert peak_histogram([]) == []
+
+
+def test_a_threshold_line_falls_between_its_value_and_the_next():
+    # Bucket b spans [b, b+1): 0 | 1 | 2-3 | 4-7 | 8-15.
+    assert [threshold_position(t) for t in (0, 1, 2, 3, 5, 7, 8)] == [1, 2, 2.5, 3, 3.5, 4, 4.125]
+
+
+def test_the_report_has_the_histogram_of_each_rule(tmp_path):
+    histogram = rule_of(replay(tmp_path, WATCH, known_distribution()), "watch")["peak_histogram"]
+    assert [bucket["keys"] for bucket in histogram] == [1, 2, 4, 8, 16, 32, 37]  # 1, 2-3, ..., 64-127 (64..100)
+
+
+# --------------------------------------------------------------------------
+# Threshold sweeps
+# --------------------------------------------------------------------------
+
+
+def sweeps_for(rules: str, *options: str) -> list:
+    loaded = parse_rules_text(rules, "test.yaml", Path.cwd())
+    return [build_sweep(loaded, *parse_sweep(option)) for option in options]
+
+
+def test_a_sweep_replays_each_threshold_and_says_whom_each_would_refuse(tmp_path):
+    report = one_window(tmp_path, TWO_PER_TEN, sweeps=sweeps_for(TWO_PER_TEN, "api=6,1,3,2"))
+    sweep = rule_of(report, "api")["sweep"]
+    assert sweep["field"] == "limit.requests" and sweep["current"] == 2
+    assert [(c["threshold"], c["refused_requests"], c["refused_keys"], c["refused_keys_share"],
+             c["refused_shared_keys"]) for c in sweep["candidates"]] == [
+        (1, 4 + 5, 2, 0.5, 1),
+        (2, 3 + 4, 2, 0.5, 1),
+        (3, 2 + 3, 2, 0.5, 1),
+        (6, 0, 0, 0.0, 0)]
+    # The replay without the sweep is the same as before.
+    assert rule_of(report, "api")["refused_requests"] == 7
+    text = render_text(report).splitlines()
+    at = text.index("  sweep of limit.requests (now 2), what each would refuse:")
+    assert text[at + 1:at + 6] == [
+        "    limit.requests  refused requests  refused keys  share of keys  of them 5+ user agents",
+        "    1                              9             2          50.0%                       1",
+        "    2 (now)                        7             2          50.0%                       1",
+        "    3                              5             2          50.0%                       1",
+        "    6                              0             0           0.0%                       0"]
+
+
+def test_a_sweep_is_exactly_a_replay_with_the_rule_changed(tmp_path):
+    # The sample log, where `api` refusing first hides requests from
+    # `scrapers` and `per-ip`: each candidate must give what a rules file
+    # with that number gives, for the swept rule.
+    rules = (REPO / "examples" / "replay.yaml").read_text(encoding="utf-8")
+    log = [str(REPO / "examples" / "access.log.sample")]
+    report = replay_logs(ruleset_from(rules), log, sweeps=sweeps_for(rules, "api=10,50", "scrapers=30,60"))
+    fields = ("refused_requests", "refused_keys", "refused_keys_share", "refused_shared_keys")
+    for rule_id, old, candidates in (("api", "requests: 20", (10, 50)), ("scrapers", "requests: 100", (30, 60))):
+        for candidate in rule_of(report, rule_id)["sweep"]["candidates"]:
+            at = rules.index(f"id: {rule_id}")
+            changed = rules[:at] + rules[at:].replace(old, f"requests: {candidate['threshold']}", 1)
+            alone = rule_of(replay_logs(ruleset_from(changed), log), rule_id)
+            assert {f: candidate[f] for f in fields} == {f: alone[f] for f in fields}, (rule_id, candidate)
+    assert rule_of(report, "scrapers")["sweep"]["candidates"][0]["refused_requests"] > 0
+
+
+def test_a_sweep_of_a_token_bucket_sets_its_tokens(tmp_path):
+    rules = "rules:\n  - id: bucket\n    key: [ip]\n    limit: {tokens: 3, refill: 1/m}\n    action: block\n"
+    report = replay(tmp_path, rules, [combined("192.0.2.1", T0)] * 10, sweeps=sweeps_for(rules, "bucket=5,3"))
+    sweep = rule_of(report, "bucket")["sweep"]
+    assert sweep["field"] == "limit.tokens"
+    assert [(c["threshold"], c["refused_requests"]) for c in sweep["candidates"]] == [(3, 7), (5, 5)]
+
+
+KINDS = """
+rules:
+  - {id: window, key: [ip], limit: {requests: 5, per: 10s}, action: block}
+  - {id: score, key: [ip], limit: {score: 100, per: 1m, header: x-score}, action: block}
+  - {id: tokens, key: [ip], limit: {tokens: 10, refill: 1/s, cost: 3}, action: block}
+  - {id: leaky, key: [ip], limit: {rate: 1r/s, burst: 5}, action: block}
+  - {id: slots, key: [ip], limit: {concurrent: 2}, action: block}
+"""
+
+
+@pytest.mark.parametrize(("option", "field", "current"), [
+    ("window=0", "requests", 5), ("score=1", "score", 100), ("tokens=3", "tokens", 10),
+    ("leaky=0", "burst", 5), ("slots=1", "concurrent", 2)])
+def test_each_kind_of_limit_is_swept_by_the_field_that_holds_its_threshold(option, field, current):
+    (sweep,) = sweeps_for(KINDS, option)
+    assert (sweep.field, sweep.current, len(sweep.rulesets)) == (field, current, 1)
+
+
+@pytest.mark.parametrize(("option", "message"), [
+    ("score=0", "score: limit.score is at least 1, got 0"),
+    ("tokens=2,5", "tokens: limit.tokens is at least 3, got 2"),
+    ("slots=0", "slots: limit.concurrent is at least 1, got 0"),
+    ("windwo=5", "no rule 'windwo' in test.yaml (did you mean 'window'?)"),
+    ("nothing=5", "no rule 'nothing' in test.yaml"),
+])
+def test_a_sweep_the_rule_cannot_take_is_refused_in_words(option, message):
+    with pytest.raises(SweepError) as caught:
+        sweeps_for(KINDS, option)
+    assert str(caught.value) == message
+
+
+def test_one_rule_is_swept_by_one_option():
+    with pytest.raises(SweepError, match=r"^window is swept twice: give all its thresholds in one --sweep"):
+        prepare_sweeps("unused.yaml", [("window", (1,)), ("window", (2,))])
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("api=5,10,20,50", ("api", (5, 10, 20, 50))),
+    ("api-anon=50, 5 ,20,5", ("api-anon", (5, 20, 50))),
+    (" login.v2=0 ", ("login.v2", (0,))),
+])
+def test_sweep_options_parse(text, expected):
+    assert parse_sweep(text) == expected
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("api", "expected RULE=N,N,... (like api=5,10,20), got 'api'"),
+    ("=5", "expected RULE=N,N,... (like api=5,10,20), got '=5'"),
+    ("a pi=5", "expected RULE=N,N,... (like api=5,10,20), got 'a pi=5'"),
+    ("api=", "api: no thresholds after '=': give some, like api=5,10,20"),
+    ("api=5,,10", "api: thresholds are whole numbers from 0 to 999999999 separated by commas, got an empty one"),
+    ("api=-1", "api: thresholds are whole numbers from 0 to 999999999 separated by commas, got '-1'"),
+    ("api=1.5", "api: thresholds are whole numbers from 0 to 999999999 separated by commas, got '1.5'"),
+    ("api=1e3", "api: thresholds are whole numbers from 0 to 999999999 separated by commas, got '1e3'"),
+    ("api=\u0663", "api: thresholds are whole numbers from 0 to 999999999 separated by commas, got '\u0663'"),
+    ("api=1000000000", "api: thresholds are whole numbers from 0 to 999999999 separated by commas, "
+                       "got '1000000000'"),
+    ("api=" + ",".join(str(n) for n in range(21)), "api: at most 20 thresholds (each replays the whole log), got 21"),
+])
+def test_bad_sweep_options_are_refused_in_words(text, message):
+    with pytest.raises(SweepError) as caught:
+        parse_sweep(text)
+    assert str(caught.value) == message
+
+
+RULE_IDS = st.from_regex(r"[A-Za-z0-9_.-]{1,64}", fullmatch=True)
+
+
+@given(RULE_IDS, st.lists(st.integers(0, 999_999_999), min_size=1, max_size=20),
+       st.sampled_from([",", ", ", " , "]))
+def test_any_valid_sweep_option_parses_to_its_rule_and_sorted_thresholds(rule_id, values, separator):
+    text = f"{rule_id}={separator.join(str(v) for v in values)}"
+    assert parse_sweep(text) == (rule_id, tuple(sorted(set(values))))
+
+
+@settings(max_examples=300)
+@given(st.text(max_size=60) | st.builds(lambda rule, rest: f"{rule}={rest}", RULE_IDS, st.text(max_size=30)))
+def test_any_sweep_option_parses_or_is_refused_with_one_line_of_words(text):
+    try:
+        rule_id, values = parse_sweep(text)
+    except SweepError as exc:
+        assert str(exc) and "\n" not in str(exc)
+    else:
+        assert re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", rule_id)
+        assert 1 <= len(values) <= 20 and list(values) == sorted(set(values))
+        assert all(0 <= value <= 999_999_999 for value in values)
+
+
+def invoke_replay(*args: str):
+    """``sluice replay`` in this process (the command quiets the "sluice"
+    logger for its run; other tests need it back)."""
+    logger = logging.getLogger("sluice")
+    level = logger.level
+    try:
+        return CliRunner().invoke(cli.main, ["replay", *args])
+    finally:
+        logger.setLevel(level)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(max_size=40) | st.builds(lambda rule, rest: f"{rule}={rest}",
+                                        st.sampled_from(["api", "per-ip", "nope"]), st.text(max_size=20)))
+def test_the_command_answers_any_sweep_option_with_a_report_or_a_usage_error(text):
+    result = invoke_replay("--config", str(DATA / "replay-rules.yaml"), "--sweep", text, str(DATA / "access.log"))
+    assert result.exit_code in (0, 2), result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    if result.exit_code == 2:
+        assert "Invalid value for '--sweep'" in result.output
+
+
+def test_command_prints_the_new_figures_in_json(tmp_path):
+    result = invoke_replay("--config", str(DATA / "replay-rules.yaml"), "--json", "--exclude-top", "1",
+                           "--sweep", "api=1,20", str(DATA / "access.log"))
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    api = rule_of(report, "api")
+    assert report["exclude_top"] == 1 and report["shared_agents"] == 5
+    assert api["peak_without_top"] == {"p50": 2, "p95": 2, "p99": 2, "max": 2}
+    assert (api["refused_requests"], api["refused_keys"], api["refused_keys_share"]) == (15, 1, 0.5)
+    assert api["peak_histogram"] == [{"low": 2, "high": 3, "keys": 1}, {"low": 4, "high": 7, "keys": 0},
+                                     {"low": 8, "high": 15, "keys": 1}]
+    assert [(c["threshold"], c["refused_keys"]) for c in api["sweep"]["candidates"]] == [(1, 2), (20, 0)]
+    assert rule_of(report, "per-ip")["not_reached_because"] == [
+        {"rule": "api", "by": "refused", "requests": 15}, {"rule": "login-failures", "by": "refused", "requests": 1}]
+
+
+# --------------------------------------------------------------------------
+# The HTML report
+# --------------------------------------------------------------------------
+
+
+def test_command_writes_the_html_report_besides_the_text(tmp_path):
+    page = tmp_path / "report.html"
+    result = invoke_replay("--config", str(DATA / "replay-rules.yaml"), "--sweep", "api=2,5", "--html", str(page),
+                           str(DATA / "access.log"))
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("replayed 39 requests")
+    html = page.read_text(encoding="utf-8")
+    assert html.count('<section class="rule"') == 3 and html.count("<svg") == 3
+    assert '<p class="refused">refused: 15 requests from 1 of 2 keys (50.0%), 0 of them with 5+ user agents ' \
+        "(a shared NAT?)</p>" in html
+
+
+def test_command_exits_2_when_the_html_report_cannot_be_written(tmp_path):
+    result = invoke_replay("--config", str(DATA / "replay-rules.yaml"), "--html", str(tmp_path / "no" / "r.html"),
+                           str(DATA / "access.log"))
+    assert result.exit_code == 2
+    assert f"error: cannot write {tmp_path / 'no' / 'r.html'}: No such file or directory" in result.output
+
+
+def test_log_text_in_the_page_is_escaped(tmp_path):
+    rules = "rules:\n  - id: paths\n    key: [path, header:user-agent]\n    limit: {requests: 1, per: 10s}\n" \
+            "    action: block\n"
+    line = json.dumps({"remote_addr": "192.0.2.1", "msec": str(T0), "request_method": "GET",
+                       "request_uri": "/<script>alert(1)</script>", "http_user_agent": "\"><img src=x onerror=y>"})
+    html = render_html(replay(tmp_path, rules, [line, line, "<script>not a log line</script>"]))
+    assert "<script" not in html.lower() and "<img" not in html.lower()
+    assert "header:user-agent=&quot;&gt;&lt;img src=x onerror=y&gt; path=/&lt;script&gt;alert(1)&lt;/script&gt;" \
+        in html
+    assert "&lt;script&gt;not a log line&lt;/script&gt;" in html
+
+
+def test_unprintable_characters_and_lone_surrogates_are_replaced():
+    assert escape("a\x00b\x1bc\ud800d\te\nf") == "a\ufffdb\ufffdc\ufffdd\te\nf"
+    assert escape("<'\"&>") == "&lt;&#x27;&quot;&amp;&gt;"
+
+
+def test_lone_surrogates_from_json_escapes_are_printed_as_replacement_characters(tmp_path):
+    rules = "rules:\n  - id: paths\n    key: [path]\n    limit: {requests: 1, per: 10s}\n    action: block\n"
+    log = write_log(tmp_path / "a.log", ['{"remote_addr": "192.0.2.1", "msec": "1", "request": "GET /a\\ud800b"}'])
+    (tmp_path / "rules.yaml").write_text(rules, encoding="utf-8")
+    result = sluice_replay("--config", "rules.yaml", "--html", "r.html", log, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "path=/a\ufffdb" in result.stdout and "path=/a\ufffdb" in (tmp_path / "r.html").read_text()
+
+
+class Markup(HTMLParser):
+    """The tags and attribute names of a page."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: set[str] = set()
+        self.attributes: set[str] = set()
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags.add(tag)
+        self.attributes.update(name for name, _ in attrs)
+
+
+PAGE_TAGS = {"html", "head", "meta", "title", "style", "body", "h1", "h2", "h3", "p", "ul", "li", "code", "table",
+             "thead", "tbody", "tr", "th", "td", "section", "figure", "figcaption", "svg", "line", "rect", "text"}
+PAGE_ATTRIBUTES = {"lang", "charset", "http-equiv", "content", "name", "class", "id", "data-rule", "xmlns",
+                   "viewbox", "width", "height", "role", "aria-label", "x", "y", "x1", "y1", "x2", "y2",
+                   "text-anchor"}
+FUZZ_RULES = ruleset_from("""
+rules:
+  - id: paths
+    key: [path, header:user-agent]
+    limit: {requests: 1, per: 10s}
+    action: block
+  - id: hosts
+    key: [host, header:x-api-key]
+    limit: {requests: 1, per: 10s}
+    action: log
+""")
+MARKUP = st.sampled_from(["<script>", "</script>", "<SCRIPT SRC=//x>", "<scr<script>ipt>", "<img src=x onerror=a>",
+                          '"><svg onload=a>', "&lt;script&gt;", "<!--", "]]>", "<style>", "\\x3cscript", "\u0000",
+                          "\ud800", "\u2028", "`"])
+FIELD = st.lists(MARKUP | st.text(max_size=8), max_size=4).map("".join)
+
+
+def json_entry(uri: str, agent: str, host: str, key: str) -> str:
+    return json.dumps({"remote_addr": "192.0.2.1", "msec": str(T0), "request_method": "GET", "request_uri": uri,
+                       "http_user_agent": agent, "host": host, "http_x_api_key": key})
+
+
+LOG_LINES = st.lists(st.builds(json_entry, FIELD, FIELD, FIELD, FIELD) | FIELD
+                     | st.builds(lambda path, agent: combined("192.0.2.1", T0, path=path, agent=agent), FIELD, FIELD),
+                     min_size=1, max_size=6)
+
+
+@settings(max_examples=150, deadline=None)
+@given(LOG_LINES)
+def test_no_markup_from_any_log_line_reaches_the_page(lines):
+    with tempfile.TemporaryDirectory() as folder:
+        # A lone surrogate in a raw line is written as the invalid UTF-8 it
+        # stands for (a JSON line carries it as an escape).
+        log = Path(folder) / "access.log"
+        log.write_bytes("".join(line.replace("\n", " ").replace("\r", " ") + "\n" for line in lines)
+                        .encode("utf-8", "surrogatepass"))
+        page = render_html(replay_logs(FUZZ_RULES, [str(log)], top=10))
+    assert "<script" not in page.lower()
+    markup = Markup()
+    markup.feed(page)
+    assert markup.tags <= PAGE_TAGS and markup.attributes <= PAGE_ATTRIBUTES
+    assert not any(_ in page for _ in ("\ud800", "\x00"))
+    page.encode("utf-8")  # writable as it is
+
+
+def test_the_readme_sweep_example_is_the_commands_real_output(tmp_path):
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    block = readme[readme.index("$ .venv/bin/sluice replay --config examples/replay.yaml"):]
+    block = block[:block.index("```")]
+    command, shown = block.split("\n", 2)[:2], block.split("\n", 2)[2]
+    args = " ".join(line.rstrip("\\ ") for line in command).split()[2:]  # after "$ .venv/bin/sluice"
+    args[args.index("--html") + 1] = str(tmp_path / "report.html")
+    result = sluice_replay(*args[1:])
+    assert result.returncode == 0, result.stderr
+    real = result.stdout.splitlines()
+    at = 0
+    for line in shown.splitlines():
+        if line.strip() == "...":
+            continue
+        at = real.index(line, at) + 1  # each shown line, in the order shown
