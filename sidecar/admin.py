@@ -120,6 +120,7 @@ class Admin:
             "duration_seconds": ban.duration,
             "remaining_seconds": round(ban.expires - now, 3),
             "shadow": ban.shadow,
+            "step": ban.step,
         } for ban in await self.engine.active_bans()]
 
     async def lift_ban(self, address: str, who: str) -> bool:

@@ -372,8 +372,33 @@ class BlockAction(Strict):
         return self
 
 
+class BanIncrement(Strict):
+    """Escalating bans, as fail2ban's ``bantime.increment``: a repeat ban of
+    an address by the same rule, within ``remember`` after its last ban by
+    that rule ended, lasts ``factor`` times the last one, up to ``max``."""
+
+    factor: float = Field(2.0, gt=1, allow_inf_nan=False)
+    max_: Duration = Field(alias="max")
+    remember: Duration
+
+    @field_validator("max_")
+    @classmethod
+    def _longest(cls, value: float) -> float:
+        if not 1 <= value <= 365 * 86400:
+            raise ValueError("a ban lasts from 1s to 1y")
+        return value
+
+    @field_validator("remember")
+    @classmethod
+    def _remember(cls, value: float) -> float:
+        if not 1 <= value <= 365 * 86400:
+            raise ValueError("bans are remembered from 1s to 1y")
+        return value
+
+
 class BanAction(Strict):
     duration: Duration = 3600.0
+    increment: BanIncrement | None = None
 
     @field_validator("duration")
     @classmethod
@@ -382,9 +407,21 @@ class BanAction(Strict):
             raise ValueError("a ban lasts from 1s to 1y")
         return value
 
+    @field_validator("increment")
+    @classmethod
+    def _max_at_least_duration(cls, value: BanIncrement | None, info: ValidationInfo) -> BanIncrement | None:
+        duration = info.data.get("duration")
+        if value is not None and duration is not None and value.max_ < duration:
+            raise ValueError(f"max {format_duration(value.max_)} is shorter than the ban's duration "
+                             f"{format_duration(duration)}; a ban never gets shorter as it repeats")
+        return value
+
 
 class ChallengeAction(Strict):
     ttl: Duration = 86400.0
+    # Unsolved penalties of one address's key within a day, after which
+    # the next one bans the address (for challenge.auto_ban.ban).
+    then_ban_after: int | None = Field(None, ge=1)
 
     @field_validator("ttl")
     @classmethod
@@ -850,6 +887,7 @@ def parse_rules_text(text: str, source: str, base_dir: Path) -> LoadedRules:
             issues.append(document.issue(tuple(error["loc"]), message, missing=error["type"] == "missing"))
     issues.extend(_cross_checks(document))
     issues.extend(_concurrency_checks(document))
+    issues.extend(_then_ban_checks(document))
     if issues or model is None:
         issues = [_with_rule_id(issue, document.data.get("rules")) for issue in issues]
         raise ConfigError(sorted(set(issues), key=lambda i: (i.line, i.field, i.message)))
@@ -941,6 +979,24 @@ def _concurrency_checks(document: _Document) -> list[ConfigIssue]:
         action = rule.get("action")
         if isinstance(action, str) and action in _ACTIONS_NOT_WITH_CONCURRENT:
             issues.append(document.issue(("rules", index, "action"), _ACTIONS_NOT_WITH_CONCURRENT[action]))
+    return issues
+
+
+def _then_ban_checks(document: _Document) -> list[ConfigIssue]:
+    """``then_ban_after`` counts per address: the rule's key must hold the
+    address (no ``key:`` is host + ip), so that on a Redis Cluster its
+    counters share the slot of the address's ban record."""
+    issues = []
+    rules = document.data.get("rules")
+    for index, rule in enumerate(rules if isinstance(rules, list) else []):
+        challenge = rule.get("challenge") if isinstance(rule, dict) else None
+        if not isinstance(challenge, dict) or challenge.get("then_ban_after") is None:
+            continue
+        key = rule.get("key")
+        if isinstance(key, list) and key and "ip" not in key:
+            issues.append(document.issue(("rules", index, "challenge", "then_ban_after"),
+                                         "then_ban_after bans an address for its penalties: the rule's key "
+                                         "must include ip (e.g. key: [ip, ...])"))
     return issues
 
 

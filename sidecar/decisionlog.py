@@ -27,7 +27,7 @@ from sidecar.config import LogKeys
 from sidecar.keys import CountingKey, key_dimensions, key_values
 from sidecar.request import CheckRequest
 from sidecar.rules import CompiledRule, describe_key
-from sidecar.state import Check, ResponseCount
+from sidecar.state import BanRecord, Check, ResponseCount
 
 decision_log = logging.getLogger("sluice.decisions")
 
@@ -109,7 +109,7 @@ class DecisionLog:
         return {"time": iso_time(wall), "ts": round(wall, 3)}
 
     def matched(self, request: CheckRequest, rule: CompiledRule, check: Check, outcome: str,
-                banned: bool = False, shadow: bool = False) -> None:
+                banned: bool = False, shadow: bool = False, ban: BanRecord | None = None) -> None:
         """A rule over its limit: the request refused, or observed; a shadow
         rule's line has its would-be action and ``"shadow":true``."""
         if not decision_log.isEnabledFor(logging.INFO):
@@ -130,7 +130,10 @@ class DecisionLog:
             "node": self._node(),
         })
         if banned:
-            entry["ban_seconds"] = check.ban_duration
+            # The ban as issued: an auto-ban's or an escalated one's length.
+            entry["ban_seconds"] = ban.duration if ban is not None else check.ban_duration
+            if ban is not None and ban.step:
+                entry["ban_step"] = ban.step
         if shadow:
             entry["shadow"] = True
             if rule.ban_duration is not None:

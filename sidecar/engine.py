@@ -245,7 +245,7 @@ class Engine:
                 continue
             ban_duration = rule.applied_ban
             stops = rule.stops
-            auto_ban = None
+            auto_ban = penalty_ban = None
             if rule.challenge is not None:
                 if self._has_credential(rule, request):
                     # Passes this rule, and evaluation ends.
@@ -254,15 +254,18 @@ class Engine:
                 # Verified bots are never banned, not even for challenges;
                 # the challenge itself applies to them as block does. A
                 # shadow challenge is never issued, so it counts towards no ban.
-                auto_ban = None if rule.shadow or (verified_bots and self._verified_bot(ruleset, request)) \
-                    else ruleset.auto_ban
+                if not (rule.shadow or (verified_bots and self._verified_bot(ruleset, request))):
+                    auto_ban, penalty_ban = ruleset.auto_ban, rule.penalty_ban
             if ban_duration is not None and verified_bots and self._verified_bot(ruleset, request):
                 # A verified bot that triggers a ban is let through.
                 stops, ban_duration = False, None
             matched.append(rule)
+            # Positional, the amount (1) included: made for every matching
+            # rule of every request, and keywords cost a third more.
             checks.append(Check(rule.id, rule.key(request), rule.limiter,
                                 rule.threshold_for(address) if rule.overrides else rule.base_threshold,
-                                stops, ban_duration, rule.counts, auto_ban, lease))
+                                stops, ban_duration, rule.counts, auto_ban, lease, 1,
+                                rule.ban_increment, penalty_ban))
         if not checks and not self.store.may_be_banned():
             return ALLOWED
         return matched, checks
@@ -306,7 +309,8 @@ class Engine:
             metrics.over_limit(rule.id, rule.action)
             if check.stops:
                 decision = self._apply(request, rule, limit, reset, hit, evaluation.new_ban)
-                self.log.matched(request, rule, check, decision.outcome, banned=evaluation.ban is not None)
+                self.log.matched(request, rule, check, decision.outcome, banned=evaluation.ban is not None,
+                                 ban=evaluation.ban)
                 return decision
             if rule.action == "log" and observed is None:
                 observed = Decision(outcome=ALLOW, rule=rule, limit=limit, reset=reset)

@@ -23,7 +23,7 @@ from sidecar.clientip import ClientIPResolver, IPAddress, IPNetwork, in_networks
 from sidecar.config import ConfigError, ConfigIssue, LoadedRules
 from sidecar.keys import CountingKey, KeyPrefix, key_dimensions, key_values
 from sidecar.limiters import build_limiter
-from sidecar.state import AutoBan, Limiter
+from sidecar.state import AutoBan, BanIncrement, Limiter, PenaltyBan
 from sidecar.store.redis_cluster import parse_node
 from sidecar.request import CheckRequest
 
@@ -286,6 +286,8 @@ class CompiledRule:
     shadow: bool = False
     # Response statuses that clear the key's counter and penalty (reset_on).
     reset_on: frozenset[int] | None = None
+    ban_increment: BanIncrement | None = None  # ban.increment: repeat bans escalate
+    penalty_ban: PenaltyBan | None = None  # challenge.then_ban_after: unsolved penalties ban
     # Derived once, read on every request.
     stops: bool = field(init=False)  # over limit ends evaluation: every action but log, unless shadow
     counts: bool = field(init=False)  # counted at request time (no count_on, no score)
@@ -371,9 +373,14 @@ def compile_rules(loaded: LoadedRules, shadow: bool = False) -> Ruleset:
                                            f"cannot read the page template: {exc}"))
                 continue
         challenge = None
+        penalty_ban = None
         if rule.action == "challenge":
             page = CHALLENGE_PAGE
-            challenge = ChallengeSettings(cookie_name(rule.id), (rule.challenge or config.ChallengeAction()).ttl)
+            settings = rule.challenge or config.ChallengeAction()
+            challenge = ChallengeSettings(cookie_name(rule.id), settings.ttl)
+            if settings.then_ban_after is not None:
+                penalty_ban = PenaltyBan.after(settings.then_ban_after, model.challenge.auto_ban.ban)
+        ban = rule.ban or config.BanAction()
         key_prefix, key = compile_key(rule.id, rule.key)
         in_shadow = rule.shadow or shadow or model.mode == "shadow"
         limit = build_limiter(_without_holds(rule.limit) if in_shadow else rule.limit, rule.penalty)
@@ -395,11 +402,13 @@ def compile_rules(loaded: LoadedRules, shadow: bool = False) -> Ruleset:
             reset=max(1, math.ceil(limit.penalty)) if limit.penalty is not None else None,
             overrides=tuple(overrides.get(rule.id, ())),
             page=page,
-            ban_duration=(rule.ban or config.BanAction()).duration if rule.action == "ban" else None,
+            ban_duration=ban.duration if rule.action == "ban" else None,
             response=response,
             challenge=challenge,
             shadow=in_shadow,
             reset_on=frozenset(rule.reset_on.status) if rule.reset_on is not None else None,
+            ban_increment=BanIncrement.from_config(ban.increment) if ban.increment is not None else None,
+            penalty_ban=penalty_ban,
         ))
     if issues:
         raise ConfigError(issues)

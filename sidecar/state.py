@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence, TypeGuard
 
 from sidecar.config import AutoBan as AutoBanConfig
+from sidecar.config import BanIncrement as BanIncrementConfig
 from sidecar.keys import CountingKey
-from sidecar.limiters import ALLOWED, Hit
+from sidecar.limiters import ALLOWED, Hit, lua_number
 from sidecar.limiters.window import WindowCounter
 
 Clock = Callable[[], float]
@@ -102,6 +103,62 @@ class AutoBan:
         return (("challenge auto-ban", ("ip",)), address)
 
 
+@dataclass(frozen=True, slots=True)
+class BanIncrement:
+    """A ban rule's ``ban.increment``: the bans of one address by the rule
+    escalate while they come within ``remember`` after the last one ended."""
+
+    factor: float
+    longest: float
+    remember: float
+
+    @classmethod
+    def from_config(cls, increment: BanIncrementConfig) -> "BanIncrement":
+        return cls(increment.factor, increment.max_, increment.remember)
+
+    def following(self, duration: float, last: tuple[int, float] | None) -> tuple[int, float]:
+        """The step and length of a ban of ``duration`` after the last
+        remembered one (step, length), or the first (None): ``factor`` times
+        the last, never shorter than the rule's duration nor longer than
+        ``max``. The Redis scripts compute the same (ban_history.lua)."""
+        if last is None:
+            return 0, duration
+        return last[0] + 1, min(max(last[1] * self.factor, duration), self.longest)
+
+    def lua_spec(self, duration: float) -> str:
+        """The ban's duration as the Redis scripts read it: 'D F M R'."""
+        return " ".join(map(lua_number, (duration, self.factor, self.longest, self.remember)))
+
+
+# The period over which a challenge rule's unsolved penalties are counted.
+PENALTY_DAY = 86400.0
+
+
+@dataclass(frozen=True, slots=True)
+class PenaltyBan:
+    """A challenge rule's ``then_ban_after``: the penalties of its key for
+    one address are counted, once each (at the first challenged request of
+    the penalty), by a sliding window of a day; ``threshold`` of them are
+    challenged, the next one is a ban of ``duration`` instead."""
+
+    limiter: WindowCounter
+    threshold: int
+    duration: float
+
+    @classmethod
+    def after(cls, penalties: int, duration: float) -> "PenaltyBan":
+        return cls(WindowCounter(penalties, PENALTY_DAY, PENALTY_DAY), penalties, duration)
+
+    @staticmethod
+    def key(rule_id: str, address: str) -> CountingKey:
+        # Shaped like a rule's counting key, and nobody else's (see AutoBan.key).
+        return (("unsolved penalties " + rule_id, ("ip",)), address)
+
+    def lua_fields(self) -> tuple[str, ...]:
+        """The window's arguments and the ban's duration, for evaluate.lua."""
+        return (*self.limiter.redis_args(self.threshold), lua_number(self.duration))
+
+
 @dataclass(slots=True)  # not frozen: made per rule per request, and frozen __init__ is slow
 class Check:
     """One matching rule of one request, ready for the store."""
@@ -118,6 +175,8 @@ class Check:
     # Requests this check counts at once (Envoy's hits_addend); 0 looks
     # without counting.
     amount: int = 1
+    ban_increment: BanIncrement | None = None  # repeat bans of the address by the rule escalate
+    penalty_ban: PenaltyBan | None = None  # over limit counts a penalty towards a ban (then_ban_after)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +198,7 @@ class BanRecord:
     expires: float  # on the store's clock (epoch_clock)
     duration: float
     shadow: bool = False  # a shadow rule's would-be ban: listed, never applied
+    step: int = 0  # an escalating ban's: 0 for the first, 1 for the next, ...
 
 
 @dataclass(slots=True)

@@ -25,15 +25,19 @@
 --       requests it counts at once when that is not 1 ('3*5', '3*0': a look).
 -- RULES, written into the script by sidecar/store/redis.py, holds what a
 -- check does, once for all requests: rule id, count (1/0), stops (1/0), ban
--- duration ('' = none), auto-ban (1/0), then the limiter's arguments: its
+-- duration ('' = none; 'D F M R' for a ban that escalates, see
+-- ban_history.lua), auto-ban (1/0), then the limiter's arguments: its
 -- kind ('W' window, 'C' concurrency, else a bucket's, see buckets.lua) and
 -- five values, for a window {threshold, period, penalty, sliding, exceed},
 -- for a bucket its four parameters and '', for a concurrency limit {limit,
--- lease, '' (the request's lease id goes in ARGV), '', ''}.
+-- lease, '' (the request's lease id goes in ARGV), '', ''}; then, for a
+-- challenge rule with then_ban_after, its penalty counter {'W', threshold,
+-- period, penalty, sliding, exceed} and the ban's duration (12 to 18).
 -- Returns {banned, new ban, rule, node, started, remaining, duration,
 --          delay, number of evaluated checks, then per evaluated check:
 --          over (1/0), retry after; then with quotas, per check:
---          remaining, reset, window ('' for a check that does not count)}.
+--          remaining, reset, window ('' for a check that does not count);
+--          last, the step of the ban ('0' for none)}.
 
 local now = clock(ARGV[1])
 local address, node, wall = ARGV[2], ARGV[3], ARGV[4]
@@ -45,9 +49,9 @@ local lease_id = ARGV[15]
 local FIRST = 16
 
 if address ~= '' and mode ~= 'N' then
-  local ban = redis.call('HMGET', KEYS[1], 'rule', 'node', 'started', 'expires', 'duration')
+  local ban = redis.call('HMGET', KEYS[1], 'rule', 'node', 'started', 'expires', 'duration', 'step')
   if ban[1] and now < tonumber(ban[4]) then
-    return {1, 0, ban[1], ban[2], ban[3], num(tonumber(ban[4]) - now), ban[5], '0', 0}
+    return {1, 0, ban[1], ban[2], ban[3], num(tonumber(ban[4]) - now), ban[5], '0', 0, ban[6] or '0'}
   end
 end
 
@@ -66,6 +70,7 @@ local buckets = {}
 local leases = {}
 local refused = false
 local result = {0, 0, '', '', '', '', ''}
+local ban_step = 0
 local checks = #ARGV - FIRST + 1
 for i = 0, checks - 1 do
   local rule, amount = check_of(ARGV[FIRST + i])
@@ -110,14 +115,22 @@ for i = 0, checks - 1 do
         ban_duration = auto_duration
       end
     end
+    if rule[12] == 'W' and ban_duration == '' and address ~= '' and mode ~= 'N' then
+      -- then_ban_after (the rule's key holds the address: never mode 'N').
+      local penalties = unsolved_penalty(KEYS[1], rule_id, now, retry, limit_from(rule, 13))
+      if penalties then
+        ban_key, ban_duration = penalties, rule[18]
+      end
+    end
     if ban_duration ~= '' and address ~= '' then
       -- Issuing a ban clears the triggering key.
       redis.call('DEL', ban_key)
       if mode == 'N' then
         result[2], result[3], result[7] = 2, rule_id, ban_duration
       else
-        local ban = write_ban(KEYS[1], mode == 'F' and KEYS[2] or nil, now, address, rule_id, node,
-                              wall, ban_duration)
+        local ban
+        ban, ban_step = write_rule_ban(KEYS[1], mode == 'F' and KEYS[2] or nil, now, address, rule_id,
+                                       node, wall, ban_duration)
         result[2], result[3], result[4], result[5], result[6], result[7] = 1, unpack(ban)
       end
     end
@@ -168,4 +181,5 @@ if want_quotas then
     table.insert(result, window)
   end
 end
+table.insert(result, ban_step)
 return result

@@ -14,8 +14,8 @@ from typing import Any, Callable, Coroutine, Hashable, Sequence, TypeVar, cast
 
 from sidecar.keys import CountingKey
 from sidecar.limiters import ALLOWED, Hit
-from sidecar.state import (BanRecord, Check, Clock, DeferredLimiter, Evaluation, Limiter, ResponseCount,
-                           epoch_clock, is_deferred)
+from sidecar.state import (BanIncrement, BanRecord, Check, Clock, DeferredLimiter, Evaluation, Limiter,
+                           PenaltyBan, ResponseCount, epoch_clock, is_deferred)
 
 T = TypeVar("T")
 
@@ -184,6 +184,11 @@ class MemoryStore:
         # Each state carries its limiter: a reload may change it.
         self._states = BoundedMap(max_keys, lambda state: state.limiter.expires_at(state), clock)
         self._bans = BoundedMap(max_keys, lambda ban: ban.expires, clock)
+        # What bans react to: (address, rule) -> (step, length, forgotten
+        # at) of its last escalating ban; (rule, address) -> the end of the
+        # rule's last penalty counted towards then_ban_after.
+        self._ban_steps = BoundedMap(max_keys, lambda last: last[2], clock)
+        self._penalty_ends = BoundedMap(max_keys, lambda ends: ends, clock)
 
     async def evaluate(self, now: float, address: str, checks: Sequence[Check],
                        can_delay: bool = True, quotas: bool = False) -> Evaluation:
@@ -238,10 +243,15 @@ class MemoryStore:
                     ban_key = auto_ban.key(address)
                     if self._hit(ban_key, auto_ban.limiter, now, auto_ban.threshold, 1).over_limit:
                         ban_duration = auto_ban.duration
+                penalty_ban = check.penalty_ban
+                if penalty_ban is not None and ban_duration is None and address and \
+                        self._unsolved_penalty(now, address, check.rule_id, hit, penalty_ban):
+                    ban_key, ban_duration = penalty_ban.key(check.rule_id, address), penalty_ban.duration
                 if ban_duration is not None and address:
                     # Issuing a ban clears the triggering key.
                     self._states.pop(ban_key, None)
-                    evaluation.ban = self._ban(now, address, check.rule_id, ban_duration)
+                    evaluation.ban = self._ban(now, address, check.rule_id, ban_duration,
+                                               check.ban_increment if ban_duration == check.ban_duration else None)
                     evaluation.new_ban = True
                 break
         if buckets and not refused:
@@ -313,10 +323,35 @@ class MemoryStore:
         self._states.add(key, state, limiter.expires_at(state))
         return hit
 
-    def _ban(self, now: float, address: str, rule_id: str, duration: float) -> BanRecord:
-        record = BanRecord(address, rule_id, self.node, self._wall_clock(), now + duration, duration)
+    def _ban(self, now: float, address: str, rule_id: str, duration: float,
+             increment: BanIncrement | None = None) -> BanRecord:
+        step = 0
+        if increment is not None:
+            step, duration = self._escalated(now, address, rule_id, duration, increment)
+        record = BanRecord(address, rule_id, self.node, self._wall_clock(), now + duration, duration, step=step)
         self._bans[address] = record
         return record
+
+    def _escalated(self, now: float, address: str, rule_id: str, duration: float,
+                   increment: BanIncrement) -> tuple[int, float]:
+        """The step and length of an escalating ban, remembered until
+        ``remember`` after it ends (a lifted ban is remembered all the same)."""
+        last = self._ban_steps.get((address, rule_id))
+        step, duration = increment.following(duration, last[:2] if last is not None and now < last[2] else None)
+        self._ban_steps[(address, rule_id)] = (step, duration, now + duration + increment.remember)
+        return step, duration
+
+    def _unsolved_penalty(self, now: float, address: str, rule_id: str, hit: Hit,
+                          penalty_ban: PenaltyBan) -> bool:
+        """Count the penalty this challenged request is in, once (a new
+        penalty can only start after the last counted one ended); True when
+        it is one past ``then_ban_after`` within the day."""
+        ends = self._penalty_ends.get((rule_id, address))
+        if ends is not None and now < ends:
+            return False
+        self._penalty_ends[(rule_id, address)] = now + hit.retry_after
+        return self._hit(penalty_ban.key(rule_id, address), penalty_ban.limiter, now, penalty_ban.threshold,
+                         1).over_limit
 
     def may_be_banned(self) -> bool:
         return bool(self._bans)
@@ -325,6 +360,7 @@ class MemoryStore:
         """New settings from a reload; a smaller cap applies at the next insert."""
         self.node = node
         self._states.max_keys = self._bans.max_keys = max_keys
+        self._ban_steps.max_keys = self._penalty_ends.max_keys = max_keys
 
     async def active_bans(self, now: float) -> list[BanRecord]:
         return self.bans_in_force(now)

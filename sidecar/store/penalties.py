@@ -8,9 +8,10 @@ its penalty (or a bucket's wait) ends, whatever other nodes do. What it does
 not see until the entry ends: a ban another node issued for the address (the
 request is refused by the rule's page instead of by closing it), and a key
 an administrator reset on the shared store. It never answers for a check
-that can ban (a ban rule, a challenge counted towards an auto-ban), hold
-(a leaky bucket whose refusal may be this node's full wait queue) or lease
-(a concurrency limit, whose slots are given back at any moment).
+that can ban (a ban rule, a challenge counted towards an auto-ban or
+then_ban_after), hold (a leaky bucket whose refusal may be this node's full
+wait queue) or lease (a concurrency limit, whose slots are given back at any
+moment).
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from sidecar.store.memory import BoundedMap
 def _cacheable(check: Check) -> bool:
     # A full concurrency key is not over limit until a given time: a
     # release may free a slot at any moment.
-    return check.ban_duration is None and check.auto_ban is None and not check.limiter.holds \
-        and not check.limiter.leases
+    return check.ban_duration is None and check.auto_ban is None and check.penalty_ban is None \
+        and not check.limiter.holds and not check.limiter.leases
 
 
 class PenaltyCache:

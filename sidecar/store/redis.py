@@ -101,7 +101,8 @@ def ban_key(address: str) -> str:
 
 def _script(name: str) -> str:
     lua = resources.files("sidecar") / "lua"
-    return "\n".join((lua / f"{part}.lua").read_text() for part in (*lua_libraries(), "ban_record", name))
+    return "\n".join((lua / f"{part}.lua").read_text()
+                     for part in (*lua_libraries(), "ban_record", "ban_history", name))
 
 
 def _lua_string(text: str) -> str:
@@ -141,13 +142,14 @@ class _RuleTable:
         added = False
         for check in checks:
             kind = (id(check.limiter), check.threshold, check.rule_id, check.count, check.stops,
-                    check.ban_duration, check.auto_ban is not None)
+                    check.ban_duration, check.auto_ban is not None, check.ban_increment, check.penalty_ban)
             known = self._numbers.get(kind)
             if known is None:
                 known = self._numbers[kind] = str(len(self._entries) + 1), check.limiter
-                fields = [check.rule_id, _flag(check.count), _flag(check.stops),
-                          "" if check.ban_duration is None else repr(float(check.ban_duration)),
+                fields = [check.rule_id, _flag(check.count), _flag(check.stops), _ban_spec(check),
                           _flag(check.auto_ban is not None), *check.limiter.redis_args(check.threshold)]
+                if check.penalty_ban is not None:
+                    fields += check.penalty_ban.lua_fields()
                 self._entries.append("{" + ",".join(map(_lua_string, fields)) + "}")
                 added = True
             numbers.append(known[0] if check.amount == 1 else f"{known[0]}*{check.amount}")
@@ -171,6 +173,16 @@ def _flag(value: bool) -> str:
     return "1" if value else "0"
 
 
+def _ban_spec(check: Check) -> str:
+    """A check's ban duration in RULES: '' for none, 'D F M R' for a ban
+    that escalates (ban_history.lua)."""
+    if check.ban_duration is None:
+        return ""
+    if check.ban_increment is not None:
+        return check.ban_increment.lua_spec(check.ban_duration)
+    return repr(float(check.ban_duration))
+
+
 # The auto-ban arguments of a request without a challenge rule: read by the
 # script, never used.
 _NO_AUTO_BAN = ("W", "1", "1", "0", "0", "0", "")
@@ -190,7 +202,7 @@ class _Part:
     """One call of the evaluation script: the checks of one hash slot (all
     of them on a single Redis), and what the script answered for them."""
 
-    __slots__ = ("mode", "indices", "banned", "new_ban", "ban", "delay", "hits", "quotas")
+    __slots__ = ("mode", "indices", "banned", "new_ban", "ban", "delay", "hits", "quotas", "step")
 
     def __init__(self, mode: str, indices: list[int]) -> None:
         self.mode = mode  # see evaluate.lua
@@ -202,9 +214,10 @@ class _Part:
         self.banned, self.new_ban, self.ban = bool(int(banned)), int(new_ban), ban
         self.delay = float(delay)
         self.hits = _hits(result[9:end])
+        self.step = result[-1]  # the ban's, last
         self.quotas = None
         if quotas and not self.banned:
-            values = result[end:]
+            values = result[end:-1]
             self.quotas = [(int(values[i]), float(values[i + 1]), float(values[i + 2]))
                            if values[i] != "" else None for i in range(0, len(values), 3)]
 
@@ -323,7 +336,7 @@ class RedisStore:
         evaluation, and the ban that refusal issues."""
         first = parts[0] if parts else None
         if first is not None and first.banned:
-            return Evaluation(ban=self._ban_record(address, now, first.ban))
+            return Evaluation(ban=self._ban_record(address, now, [*first.ban, first.step]))
         evaluation = Evaluation()
         refusing: _Part | None = None
         if len(parts) == 1:
@@ -350,7 +363,7 @@ class RedisStore:
             evaluation.delay = max((part.delay for part in parts), default=0.0)
         elif refusing.new_ban == 1:
             evaluation.new_ban = True
-            evaluation.ban = self._ban_record(address, now, refusing.ban)
+            evaluation.ban = self._ban_record(address, now, [*refusing.ban, refusing.step])
         elif refusing.new_ban:
             # A check in another slot than the address's called for a ban
             # (or one more challenge towards the auto-ban): issued there now.
@@ -366,8 +379,9 @@ class RedisStore:
 
     @staticmethod
     def _ban_record(address: str, now: float, fields: Sequence[Any]) -> BanRecord:
-        rule_id, node, started, remaining, duration = fields
-        return BanRecord(address, rule_id, node, float(started), now + float(remaining), float(duration))
+        rule_id, node, started, remaining, duration, step = fields
+        return BanRecord(address, rule_id, node, float(started), now + float(remaining), float(duration),
+                         step=int(step))
 
     async def record(self, now: float, counts: Sequence[ResponseCount]) -> list[Hit]:
         names = [counting_key(count.key) for count in counts]
@@ -397,7 +411,7 @@ class RedisStore:
     async def active_bans(self, now: float) -> list[BanRecord]:
         if not isinstance(self.client, ClusterRedis):
             values = await self.client.evalsha(self._bans, [BAN_INDEX], [self._now(now), BAN_HEAD, BAN_TAIL])
-            return [self._ban_record(values[i], now, values[i + 1:i + 6]) for i in range(0, len(values), 6)]
+            return [self._ban_record(values[i], now, values[i + 1:i + 7]) for i in range(0, len(values), 7)]
         # A cluster keeps no index (its records are in their addresses'
         # slots): each master's are found by scanning its keys.
         names = await self.client.scan(BAN_HEAD + "*" + BAN_TAIL)

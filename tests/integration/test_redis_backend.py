@@ -659,3 +659,60 @@ def test_a_store_that_cannot_connect_at_start_is_counted_and_the_service_starts(
             pass
     asyncio.run(start_and_stop())
     assert e.metrics.store_errors.value == 1
+
+
+REACTING = """\
+challenge:
+  auto_ban: {challenges: 100, per: 60s, ban: 10m}
+rules:
+  - id: flood
+    match: {path: {prefix: /flood}}
+    key: [ip]
+    limit: {requests: 1, per: 10s}
+    action: ban
+    ban: {duration: 5m, increment: {factor: 2, max: 1h, remember: 10m}}
+  - id: gate
+    key: [ip]
+    limit: {requests: 1, per: 10s}
+    penalty: 5s
+    action: challenge
+    challenge: {then_ban_after: 1}
+"""
+
+
+def test_a_ban_escalates_across_nodes_and_its_history_expires_beside_the_ban_record(
+        url: str, redis_server: RedisServer) -> None:
+    async def run() -> list[tuple[str, float, int]]:
+        clock = FakeClock()
+        a, b = engine(url, REACTING, clock, node="a"), engine(url, REACTING, clock, node="b")
+        await outcomes(a, 2, path="/flood")
+        [first] = await b.active_bans()
+        await b.lift_ban("192.0.2.1")
+        await outcomes(b, 2, path="/flood")
+        [second] = await a.active_bans()
+        return [(ban.node, ban.duration, ban.step) for ban in (first, second)]
+    assert asyncio.run(run()) == [("a", 300.0, 0), ("b", 600.0, 1)]
+    client = redis_server.client()
+    history = "sluice:{192.0.2.1}:banstep:flood"
+    assert client.hmget(history, "n", "d") == ["1", "600"]
+    # Forgotten 10 minutes after the second ban ends.
+    assert 1_190_000 < client.pttl(history) <= 1_200_000
+    assert client.hget("sluice:{192.0.2.1}:ban", "step") == "1"
+
+
+def test_unsolved_penalties_are_counted_beside_the_ban_record_and_expire(url: str,
+                                                                          redis_server: RedisServer) -> None:
+    async def run() -> list[str]:
+        clock = FakeClock()
+        e = engine(url, REACTING, clock)
+        seen = await outcomes(e, 3)
+        clock.advance(6)  # the penalty is over
+        return seen + await outcomes(e, 3)
+    # One penalty challenged (counted once); the next one's first challenged request bans.
+    assert asyncio.run(run()) == [ALLOW, DENY, DENY, ALLOW, CLOSE, CLOSE]
+    client = redis_server.client()
+    counted = "sluice:{192.0.2.1}:counted:gate"
+    assert 0 < client.pttl(counted) <= 5_000
+    # The ban cleared the penalty counter it was issued for.
+    assert not client.exists("sluice:{192.0.2.1}:penalties:gate")
+    assert all(client.pttl(key) > 0 for key in client.keys("*"))

@@ -147,10 +147,32 @@ rules:
 """
 
 
+# Per-client rules that react to behaviour: short bans that escalate, and
+# a challenge whose unsolved penalties ban.
+REACTING = """\
+challenge:
+  auto_ban: {challenges: 6, per: 10s, ban: 3s}
+rules:
+  - id: flood
+    key: [ip]
+    limit: {requests: 6, per: 5s}
+    action: ban
+    ban: {duration: 1s, increment: {factor: 2, max: 6s, remember: 20s}}
+  - id: gate
+    match: {path: {prefix: /c}}
+    key: [ip]
+    limit: {requests: 1, per: 10s}
+    penalty: 1s
+    action: challenge
+    challenge: {then_ban_after: 2}
+"""
+
+
 @pytest.mark.parametrize("rules, seen", [
     (PER_CLIENT, ({ALLOW, DENY, CLOSE}, {"flood", "pages", "fixed", "gate"})),
     (ACROSS_SLOTS, ({ALLOW, DENY}, {"watch", "pages", "fixed"})),
-], ids=["per-client", "across-slots"])
+    (REACTING, ({ALLOW, DENY, CLOSE}, {"flood", "gate"})),
+], ids=["per-client", "across-slots", "reacting"])
 def test_a_random_trace_is_decided_as_a_single_redis_decides_it(redis_cluster: RedisCluster,
                                                                 redis_server: RedisServer, rules: str,
                                                                 seen: tuple[set, set]) -> None:

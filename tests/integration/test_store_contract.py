@@ -17,7 +17,7 @@ from sidecar.limiters.concurrent import ConcurrencyLimiter
 from sidecar.limiters.leaky import LeakyBucket
 from sidecar.limiters.token import TokenBucket
 from sidecar.limiters.window import WindowCounter
-from sidecar.state import AutoBan, Check, ResponseCount
+from sidecar.state import AutoBan, BanIncrement, Check, Evaluation, PenaltyBan, ResponseCount
 from sidecar.store import StateStore
 from sidecar.store.memory import MemoryStore
 from sidecar.store.redis import RedisStore
@@ -366,3 +366,142 @@ def test_buckets_take_a_requests_amount_at_once_and_a_look_takes_nothing(open_st
     # Ten tokens: a look, 5, then 6 does not fit, 5 does, a look still passes.
     # A burst of 4 holds 5 at once: the look, 5, then nothing more fits.
     assert run(open_store, test) == [False, False, True, False, False, False, False, True, True, False]
+
+
+# --------------------------------------------------------------------------
+# Bans that react to behaviour: escalating bans, challenge then ban
+# --------------------------------------------------------------------------
+
+ESCALATING = BanIncrement(factor=2.0, longest=1000.0, remember=100.0)
+
+
+async def banned_once(store: StateStore, at: float, check: Check) -> Evaluation:
+    """A threshold-1 ban rule's second request: the one that bans."""
+    await store.evaluate(at, ADDRESS, [check])
+    return await store.evaluate(at + 0.5, ADDRESS, [check])
+
+
+def test_each_repeat_ban_lasts_factor_times_the_last_up_to_max(open_store) -> None:
+    async def test(store: StateStore) -> list[tuple]:
+        check = window("scrapers", threshold=1, ban_duration=300.0, ban_increment=ESCALATING)
+        seen = []
+        at = NOW
+        for _ in range(4):
+            banning = await banned_once(store, at, check)
+            assert banning.new_ban and banning.ban is not None
+            [listed] = await store.active_bans(at + 1)
+            seen.append((banning.ban.step, banning.ban.duration, listed.step, listed.duration,
+                         round(listed.expires - (at + 1), 3)))
+            at = banning.ban.expires + 10  # within remember (100 s) of the ban's end
+        return seen
+    # 300, 600, then 1000 (max) twice; each listed with its step and the
+    # time left from one second into it.
+    assert run(open_store, test) == [(0, 300.0, 0, 300.0, 299.5), (1, 600.0, 1, 600.0, 599.5),
+                                     (2, 1000.0, 2, 1000.0, 999.5), (3, 1000.0, 3, 1000.0, 999.5)]
+
+
+def test_a_lifted_ban_is_remembered_and_the_next_escalates(open_store) -> None:
+    async def test(store: StateStore) -> list[tuple[int, float]]:
+        check = window("scrapers", threshold=1, ban_duration=300.0, ban_increment=ESCALATING)
+        first = await banned_once(store, NOW, check)
+        assert await store.lift_ban(ADDRESS)
+        second = await banned_once(store, NOW + 5, check)
+        assert first.ban is not None and second.ban is not None
+        return [(first.ban.step, first.ban.duration), (second.ban.step, second.ban.duration)]
+    assert run(open_store, test) == [(0, 300.0), (1, 600.0)]
+
+
+def test_a_ban_more_than_remember_after_the_last_ended_starts_at_step_zero(open_store) -> None:
+    async def test(store: StateStore) -> list[tuple[int, float]]:
+        check = window("scrapers", threshold=1, ban_duration=300.0, ban_increment=ESCALATING)
+        other_rule = window("other", threshold=1, ban_duration=300.0, ban_increment=ESCALATING)
+        steps = []
+        for at in (NOW, NOW + 300.5 + 99, NOW + 300.5 + 99 + 600.5 + 101):
+            ban = (await banned_once(store, at, check)).ban
+            assert ban is not None
+            steps.append((ban.step, ban.duration))
+        # Another rule keeps a history of its own.
+        ban = (await banned_once(store, NOW + 5000, other_rule)).ban
+        assert ban is not None
+        steps.append((ban.step, ban.duration))
+        return steps
+    # The second comes 99 s after the first ended; the third 101 s after
+    # the second did: forgotten.
+    assert run(open_store, test) == [(0, 300.0), (1, 600.0), (0, 300.0), (0, 300.0)]
+
+
+def test_a_ban_without_increment_is_step_zero_every_time(open_store) -> None:
+    async def test(store: StateStore) -> list[tuple[int, float]]:
+        check = window("scrapers", threshold=1, ban_duration=300.0)
+        bans = []
+        for at in (NOW, NOW + 310):
+            ban = (await banned_once(store, at, check)).ban
+            assert ban is not None
+            bans.append((ban.step, ban.duration))
+        return bans
+    assert run(open_store, test) == [(0, 300.0), (0, 300.0)]
+
+
+def test_an_escalating_ban_called_for_from_another_slot_escalates_in_the_addresss_slot(open_store) -> None:
+    async def test(store: StateStore) -> list[tuple]:
+        check = by_header("shared-key", "k1", 1, ban_duration=300.0, ban_increment=ESCALATING)
+        seen = []
+        for at in (NOW, NOW + 301, NOW + 301 + 601):
+            banning = await banned_once(store, at, check)
+            [listed] = await store.active_bans(at + 1)
+            assert banning.ban is not None
+            seen.append((banning.ban.step, banning.ban.duration, listed.rule_id, listed.step, listed.duration))
+        return seen
+    assert run(open_store, test) == [(0, 300.0, "shared-key", 0, 300.0), (1, 600.0, "shared-key", 1, 600.0),
+                                     (2, 1000.0, "shared-key", 2, 1000.0)]
+
+
+def challenge(rule: str = "pages", then_ban_after: int = 2, penalty: float = 10.0) -> Check:
+    """A challenge rule over 1 request a minute with a 10 s penalty,
+    banning for 300 s past ``then_ban_after`` unsolved penalties."""
+    return Check(rule, ((rule, ("ip",)), ADDRESS), WindowCounter(1, 60.0, penalty), 1.0, True,
+                 penalty_ban=PenaltyBan.after(then_ban_after, 300.0))
+
+
+def test_unsolved_penalties_past_then_ban_after_ban_the_address(open_store) -> None:
+    async def test(store: StateStore) -> list[str]:
+        check = challenge()
+        seen = []
+        at = NOW
+        for _ in range(3):
+            # The request that reaches the threshold starts a penalty; every
+            # request in it is challenged, and the penalty counts once.
+            evaluations = [await store.evaluate(at + i, ADDRESS, [check]) for i in range(4)]
+            seen.append("".join("B" if e.new_ban else "b" if e.ban else "C" if e.hits[0].over_limit else "."
+                                for e in evaluations))
+            at += 11  # the penalty (10 s from its first request) is over
+        [ban] = await store.active_bans(at)
+        seen.append(f"{ban.rule_id} {ban.duration} {ban.step}")
+        return seen
+    # Two penalties challenged; the first challenged request of the third is a ban.
+    assert run(open_store, test) == [".CCC", ".CCC", ".Bbb", "pages 300.0 0"]
+
+
+def test_penalties_of_one_rule_do_not_count_for_another(open_store) -> None:
+    async def test(store: StateStore) -> list[bool]:
+        banned = []
+        at = NOW
+        for rule in ("a", "b", "a", "b"):
+            check = challenge(rule)
+            await store.evaluate(at, ADDRESS, [check])
+            banned.append((await store.evaluate(at + 1, ADDRESS, [check])).ban is not None)
+            at += 11
+        return banned
+    # Two penalties each: within then_ban_after for both.
+    assert run(open_store, test) == [False, False, False, False]
+
+
+def test_penalties_more_than_a_day_apart_do_not_add_up(open_store) -> None:
+    async def test(store: StateStore) -> list[bool]:
+        check = challenge(then_ban_after=1)
+        banned = []
+        for at in (NOW, NOW + 2 * 86400, NOW + 4 * 86400):
+            await store.evaluate(at, ADDRESS, [check])
+            banned.append((await store.evaluate(at + 1, ADDRESS, [check])).ban is not None)
+        return banned
+    assert run(open_store, test) == [False, False, False]
