@@ -1,4 +1,4 @@
-"""Shadow mode through every front door: a shadow rule over its limit lets
+"""Shadow mode through every front door, with the memory and the Redis backend: a shadow rule over its limit lets
 the request through with the over-limit headers and X-RateLimit-Shadow;
 the same rule switched to enforcing by a reload refuses the very next
 request, because its counters and its penalty stayed."""
@@ -15,6 +15,7 @@ import pytest
 from sidecar.launcher import Stack
 from tests.integration.clients import Client
 from tests.integration.conftest import fresh_client_address, front_door_port, sluice_metric, start_stack
+from tests.integration.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration
 
@@ -36,14 +37,19 @@ rules:
 """
 
 
-@pytest.fixture(scope="module")
-def shadow_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Path]]:
-    directory = tmp_path_factory.mktemp("shadow")
+@pytest.fixture(scope="module", params=["memory", "redis"])
+def shadow_stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+                 ) -> Iterator[tuple[Stack, Path, str]]:
+    directory = tmp_path_factory.mktemp(f"shadow-{request.param}")
     rules = directory / "rules.yaml"
-    rules.write_text(SHADOW_RULES)
+    state = ""
+    if request.param == "redis":
+        redis_server: RedisServer = request.getfixturevalue("redis_server")
+        state = f'state: {{backend: redis, url: "{redis_server.url}"}}\n'
+    rules.write_text(state + SHADOW_RULES)
     stack = start_stack(directory / "stack", rules)
     try:
-        yield stack, rules
+        yield stack, rules, state
     finally:
         stack.stop()
 
@@ -55,8 +61,8 @@ def reload(stack: Stack) -> None:
 
 
 def test_a_shadow_rule_lets_requests_through_and_enforcing_it_refuses_the_next(
-        shadow_stack: tuple[Stack, Path], front_door: str) -> None:
-    stack, rules = shadow_stack
+        shadow_stack: tuple[Stack, Path, str], front_door: str) -> None:
+    stack, rules, state = shadow_stack
     client = Client(front_door_port(stack, front_door), fresh_client_address())
     before = sluice_metric(stack, "sluice_shadow_actions_total", 'action="block",rule="api"')
     replies = [client.request("/api/items") for _ in range(4)]
@@ -66,17 +72,17 @@ def test_a_shadow_rule_lets_requests_through_and_enforcing_it_refuses_the_next(
     assert replies[-1].headers["x-ratelimit-limit"] == "2"
     assert sluice_metric(stack, "sluice_shadow_actions_total", 'action="block",rule="api"') == before + 2
     try:
-        rules.write_text(SHADOW_RULES.replace("    shadow: true\n", ""))
+        rules.write_text(state + SHADOW_RULES.replace("    shadow: true\n", ""))
         reload(stack)
         assert client.request("/api/items").status == 429
     finally:
-        rules.write_text(SHADOW_RULES)
+        rules.write_text(state + SHADOW_RULES)
         reload(stack)
 
 
-def test_a_shadow_ban_closes_nothing_and_is_listed_as_shadow(shadow_stack: tuple[Stack, Path],
+def test_a_shadow_ban_closes_nothing_and_is_listed_as_shadow(shadow_stack: tuple[Stack, Path, str],
                                                               front_door: str) -> None:
-    stack, _ = shadow_stack
+    stack, _, _ = shadow_stack
     address = fresh_client_address()
     client = Client(front_door_port(stack, front_door), address)
     assert [client.request("/scrape/page").status for _ in range(3)] == [200] * 3
