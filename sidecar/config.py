@@ -15,7 +15,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, Mapping
+from typing import Annotated, Any, Callable, ClassVar, Literal, Mapping
 
 import yaml
 from pydantic import (
@@ -880,11 +880,7 @@ def parse_rules_text(text: str, source: str, base_dir: Path) -> LoadedRules:
         # Keep the field order YAML gave us: ``dict`` already does.
         model = RulesFile.model_validate(document.data, context={"base_dir": base_dir})
     except ValidationError as exc:
-        for error in exc.errors():
-            message = _message(error)
-            if error["type"] == "extra_forbidden" and error["loc"]:
-                message += _did_you_mean(str(error["loc"][-1]))
-            issues.append(document.issue(tuple(error["loc"]), message, missing=error["type"] == "missing"))
+        issues.extend(validation_issues(document, exc, _did_you_mean))
     issues.extend(_cross_checks(document))
     issues.extend(_concurrency_checks(document))
     issues.extend(_then_ban_checks(document))
@@ -892,6 +888,19 @@ def parse_rules_text(text: str, source: str, base_dir: Path) -> LoadedRules:
         issues = [_with_rule_id(issue, document.data.get("rules")) for issue in issues]
         raise ConfigError(sorted(set(issues), key=lambda i: (i.line, i.field, i.message)))
     return LoadedRules(model, source, base_dir, document.lines)
+
+
+def validation_issues(document: _Document, exc: ValidationError,
+                      hint: Callable[[str], str]) -> list[ConfigIssue]:
+    """A model's validation errors as issues at their lines; ``hint`` gives
+    an unknown field's did-you-mean (or "")."""
+    issues = []
+    for error in exc.errors():
+        message = _message(error)
+        if error["type"] == "extra_forbidden" and error["loc"]:
+            message += hint(str(error["loc"][-1]))
+        issues.append(document.issue(tuple(error["loc"]), message, missing=error["type"] == "missing"))
+    return issues
 
 
 _RULE_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")

@@ -34,7 +34,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field, ValidationError, field_validator, model_validator
 
 from sidecar import config
-from sidecar.config import ConfigError, ConfigIssue, Duration, Strict, _Document, _message
+from sidecar.config import ConfigError, ConfigIssue, Duration, Strict, _Document, validation_issues
 from sidecar.limiters import RuleLimit, build_limiter
 from sidecar.limiters.window import WindowCounter
 from sidecar.state import Limiter
@@ -359,11 +359,7 @@ def parse_rls_text(text: str, source: str) -> RlsFile:
     try:
         model = RlsFile.model_validate(document.data)
     except ValidationError as exc:
-        for error in exc.errors():
-            message = _message(error)
-            if error["type"] == "extra_forbidden" and error["loc"]:
-                message += _did_you_mean(str(error["loc"][-1]))
-            issues.append(document.issue(tuple(error["loc"]), message, missing=error["type"] == "missing"))
+        issues.extend(validation_issues(document, exc, _did_you_mean))
     if isinstance(document.data.get("descriptors"), list):
         issues.extend(_tree_checks(document, document.data["descriptors"], ("descriptors",), False))
     if issues or model is None:
