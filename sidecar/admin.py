@@ -143,10 +143,9 @@ class Admin:
         """Every ban in force: of client addresses (earned or by hand), then
         of networks."""
         now = self.engine.clock()
-        store = self.engine.store
-        addresses = sorted(await store.active_bans(now), key=lambda ban: ban.address)
+        addresses = sorted(await self.engine.active_bans(), key=lambda ban: ban.address)
         return [ban_view(ban, now, network=False) for ban in addresses] + \
-            [ban_view(ban, now, network=True) for ban in await store.active_network_bans(now)]
+            [ban_view(ban, now, network=True) for ban in await self.engine.store.active_network_bans(now)]
 
     async def ban(self, text: str, duration: float, reason: str, who: str) -> dict:
         """Ban a client address (its counting key: an IPv6 address by its
@@ -168,14 +167,14 @@ class Admin:
         """Lift the ban of a client address, earned or by hand, or of a
         network; False when it had none (``no_ban`` says so)."""
         target = self._target(address)
-        store = self.engine.store
-        now = self.engine.clock()
+        engine = self.engine
         if target.network is None:
-            lifted = await store.lift_ban(target.text)
+            lifted = await engine.lift_ban(target.text)
         else:
             # A ban listed under a network's text may be a client key of a
             # width the rules no longer count by.
-            lifted = await store.lift_network_ban(now, target.text) or await store.lift_ban(target.text)
+            lifted = await engine.store.lift_network_ban(engine.clock(), target.text) \
+                or await engine.lift_ban(target.text)
         self.engine.log.audit("unban", who, "lifted" if lifted else "no ban", address=target.text)
         return lifted
 

@@ -315,7 +315,8 @@ class MemoryStore:
         return hit
 
     def _ban(self, now: float, address: str, rule_id: str, duration: float, reason: str = "") -> BanRecord:
-        record = BanRecord(address, rule_id, self.node, self._wall_clock(), now + duration, duration, reason)
+        record = BanRecord(address, rule_id, self.node, self._wall_clock(), now + duration, duration,
+                           reason=reason)
         self._bans[address] = record
         return record
 
@@ -346,7 +347,7 @@ class MemoryStore:
         return self._ban(now, address, "", duration, reason)
 
     async def ban_network(self, now: float, network: str, duration: float, reason: str) -> BanRecord:
-        ban = BanRecord(network, "", self.node, self._wall_clock(), now + duration, duration, reason)
+        ban = BanRecord(network, "", self.node, self._wall_clock(), now + duration, duration, reason=reason)
         self.network_bans.add(ban)
         return ban
 

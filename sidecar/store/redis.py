@@ -382,7 +382,7 @@ class RedisStore:
         duration, and a reason when the script reads one."""
         rule_id, node, started, remaining, duration, *reason = fields
         return BanRecord(address, rule_id, node, float(started), now + float(remaining), float(duration),
-                         reason[0] if reason else "")
+                         reason=reason[0] if reason else "")
 
     async def record(self, now: float, counts: Sequence[ResponseCount]) -> list[Hit]:
         names = [counting_key(count.key) for count in counts]
