@@ -10,25 +10,56 @@ configurations keep running.
 The admin API answers only with a bearer token (``--admin-token-file``,
 compared in constant time), or — with no token configured — only to
 loopback peers of a loopback listener. Without either it is off.
+
+Besides reload it undoes mistakes, through the store (so with Redis every
+node sees them): a client's or a rule's counters are listed and reset
+(``sidecar.counters``), and clients and networks are banned and unbanned
+by hand (``sidecar.networkbans``). Every action writes one audit line to
+the decision log, which never holds the token.
 """
 
 from __future__ import annotations
 
 import hmac
 import ipaddress
+import json
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Sequence
 
-from sidecar.config import ConfigError
+from sidecar.clientip import parse_address
+from sidecar.config import ConfigError, parse_duration
+from sidecar.counters import CounterState, KeySelection, dimension_values, key_from_text
 from sidecar.engine import Engine
-from sidecar.rules import Ruleset, default_ruleset, load_ruleset
+from sidecar.keys import CountingKey, key_dimensions, key_rule_id, key_values
+from sidecar.networkbans import BanTarget, ban_target, client_key
+from sidecar.rules import Ruleset, default_ruleset, describe_key, load_ruleset
+from sidecar.state import AutoBan, BanRecord, Limiter
 
 if TYPE_CHECKING:
     from sidecar.frontdoors.rls import RateLimitService
 
 log = logging.getLogger("sluice")
+
+# A ban by hand lasts as long as a rule's may.
+SHORTEST_BAN, LONGEST_BAN = 1.0, 365 * 86400.0
+LONGEST_REASON = 256
+MAX_BAN_REQUEST = 16 * 1024  # bytes of a ban's JSON
+# Network bans are looked up for every request: a bound on how many a node
+# holds (the lookup's cost is per prefix length, not per network).
+MAX_NETWORK_BANS = 10_000
+# Counters listed at most per call.
+MAX_LISTED = 10_000
+
+
+class Refused(Exception):
+    """An admin call that cannot be done as asked: the HTTP status and why."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
 
 
 class Admin:
@@ -111,28 +142,215 @@ class Admin:
         } for rule in self.engine.ruleset.rules]
 
     async def bans(self) -> list[dict]:
+        """Every ban in force: of client addresses (earned or by hand), then
+        of networks."""
         now = self.engine.clock()
-        return [{
-            "address": ban.address,
-            "rule": ban.rule_id,
-            "node": ban.node,
-            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ban.started_wall)),
-            "duration_seconds": ban.duration,
-            "remaining_seconds": round(ban.expires - now, 3),
-            "shadow": ban.shadow,
-            "step": ban.step,
-        } for ban in await self.engine.active_bans()]
+        addresses = sorted(await self.engine.active_bans(), key=lambda ban: ban.address)
+        return [ban_view(ban, now, network=False) for ban in addresses] + \
+            [ban_view(ban, now, network=True) for ban in await self.engine.store.active_network_bans(now)]
+
+    async def ban(self, text: str, duration: float, reason: str, who: str) -> dict:
+        """Ban a client address (its counting key: an IPv6 address by its
+        /64) or a network by hand, replacing the ban it has."""
+        target = self._target(text)
+        now = self.engine.clock()
+        store = self.engine.store
+        if target.network is None:
+            ban = await store.ban(now, target.text, duration, reason)
+        else:
+            held = {held.address for held in await store.active_network_bans(now)}
+            if len(held) >= MAX_NETWORK_BANS and target.text not in held:
+                raise Refused(409, f"{len(held)} networks are banned, the most a node holds; lift some first")
+            ban = await store.ban_network(now, target.text, duration, reason)
+        self.engine.log.audit("ban", who, "banned", address=target.text, duration=duration, reason=reason)
+        return ban_view(ban, now, network=target.network is not None)
 
     async def lift_ban(self, address: str, who: str) -> bool:
-        lifted = await self.engine.lift_ban(address)
-        self.engine.log.audit("unban", who, "lifted" if lifted else "no ban", address=address)
+        """Lift the ban of a client address, earned or by hand, or of a
+        network; False when it had none (``no_ban`` says so)."""
+        target = self._target(address)
+        engine = self.engine
+        if target.network is None:
+            lifted = await engine.lift_ban(target.text)
+        else:
+            # A ban listed under a network's text may be a client key of a
+            # width the rules no longer count by.
+            lifted = await engine.store.lift_network_ban(engine.clock(), target.text) \
+                or await engine.lift_ban(target.text)
+        self.engine.log.audit("unban", who, "lifted" if lifted else "no ban", address=target.text)
         return lifted
+
+    def no_ban(self, text: str) -> str:
+        """Why there was no ban of ``text`` to lift, and what bans it instead
+        (a network's ban)."""
+        target = self._target(text)
+        address = parse_address(target.text.partition("/")[0])
+        ban = self.engine.store.network_bans.find(address, self.engine.clock()) if address is not None else None
+        return f"no ban of {target.text}" + (f"; it is in the banned network {ban.address}: lift that"
+                                              if ban is not None else "")
+
+    def _target(self, text: str) -> BanTarget:
+        try:
+            return ban_target(self.engine.ruleset.resolver, text)
+        except ValueError as exc:
+            raise Refused(422, f"address: {exc}") from None
+
+    # -- counters -------------------------------------------------------------
+
+    def select(self, ip: str | None, rule: str | None, key: Sequence[str]) -> KeySelection:
+        """The counters a call names: every one of a client address (``ip``),
+        of a rule, of a rule for one address, or one key of a rule (``key``,
+        ``DIMENSION=VALUE`` for each of its dimensions)."""
+        ruleset = self.engine.ruleset
+        if key and rule is None:
+            raise Refused(422, "key=DIMENSION=VALUE needs rule=RULE")
+        if ip is None and rule is None:
+            raise Refused(422, "name the counters: ip=ADDRESS, or rule=RULE (and key=DIMENSION=VALUE "
+                               "for one key of it)")
+        if key and ip is not None:
+            raise Refused(422, "with key=, give the address as one of the key's values: key=ip=ADDRESS")
+        compiled = None
+        if rule is not None:
+            compiled = ruleset.by_id.get(rule)
+            if compiled is None:
+                names = ", ".join(list(ruleset.by_id)[:20])
+                raise Refused(404, f"no rule {rule[:100]!r} runs now (rules: {names or 'none'})")
+        try:
+            address = client_key(ruleset.resolver, ip) if ip is not None else None
+            exact = key_from_text(compiled, ruleset.resolver, key) if compiled is not None and key else None
+        except ValueError as exc:
+            raise Refused(422, str(exc)) from None
+        return KeySelection(address, rule, exact)
+
+    async def counters(self, ip: str | None, rule: str | None, key: Sequence[str], limit: int = MAX_LISTED) -> dict:
+        """The counters ``select`` names, each as its rule's limiter
+        describes it, in rule order; with ``truncated`` when there were more
+        than ``limit``; for a client address, its ban too."""
+        selection = self.select(ip, rule, key)
+        now = self.engine.clock()
+        store = self.engine.store
+        keys = await store.find_keys(now, selection, limit + 1)
+        limits = [(key, *self._limit_of(key)) for key in keys[:limit]]
+        described = await store.describe_keys(now, limits)
+        order = {rule_id: n for n, rule_id in enumerate(self.engine.ruleset.by_id)}
+        found = sorted(((state, limiter) for state, (_, limiter, _) in zip(described, limits) if state is not None),
+                       key=lambda pair: (order.get(key_rule_id(pair[0].key), len(order)), describe_key(pair[0].key)))
+        listing: dict[str, Any] = {"counters": [counter_view(state, limiter) for state, limiter in found],
+                                   "truncated": len(keys) > limit}
+        if selection.address is not None:
+            listing["ban"] = await self._ban_of(now, selection.address)
+        return listing
+
+    async def reset(self, ip: str | None, rule: str | None, key: Sequence[str], who: str) -> dict:
+        """Forget the counters ``select`` names: their counts and penalties end."""
+        selection = self.select(ip, rule, key)
+        now = self.engine.clock()
+        store = self.engine.store
+        reset = await store.reset_keys(now, await store.find_keys(now, selection))
+        details: dict[str, object] = {name: value for name, value in
+                                      (("ip", selection.address), ("rule", selection.rule)) if value is not None}
+        if selection.key is not None:
+            # As the decision log shows counting keys: values hashed unless
+            # decision_log.keys says otherwise.
+            details["key"] = self.engine.log._key(selection.key)
+        self.engine.log.audit("reset", who, "reset", counters=reset, **details)
+        result: dict[str, Any] = {"reset": reset}
+        if selection.address is not None:
+            result["ban"] = await self._ban_of(now, selection.address)
+        return result
+
+    def _limit_of(self, key: CountingKey) -> tuple[Limiter | None, float]:
+        """The limiter and threshold the rules running now count the key
+        by; (None, 0) when none does (a rule removed, or keyed otherwise)."""
+        ruleset = self.engine.ruleset
+        rule = ruleset.by_id.get(key_rule_id(key))
+        if rule is not None and rule.key_prefix == (rule.id, key_dimensions(key)):
+            address = next((parse_address(str(value).partition("/")[0]) for name, value
+                            in zip(key_dimensions(key), key_values(key)) if name == "ip"), None)
+            return rule.limiter, rule.threshold_for(address) if rule.overrides else rule.base_threshold
+        auto_ban = ruleset.auto_ban
+        if key_rule_id(key) == key_rule_id(AutoBan.key("")):
+            return auto_ban.limiter, float(auto_ban.threshold)
+        return None, 0.0
+
+    async def _ban_of(self, now: float, address: str) -> dict | None:
+        """The ban that refuses a client address now: its own, or its network's."""
+        ban = await self.engine.store.ban_of(now, address)
+        if ban is not None:
+            return ban_view(ban, now, network=False)
+        parsed = parse_address(address.partition("/")[0])
+        ban = self.engine.store.network_bans.find(parsed, now) if parsed is not None else None
+        return ban_view(ban, now, network=True) if ban is not None else None
 
     @property
     def caller(self) -> str:
         """Who an allowed admin request came from, for the audit line: the
         token's holder, or a loopback peer."""
         return "token" if self._token is not None else "loopback"
+
+
+def ban_view(ban: BanRecord, now: float, network: bool) -> dict:
+    return {
+        "address": ban.address,
+        "scope": "network" if network else "address",
+        "rule": "manual" if ban.manual else ban.rule_id,
+        "reason": ban.reason if ban.manual else None,
+        "node": ban.node,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ban.started_wall)),
+        "duration_seconds": ban.duration,
+        "remaining_seconds": round(ban.expires - now, 3),
+        "shadow": ban.shadow,
+        "step": ban.step,
+    }
+
+
+def counter_view(state: CounterState, limiter: Limiter | None) -> dict:
+    remaining, reset, window = state.quota if state.quota is not None else (None, None, None)
+    return {
+        "rule": key_rule_id(state.key),
+        "key": describe_key(state.key),
+        "dimensions": dimension_values(state.key),
+        "limit": limiter.describe() if limiter is not None else None,
+        "remaining": remaining,
+        "reset_seconds": None if reset is None else round(reset, 3),
+        "window_seconds": window,
+        "penalty_seconds": round(state.penalty, 3),
+    }
+
+
+def parse_ban(body: bytes) -> tuple[str, float, str]:
+    """The address, duration and reason of ``POST /v1/admin/bans``'s JSON;
+    ValueError says what is wrong with it."""
+    example = 'a JSON object like {"address": "203.0.113.7", "duration": "1h", "reason": "..."}'
+    if len(body) > MAX_BAN_REQUEST:
+        raise ValueError(f"expected {example}, of at most {MAX_BAN_REQUEST} bytes")
+    try:
+        fields = json.loads(body, parse_constant=_no_constant)
+    except (ValueError, RecursionError):
+        raise ValueError(f"expected {example}") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"expected {example}")
+    unknown = sorted(set(fields) - {"address", "duration", "reason"})
+    if unknown:
+        raise ValueError(f"unknown field {unknown[0][:100]!r}: a ban has an address, a duration and a reason")
+    address, duration, reason = fields.get("address"), fields.get("duration"), fields.get("reason", "")
+    if not isinstance(address, str):
+        raise ValueError("address: expected an IP address or a network (CIDR), as a string")
+    if duration is None:
+        raise ValueError("duration: required, like \"1h\" or 3600 (seconds)")
+    try:
+        seconds = parse_duration(duration)
+    except ValueError as exc:
+        raise ValueError(f"duration: {exc}") from None
+    if not SHORTEST_BAN <= seconds <= LONGEST_BAN:
+        raise ValueError("duration: a ban lasts from 1s to 1y")
+    if not isinstance(reason, str) or len(reason) > LONGEST_REASON or not reason.isprintable():
+        raise ValueError(f"reason: expected text of at most {LONGEST_REASON} printable characters")
+    return address, seconds, reason
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number")
 
 
 def read_token(path: str | None) -> bytes | None:

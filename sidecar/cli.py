@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from sidecar import version
+from sidecar.cli_admin import admin as admin_commands
 from sidecar.config import ConfigError
 from sidecar.rules import Ruleset, default_ruleset, load_ruleset
 
@@ -368,6 +369,8 @@ def worker_service() -> Any:
     """The factory uvicorn's worker processes call."""
     return service(json.loads(os.environ[SERVE_SETTINGS]))
 
+
+main.add_command(admin_commands)
 
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -232,6 +232,10 @@ class Engine:
         address = request.client.address
         if address is not None and ruleset.exempt and in_networks(address, ruleset.exempt):
             return ALLOWED
+        network_bans = self.store.network_bans  # banned by hand (sidecar.networkbans)
+        if network_bans and address is not None and network_bans.find(address, self.clock()) is not None:
+            metrics.banned_requests.inc()
+            return CLOSED
 
         matched: list[CompiledRule] = []
         checks: list[Check] = []

@@ -7,13 +7,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-from typing import AsyncIterator, Awaitable, Protocol
+from typing import AsyncIterator, Awaitable, Protocol, TypeVar
 
-from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Request
+from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from sidecar.admin import Admin
+from sidecar.admin import MAX_LISTED, Admin, Refused, parse_ban
 from sidecar.store import StoreUnavailable
 from sidecar.engine import Engine
 from sidecar.health import HealthListener, Heartbeat
@@ -95,12 +95,35 @@ def build_api(engine: Engine, report_udp: tuple[str, int] | None = None,
     return api
 
 
+T = TypeVar("T")
+
+
+def _peer(request: Request) -> str | None:
+    """The peer's address; "" for a peer of a Unix socket, which uvicorn
+    gives no address (and the server the socket's path, without a port)."""
+    if request.client is not None:
+        return request.client.host
+    server = request.scope.get("server")
+    return "" if server is not None and server[1] is None else None
+
+
+async def _answered(call: Awaitable[T]) -> T:
+    """What an admin call answers; what it refuses, with its status; a shared
+    store that did not answer is a 503."""
+    try:
+        return await call
+    except Refused as refused:
+        raise HTTPException(refused.status, refused.message) from None
+    except StoreUnavailable as exc:
+        raise HTTPException(503, f"the shared state store did not answer ({exc}); try again") from None
+
+
 def admin_routes(admin: Admin) -> APIRouter:
-    """``/v1/admin/...``: rules with their statistics, bans, unban, reload."""
+    """``/v1/admin/...``: rules with their statistics, bans (list, ban, lift),
+    counters (list, reset), reload."""
 
     def authorized(request: Request, authorization: str | None = Header(None)) -> None:
-        peer = request.client.host if request.client else None
-        if admin.allows(authorization, peer):
+        if admin.allows(authorization, _peer(request)):
             return
         if admin.needs_token:
             # RFC 6750: no token, or one that is not the admin token.
@@ -118,14 +141,36 @@ def admin_routes(admin: Admin) -> APIRouter:
 
     @router.get("/bans")
     async def bans() -> list[dict]:
-        return await admin.bans()
+        return await _answered(admin.bans())
+
+    @router.post("/bans", status_code=201)
+    async def ban(request: Request) -> JSONResponse:
+        """Ban an address or a network by hand: ``{"address", "duration", "reason"}``."""
+        try:
+            address, duration, reason = parse_ban(await request.body())
+        except ValueError as exc:
+            raise HTTPException(422, str(exc)) from None
+        return JSONResponse(await _answered(admin.ban(address, duration, reason, admin.caller)), status_code=201)
 
     @router.delete("/bans", status_code=204)
     async def lift_ban(address: str) -> Response:
-        """Lift the ban of one address (as listed: an IPv6 /64 as ``2001:db8::/64``)."""
-        if not await admin.lift_ban(address, admin.caller):
-            raise HTTPException(404, f"no active ban for {address!r}")
+        """Lift the ban of an address (as listed: an IPv6 /64 as
+        ``2001:db8::/64``) or of a network, earned or by hand."""
+        if not await _answered(admin.lift_ban(address, admin.caller)):
+            raise HTTPException(404, admin.no_ban(address))
         return Response(status_code=204)
+
+    @router.get("/counters")
+    async def counters(ip: str | None = None, rule: str | None = None, key: list[str] = Query(default=[]),
+                       limit: int = Query(default=1000, ge=1, le=MAX_LISTED)) -> dict:
+        """The counters of a client address (``ip``), of a rule, or of one key
+        of a rule (``rule`` and ``key=DIMENSION=VALUE``, one per dimension)."""
+        return await _answered(admin.counters(ip, rule, key, limit))
+
+    @router.delete("/counters")
+    async def reset(ip: str | None = None, rule: str | None = None, key: list[str] = Query(default=[])) -> dict:
+        """Reset the counters the same parameters name: counts and penalties end."""
+        return await _answered(admin.reset(ip, rule, key, admin.caller))
 
     @router.post("/reload")
     async def reload() -> JSONResponse:

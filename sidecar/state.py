@@ -191,14 +191,22 @@ class ResponseCount:
 
 @dataclass(frozen=True, slots=True)
 class BanRecord:
-    address: str
-    rule_id: str
+    """An address (a client key) or a network refused until ``expires``:
+    earned by a rule, or issued by hand with a ``reason``."""
+
+    address: str  # the client key, or the network's CIDR
+    rule_id: str  # "" for a ban issued by hand: no rule id is empty
     node: str
     started_wall: float  # wall-clock start, for people reading ban records
     expires: float  # on the store's clock (epoch_clock)
     duration: float
     shadow: bool = False  # a shadow rule's would-be ban: listed, never applied
     step: int = 0  # an escalating ban's: 0 for the first, 1 for the next, ...
+    reason: str = ""
+
+    @property
+    def manual(self) -> bool:
+        return not self.rule_id
 
 
 @dataclass(slots=True)

@@ -9,12 +9,20 @@ trip per request. ``open_store`` builds the one a ruleset asks for.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 from sidecar.config import Backend, SentinelConfig
 from sidecar.keys import CountingKey
 from sidecar.limiters import Hit
-from sidecar.state import BanRecord, Check, Evaluation, ResponseCount
+from sidecar.state import BanRecord, Check, Evaluation, Limiter, ResponseCount
+
+if TYPE_CHECKING:
+    from sidecar.counters import CounterState, KeySelection
+    from sidecar.networkbans import NetworkBans
+
+# A key to describe, with the limiter and threshold of the rule that counts
+# it now (None: no rule running now counts it).
+Described = tuple[CountingKey, Limiter | None, float]
 
 
 class StoreUnavailable(Exception):
@@ -40,6 +48,31 @@ class StateStore(Protocol):
         """Clear the keys' counters and penalties; how many were stored."""
     async def active_bans(self, now: float) -> list[BanRecord]: ...
     async def lift_ban(self, address: str) -> bool: ...
+
+    # -- what administrators do (sidecar.admin) -----------------------------
+
+    @property
+    def network_bans(self) -> NetworkBans:
+        """The network bans this node refuses (sidecar.networkbans): the
+        store's own, or its copy of a shared store's."""
+
+    async def ban_of(self, now: float, address: str) -> BanRecord | None:
+        """The ban of one client key in force, if any."""
+    async def ban(self, now: float, address: str, duration: float, reason: str) -> BanRecord:
+        """Ban one client key by hand, replacing any ban it has."""
+    async def ban_network(self, now: float, network: str, duration: float, reason: str) -> BanRecord:
+        """Ban a network (a canonical CIDR) by hand, replacing its ban."""
+    async def lift_network_ban(self, now: float, network: str) -> bool: ...
+    async def active_network_bans(self, now: float) -> list[BanRecord]:
+        """The network bans in force, as the store holds them."""
+    async def find_keys(self, now: float, selection: KeySelection, limit: int | None = None) -> list[CountingKey]:
+        """The stored keys the selection names (at most ``limit``), ones
+        whose counts and penalty are over excepted."""
+    async def describe_keys(self, now: float, keys: Sequence[Described]) -> list[CounterState | None]:
+        """Each key as its limiter describes it (None: no longer stored)."""
+    async def reset_keys(self, now: float, keys: Sequence[CountingKey]) -> int:
+        """Forget the keys: their counts, penalties and slots; how many were
+        stored."""
     def may_be_banned(self) -> bool:
         """False only when no request can be banned now (nothing to ask)."""
     def configure(self, max_keys: int, node: str) -> None:

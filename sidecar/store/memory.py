@@ -12,10 +12,13 @@ import itertools
 import time
 from typing import Any, Callable, Coroutine, Hashable, Sequence, TypeVar, cast
 
+from sidecar.counters import CounterState, KeySelection
 from sidecar.keys import CountingKey
 from sidecar.limiters import ALLOWED, Hit
+from sidecar.networkbans import NetworkBans
 from sidecar.state import (BanIncrement, BanRecord, Check, Clock, DeferredLimiter, Evaluation, Limiter,
                            PenaltyBan, ResponseCount, epoch_clock, is_deferred)
+from sidecar.store import Described
 
 T = TypeVar("T")
 
@@ -189,6 +192,7 @@ class MemoryStore:
         # rule's last penalty counted towards then_ban_after.
         self._ban_steps = BoundedMap(max_keys, lambda last: last[2], clock)
         self._penalty_ends = BoundedMap(max_keys, lambda ends: ends, clock)
+        self.network_bans = NetworkBans()
 
     async def evaluate(self, now: float, address: str, checks: Sequence[Check],
                        can_delay: bool = True, quotas: bool = False) -> Evaluation:
@@ -324,11 +328,12 @@ class MemoryStore:
         return hit
 
     def _ban(self, now: float, address: str, rule_id: str, duration: float,
-             increment: BanIncrement | None = None) -> BanRecord:
+             increment: BanIncrement | None = None, reason: str = "") -> BanRecord:
         step = 0
         if increment is not None:
             step, duration = self._escalated(now, address, rule_id, duration, increment)
-        record = BanRecord(address, rule_id, self.node, self._wall_clock(), now + duration, duration, step=step)
+        record = BanRecord(address, rule_id, self.node, self._wall_clock(), now + duration, duration, step=step,
+                           reason=reason)
         self._bans[address] = record
         return record
 
@@ -370,6 +375,61 @@ class MemoryStore:
 
     async def lift_ban(self, address: str) -> bool:
         return self._bans.pop(address, None) is not None
+
+    # -- what administrators do ---------------------------------------------
+
+    async def ban_of(self, now: float, address: str) -> BanRecord | None:
+        ban = self._bans.data.get(address)
+        return ban if ban is not None and now < ban.expires else None
+
+    async def ban(self, now: float, address: str, duration: float, reason: str) -> BanRecord:
+        return self._ban(now, address, "", duration, reason=reason)
+
+    async def ban_network(self, now: float, network: str, duration: float, reason: str) -> BanRecord:
+        ban = BanRecord(network, "", self.node, self._wall_clock(), now + duration, duration, reason=reason)
+        self.network_bans.add(ban)
+        return ban
+
+    async def lift_network_ban(self, now: float, network: str) -> bool:
+        return self.network_bans.remove(network)
+
+    async def active_network_bans(self, now: float) -> list[BanRecord]:
+        return self.network_bans.in_force(now)
+
+    async def find_keys(self, now: float, selection: KeySelection, limit: int | None = None) -> list[CountingKey]:
+        # A look through every key: at most max_keys, for an administrator.
+        found: list[CountingKey] = []
+        candidates = [(selection.key, self._states.data.get(selection.key))] if selection.key is not None \
+            else self._states.data.items()
+        for key, state in candidates:
+            if state is not None and selection.holds(cast(CountingKey, key)) \
+                    and state.limiter.expires_at(state) > now:
+                found.append(cast(CountingKey, key))
+                if limit is not None and len(found) >= limit:
+                    break
+        return found
+
+    async def describe_keys(self, now: float, keys: Sequence[Described]) -> list[CounterState | None]:
+        return [self._describe(now, key, limiter, threshold) for key, limiter, threshold in keys]
+
+    def _describe(self, now: float, key: CountingKey, limiter: Limiter | None,
+                  threshold: float) -> CounterState | None:
+        """As the Redis store's inspect.lua describes a key: read, never
+        counted, and without refreshing its recency."""
+        state = self._states.data.get(key)
+        if state is None or state.limiter.expires_at(state) <= now:
+            return None
+        if limiter is None:
+            own = state.limiter
+            return CounterState(key, 0.0 if own.leases else own.peek(state, now).retry_after, None)
+        if type(state.limiter) is not type(limiter):
+            state = limiter.new_state()  # another algorithm's state: the rule's starts anew
+        # A concurrency limit has no penalty: it refuses while full.
+        penalty = 0.0 if limiter.leases else limiter.peek(state, now).retry_after
+        return CounterState(key, penalty, limiter.quota(state, now, threshold))
+
+    async def reset_keys(self, now: float, keys: Sequence[CountingKey]) -> int:
+        return sum(self._states.pop(key) is not None for key in keys)
 
     def tracked_keys(self) -> int:
         return len(self._states)

@@ -7,11 +7,12 @@ Exact where it answers: a key over limit stays so, and counts nothing, until
 its penalty (or a bucket's wait) ends, whatever other nodes do. What it does
 not see until the entry ends: a ban another node issued for the address (the
 request is refused by the rule's page instead of by closing it), and a key
-an administrator reset on the shared store. It never answers for a check
-that can ban (a ban rule, a challenge counted towards an auto-ban or
-then_ban_after), hold (a leaky bucket whose refusal may be this node's full
-wait queue) or lease (a concurrency limit, whose slots are given back at any
-moment).
+an administrator reset on the shared store by hand (redis-cli); what an
+administrator does through Sluice empties every node's cache within a second
+(``sidecar.store.redis_admin``). It never answers for a check that can ban
+(a ban rule, a challenge counted towards an auto-ban or then_ban_after),
+hold (a leaky bucket whose refusal may be this node's full wait queue) or
+lease (a concurrency limit, whose slots are given back at any moment).
 """
 
 from __future__ import annotations
@@ -37,8 +38,12 @@ class PenaltyCache:
     found it over limit (a reload may give the key's rule another)."""
 
     def __init__(self, max_keys: int, clock: Clock) -> None:
-        self._until = BoundedMap(max_keys, lambda entry: entry[0], clock)
+        self._clock = clock
+        self._until = self._empty(max_keys)
         self.answered = 0  # requests answered without a round trip
+
+    def _empty(self, max_keys: int) -> BoundedMap:
+        return BoundedMap(max_keys, lambda entry: entry[0], self._clock)
 
     def answer(self, now: float, checks: Sequence[Check]) -> Evaluation | None:
         """The evaluation when every check up to the first stopping one is
@@ -69,6 +74,10 @@ class PenaltyCache:
     def forget(self, key: CountingKey) -> None:
         """The key was reset on the shared store: ask the store again."""
         self._until.pop(key, None)
+
+    def clear(self) -> None:
+        """Forget every key: an administrator changed the shared store."""
+        self._until = self._empty(self._until.max_keys)
 
     def configure(self, max_keys: int) -> None:
         self._until.max_keys = max_keys

@@ -27,17 +27,22 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import zlib
 from json.encoder import encode_basestring_ascii
 import time
 from importlib import resources
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, AsyncGenerator, Awaitable, Callable, Sequence
 
+from sidecar.counters import CounterState, KeySelection
 from sidecar.keys import CountingKey, key_dimensions
 from sidecar.limiters import ALLOWED, Hit, lua_libraries
-from sidecar.store import StoreUnavailable
+from sidecar.networkbans import NetworkBans
+from sidecar.store import Described, StoreUnavailable
 from sidecar.store.penalties import PenaltyCache
+from sidecar.store.redis_admin import (ADMIN_VERSION, COUNT_INFIX, NETWORK_HEAD, NETWORK_INDEX, VERSION_KEPT_MS,
+                                       AdminCopy, glob_escape, key_of_name, network_record, new_version, scan)
 from sidecar.store.redis_cluster import ClusterRedis
 from sidecar.store.redis_pipeline import PipelinedRedis, RedisAddress
 from sidecar.state import BanRecord, Check, Clock, Evaluation, ResponseCount, epoch_clock
@@ -186,6 +191,10 @@ def _ban_spec(check: Check) -> str:
 # The auto-ban arguments of a request without a challenge rule: read by the
 # script, never used.
 _NO_AUTO_BAN = ("W", "1", "1", "0", "0", "0", "")
+# inspect.lua's arguments for a key no rule running now counts.
+_NO_LIMITER = ("X", "", "", "", "", "")
+# Keys of one command an admin call sends at most.
+BATCH = 1000
 
 
 def _hits(values: Sequence[Any]) -> list[Hit]:
@@ -243,6 +252,9 @@ class RedisStore:
         self._ban_of = client.script(_script("ban_of"))
         self._lift_ban = client.script(_script("lift_ban"))
         self._release = client.script(_script("release"))
+        self._admin_scripts: dict[str, str] = {}
+        self.admin = AdminCopy(self._admin_state, self._ban_record, self.penalties, clock)
+        self.network_bans: NetworkBans = self.admin.network_bans  # read again in place on changes
 
     @classmethod
     def from_url(cls, url: str, node: str, timeout: float = DEFAULT_TIMEOUT,
@@ -379,9 +391,13 @@ class RedisStore:
 
     @staticmethod
     def _ban_record(address: str, now: float, fields: Sequence[Any]) -> BanRecord:
-        rule_id, node, started, remaining, duration, step = fields
+        """A ban from the scripts' fields: rule, node, started, remaining,
+        duration, then the step of an escalating ban and the reason of one
+        issued by hand, when the script reads them."""
+        rule_id, node, started, remaining, duration, *rest = fields
+        step = int(rest[0]) if rest and rest[0] not in ("", None) else 0
         return BanRecord(address, rule_id, node, float(started), now + float(remaining), float(duration),
-                         step=int(step))
+                         step=step, reason=rest[1] if len(rest) > 1 else "")
 
     async def record(self, now: float, counts: Sequence[ResponseCount]) -> list[Hit]:
         names = [counting_key(count.key) for count in counts]
@@ -411,7 +427,7 @@ class RedisStore:
     async def active_bans(self, now: float) -> list[BanRecord]:
         if not isinstance(self.client, ClusterRedis):
             values = await self.client.evalsha(self._bans, [BAN_INDEX], [self._now(now), BAN_HEAD, BAN_TAIL])
-            return [self._ban_record(values[i], now, values[i + 1:i + 7]) for i in range(0, len(values), 7)]
+            return [self._ban_record(values[i], now, values[i + 1:i + 8]) for i in range(0, len(values), 8)]
         # A cluster keeps no index (its records are in their addresses'
         # slots): each master's are found by scanning its keys.
         names = await self.client.scan(BAN_HEAD + "*" + BAN_TAIL)
@@ -440,6 +456,147 @@ class RedisStore:
     def may_be_banned(self) -> bool:
         return True  # another node may have banned anyone: the script checks
 
+    # -- what administrators do (see sidecar.store.redis_admin) --------------
+
+    def _admin_script(self, name: str) -> str:
+        """The digest of a script of the admin's, registered when first used
+        (loaded ahead of that call): a node that is never asked loads none."""
+        digest = self._admin_scripts.get(name)
+        if digest is None:
+            digest = self._admin_scripts[name] = self.client.script(_script(name))
+        return digest
+
+    async def _admin_state(self, now: float, known: str) -> list[Any]:
+        """admin_state.lua: the admin version, and the network bans when it
+        is not ``known``."""
+        return await self.client.evalsha(self._admin_script("admin_state"), [ADMIN_VERSION, NETWORK_INDEX],
+                                         [self._now(now), known, NETWORK_HEAD])
+
+    async def _command(self, key: str, *command: Any) -> Any:
+        """One command on the server of ``key`` (its master, on a cluster)."""
+        if isinstance(self.client, ClusterRedis):
+            return await self.client.execute(key, *command)
+        return await self.client.execute(*command)
+
+    async def _changed(self, now: float) -> None:
+        """After an action of this node's: a new admin version for the
+        others to notice, and this node's copy read at once."""
+        await self._command(ADMIN_VERSION, "SET", ADMIN_VERSION, new_version(), "PX", VERSION_KEPT_MS)
+        await self.admin.refresh(now)
+
+    async def ban_of(self, now: float, address: str) -> BanRecord | None:
+        fields = await self.client.evalsha(self._ban_of, [ban_key(address)], [self._now(now)])
+        return self._ban_record(address, now, fields) if fields else None
+
+    async def ban(self, now: float, address: str, duration: float, reason: str) -> BanRecord:
+        record = ban_key(address)
+        single = not isinstance(self.client, ClusterRedis)
+        # On a single Redis the version changes in the same step; a cluster
+        # keeps it in another slot.
+        keys = [record, BAN_INDEX, ADMIN_VERSION] if single else [record] * 3
+        fields = await self.client.evalsha(self._admin_script("manual_ban"), keys, [
+            self._now(now), address, self.node, repr(self._wall_clock()), repr(float(duration)), reason,
+            _flag(single), new_version() if single else "", VERSION_KEPT_MS])
+        if single:
+            await self.admin.refresh(now)
+        else:
+            await self._changed(now)
+        return self._ban_record(address, now, [*fields, 0, reason])
+
+    async def ban_network(self, now: float, network: str, duration: float, reason: str) -> BanRecord:
+        keys = [network_record(network), NETWORK_INDEX, ADMIN_VERSION]
+        fields = await self.client.evalsha(self._admin_script("manual_ban"), keys, [
+            self._now(now), network, self.node, repr(self._wall_clock()), repr(float(duration)), reason,
+            "1", new_version(), VERSION_KEPT_MS])
+        await self.admin.refresh(now)
+        return self._ban_record(network, now, [*fields, 0, reason])
+
+    async def lift_network_ban(self, now: float, network: str) -> bool:
+        lifted = await self.client.evalsha(self._lift_ban, [network_record(network), NETWORK_INDEX, ADMIN_VERSION],
+                                           [network, new_version(), VERSION_KEPT_MS])
+        await self.admin.refresh(now)
+        return bool(lifted)
+
+    async def active_network_bans(self, now: float) -> list[BanRecord]:
+        await self.admin.refresh(now, force=True)
+        return self.network_bans.in_force(now)
+
+    async def find_keys(self, now: float, selection: KeySelection, limit: int | None = None) -> list[CountingKey]:
+        """Found by name: see sidecar.store.redis_admin."""
+        if selection.key is not None:
+            name = counting_key(selection.key)
+            return [selection.key] if await self._command(name, "EXISTS", name) else []
+        found: dict[str, CountingKey] = {}
+        async with contextlib.aclosing(self._names(selection)) as batches:
+            async for names in batches:
+                for name in names:
+                    key = key_of_name(name)
+                    if key is not None and selection.holds(key) and counting_key(key) == name:
+                        found[name] = key
+                        if limit is not None and len(found) >= limit:
+                            return list(found.values())
+        return list(found.values())
+
+    async def _names(self, selection: KeySelection) -> AsyncGenerator[list[str], None]:
+        """Names that may be keys the selection names, in batches."""
+        address = selection.address
+        if address is None:
+            assert selection.rule is not None
+            async for names in scan(self.client, PREFIX + "*" + COUNT_INFIX + glob_escape(
+                    f"[[{encode_basestring_ascii(selection.rule)},") + "*"):
+                yield names
+            return
+        tagged = f"{PREFIX}{{{address}}}:count:"
+        if isinstance(self.client, ClusterRedis):
+            # The address's keys are the keys of its slot that carry its tag.
+            slot = self.client.slot(tagged)
+            count = await self.client.execute(tagged, "CLUSTER", "COUNTKEYSINSLOT", slot)
+            names = await self.client.execute(tagged, "CLUSTER", "GETKEYSINSLOT", slot, count) if count else []
+            yield [name for name in names if name.startswith(tagged)]
+        else:
+            async for names in scan(self.client, glob_escape(tagged) + "*"):
+                yield names
+        # A session rule's fallback to the address, under any tag.
+        fallback = "," + _json(("ip", address)) + "]"
+        async for names in scan(self.client, PREFIX + "*" + COUNT_INFIX + "*" + glob_escape(fallback) + "*"):
+            yield names
+
+    def _batches(self, names: Sequence[str]) -> list[list[int]]:
+        """The positions of ``names`` by hash slot, in batches of at most
+        BATCH: an admin call never makes one long command that holds the
+        decisions behind it."""
+        return [indices[start:start + BATCH] for indices in self._by_slot(names)
+                for start in range(0, len(indices), BATCH)]
+
+    async def describe_keys(self, now: float, keys: Sequence[Described]) -> list[CounterState | None]:
+        """inspect.lua, one call per batch of a hash slot (all at once)."""
+        names = [counting_key(key) for key, _, _ in keys]
+        groups = self._batches(names)
+        calls = []
+        for indices in groups:
+            args = [self._now(now)]
+            for i in indices:
+                _, limiter, threshold = keys[i]
+                args += _NO_LIMITER if limiter is None else limiter.redis_args(threshold)
+            calls.append(self.client.evalsha(self._admin_script("inspect"), [names[i] for i in indices], args))
+        described: list[CounterState | None] = [None] * len(keys)
+        for indices, result in zip(groups, await _all(calls)):
+            for n, i in enumerate(indices):
+                stored, penalty, remaining, reset, window = result[5 * n:5 * n + 5]
+                if int(stored):
+                    quota = None if remaining == "" else (int(float(remaining)), float(reset), float(window))
+                    described[i] = CounterState(keys[i][0], float(penalty), quota)
+        return described
+
+    async def reset_keys(self, now: float, keys: Sequence[CountingKey]) -> int:
+        names = [counting_key(key) for key in keys]
+        calls = [self._command(names[indices[0]], "DEL", *(names[i] for i in indices))
+                 for indices in self._batches(names)]
+        deleted = sum(int(count) for count in await _all(calls)) if calls else 0
+        if deleted:
+            await self._changed(now)
+        return deleted
+
     def configure(self, max_keys: int, node: str) -> None:
         """New settings from a reload. ``max_keys`` bounds the node's cache of
         keys over limit; Redis's own ``maxmemory`` bounds the shared state,
@@ -461,7 +618,11 @@ class RedisStore:
                                                        lambda: self.penalties.answered)}
 
     async def open(self) -> None:
+        """Connect, and from now on follow what administrators change (a
+        task of this loop, until ``close``)."""
+        self.admin.watch()
         await self.client.open()
 
     async def close(self) -> None:
+        await self.admin.stop()
         await self.client.close()

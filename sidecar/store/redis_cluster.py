@@ -90,12 +90,16 @@ class ClusterRedis:
         return await self._routed(key_slot(key), lambda client: client.execute(*command),
                                   lambda client: client.asking(*command))
 
+    async def masters(self) -> list[PipelinedRedis]:
+        """A connection to every master (for a command each must answer: SCAN)."""
+        await self._mapped()
+        return [self._client(node) for node in dict.fromkeys(self._slots) if node is not None]
+
     async def scan(self, pattern: str) -> list[str]:
         """The names of the keys that match, from every master (for listing)."""
-        await self._mapped()
-        masters = {node for node in self._slots if node is not None}
+        masters = await self.masters()
         try:
-            found = await asyncio.gather(*(self._scan(self._client(node), pattern) for node in masters))
+            found = await asyncio.gather(*(self._scan(master, pattern) for master in masters))
         except StoreUnavailable:
             self._refresh_soon()
             raise

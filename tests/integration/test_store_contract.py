@@ -505,3 +505,138 @@ def test_penalties_more_than_a_day_apart_do_not_add_up(open_store) -> None:
             banned.append((await store.evaluate(at + 1, ADDRESS, [check])).ban is not None)
         return banned
     assert run(open_store, test) == [False, False, False]
+
+
+# What administrators do (sidecar.admin): bans by hand, counters found,
+# described and reset
+# --------------------------------------------------------------------------
+
+OTHER_ADDRESS = "192.0.2.8"
+
+
+def test_a_ban_by_hand_refuses_is_listed_with_its_reason_and_is_lifted(open_store) -> None:
+    async def test(store: StateStore) -> tuple:
+        issued = await store.ban(NOW, ADDRESS, 600.0, "credential stuffing")
+        refused = await store.evaluate(NOW + 1, ADDRESS, [window()])
+        others = await store.evaluate(NOW + 1, OTHER_ADDRESS, [window()])
+        listed = [(ban.address, ban.rule_id, ban.reason, ban.node, ban.duration, ban.expires)
+                  for ban in await store.active_bans(NOW + 1)]
+        own = await store.ban_of(NOW + 1, ADDRESS)
+        lifted = await store.lift_ban(ADDRESS)
+        after = await store.evaluate(NOW + 2, ADDRESS, [window()])
+        return (issued.manual, issued.reason, refused.ban is not None and not refused.new_ban, others.ban,
+                listed, own is not None and own.reason, lifted, after.ban, await store.ban_of(NOW + 2, ADDRESS))
+    assert run(open_store, test) == (
+        True, "credential stuffing", True, None,
+        [(ADDRESS, "", "credential stuffing", "node-a", 600.0, NOW + 600.0)],
+        "credential stuffing", True, None, None)
+
+
+def test_a_ban_by_hand_replaces_an_earned_ban_and_ends_when_its_duration_does(open_store) -> None:
+    async def test(store: StateStore) -> tuple:
+        check = window("scrapers", threshold=1, ban_duration=600.0)
+        await store.evaluate(NOW, ADDRESS, [check])
+        await store.evaluate(NOW + 1, ADDRESS, [check])  # banned by the rule for 600 s
+        await store.ban(NOW + 2, ADDRESS, 10.0, "shorter")
+        [ban] = await store.active_bans(NOW + 3)
+        still = await store.evaluate(NOW + 11.5, ADDRESS, [window("other")])
+        ended = await store.evaluate(NOW + 12.5, ADDRESS, [window("other")])
+        return ban.rule_id, ban.reason, ban.expires, still.ban is not None, ended.ban
+    assert run(open_store, test) == ("", "shorter", NOW + 12.0, True, None)
+
+
+def test_a_network_ban_is_held_for_the_node_listed_and_lifted(open_store) -> None:
+    import ipaddress
+
+    async def test(store: StateStore) -> tuple:
+        ban = await store.ban_network(NOW, "198.51.100.0/24", 600.0, "a scanner's range")
+        inside = store.network_bans.find(ipaddress.ip_address("198.51.100.77"), NOW + 1)
+        outside = store.network_bans.find(ipaddress.ip_address("198.51.101.1"), NOW + 1)
+        listed = [(b.address, b.rule_id, b.reason, b.expires) for b in await store.active_network_bans(NOW + 1)]
+        lifted = (await store.lift_network_ban(NOW + 1, "198.51.100.0/24"),
+                  await store.lift_network_ban(NOW + 1, "198.51.100.0/24"))
+        after = store.network_bans.find(ipaddress.ip_address("198.51.100.77"), NOW + 2)
+        listed_after = await store.active_network_bans(NOW + 2)
+        await store.ban_network(NOW, "2001:db8::/32", 60.0, "")
+        until = [store.network_bans.find(ipaddress.ip_address("2001:db8:1::1"), NOW + at) is not None
+                 for at in (59.9, 60.0)]
+        return (ban.manual, inside is not None and inside.address, outside, listed, lifted, after,
+                listed_after, until)
+    assert run(open_store, test) == (
+        True, "198.51.100.0/24", None, [("198.51.100.0/24", "", "a scanner's range", NOW + 600.0)],
+        (True, False), None, [], [True, False])
+
+
+def counted_keys() -> list[Check]:
+    """Keys of ADDRESS under every shape that counts it, and keys that do not."""
+    return [
+        window("per-ip"),
+        Check("per-page", (("per-page", ("ip", "path")), ADDRESS, "/a"), TokenBucket(5, 0.01, 1, None), 5.0,
+              True),
+        # A session rule's fallback to the address, tagged as such.
+        Check("sess", (("sess", ("session:sid",)), ("ip", ADDRESS)), WindowCounter(10, 60.0, 60.0), 10.0, True),
+        Check("sess", (("sess", ("session:sid",)), ("cookie", ADDRESS)), WindowCounter(10, 60.0, 60.0), 10.0, True),
+        by_header("per-key", ADDRESS, 10),
+    ]
+
+
+def test_the_keys_counted_for_an_address_are_found_and_no_others(open_store) -> None:
+    from sidecar.counters import KeySelection
+
+    async def test(store: StateStore) -> tuple:
+        await store.evaluate(NOW, ADDRESS, counted_keys())
+        await store.evaluate(NOW, OTHER_ADDRESS, [Check("per-ip", (("per-ip", ("ip",)), OTHER_ADDRESS),
+                                                        WindowCounter(3, 60.0, 30.0), 3.0, True)])
+        of_address = await store.find_keys(NOW + 1, KeySelection(address=ADDRESS))
+        of_rule = await store.find_keys(NOW + 1, KeySelection(rule="per-ip"))
+        both = await store.find_keys(NOW + 1, KeySelection(address=ADDRESS, rule="sess"))
+        exact = await store.find_keys(NOW + 1, KeySelection(key=(("per-ip", ("ip",)), OTHER_ADDRESS)))
+        missing = await store.find_keys(NOW + 1, KeySelection(key=(("per-ip", ("ip",)), "192.0.2.99")))
+        bounded = await store.find_keys(NOW + 1, KeySelection(address=ADDRESS), limit=2)
+        return sorted(map(str, of_address)), sorted(map(str, of_rule)), both, exact, missing, len(bounded)
+    of_address, of_rule, both, exact, missing, bounded = run(open_store, test)
+    keys = [check.key for check in counted_keys()]
+    assert of_address == sorted(map(str, keys[:3]))
+    assert of_rule == sorted(map(str, [keys[0], (("per-ip", ("ip",)), OTHER_ADDRESS)]))
+    assert both == [keys[2]]
+    assert exact == [(("per-ip", ("ip",)), OTHER_ADDRESS)] and missing == [] and bounded == 2
+
+
+def test_keys_are_described_by_the_limiter_given_as_the_draft_fields_describe_them(open_store) -> None:
+    async def test(store: StateStore) -> list:
+        tight = window("tight", threshold=2)  # 30 s penalty once reached
+        # Full again 200 s after two requests: still stored when described.
+        bucket = Check("bucket", (("bucket", ("ip",)), ADDRESS), TokenBucket(5, 0.01, 1, None), 5.0, True)
+        for request in ("r1", "r2"):
+            await store.evaluate(NOW, ADDRESS, [tight, bucket, slots(limit=3, request=request)])
+        keys = [(tight.key, tight.limiter, 2.0), (bucket.key, bucket.limiter, 5.0),
+                (slots().key, ConcurrencyLimiter(3, 30.0), 3.0),
+                # No rule counts it now: its penalty only.
+                (tight.key, None, 0.0),
+                # Counted by another algorithm now: the rule's starts anew.
+                (tight.key, TokenBucket(4, 1.0, 1, None), 4.0),
+                ((("gone", ("ip",)), ADDRESS), tight.limiter, 2.0)]
+        return [None if state is None else (state.key, state.penalty, state.quota)
+                for state in await store.describe_keys(NOW + 10, keys)]
+    assert run(open_store, test) == [
+        (window("tight").key, 20.0, (0, 20.0, 60.0)),
+        ((("bucket", ("ip",)), ADDRESS), 0.0, (3, 190.0, 500.0)),
+        (slots().key, 0.0, (1, 20.0, 30.0)),
+        (window("tight").key, 20.0, None),
+        (window("tight").key, 0.0, (4, 0.0, 4.0)),
+        None,
+    ]
+
+
+def test_reset_keys_forget_counts_and_penalties_and_say_how_many_were_stored(open_store) -> None:
+    from sidecar.counters import KeySelection
+
+    async def test(store: StateStore) -> tuple:
+        tight = window("tight", threshold=1)
+        await store.evaluate(NOW, ADDRESS, [tight])
+        refused = (await store.evaluate(NOW + 1, ADDRESS, [tight])).hits[0].over_limit
+        found = await store.find_keys(NOW + 1, KeySelection(address=ADDRESS))
+        reset = await store.reset_keys(NOW + 1, [*found, (("never", ("ip",)), ADDRESS)])
+        allowed = not (await store.evaluate(NOW + 2, ADDRESS, [tight])).hits[0].over_limit
+        return refused, reset, allowed, await store.reset_keys(NOW + 2, [])
+    assert run(open_store, test) == (True, 1, True, 0)

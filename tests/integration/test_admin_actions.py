@@ -1,0 +1,307 @@
+"""Undoing mistakes on a running stack: real nginx, Envoy (HTTP and gRPC
+ext_authz) and Sluice, with the memory backend and with a real
+redis-server, driven by ``sluice admin`` as an operator runs it.
+
+A ban by hand refuses the client at every front door as an earned ban does
+(the connection closed), and unban lets it in; a client a rule refuses is
+let in right after ``sluice admin reset --ip``. With Redis, a second
+``sluice serve`` on the same Redis acts for the first one: what lives in
+Redis is seen at once, a network ban and the end of a cached penalty
+within a second.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sidecar.launcher import Stack
+from tests.integration.clients import CONNECTION_CLOSED, LOOPBACK, Client, assert_refused_by_closing
+from tests.integration.conftest import fresh_client_address, front_door_port, start_stack, wait_until
+from tests.integration.redis_server import RedisServer
+from tests.integration.sluice_serve import SluiceServe
+
+pytestmark = pytest.mark.integration
+
+RULES = """\
+node: {node}
+{state}
+rules:
+  - id: admin-login
+    match: {{path: {{prefix: /admin-login}}}}
+    key: [ip]
+    limit: {{requests: 2, per: 1m}}
+    penalty: 10m
+    action: block
+"""
+
+# Networks of their own for the network bans: no other test sends from them.
+_networks = itertools.count(1)
+
+
+def rules_file(directory: Path, node: str, redis_url: str | None) -> Path:
+    state = f"state: {{backend: redis, url: '{redis_url}'}}" if redis_url else ""
+    path = directory / f"rules-{node}.yaml"
+    path.write_text(RULES.format(node=node, state=state))
+    return path
+
+
+@pytest.fixture(scope="module")
+def stacks(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer) -> Iterator[dict[str, Stack]]:
+    """A stack per backend, each on loopback: its Sluice serves the admin
+    API to loopback peers without a token."""
+    directory = tmp_path_factory.mktemp("admin-actions")
+    started: dict[str, Stack] = {}
+    try:
+        for backend, url in (("memory", None), ("redis", redis_server.url)):
+            started[backend] = start_stack(directory / backend, rules_file(directory, f"{backend}-a", url))
+        yield started
+    finally:
+        for stack in started.values():
+            stack.stop()
+
+
+@pytest.fixture(params=["memory", "redis"])
+def backend(request: pytest.FixtureRequest) -> str:
+    name: str = request.param
+    return name
+
+
+def sluice_admin(port: int, *arguments: str) -> str:
+    """``sluice admin ARGUMENTS`` against the Sluice on ``port``: its output."""
+    done = subprocess.run([sys.executable, "-m", "sidecar", "admin", *arguments],
+                          env={**os.environ, "SLUICE_ADMIN_URL": f"http://{LOOPBACK}:{port}"},
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def refused_by_the_rule(client: Client, front_door: str) -> bool:
+    """nginx's and Envoy's refusal with the rule's page: 429."""
+    return client.request("/admin-login").status == 429
+
+
+def test_a_ban_by_hand_refuses_at_the_door_and_unban_lets_the_client_in(
+        stacks: dict[str, Stack], backend: str, front_door: str) -> None:
+    stack = stacks[backend]
+    client = Client(front_door_port(stack, front_door), fresh_client_address())
+    assert client.request("/").status == 200
+    assert sluice_admin(stack.ports.sluice, "ban", client.source, "--for", "1h", "--reason", "test") == \
+        f"banned {client.source} for 1h: test\n"
+    assert_refused_by_closing(client, "/", front_door)
+    assert_refused_by_closing(client, "/admin-login", front_door)
+    assert sluice_admin(stack.ports.sluice, "unban", client.source) == f"lifted the ban of {client.source}\n"
+    assert client.request("/").status == 200
+
+
+def test_a_network_ban_refuses_every_address_in_it_and_no_other(
+        stacks: dict[str, Stack], backend: str, front_door: str) -> None:
+    stack = stacks[backend]
+    network = f"127.9.{next(_networks)}.0/30"
+    inside, outside = network.replace(".0/30", ".2"), network.replace(".0/30", ".5")
+    port = front_door_port(stack, front_door)
+    sluice_admin(stack.ports.sluice, "ban", network, "--for", "10m")
+    assert_refused_by_closing(Client(port, inside), "/", front_door)
+    assert Client(port, outside).request("/").status == 200
+    sluice_admin(stack.ports.sluice, "unban", network)
+    assert Client(port, inside).request("/").status == 200
+
+
+def test_a_client_refused_by_a_rule_is_let_in_right_after_reset(
+        stacks: dict[str, Stack], backend: str, front_door: str) -> None:
+    stack = stacks[backend]
+    client = Client(front_door_port(stack, front_door), fresh_client_address())
+    assert [client.request("/admin-login").status for _ in range(3)] == [200, 200, 429]
+    assert refused_by_the_rule(client, front_door)  # in its penalty: refused again
+    assert sluice_admin(stack.ports.sluice, "reset", "--ip", client.source) == \
+        f"reset 1 counter of {client.source}\n"
+    # Let in at once, and counted afresh: the threshold again, then the penalty.
+    assert [client.request("/admin-login").status for _ in range(3)] == [200, 200, 429]
+
+
+@pytest.fixture(scope="module")
+def second_node(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer,
+                stacks: dict[str, Stack]) -> Iterator[SluiceServe]:
+    """Another ``sluice serve`` on the Redis the redis stack's Sluice uses."""
+    directory = tmp_path_factory.mktemp("second-node")
+    with SluiceServe(rules_file(directory, "redis-b", redis_server.url)) as serve:
+        yield serve
+
+
+def test_with_redis_what_one_node_does_the_other_nodes_door_sees(
+        stacks: dict[str, Stack], second_node: SluiceServe, front_door: str) -> None:
+    stack = stacks["redis"]
+    port = front_door_port(stack, front_door)
+    client = Client(port, fresh_client_address())
+    # A ban by hand lives in Redis: the first node refuses the very next request.
+    sluice_admin(second_node.port, "ban", client.source, "--for", "1h")
+    assert_refused_by_closing(client, "/", front_door)
+    listed = sluice_admin(stack.ports.sluice, "bans")
+    assert client.source in listed and "redis-b" in listed
+    sluice_admin(second_node.port, "unban", client.source)
+    assert client.request("/").status == 200
+
+    # The first node knows the client's key over limit, and answers it
+    # without asking Redis; the reset on the second node reaches that
+    # knowledge within a second (refusals answered so count nothing).
+    assert [client.request("/admin-login").status for _ in range(4)] == [200, 200, 429, 429]
+    sluice_admin(second_node.port, "reset", "--ip", client.source)
+    started = time.monotonic()
+    wait_until(lambda: client.request("/admin-login").status == 200, "let in after the reset", 3)
+    assert time.monotonic() - started < 2.5
+    assert client.request("/admin-login").status == 200  # the second of its two requests
+
+    # A network ban: copied by the first node within a second.
+    network = f"127.9.{next(_networks)}.0/30"
+    inside = Client(port, network.replace(".0/30", ".1"))
+    sluice_admin(second_node.port, "ban", network, "--for", "10m")
+    started = time.monotonic()
+    wait_until(lambda: closed(inside, front_door), "the network ban seen by the first node", 3)
+    assert time.monotonic() - started < 2.5
+    sluice_admin(second_node.port, "unban", network)
+    wait_until(lambda: not closed(inside, front_door), "the lift seen by the first node", 3)
+    assert inside.request("/").status == 200
+
+
+def closed(client: Client, front_door: str) -> bool:
+    """Whether the door refuses the client by closing (nginx: no response;
+    Envoy: an empty 403 with Connection: close)."""
+    try:
+        reply = client.request("/")
+    except CONNECTION_CLOSED:
+        return front_door == "nginx"
+    return reply.status == 403 and reply.headers.get("Connection") == "close"
+
+
+# --------------------------------------------------------------------------
+# Each node's copy of the admin slot, on a single Redis and on a Redis
+# Cluster (sidecar.store.redis_admin)
+# --------------------------------------------------------------------------
+
+NOW = 1_000_000.0
+ADDRESS = "192.0.2.7"
+
+
+@pytest.fixture(params=["redis", "cluster"])
+def two_nodes(request: pytest.FixtureRequest, redis_server: RedisServer):
+    """Makes two nodes' stores on one shared Redis (in the test's loop)."""
+    from sidecar.store.redis import RedisStore
+    from sidecar.store.redis_cluster import parse_node
+
+    if request.param == "cluster":
+        cluster = request.getfixturevalue("redis_cluster")
+        cluster.flush()
+        nodes = [parse_node(address) for address in cluster.addresses]
+        return lambda: [RedisStore.from_url("redis://", name, server_time=False, cluster=nodes[i:i + 1],
+                                            clock=lambda: NOW) for i, name in enumerate("ab")]
+    redis_server.client().flushdb()
+    return lambda: [RedisStore.from_url(redis_server.url, name, server_time=False, clock=lambda: NOW)
+                    for name in "ab"]
+
+
+def over_limit_check():
+    from sidecar.limiters.window import WindowCounter
+    from sidecar.state import Check
+
+    return Check("w", (("w", ("ip",)), ADDRESS), WindowCounter(1, 60.0, 30.0), 1.0, True)
+
+
+def test_a_node_copies_what_another_changed_when_it_asks_and_empties_its_cache_of_penalties(two_nodes) -> None:
+    import asyncio
+    import ipaddress
+
+    from sidecar.counters import KeySelection
+
+    async def test() -> list:
+        a, b = two_nodes()
+        try:
+            seen = []
+            check = over_limit_check()
+            await b.admin.refresh(NOW)  # b's first look: nothing yet
+            for at in (0, 1):
+                await b.evaluate(NOW + at, ADDRESS, [check])
+            seen.append(len(b.penalties))  # b answers the key itself now
+            await a.ban_network(NOW, "198.51.100.0/24", 600.0, "range")
+            member = ipaddress.ip_address("198.51.100.9")
+            seen.append(b.network_bans.find(member, NOW + 2))  # not asked yet
+            await b.admin.refresh(NOW + 2)
+            seen.append((b.network_bans.find(member, NOW + 2).reason, len(b.penalties)))
+            for at in (3, 4):
+                await b.evaluate(NOW + at, ADDRESS, [check])
+            await a.reset_keys(NOW + 5, await a.find_keys(NOW + 5, KeySelection(address=ADDRESS)))
+            await b.admin.refresh(NOW + 5)
+            seen.append((len(b.penalties), (await b.evaluate(NOW + 5, ADDRESS, [check])).hits[0].over_limit))
+            await a.lift_network_ban(NOW + 6, "198.51.100.0/24")
+            await b.admin.refresh(NOW + 6)
+            seen.append(b.network_bans.find(member, NOW + 6))
+            return seen
+        finally:
+            await a.close()
+            await b.close()
+    assert asyncio.run(test()) == [1, None, ("range", 0), (0, False), None]
+
+
+def test_a_node_asks_every_interval_once_open(two_nodes) -> None:
+    import asyncio
+    import ipaddress
+
+    async def test() -> float:
+        a, b = two_nodes()
+        b.admin.interval = 0.05
+        try:
+            await b.open()
+            await a.ban_network(NOW, "203.0.113.0/24", 600.0, "")
+            started = time.monotonic()
+            member = ipaddress.ip_address("203.0.113.1")
+            while b.network_bans.find(member, NOW) is None:
+                assert time.monotonic() - started < 2, "the network ban was not copied"
+                await asyncio.sleep(0.01)
+            return time.monotonic() - started
+        finally:
+            await a.close()
+            await b.close()
+    assert asyncio.run(test()) < 2
+
+
+def test_the_last_copy_stays_in_force_while_redis_does_not_answer(tmp_path: Path, caplog) -> None:
+    import asyncio
+    import ipaddress
+    import logging
+
+    from sidecar.store import StoreUnavailable
+    from sidecar.store.redis import RedisStore
+
+    caplog.set_level(logging.WARNING, logger="sluice")
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+
+    async def test() -> tuple:
+        a, b = (RedisStore.from_url(server.url, name, server_time=False, clock=lambda: NOW) for name in "ab")
+        b.admin.interval = 0.01
+        try:
+            await b.open()
+            await a.ban_network(NOW, "198.51.100.0/24", 600.0, "")
+            await b.admin.refresh(NOW)
+            server.stop()
+            with pytest.raises(StoreUnavailable):
+                await b.admin.refresh(NOW, force=True)
+            started = time.monotonic()
+            while "could not read the network bans" not in caplog.text:  # the watch's ask failed too
+                assert time.monotonic() - started < 5, "the watch did not ask"
+                await asyncio.sleep(0.01)
+            return b.network_bans.find(ipaddress.ip_address("198.51.100.1"), NOW + 1) is not None, \
+                b.admin.watching
+        finally:
+            await a.close()
+            await b.close()
+    try:
+        assert asyncio.run(test()) == (True, True)
+    finally:
+        server.stop()
