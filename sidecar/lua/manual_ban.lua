@@ -15,7 +15,8 @@ if ARGV[7] == '1' then
   index = KEYS[2]
 end
 local ban = write_ban(KEYS[1], index, now, ARGV[2], '', ARGV[3], ARGV[4], ARGV[5])
-redis.call('HSET', KEYS[1], 'reason', ARGV[6])
+-- A ban by hand is no step of a rule's escalation.
+redis.call('HSET', KEYS[1], 'reason', ARGV[6], 'step', 0)
 if ARGV[8] ~= '' then
   redis.call('SET', KEYS[3], ARGV[8], 'PX', ARGV[9])
 end

@@ -640,3 +640,14 @@ def test_reset_keys_forget_counts_and_penalties_and_say_how_many_were_stored(ope
         allowed = not (await store.evaluate(NOW + 2, ADDRESS, [tight])).hits[0].over_limit
         return refused, reset, allowed, await store.reset_keys(NOW + 2, [])
     assert run(open_store, test) == (True, 1, True, 0)
+
+
+def test_a_ban_by_hand_over_an_escalated_ban_is_listed_as_a_first_ban(open_store) -> None:
+    async def test(store: StateStore) -> tuple:
+        check = window("scrapers", threshold=1, ban_duration=300.0, ban_increment=ESCALATING)
+        first = await banned_once(store, NOW, check)
+        second = await banned_once(store, first.ban.expires + 10, check)
+        await store.ban(second.ban.expires - 100, ADDRESS, 60.0, "by hand")
+        [listed] = await store.active_bans(second.ban.expires - 99)
+        return second.ban.step, (listed.rule_id, listed.reason, listed.step)
+    assert run(open_store, test) == (1, ("", "by hand", 0))
