@@ -79,33 +79,6 @@ CLOSED = Decision(outcome=CLOSE)
 STORE_UNAVAILABLE = Decision(outcome=DENY, retry_after=1, page=BlockPage.builtin(503))
 
 
-class ShadowBans:
-    """The bans shadow rules would have issued, by address, until they
-    would have ended: listed beside the real ones, applied to nobody. Kept
-    on the node that saw them, at most ``max_keys`` (the oldest go first)."""
-
-    def __init__(self, max_keys: Callable[[], int], node: Callable[[], str], wall_clock: Clock) -> None:
-        self._bans: dict[str, BanRecord] = {}
-        self._max_keys = max_keys
-        self._node = node
-        self._wall_clock = wall_clock
-
-    def record(self, now: float, address: str, rule_id: str, duration: float) -> None:
-        bans = self._bans
-        bans.pop(address, None)
-        if len(bans) >= self._max_keys():
-            for gone in [key for key, ban in bans.items() if ban.expires <= now] or list(bans)[:1]:
-                del bans[gone]
-        bans[address] = BanRecord(address, rule_id, self._node(), self._wall_clock(), now + duration, duration,
-                                  shadow=True)
-
-    def in_force(self, now: float) -> list[BanRecord]:
-        return [ban for ban in self._bans.values() if now < ban.expires]
-
-    def lift(self, address: str) -> bool:
-        return self._bans.pop(address, None) is not None
-
-
 class Engine:
     """Evaluates requests against the current ruleset and the state store.
 
@@ -132,8 +105,6 @@ class Engine:
         # Counted always, logged at most every 10 s / 60 s.
         self._store_error_log = RateLimitedLog(log, 10)
         self._bad_address_log = RateLimitedLog(log, 60, clock)
-        # Shadow rules' would-be bans, on this node (they refuse nothing).
-        self.shadow_bans = ShadowBans(lambda: self.ruleset.max_keys, lambda: self.ruleset.node, wall_clock)
         # Requests held by a leaky bucket right now, or about to be: a
         # decision takes a slot before asking the store, and a decision that
         # holds keeps it until the caller's release_hold (state.max_delayed).
@@ -341,7 +312,10 @@ class Engine:
         shadow ban, which refuses nothing."""
         self.metrics.shadow_action(rule.id, rule.action)
         if rule.ban_duration is not None and request.client.key:
-            self.shadow_bans.record(self.clock(), request.client.key, rule.id, rule.ban_duration)
+            now = self.clock()
+            self.store.record_shadow_ban(BanRecord(request.client.key, rule.id, self.ruleset.node,
+                                                   self.wall_clock(), now + rule.ban_duration, rule.ban_duration,
+                                                   shadow=True))
         self.log.matched(request, rule, check, "allow", shadow=True)
 
     def _quota(self, matched: list[CompiledRule], checks: list[Check],
@@ -368,10 +342,10 @@ class Engine:
     async def active_bans(self) -> list[BanRecord]:
         """The bans in force, then the shadow bans of this node."""
         now = self.clock()
-        return await self.store.active_bans(now) + self.shadow_bans.in_force(now)
+        return await self.store.active_bans(now) + await self.store.shadow_bans(now)
 
     async def lift_ban(self, address: str) -> bool:
-        shadow = self.shadow_bans.lift(address)
+        shadow = await self.store.lift_shadow_ban(address)
         return await self.store.lift_ban(address) or shadow
 
     def _apply(self, request: CheckRequest, rule: CompiledRule, limit: int, reset: int, hit: Hit,

@@ -580,6 +580,7 @@ def _rule_report(stats: RuleStats, top: int, exclude_top: int = 0) -> dict[str, 
         "id": rule.id,
         "action": rule.action,
         "refuses": rule.stops,
+        "shadow": rule.shadow,
         "key": list(rule.key_prefix[1]),
         "limit": describe_limit(rule),
         "counts_responses": rule.response is not None,
@@ -761,7 +762,9 @@ def _percentiles(peak: dict[str, int]) -> str:
 
 def refusal_text(rule: dict[str, Any], shared_agents: int) -> str:
     """Whom the rule refused (a ``log`` rule: let through over its limit)."""
-    what = "refused" if rule["refuses"] else f"over the limit, let through (action {rule['action']})"
+    what = "refused" if rule["refuses"] else \
+        f"would refuse (shadow, action {rule['action']})" if rule.get("shadow") else \
+        f"over the limit, let through (action {rule['action']})"
     if not rule["refused_requests"] and not rule["refused_keys"]:
         return f"{what}: none"
     return (f"{what}: {_count(rule['refused_requests'], 'request')} from {rule['refused_keys']:,} of "

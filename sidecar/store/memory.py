@@ -187,6 +187,7 @@ class MemoryStore:
         # Each state carries its limiter: a reload may change it.
         self._states = BoundedMap(max_keys, lambda state: state.limiter.expires_at(state), clock)
         self._bans = BoundedMap(max_keys, lambda ban: ban.expires, clock)
+        self._shadow_bans = BoundedMap(max_keys, lambda ban: ban.expires, clock)
         # What bans react to: (address, rule) -> (step, length, forgotten
         # at) of its last escalating ban; (rule, address) -> the end of the
         # rule's last penalty counted towards then_ban_after.
@@ -287,6 +288,15 @@ class MemoryStore:
                     self._states.pop(key)
         return released
 
+    def record_shadow_ban(self, record: BanRecord) -> None:
+        self._shadow_bans[record.address] = record
+
+    async def shadow_bans(self, now: float) -> list[BanRecord]:
+        return [ban for ban in self._shadow_bans.values() if now < ban.expires]
+
+    async def lift_shadow_ban(self, address: str) -> bool:
+        return self._shadow_bans.pop(address) is not None
+
     async def reset(self, keys: Sequence[CountingKey]) -> int:
         return sum(self._states.pop(key, None) is not None for key in keys)
 
@@ -364,7 +374,7 @@ class MemoryStore:
     def configure(self, max_keys: int, node: str) -> None:
         """New settings from a reload; a smaller cap applies at the next insert."""
         self.node = node
-        self._states.max_keys = self._bans.max_keys = max_keys
+        self._states.max_keys = self._bans.max_keys = self._shadow_bans.max_keys = max_keys
         self._ban_steps.max_keys = self._penalty_ends.max_keys = max_keys
 
     async def active_bans(self, now: float) -> list[BanRecord]:

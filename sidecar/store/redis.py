@@ -104,6 +104,15 @@ def ban_key(address: str) -> str:
     return BAN_HEAD + address + BAN_TAIL
 
 
+# A shadow rule's would-be ban of an address, in the address's slot: listed
+# beside the bans, read by no script that decides.
+SHADOW_TAIL = "}:shadowban"
+
+
+def shadow_ban_key(address: str) -> str:
+    return BAN_HEAD + address + SHADOW_TAIL
+
+
 def _script(name: str) -> str:
     lua = resources.files("sidecar") / "lua"
     return "\n".join((lua / f"{part}.lua").read_text()
@@ -253,6 +262,7 @@ class RedisStore:
         self._lift_ban = client.script(_script("lift_ban"))
         self._release = client.script(_script("release"))
         self._admin_scripts: dict[str, str] = {}
+        self._writes: set[asyncio.Task[None]] = set()  # shadow bans being written
         self.admin = AdminCopy(self._admin_state, self._ban_record, self.penalties, clock)
         self.network_bans: NetworkBans = self.admin.network_bans  # read again in place on changes
 
@@ -435,6 +445,43 @@ class RedisStore:
                                          for name in names))
         return [self._ban_record(name[len(BAN_HEAD):-len(BAN_TAIL)], now, fields)
                 for name, fields in zip(names, records) if fields]
+
+    def record_shadow_ban(self, record: BanRecord) -> None:
+        """Written in the background: the request it was decided for does
+        not wait, and a shared store that does not answer loses only it."""
+        task = asyncio.get_running_loop().create_task(self._write_shadow_ban(record))
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
+    async def _write_shadow_ban(self, record: BanRecord) -> None:
+        name = shadow_ban_key(record.address)
+        ttl = max(1, int(record.duration * 1000))  # from now: the decision was just made
+        try:
+            await self._command(name, "HSET", name, "rule", record.rule_id, "node", record.node,
+                                "started", repr(record.started_wall), "duration", repr(record.duration))
+            await self._command(name, "PEXPIRE", name, ttl)
+        except StoreUnavailable:
+            pass  # a shadow ban is a note: the next one is written again
+
+    async def shadow_bans(self, now: float) -> list[BanRecord]:
+        """Every node's, found by scanning (with the time Redis has left them)."""
+        names: list[str] = []
+        async for batch in scan(self.client, BAN_HEAD + "*" + SHADOW_TAIL):
+            names.extend(batch)
+        found = []
+        for name in names:
+            fields, ttl = await self._command(name, "HMGET", name, "rule", "node", "started", "duration"), \
+                await self._command(name, "PTTL", name)
+            if fields[0] is None or int(ttl) <= 0:
+                continue
+            address = name[len(BAN_HEAD):-len(SHADOW_TAIL)]
+            found.append(BanRecord(address, fields[0], fields[1], float(fields[2]), now + int(ttl) / 1000,
+                                   float(fields[3]), shadow=True))
+        return found
+
+    async def lift_shadow_ban(self, address: str) -> bool:
+        name = shadow_ban_key(address)
+        return bool(await self._command(name, "DEL", name))
 
     async def reset(self, keys: Sequence[CountingKey]) -> int:
         """DEL of each key (on a cluster, each at its own slot's master);

@@ -17,7 +17,7 @@ from sidecar.limiters.concurrent import ConcurrencyLimiter
 from sidecar.limiters.leaky import LeakyBucket
 from sidecar.limiters.token import TokenBucket
 from sidecar.limiters.window import WindowCounter
-from sidecar.state import AutoBan, BanIncrement, Check, Evaluation, PenaltyBan, ResponseCount
+from sidecar.state import AutoBan, BanIncrement, BanRecord, Check, Evaluation, PenaltyBan, ResponseCount
 from sidecar.store import StateStore
 from sidecar.store.memory import MemoryStore
 from sidecar.store.redis import RedisStore
@@ -651,3 +651,22 @@ def test_a_ban_by_hand_over_an_escalated_ban_is_listed_as_a_first_ban(open_store
         [listed] = await store.active_bans(second.ban.expires - 99)
         return second.ban.step, (listed.rule_id, listed.reason, listed.step)
     assert run(open_store, test) == (1, ("", "by hand", 0))
+
+
+def test_a_shadow_ban_is_listed_for_every_node_refuses_nobody_and_can_be_lifted(open_store) -> None:
+    async def test(store: StateStore) -> tuple[Any, ...]:
+        store.record_shadow_ban(BanRecord(ADDRESS, "scrapers", "node-b", 1.7e9, NOW + 600, 600.0, shadow=True))
+        listed: list[BanRecord] = []
+        for _ in range(200):  # written in the background by a shared store: wait for it, bounded
+            listed = await store.shadow_bans(NOW)
+            if listed:
+                break
+            await asyncio.sleep(0.01)
+        evaluation = await store.evaluate(NOW, ADDRESS, [window("other", threshold=100)])
+        real = await store.active_bans(NOW)
+        lifted = await store.lift_shadow_ban(ADDRESS)
+        return ([(b.address, b.rule_id, b.node, b.shadow, b.duration, 599 <= b.expires - NOW <= 600) for b in listed],
+                evaluation.ban, real, lifted, await store.shadow_bans(NOW))
+    listed, ban, real, lifted, after = run(open_store, test)
+    assert listed == [(ADDRESS, "scrapers", "node-b", True, 600.0, True)]
+    assert (ban, real, lifted, after) == (None, [], True, [])

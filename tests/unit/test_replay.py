@@ -917,3 +917,14 @@ def test_the_readme_sweep_example_is_the_commands_real_output(tmp_path):
         if line.strip() == "...":
             continue
         at = real.index(line, at) + 1  # each shown line, in the order shown
+
+
+def test_a_shadow_rule_reports_whom_it_would_refuse(tmp_path):
+    rules = (REPO / "examples" / "replay.yaml").read_text().replace(
+        "    action: block\n", "    action: block\n    shadow: true\n", 1)
+    (tmp_path / "rules.yaml").write_text(rules)
+    enforcing = sluice_replay("--config", "examples/replay.yaml", "examples/access.log.sample")
+    shadow = sluice_replay("--config", str(tmp_path / "rules.yaml"), "examples/access.log.sample")
+    assert shadow.returncode == 0, shadow.stderr
+    assert "  would refuse (shadow, action block): " in shadow.stdout
+    assert "  refused: 72 requests from 1 of 33 keys" in enforcing.stdout
