@@ -247,6 +247,9 @@ class Admin:
         now = self.engine.clock()
         store = self.engine.store
         reset = await store.reset_keys(now, await store.find_keys(now, selection))
+        if selection.address is not None and selection.rule is None:
+            # Everything of an address: what its next bans would react to too.
+            reset += await store.forget_history(selection.address)
         details: dict[str, object] = {name: value for name, value in
                                       (("ip", selection.address), ("rule", selection.rule)) if value is not None}
         if selection.key is not None:

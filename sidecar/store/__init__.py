@@ -52,6 +52,10 @@ class StateStore(Protocol):
         a shared store writes it in the background, every node lists it."""
     async def shadow_bans(self, now: float) -> list[BanRecord]: ...
     async def lift_shadow_ban(self, address: str) -> bool: ...
+    async def forget_history(self, address: str) -> int:
+        """Forget what bans react to for an address: the steps of its
+        escalating bans and its unsolved challenge penalties; how many
+        records there were."""
     async def lift_ban(self, address: str) -> bool: ...
 
     # -- what administrators do (sidecar.admin) -----------------------------

@@ -297,6 +297,16 @@ class MemoryStore:
     async def lift_shadow_ban(self, address: str) -> bool:
         return self._shadow_bans.pop(address) is not None
 
+    async def forget_history(self, address: str) -> int:
+        # (address, rule) and (rule, address) tuples.
+        steps = [key for key in self._ban_steps.data if isinstance(key, tuple) and key[0] == address]
+        ends = [key for key in self._penalty_ends.data if isinstance(key, tuple) and key[1] == address]
+        for key in steps:
+            self._ban_steps.pop(key)
+        for key in ends:
+            self._penalty_ends.pop(key)
+        return len(steps) + len(ends)
+
     async def reset(self, keys: Sequence[CountingKey]) -> int:
         return sum(self._states.pop(key, None) is not None for key in keys)
 

@@ -479,6 +479,15 @@ class RedisStore:
                                    float(fields[3]), shadow=True))
         return found
 
+    async def forget_history(self, address: str) -> int:
+        """DEL of the address's ban history beside its ban record (see
+        ban_history.lua), found by scanning."""
+        names: list[str] = []
+        for kind in ("banstep", "counted", "penalties"):
+            async for batch in scan(self.client, f"{BAN_HEAD}{glob_escape(address)}}}:{kind}:*"):
+                names.extend(batch)
+        return sum([int(await self._command(name, "DEL", name)) for name in names])
+
     async def lift_shadow_ban(self, address: str) -> bool:
         name = shadow_ban_key(address)
         return bool(await self._command(name, "DEL", name))

@@ -670,3 +670,17 @@ def test_a_shadow_ban_is_listed_for_every_node_refuses_nobody_and_can_be_lifted(
     listed, ban, real, lifted, after = run(open_store, test)
     assert listed == [(ADDRESS, "scrapers", "node-b", True, 600.0, True)]
     assert (ban, real, lifted, after) == (None, [], True, [])
+
+
+def test_forgetting_an_address_history_starts_its_escalation_over(open_store) -> None:
+    async def test(store: StateStore) -> tuple[int, int, int]:
+        check = window("scrapers", threshold=1, ban_duration=300.0, ban_increment=ESCALATING)
+        first = await banned_once(store, NOW, check)
+        assert first.ban is not None
+        forgotten = await store.forget_history(ADDRESS)
+        at = first.ban.expires + 10
+        again = await banned_once(store, at, check)
+        assert again.ban is not None
+        return first.ban.step, forgotten, again.ban.step
+    # Without the history the second ban would be step 1 (600 s).
+    assert run(open_store, test) == (0, 1, 0)
