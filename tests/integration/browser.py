@@ -254,13 +254,58 @@ class Chromium:
         if "errorText" in answer:
             raise DevToolsError(f"navigation to {url} failed: {answer['errorText']}")
 
-    def evaluate(self, expression: str) -> Any:
-        """The value of a JavaScript expression in the tab's current document.
+    def open(self, url: str) -> None:
+        """Load `url` with console, exception and log events on, and wait
+        until it is loaded and painted."""
+        for domain in ("Page", "Runtime", "Log"):
+            self.call(f"{domain}.enable")
+        self.navigate(url)
+        self.wait_for_event("Page.loadEventFired")
+        self.evaluate("new Promise(done => requestAnimationFrame(() => requestAnimationFrame(done)))",
+                      await_promise=True)
+
+    def wait_for_event(self, method: str, timeout: float = CALL_SECONDS) -> None:
+        """Read the tab's messages until an event `method` has come."""
+        assert self._socket is not None
+        deadline = time.monotonic() + timeout
+        while not any(event["method"] == method for event in self.events):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DevToolsError(f"no {method} within {timeout} s")
+            message = json.loads(self._socket.receive(left))
+            if "method" in message:
+                self.events.append(message)
+
+    def problems(self) -> list[str]:
+        """Console errors and warnings, uncaught exceptions and the browser's
+        error and warning log entries (a blocked or failed load), in order."""
+        found = []
+        for event in self.events:
+            method, params = event["method"], event.get("params", {})
+            if method == "Runtime.consoleAPICalled" and params["type"] in ("error", "warning", "assert"):
+                text = " ".join(str(arg.get("value", arg.get("description", ""))) for arg in params["args"])
+                found.append(f"console.{params['type']}: {text}")
+            elif method == "Runtime.exceptionThrown":
+                details = params["exceptionDetails"]
+                found.append("uncaught: " + details.get("exception", {}).get("description", details["text"]))
+            elif method == "Log.entryAdded" and params["entry"]["level"] in ("error", "warning"):
+                found.append(f"{params['entry']['source']}: {params['entry']['text']}")
+        return found
+
+    def requested(self) -> list[str]:
+        """Every URL the tab asked for, oldest first."""
+        return [event["params"]["request"]["url"] for event in self.events
+                if event["method"] == "Network.requestWillBeSent"]
+
+    def evaluate(self, expression: str, await_promise: bool = False) -> Any:
+        """The value of a JavaScript expression in the tab's current document
+        (of the promise it makes, with `await_promise`).
 
         DevTools evaluates even where the page's own scripts are off; a
         document being replaced by a navigation answers with an error.
         """
-        answer = self.call("Runtime.evaluate", expression=expression, returnByValue=True)
+        answer = self.call("Runtime.evaluate", expression=expression, returnByValue=True,
+                           awaitPromise=await_promise)
         if "exceptionDetails" in answer:
             raise DevToolsError(f"{expression}: {answer['exceptionDetails']}")
         return answer["result"].get("value")

@@ -1,212 +1,28 @@
 """`sluice replay --html`: the report page, rendered by headless Chromium.
 
-The page is loaded through the DevTools protocol (a small WebSocket client
-of our own, standard library only), which reports every console message,
-uncaught exception, browser log entry (a blocked or failed load) and
-network request of the page. The test reads the rendered page back and
+The page is loaded through the DevTools protocol (tests/integration/browser.py),
+which reports every console message, uncaught exception, browser log entry
+(a blocked or failed load) and network request of the page. The test reads the rendered page back and
 checks it against the text report the same command printed.
 """
 
 from __future__ import annotations
 
-import base64
 import json
-import os
 import re
-import shutil
-import socket
-import struct
 import subprocess
 import sys
-import time
-import urllib.request
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
 
 import pytest
+
+from tests.integration.browser import Chromium
 
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 RULES = REPO / "examples" / "replay.yaml"
 LOG = REPO / "examples" / "access.log.sample"
-TIMEOUT = 30.0  # seconds for the browser to start, answer or load the page
-
-
-def chromium() -> str:
-    path = shutil.which("chromium")
-    if path is None:
-        pytest.fail("chromium is not installed: the replay report is tested in headless Chromium; "
-                    "`make test` installs Debian's chromium package (as root: apt-get install chromium)")
-    return path
-
-
-# --------------------------------------------------------------------------
-# A WebSocket client, just enough for the DevTools protocol
-# --------------------------------------------------------------------------
-
-
-class WebSocket:
-    """Text frames over one connection (RFC 6455): masked from us, plain from the browser."""
-
-    def __init__(self, url: str) -> None:
-        match = re.fullmatch(r"ws://([^/:]+):(\d+)(/.*)", url)
-        assert match is not None, url
-        host, port, path = match.group(1), int(match.group(2)), match.group(3)
-        self.sock = socket.create_connection((host, port), timeout=TIMEOUT)
-        key = base64.b64encode(os.urandom(16)).decode()
-        self.sock.sendall((f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\n"
-                           f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
-                           "Sec-WebSocket-Version: 13\r\n\r\n").encode())
-        head = b""
-        while b"\r\n\r\n" not in head:
-            chunk = self.sock.recv(4096)
-            assert chunk, "the browser closed the connection during the handshake"
-            head += chunk
-        head, self.buffer = head.split(b"\r\n\r\n", 1)
-        assert head.startswith(b"HTTP/1.1 101"), head.decode(errors="replace")
-
-    def send(self, text: str) -> None:
-        payload = text.encode()
-        mask = os.urandom(4)
-        length = len(payload)
-        if length < 126:
-            header = struct.pack("!BB", 0x81, 0x80 | length)
-        elif length < 1 << 16:
-            header = struct.pack("!BBH", 0x81, 0x80 | 126, length)
-        else:
-            header = struct.pack("!BBQ", 0x81, 0x80 | 127, length)
-        self.sock.sendall(header + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload)))
-
-    def receive(self) -> str:
-        message = b""
-        while True:
-            first, second = self._read(2)
-            length = second & 0x7F
-            if length == 126:
-                (length,) = struct.unpack("!H", self._read(2))
-            elif length == 127:
-                (length,) = struct.unpack("!Q", self._read(8))
-            payload = self._read(length)
-            opcode = first & 0x0F
-            if opcode == 0x8:
-                raise ConnectionError("the browser closed the DevTools connection")
-            if opcode in (0x0, 0x1, 0x2):
-                message += payload
-                if first & 0x80:
-                    return message.decode()
-
-    def _read(self, count: int) -> bytes:
-        while len(self.buffer) < count:
-            chunk = self.sock.recv(65536)
-            if not chunk:
-                raise ConnectionError("the browser closed the DevTools connection")
-            self.buffer += chunk
-        data, self.buffer = self.buffer[:count], self.buffer[count:]
-        return data
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-@dataclass
-class Page:
-    """One browser tab over the DevTools protocol, and what it reported."""
-
-    socket: WebSocket
-    problems: list[str] = field(default_factory=list)  # console errors and warnings, exceptions, log entries
-    requests: list[str] = field(default_factory=list)  # every URL the page asked for
-    events: list[str] = field(default_factory=list)
-    _ids: Iterator[int] = field(default_factory=lambda: iter(range(1, 1 << 30)))
-
-    def call(self, method: str, **params: Any) -> dict[str, Any]:
-        number = next(self._ids)
-        self.socket.send(json.dumps({"id": number, "method": method, "params": params}))
-        while True:
-            message = json.loads(self.socket.receive())
-            if message.get("id") == number:
-                assert "error" not in message, message["error"]
-                result: dict[str, Any] = message["result"]
-                return result
-            self._note(message)
-
-    def wait_for(self, event: str) -> None:
-        while event not in self.events:
-            self._note(json.loads(self.socket.receive()))
-
-    def _note(self, message: dict[str, Any]) -> None:
-        method, params = message.get("method", ""), message.get("params", {})
-        self.events.append(method)
-        if method == "Runtime.consoleAPICalled" and params["type"] in ("error", "warning", "assert"):
-            text = " ".join(str(arg.get("value", arg.get("description", ""))) for arg in params["args"])
-            self.problems.append(f"console.{params['type']}: {text}")
-        elif method == "Runtime.exceptionThrown":
-            details = params["exceptionDetails"]
-            self.problems.append("uncaught: " + details.get("exception", {}).get("description", details["text"]))
-        elif method == "Log.entryAdded" and params["entry"]["level"] in ("error", "warning"):
-            self.problems.append(f"{params['entry']['source']}: {params['entry']['text']}")
-        elif method == "Network.requestWillBeSent":
-            self.requests.append(params["request"]["url"])
-
-    def open(self, url: str) -> None:
-        """Load the page and wait until it is loaded and painted."""
-        for domain in ("Page", "Runtime", "Log", "Network"):
-            self.call(f"{domain}.enable")
-        self.call("Page.navigate", url=url)
-        self.wait_for("Page.loadEventFired")
-        self.evaluate("new Promise(done => requestAnimationFrame(() => requestAnimationFrame(done)))")
-
-    def evaluate(self, expression: str) -> Any:
-        result = self.call("Runtime.evaluate", expression=expression, awaitPromise=True, returnByValue=True)
-        assert "exceptionDetails" not in result, result["exceptionDetails"]
-        return result["result"].get("value")
-
-
-@contextmanager
-def browser_page(tmp_path: Path) -> Iterator[Page]:
-    """A headless Chromium of its own (own profile, DevTools on a loopback
-    port it picks), and its first tab."""
-    profile = tmp_path / "chromium-profile"
-    process = subprocess.Popen(
-        [chromium(), "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run",
-         "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0", f"--user-data-dir={profile}",
-         "about:blank"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    socket_ = None
-    try:
-        port = _devtools_port(profile, process)
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=TIMEOUT) as answer:
-            targets = json.load(answer)
-        tab = next(target for target in targets if target["type"] == "page")
-        socket_ = WebSocket(tab["webSocketDebuggerUrl"])
-        yield Page(socket_)
-    finally:
-        if socket_ is not None:
-            socket_.close()
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        assert process.stderr is not None
-        process.stderr.close()
-
-
-def _devtools_port(profile: Path, process: subprocess.Popen[bytes]) -> int:
-    """Chromium writes the port it listens on to DevToolsActivePort in its profile."""
-    marker = profile / "DevToolsActivePort"
-    deadline = time.monotonic() + TIMEOUT
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            assert process.stderr is not None
-            pytest.fail(f"chromium exited with {process.returncode}: {process.stderr.read().decode()[-2000:]}")
-        text = marker.read_text() if marker.exists() else ""
-        if text.strip():
-            return int(text.split()[0])
-        time.sleep(0.05)  # polling for the file, not a wait standing in for a result
-    pytest.fail(f"chromium did not open its DevTools port within {TIMEOUT:g} s")
 
 
 # --------------------------------------------------------------------------
@@ -283,12 +99,12 @@ def replay_with_html(tmp_path: Path, *options: str) -> tuple[str, Path]:
 def test_the_report_page_loads_clean_and_shows_what_the_text_report_says(tmp_path):
     text, page_file = replay_with_html(tmp_path, "--sweep", "api=10,20,50", "--sweep", "scrapers=30,60,100",
                                        "--exclude-top", "1", "--top", "3")
-    with browser_page(tmp_path) as page:
+    with Chromium(tmp_path / "profile") as page:
         url = page_file.as_uri()
         page.open(url)
         shown = page.evaluate(READ_PAGE)
-    assert page.problems == []
-    assert page.requests == [url]  # the page itself, nothing else
+    assert page.problems() == []
+    assert page.requested() == [url]  # the page itself, nothing else
     assert shown["scripts"] == 0
 
     lines = text.splitlines()
@@ -321,12 +137,12 @@ def test_the_browser_check_sees_errors_failed_loads_and_requests(tmp_path):
     bad.write_text('<!DOCTYPE html><html><head><meta charset="utf-8"><title>bad</title></head><body>'
                    '<img src="missing.png"><script>console.error("logged"); throw new Error("thrown")</script>'
                    "</body></html>", encoding="utf-8")
-    with browser_page(tmp_path) as page:
+    with Chromium(tmp_path / "profile") as page:
         page.open(bad.as_uri())
-    assert "console.error: logged" in page.problems
-    assert any(problem.startswith("uncaught: Error: thrown") for problem in page.problems)
-    assert any("ERR_FILE_NOT_FOUND" in problem for problem in page.problems)
-    assert (tmp_path / "missing.png").as_uri() in page.requests
+    assert "console.error: logged" in page.problems()
+    assert any(problem.startswith("uncaught: Error: thrown") for problem in page.problems())
+    assert any("ERR_FILE_NOT_FOUND" in problem for problem in page.problems())
+    assert (tmp_path / "missing.png").as_uri() in page.requested()
 
 
 def test_markup_from_the_log_stays_text_in_the_browser(tmp_path):
@@ -345,7 +161,7 @@ def test_markup_from_the_log_stays_text_in_the_browser(tmp_path):
     result = subprocess.run([sys.executable, "-m", "sidecar", "replay", "--config", str(rules), "--html",
                              str(page_file), str(log)], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    with browser_page(tmp_path) as page:
+    with Chromium(tmp_path / "profile") as page:
         page.open(page_file.as_uri())
         shown = page.evaluate("""({
           scripts: document.scripts.length,
@@ -354,7 +170,7 @@ def test_markup_from_the_log_stays_text_in_the_browser(tmp_path):
           keys: [...document.querySelectorAll("table.keys td:first-child")].map(td => td.textContent),
           skipped: [...document.querySelectorAll("ul.skipped li")].map(li => li.textContent),
         })""")
-    assert page.problems == [] and page.requests == [page_file.as_uri()]
+    assert page.problems() == [] and page.requested() == [page_file.as_uri()]
     assert shown["scripts"] == shown["images"] == shown["handlers"] == 0
     assert f"path={attack}" in shown["keys"]
     assert any("<svg onload=console.error(2)>" in line for line in shown["skipped"])
