@@ -452,12 +452,12 @@ class Stack:
                 ports.envoy_rls_admin))
         try:
             self._start("upstream", [sys.executable, "-m", "sidecar.demo_upstream", "--host", host, "--port", str(ports.upstream)])
-            self._wait("upstream", lambda: _http_status(host, ports.upstream, "/") is not None)
+            self._wait("upstream", lambda: http_status(host, ports.upstream, "/") is not None)
             self._start("sluice", self._sluice_argv())
-            self._wait("sluice", lambda: _http_status(host, ports.sluice, "/healthz") == 200)
+            self._wait("sluice", lambda: http_status(host, ports.sluice, "/healthz") == 200)
             self._start("nginx", [nginx, "-p", str(self.run_dir), "-c", str(nginx_conf), "-g", "daemon off;"])
             # Not an HTTP probe: a request through nginx would be counted by the rules.
-            self._wait("nginx", lambda: _accepts_connections(host, ports.nginx))
+            self._wait("nginx", lambda: accepts_connections(host, ports.nginx))
             for name, config, port, admin_port in envoys:
                 self._start(name, _envoy_argv(envoy, config))
                 self._wait(name, functools.partial(_envoy_ready, host, port, admin_port))
@@ -654,10 +654,10 @@ def _envoy_ready(host: str, port: int, admin_port: int) -> bool:
     # Envoy's admin says LIVE once its listeners are set up, even when one
     # could not bind its port (Envoy then runs without it): the listener
     # itself must take connections too.
-    return _http_status(ENVOY_ADMIN_HOST, admin_port, "/ready") == 200 and _accepts_connections(host, port)
+    return http_status(ENVOY_ADMIN_HOST, admin_port, "/ready") == 200 and accepts_connections(host, port)
 
 
-def _accepts_connections(host: str, port: int) -> bool:
+def accepts_connections(host: str, port: int) -> bool:
     try:
         with socket.create_connection((host, port), timeout=0.5):
             return True
@@ -665,7 +665,7 @@ def _accepts_connections(host: str, port: int) -> bool:
         return False
 
 
-def _http_status(host: str, port: int, path: str) -> int | None:
+def http_status(host: str, port: int, path: str) -> int | None:
     connection = http.client.HTTPConnection(host, port, timeout=1.0)
     try:
         connection.request("GET", path)

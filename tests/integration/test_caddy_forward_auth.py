@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.launcher import START_TIMEOUT_SECONDS, Component, StackError
+from sidecar.launcher import START_TIMEOUT_SECONDS, Component, StackError, accepts_connections
 from tests.integration.clients import LOOPBACK, Client, Reply, assert_default_block, assert_observed
 from tests.integration.test_challenge import pass_challenge
 
@@ -57,14 +57,6 @@ def _answers(port: int, path: str) -> bool:
         Client(port, timeout=1.0).request(path)
         return True
     except (OSError, http.client.HTTPException):
-        return False
-
-
-def _accepts_connections(port: int) -> bool:
-    try:
-        with socket.create_connection((LOOPBACK, port), timeout=0.5):
-            return True
-    except OSError:
         return False
 
 
@@ -115,7 +107,7 @@ class CaddyStack:
                 "caddy",
                 [caddy, "run", "--config", str(caddyfile), "--adapter", "caddyfile"],
                 caddy_env,
-                lambda: _accepts_connections(caddy_port),
+                lambda: accepts_connections(LOOPBACK, caddy_port),
             )
         except BaseException:
             self.stop()

@@ -20,14 +20,13 @@ whole request of drained excess, which the pauses below avoid.
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
 
-from sidecar.launcher import START_TIMEOUT_SECONDS, Component, Stack, find_nginx, nginx_main_config
+from sidecar.launcher import START_TIMEOUT_SECONDS, Component, Stack, accepts_connections, find_nginx, nginx_main_config
 from tests.integration.clients import LOOPBACK, Client, TimedReply, send_at_once
 from tests.integration.conftest import free_port, fresh_client_address
 
@@ -100,14 +99,6 @@ def plain_nginx_site(port: int, upstream_port: int) -> str:
     )
 
 
-def _accepts_connections(port: int) -> bool:
-    try:
-        with socket.create_connection((LOOPBACK, port), timeout=0.5):
-            return True
-    except OSError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def plain_nginx(buckets_stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     """nginx with limit_req in front of the stack's demo upstream; its port."""
@@ -126,7 +117,7 @@ def plain_nginx(buckets_stack: Stack, tmp_path_factory: pytest.TempPathFactory) 
         dict(os.environ),
     )
     try:
-        nginx.wait_until_ready(lambda: _accepts_connections(port), START_TIMEOUT_SECONDS)
+        nginx.wait_until_ready(lambda: accepts_connections(LOOPBACK, port), START_TIMEOUT_SECONDS)
         yield port
     finally:
         nginx.stop()

@@ -27,7 +27,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import socket
 import sys
 import time
 import uuid
@@ -39,7 +38,8 @@ import grpc
 import pytest
 
 from sidecar.frontdoors.messages import SERVING, HealthCheckRequest, HealthCheckResponse
-from sidecar.launcher import START_TIMEOUT_SECONDS, Component, StackError, find_envoy, render_template
+from sidecar.launcher import (START_TIMEOUT_SECONDS, Component, StackError, accepts_connections, find_envoy,
+                              http_status, render_template)
 from tests.integration.clients import LOOPBACK, Client, Reply
 from tests.integration.conftest import free_port, metric_at, wait_until
 
@@ -69,25 +69,6 @@ T = TypeVar("T")
 # --------------------------------------------------------------------------
 
 
-def _http_status(port: int, path: str) -> int | None:
-    connection = http.client.HTTPConnection(LOOPBACK, port, timeout=1.0)
-    try:
-        connection.request("GET", path)
-        return connection.getresponse().status
-    except (OSError, http.client.HTTPException):
-        return None
-    finally:
-        connection.close()
-
-
-def _accepts_connections(port: int) -> bool:
-    try:
-        with socket.create_connection((LOOPBACK, port), timeout=0.5):
-            return True
-    except OSError:
-        return False
-
-
 class RlsStack:
     """The demo upstream, ``sluice serve`` with the RLS configurations of
     rls/config, and Envoy with the ratelimit filter asking it; started in
@@ -114,14 +95,14 @@ class RlsStack:
         try:
             self._start("upstream", [sys.executable, "-m", "sidecar.demo_upstream", "--host", LOOPBACK,
                                      "--port", str(self.upstream_port)],
-                        env, lambda: _http_status(self.upstream_port, "/") is not None)
+                        env, lambda: http_status(LOOPBACK, self.upstream_port, "/") is not None)
             # --log-level info: the decision log (one line per descriptor
             # over its limit) goes to the log file, for the shadow_mode test.
             self._start("sluice", [sys.executable, "-m", "sidecar", "serve", "--host", LOOPBACK,
                                    "--port", str(self.sluice_port), "--hook-udp", "off",
                                    "--grpc-port", str(self.sluice_grpc_port), "--rls-config", str(CONFIG),
                                    "--log-level", "info"],
-                        env, lambda: _http_status(self.sluice_port, "/healthz") == 200)
+                        env, lambda: http_status(LOOPBACK, self.sluice_port, "/healthz") == 200)
             # As sidecar.launcher starts Envoy: no hot restart, so no shared
             # memory of a fixed name (stacks of other tests run beside it).
             self._start("envoy", [find_envoy(), "-c", str(envoy_config), "--disable-hot-restart",
@@ -145,7 +126,8 @@ class RlsStack:
     def _envoy_ready(self) -> bool:
         # /ready is LIVE once the listeners are set up, even one that could
         # not bind: the listener must take connections too.
-        return _http_status(self.envoy_admin_port, "/ready") == 200 and _accepts_connections(self.envoy_port)
+        return http_status(LOOPBACK, self.envoy_admin_port, "/ready") == 200 and \
+            accepts_connections(LOOPBACK, self.envoy_port)
 
     # ---- what the tests ask ----
 
