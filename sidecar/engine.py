@@ -340,7 +340,7 @@ class Engine:
     # -- bans, for the admin API --------------------------------------------
 
     async def active_bans(self) -> list[BanRecord]:
-        """The bans in force, then the shadow bans of this node."""
+        """The bans in force, then the shadow bans (which refuse nobody)."""
         now = self.clock()
         return await self.store.active_bans(now) + await self.store.shadow_bans(now)
 

@@ -288,8 +288,8 @@ class RlsConfig:
         if limiter is None:
             if len(self._overrides) >= MAX_OVERRIDES:
                 return None
-            limiter = self._overrides[requests_per_unit, unit] = WindowCounter(
-                requests_per_unit, UNITS[UNIT_NAMES[unit]][0], 0.0, sliding=False, fit=True)
+            limiter = self._overrides[requests_per_unit, unit] = build_rls_limiter(
+                requests_per_unit, UNIT_NAMES[unit], Extension()).limiter
         return limiter
 
 

@@ -131,11 +131,8 @@ class RlsStats(Collector):
                 f"ratelimit_service_rate_limit_{stat}",
                 f"envoyproxy/ratelimit's {stat} of each descriptor, in hits (Rate Limit Service).",
                 labels=["domain", "key1", "key2"])
-            for (domain, key1, key2), counts in self.counts.items():
-                if key2:
-                    family.add_metric([domain, key1, key2], counts[index])
-                else:
-                    family.add_metric([domain, key1, ""], counts[index])
+            for labels, counts in self.counts.items():
+                family.add_metric(list(labels), counts[index])
             yield family
         # Counters under envoyproxy/ratelimit's exact names, which have no _total.
         for result, count in self.config_loads.items():
@@ -283,7 +280,7 @@ class RateLimitService:
         if key == "remote_address":
             # The peer's key, as the front doors resolve it (fast paths and
             # all); no address: the empty value, never banned.
-            return str(resolver.resolve(value, None).key)
+            return resolver.resolve(value, None).key
         if len(value) > MAX_KEY_VALUE:
             return "sha256:" + hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()
         return value
@@ -354,11 +351,13 @@ class RateLimitService:
     def _unavailable(self, descriptors: int) -> Any:
         """The shared store did not answer: every descriptor OK (fail:
         open), or OVER_LIMIT (fail: closed), as the rules file says."""
-        response = RateLimitResponse()
-        code = OK if self.engine.ruleset.fail == "open" else OVER_LIMIT
+        return self.uniform(descriptors, OK if self.engine.ruleset.fail == "open" else OVER_LIMIT)
+
+    def uniform(self, descriptors: int, code: int) -> Any:
+        """An answer of ``code`` for the request and each of its descriptors, counted."""
+        response = RateLimitResponse(overall_code=code)
         for _ in range(descriptors):
             response.statuses.add().code = code
-        response.overall_code = code
         self.engine.metrics.decisions["rls", "allow" if code == OK else "deny"] += 1
         return response
 
@@ -378,11 +377,7 @@ def rls_handler(service: RateLimitService, internal_error: Callable[[], None]) -
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Exception:
             internal_error()
-            response = RateLimitResponse(overall_code=OK)
-            for _ in message.descriptors:
-                response.statuses.add().code = OK
-            service.engine.metrics.decisions["rls", "allow"] += 1
-            return response
+            return service.uniform(len(message.descriptors), OK)
 
     method = grpc.unary_unary_rpc_method_handler(should_rate_limit,
                                                  request_deserializer=reader(RateLimitRequest),
