@@ -80,8 +80,8 @@ class StateStore(Protocol):
     async def describe_keys(self, now: float, keys: Sequence[Described]) -> list[CounterState | None]:
         """Each key as its limiter describes it (None: no longer stored)."""
     async def reset_keys(self, now: float, keys: Sequence[CountingKey]) -> int:
-        """Forget the keys: their counts, penalties and slots; how many were
-        stored."""
+        """``reset`` for an administrator: every node also forgets what it
+        knew of the keys; how many were stored."""
     def may_be_banned(self) -> bool:
         """False only when no request can be banned now (nothing to ask)."""
     def configure(self, max_keys: int, node: str) -> None:

@@ -449,7 +449,7 @@ class MemoryStore:
         return CounterState(key, penalty, limiter.quota(state, now, threshold))
 
     async def reset_keys(self, now: float, keys: Sequence[CountingKey]) -> int:
-        return sum(self._states.pop(key) is not None for key in keys)
+        return await self.reset(keys)  # one node: nobody else to tell
 
     def tracked_keys(self) -> int:
         return len(self._states)

@@ -493,16 +493,16 @@ class RedisStore:
         return bool(await self._command(name, "DEL", name))
 
     async def reset(self, keys: Sequence[CountingKey]) -> int:
-        """DEL of each key (on a cluster, each at its own slot's master);
-        the node forgets what it knew of them being over limit."""
+        """DEL of the keys, a batch per hash slot at a time (at its slot's
+        master on a cluster); this node forgets what it knew of them being
+        over limit. Other nodes are not told (a reported response's reset:
+        see reset_keys for an administrator's)."""
         for key in keys:
             self.penalties.forget(key)
         names = [counting_key(key) for key in keys]
-        if not names:
-            return 0
-        if isinstance(self.client, ClusterRedis):
-            return sum(await _all([self.client.execute(name, "DEL", name) for name in names]))
-        return int(await self.client.execute("DEL", *names))
+        calls = [self._command(names[indices[0]], "DEL", *(names[i] for i in indices))
+                 for indices in self._batches(names)]
+        return sum(int(count) for count in await _all(calls)) if calls else 0
 
     async def lift_ban(self, address: str) -> bool:
         if isinstance(self.client, ClusterRedis):
@@ -645,10 +645,9 @@ class RedisStore:
         return described
 
     async def reset_keys(self, now: float, keys: Sequence[CountingKey]) -> int:
-        names = [counting_key(key) for key in keys]
-        calls = [self._command(names[indices[0]], "DEL", *(names[i] for i in indices))
-                 for indices in self._batches(names)]
-        deleted = sum(int(count) for count in await _all(calls)) if calls else 0
+        """``reset``, and every node told to ask Redis again about the keys
+        it knows over limit."""
+        deleted = await self.reset(keys)
         if deleted:
             await self._changed(now)
         return deleted
