@@ -67,6 +67,34 @@ def start_stack(run_dir: Path, rules: Path, variables: Mapping[str, str] | None 
     raise AssertionError("unreachable")
 
 
+def state_for(request: pytest.FixtureRequest, backend: str) -> str:
+    """The rules file's `state:` line for a backend ("memory", "redis" or
+    "cluster"), on the session's emptied Redis or Redis Cluster."""
+    if backend == "redis":
+        redis_server = request.getfixturevalue("redis_server")
+        redis_server.client().flushdb()
+        return f'state: {{backend: redis, url: "{redis_server.url}"}}\n'
+    if backend == "cluster":
+        cluster = request.getfixturevalue("redis_cluster")
+        cluster.flush()
+        return f'state: {{backend: redis, cluster: {{nodes: ["{cluster.addresses[0]}"]}}}}\n'
+    return ""
+
+
+def stack_on_backend(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+                     rules_text: str) -> Iterator[Stack]:
+    """A module's stack with `rules_text` on the backend of the fixture's
+    parameter; for a fixture to yield from."""
+    directory = tmp_path_factory.mktemp(f"stack-{request.param}")
+    rules = directory / "rules.yaml"
+    rules.write_text(state_for(request, request.param) + rules_text)
+    stack = start_stack(directory / "stack", rules)
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
 def front_door_port(stack: Stack, front_door: str) -> int:
     return {"nginx": stack.ports.nginx, "envoy": stack.ports.envoy,
             "envoy-grpc": stack.ports.envoy_grpc}[front_door]

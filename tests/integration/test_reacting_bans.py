@@ -18,8 +18,7 @@ import pytest
 from sidecar.challenge import solve
 from sidecar.launcher import Stack
 from tests.integration.clients import Client, assert_refused_by_closing
-from tests.integration.conftest import fresh_client_address, front_door_port, start_stack, wait_until
-from tests.integration.redis_server import RedisCluster, RedisServer
+from tests.integration.conftest import fresh_client_address, front_door_port, stack_on_backend, wait_until
 from tests.integration.test_challenge import challenge_of
 
 pytestmark = pytest.mark.integration
@@ -49,23 +48,7 @@ PENALTY_DEADLINE_SECONDS = 5.0
 
 @pytest.fixture(scope="module", params=["memory", "redis", "cluster"])
 def reacting_stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    directory = tmp_path_factory.mktemp(f"reacting-{request.param}")
-    state = ""
-    if request.param == "redis":
-        redis_server: RedisServer = request.getfixturevalue("redis_server")
-        redis_server.client().flushdb()
-        state = f'state: {{backend: redis, url: "{redis_server.url}"}}\n'
-    elif request.param == "cluster":
-        cluster: RedisCluster = request.getfixturevalue("redis_cluster")
-        cluster.flush()
-        state = f'state: {{backend: redis, cluster: {{nodes: ["{cluster.addresses[0]}"]}}}}\n'
-    rules = directory / "rules.yaml"
-    rules.write_text(state + RULES)
-    stack = start_stack(directory / "stack", rules)
-    try:
-        yield stack
-    finally:
-        stack.stop()
+    yield from stack_on_backend(request, tmp_path_factory, RULES)
 
 
 def bans_of(stack: Stack, address: str) -> list[dict[str, Any]]:

@@ -11,8 +11,7 @@ import pytest
 
 from sidecar.launcher import Stack
 from tests.integration.clients import Client
-from tests.integration.conftest import fresh_client_address, front_door_port, sluice_metric, start_stack, wait_until
-from tests.integration.redis_server import RedisServer
+from tests.integration.conftest import fresh_client_address, front_door_port, sluice_metric, stack_on_backend, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -31,18 +30,7 @@ REPORT_DEADLINE_SECONDS = 5.0
 
 @pytest.fixture(scope="module", params=["memory", "redis"])
 def reset_stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    directory = tmp_path_factory.mktemp(f"reset-{request.param}")
-    rules = directory / "rules.yaml"
-    state = ""
-    if request.param == "redis":
-        redis_server: RedisServer = request.getfixturevalue("redis_server")
-        state = f'state: {{backend: redis, url: "{redis_server.url}"}}\n'
-    rules.write_text(state + RULES)
-    stack = start_stack(directory / "stack", rules)
-    try:
-        yield stack
-    finally:
-        stack.stop()
+    yield from stack_on_backend(request, tmp_path_factory, RULES)
 
 
 def metric(stack: Stack, name: str) -> float:

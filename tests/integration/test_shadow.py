@@ -14,8 +14,7 @@ import pytest
 
 from sidecar.launcher import Stack
 from tests.integration.clients import Client
-from tests.integration.conftest import fresh_client_address, front_door_port, sluice_metric, start_stack
-from tests.integration.redis_server import RedisServer
+from tests.integration.conftest import fresh_client_address, front_door_port, sluice_metric, start_stack, state_for
 
 pytestmark = pytest.mark.integration
 
@@ -42,10 +41,7 @@ def shadow_stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
                  ) -> Iterator[tuple[Stack, Path, str]]:
     directory = tmp_path_factory.mktemp(f"shadow-{request.param}")
     rules = directory / "rules.yaml"
-    state = ""
-    if request.param == "redis":
-        redis_server: RedisServer = request.getfixturevalue("redis_server")
-        state = f'state: {{backend: redis, url: "{redis_server.url}"}}\n'
+    state = state_for(request, request.param)
     rules.write_text(state + SHADOW_RULES)
     stack = start_stack(directory / "stack", rules)
     try:
