@@ -341,7 +341,7 @@ def service(settings: dict[str, Any], ruleset: Ruleset | None = None) -> Any:
     from sidecar.decisionlog import configure_decision_log
     from sidecar.engine import Engine
     from sidecar.logs import configure_logging
-    from sidecar.server import tune_garbage_collector
+    from sidecar.server import freeze_loaded_objects, tune_garbage_collector
 
     tune_garbage_collector()
     configure_logging(settings["log_level"])
@@ -360,9 +360,11 @@ def service(settings: dict[str, Any], ruleset: Ruleset | None = None) -> Any:
     # over them (SO_REUSEPORT).
     health = settings.get("health")
     grpc = settings.get("grpc")
-    return create_app(engine, tuple(hook_udp) if hook_udp else None, admin,
-                      share_report_port=settings["workers"] > 1, health=tuple(health) if health else None,
-                      grpc=tuple(grpc) if grpc else None, rls=rls)
+    app = create_app(engine, tuple(hook_udp) if hook_udp else None, admin,
+                     share_report_port=settings["workers"] > 1, health=tuple(health) if health else None,
+                     grpc=tuple(grpc) if grpc else None, rls=rls)
+    freeze_loaded_objects()
+    return app
 
 
 def worker_service() -> Any:

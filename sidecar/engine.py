@@ -5,6 +5,7 @@ backend it has."""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import math
@@ -25,7 +26,8 @@ from sidecar.ratelog import RateLimitedLog
 from sidecar.request import CheckRequest
 from sidecar.responses import ResponsePhase
 from sidecar.rules import CompiledRule, Ruleset
-from sidecar.state import BanRecord, Check, Evaluation, epoch_clock
+from sidecar.state import BanRecord, Check, Evaluation, epoch_clock, make_check
+
 from sidecar.store import StateStore, StoreUnavailable, open_store
 from sidecar.store.memory import run_at_once
 from sidecar.tokens import Tokens
@@ -211,6 +213,7 @@ class Engine:
         matched: list[CompiledRule] = []
         checks: list[Check] = []
         verified_bots = ruleset.verified_bots
+        verified: bool | None = None  # whether the request is a verified bot's, once asked
         # The id the request's concurrency slots are taken under, and given
         # back by: unique across nodes and workers without coordination.
         lease = os.urandom(9).hex() if ruleset.leases else ""
@@ -218,29 +221,26 @@ class Engine:
             condition = rule.condition
             if condition is not None and not condition(request):
                 continue
-            ban_duration = rule.applied_ban
-            stops = rule.stops
-            auto_ban = penalty_ban = None
-            if rule.challenge is not None:
-                if self._has_credential(rule, request):
-                    # Passes this rule, and evaluation ends.
-                    metrics.credentials.inc()
-                    break
+            if rule.challenge is not None and self._has_credential(rule, request):
+                # Passes this rule, and evaluation ends.
+                metrics.credentials.inc()
+                break
+            spec = rule.spec
+            if rule.bot_spec is not spec and verified_bots:
                 # Verified bots are never banned, not even for challenges;
-                # the challenge itself applies to them as block does. A
-                # shadow challenge is never issued, so it counts towards no ban.
-                if not (rule.shadow or (verified_bots and self._verified_bot(ruleset, request))):
-                    auto_ban, penalty_ban = ruleset.auto_ban, rule.penalty_ban
-            if ban_duration is not None and verified_bots and self._verified_bot(ruleset, request):
-                # A verified bot that triggers a ban is let through.
-                stops, ban_duration = False, None
+                # the challenge itself applies to them as block does.
+                if verified is None:
+                    verified = self._verified_bot(ruleset, request)
+                if verified:
+                    spec = rule.bot_spec
+            if rule.overrides and address is not None:
+                threshold = rule.threshold_for(address)
+                if threshold != spec.threshold:
+                    spec = dataclasses.replace(spec, threshold=threshold)
+            if lease and spec.limiter.leases:
+                spec = dataclasses.replace(spec, lease=lease)
             matched.append(rule)
-            # Positional, the amount (1) included: made for every matching
-            # rule of every request, and keywords cost a third more.
-            checks.append(Check(rule.id, rule.key(request), rule.limiter,
-                                rule.threshold_for(address) if rule.overrides else rule.base_threshold,
-                                stops, ban_duration, rule.counts, auto_ban, lease, 1,
-                                rule.ban_increment, penalty_ban))
+            checks.append(make_check(Check, (spec, rule.key(request))))
         if not checks and not self.store.may_be_banned():
             return ALLOWED
         return matched, checks
@@ -261,19 +261,27 @@ class Engine:
         # its limit, as the request is not refused.
         slots: list[SlotEntry] = []
         rule_hits = metrics.rule_hits
+        lease = ""
         for rule, check, hit in zip(matched, checks, evaluation.hits):
-            if rule.reset_on is not None and rule.counts:
-                # A response it names clears the key, when it is reported.
-                pending.append((rule.id, check.threshold, key_values(check.key)))
             if not hit.over_limit:
+                if rule.plain:
+                    rule_hits[rule.id] += 1
+                    continue
+                spec, key = check
                 if rule.counts:
                     rule_hits[rule.id] += 1
-                    if check.limiter.leases:
-                        slots.append((rule.id, key_values(check.key)))
+                    if rule.reset_on is not None:
+                        # A response it names clears the key, when it is reported.
+                        pending.append((rule.id, spec.threshold, key_values(key)))
+                    if spec.lease:
+                        lease = spec.lease
+                        slots.append((rule.id, key_values(key)))
                 else:
                     # Counted, maybe, when the response is reported.
-                    pending.append((rule.id, check.threshold, key_values(check.key)))
+                    pending.append((rule.id, spec.threshold, key_values(key)))
                 continue
+            if rule.reset_on is not None and rule.counts:
+                pending.append((rule.id, check.threshold, key_values(check.key)))
             limit = math.ceil(check.threshold)
             # Bucket rules without a penalty report when the next request fits.
             reset = rule.reset if rule.reset is not None else retry_after_seconds(hit.retry_after)
@@ -294,7 +302,7 @@ class Engine:
         if pending or slots:
             # The report gives the slots back; without a token they end
             # with their lease.
-            token = self.pending.issue(pending, checks[0].lease, slots)
+            token = self.pending.issue(pending, lease, slots)
             if token is None:
                 metrics.unreportable.inc()
         allowed = observed or ALLOWED
@@ -326,7 +334,7 @@ class Engine:
         assert evaluation.quotas is not None
         quotas = [(rule.id, check.threshold, quota)
                   for rule, check, quota in zip(matched, checks, evaluation.quotas)
-                  if check.count and rule.action != "log" and quota is not None]
+                  if check.spec.count and rule.action != "log" and quota is not None]
         return draft_fields(quotas) if quotas else None
 
     async def record_response(self, token: str, status: int, headers: dict[str, str]) -> int:

@@ -14,7 +14,7 @@ import socket
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Callable, Hashable
+from typing import Callable, cast
 
 from sidecar import config
 from sidecar.actions import CHALLENGE_PAGE, BlockPage
@@ -23,7 +23,7 @@ from sidecar.clientip import ClientIPResolver, IPAddress, IPNetwork, in_networks
 from sidecar.config import ConfigError, ConfigIssue, LoadedRules
 from sidecar.keys import CountingKey, KeyPrefix, key_dimensions, key_values
 from sidecar.limiters import build_limiter
-from sidecar.state import AutoBan, BanIncrement, Limiter, PenaltyBan
+from sidecar.state import AutoBan, BanIncrement, CheckSpec, Limiter, PenaltyBan
 from sidecar.store.redis_cluster import parse_node
 from sidecar.request import CheckRequest
 
@@ -35,118 +35,127 @@ KeyBuilder = Callable[[CheckRequest], CountingKey]
 # --------------------------------------------------------------------------
 
 
-def _string_test(test: config.StringTest | config.NamedTest) -> Callable[[str], bool]:
+class _Expression:
+    """One rule's condition or key as a single Python expression, made into
+    one function when the rules load: a request then costs one call, not a
+    call per leaf and per dimension.
+
+    Nothing from the rules file is ever written into the source: every value
+    (a header name, a string to compare, a compiled regex, networks) is a
+    constant the expression names (``c0``, ``c1``, ...), bound in the
+    function's namespace. The source is built from the fixed fragments below
+    alone.
+    """
+
+    def __init__(self) -> None:
+        self.namespace: dict[str, object] = {"__builtins__": {}, "in_networks": in_networks}
+        self._values = 0
+
+    def constant(self, value: object) -> str:
+        name = f"c{len(self.namespace)}"
+        self.namespace[name] = value
+        return name
+
+    def value(self) -> str:
+        """A fresh local name, for a value read once and tested twice."""
+        self._values += 1
+        return f"v{self._values}"
+
+    def function(self, expression: str) -> Callable[[CheckRequest], object]:
+        return eval(f"lambda request: {expression}", self.namespace)  # noqa: S307 - our fragments only
+
+
+# --------------------------------------------------------------------------
+# Conditions
+# --------------------------------------------------------------------------
+
+
+def _string_test(test: config.StringTest | config.NamedTest, value: str, source: _Expression) -> str:
+    """The test of ``value`` (an expression of a string)."""
     if test.equals is not None:
-        expected = test.equals
-        return lambda value: value == expected
+        return f"{value} == {source.constant(test.equals)}"
     if test.in_ is not None:
-        choices = frozenset(test.in_)
-        return lambda value: value in choices
+        return f"{value} in {source.constant(frozenset(test.in_))}"
     if test.prefix is not None:
-        prefix = test.prefix
-        return lambda value: value.startswith(prefix)
-    pattern = test.regex
-    assert pattern is not None  # the model requires one test of the four
-    return lambda value: pattern.search(value) is not None
+        return f"{value}.startswith({source.constant(test.prefix)})"
+    assert test.regex is not None  # the model requires one test of the four
+    return f"{source.constant(test.regex.search)}({value}) is not None"
 
 
-def _named_test(source: Callable[[CheckRequest], dict[str, str]],
-                test: config.NamedTest, name: str) -> Predicate:
+def _named_test(mapping: str, test: config.NamedTest, name: str, source: _Expression) -> str:
+    """A header's, cookie's or query parameter's test; ``mapping`` is the
+    request's mapping of them."""
+    key = source.constant(name)
     if test.present is not None:
-        wanted = test.present
-        return lambda request: (name in source(request)) is wanted
-    value_test = _string_test(test)
-
-    def predicate(request: CheckRequest) -> bool:
-        value = source(request).get(name)
-        return value is not None and value_test(value)
-
-    return predicate
+        return f"({key} {'in' if test.present else 'not in'} {mapping})"
+    value = source.value()
+    return f"(({value} := {mapping}.get({key})) is not None and {_string_test(test, value, source)})"
 
 
-def _headers(request: CheckRequest) -> dict[str, str]:
-    return request.headers
-
-
-def _cookies(request: CheckRequest) -> dict[str, str]:
-    return request.cookies
-
-
-def _query(request: CheckRequest) -> dict[str, str]:
-    return request.query
-
-
-def compile_condition(condition: config.Condition) -> Predicate:
-    """A ``match:`` mapping becomes one predicate; several leaves mean all."""
-    parts: list[Predicate] = []
+def _condition(condition: config.Condition, source: _Expression) -> str:
+    """The expression of a ``match:`` mapping: several leaves mean all."""
+    parts: list[str] = []
     if condition.all is not None:
-        parts.append(_all([compile_condition(c) for c in condition.all]))
+        parts.append(_all([_condition(c, source) for c in condition.all]))
     if condition.any is not None:
-        alternatives = [compile_condition(c) for c in condition.any]
-        parts.append(lambda request: any(p(request) for p in alternatives))
+        alternatives = [_condition(c, source) for c in condition.any]
+        parts.append("(" + " or ".join(alternatives) + ")" if alternatives else "False")
     if condition.not_ is not None:
-        inner = compile_condition(condition.not_)
-        parts.append(lambda request: not inner(request))
+        parts.append(f"(not {_condition(condition.not_, source)})")
     if condition.path is not None:
-        path_test = _string_test(condition.path)
-        parts.append(lambda request: path_test(request.path))
+        parts.append(f"({_string_test(condition.path, 'request.path', source)})")
     if condition.host is not None:
-        host_test = _string_test(condition.host)
-        parts.append(lambda request: host_test(request.host))
+        parts.append(f"({_string_test(condition.host, 'request.host', source)})")
     if condition.method is not None:
-        methods = frozenset(m.upper() for m in condition.method)
-        parts.append(lambda request: request.method in methods)
-    for tests, source, fold in ((condition.header, _headers, True),
-                                (condition.cookie, _cookies, False),
-                                (condition.query, _query, False)):
+        parts.append(f"(request.method in {source.constant(frozenset(m.upper() for m in condition.method))})")
+    for tests, mapping, fold in ((condition.header, "request.headers", True),
+                                 (condition.cookie, "request.cookies", False),
+                                 (condition.query, "request.query", False)):
         for test in tests or ():
-            parts.append(_named_test(source, test, test.name.lower() if fold else test.name))
+            parts.append(_named_test(mapping, test, test.name.lower() if fold else test.name, source))
     if condition.ip is not None:
-        networks = tuple(condition.ip.in_)
-        parts.append(lambda request: request.client.address is not None
-                     and in_networks(request.client.address, networks))
+        parts.append(f"(request.client.address is not None and "
+                     f"in_networks(request.client.address, {source.constant(tuple(condition.ip.in_))}))")
     return _all(parts)
 
 
-def _all(parts: list[Predicate]) -> Predicate:
-    if len(parts) == 1:
-        return parts[0]
-    return lambda request: all(p(request) for p in parts)
+def _all(parts: list[str]) -> str:
+    return "(" + " and ".join(parts) + ")" if parts else "True"
+
+
+def compile_condition(condition: config.Condition) -> Predicate:
+    """A ``match:`` mapping as one predicate."""
+    source = _Expression()
+    # Every leaf is a comparison, so the expression's value is a bool.
+    return cast(Predicate, source.function(_condition(condition, source)))
 
 
 # --------------------------------------------------------------------------
 # Counting keys
 # --------------------------------------------------------------------------
 
-DimensionValue = Callable[[CheckRequest], Hashable]
-
-_SIMPLE_DIMENSIONS: dict[str, DimensionValue] = {
-    "ip": lambda request: request.client.key,
-    "host": lambda request: request.host,
-    "method": lambda request: request.method,
-    "path": lambda request: request.path,
-    "uri": lambda request: request.uri,
+_SIMPLE_DIMENSIONS: dict[str, str] = {
+    "ip": "request.client.key",
+    "host": "request.host",
+    "method": "request.method",
+    "path": "request.path",
+    "uri": "request.uri",
 }
 
 
-def _dimension_value(dimension: str) -> DimensionValue:
+def _dimension_value(dimension: str, source: _Expression) -> str:
+    """The expression of a dimension's value (a missing one is "")."""
     if dimension in _SIMPLE_DIMENSIONS:
         return _SIMPLE_DIMENSIONS[dimension]
     kind, _, name = dimension.partition(":")
-    if kind == "header":
-        return lambda request: request.headers.get(name, "")
-    if kind == "cookie":
-        return lambda request: request.cookies.get(name, "")
-    if kind == "query":
-        return lambda request: request.query.get(name, "")
-
+    mapping = {"header": "request.headers", "cookie": "request.cookies", "query": "request.query"}.get(kind)
+    if mapping is not None:
+        return f"{mapping}.get({source.constant(name)}, '')"
     # session:COOKIE falls back to the client address; the two are tagged so
     # that a cookie whose value equals an address is still another key.
-    def session(request: CheckRequest) -> Hashable:
-        value = request.cookies.get(name)
-        return ("ip", request.client.key) if value is None else ("cookie", value)
-
-    return session
+    value = source.value()
+    return (f"(('ip', request.client.key) if ({value} := request.cookies.get({source.constant(name)})) is None "
+            f"else ('cookie', {value}))")
 
 
 def compile_key(rule_id: str, dimensions: list[str]) -> tuple[KeyPrefix, KeyBuilder]:
@@ -158,19 +167,9 @@ def compile_key(rule_id: str, dimensions: list[str]) -> tuple[KeyPrefix, KeyBuil
     """
     names = tuple(sorted(dimensions or ["host", "ip"]))
     prefix = (rule_id, names)
-    extractors = tuple(_dimension_value(name) for name in names)
-    # Written out for one to three dimensions: this runs for every matching
-    # rule of every request.
-    if len(extractors) == 1:
-        (first,) = extractors
-        return prefix, lambda request: (prefix, first(request))
-    if len(extractors) == 2:
-        first, second = extractors
-        return prefix, lambda request: (prefix, first(request), second(request))
-    if len(extractors) == 3:
-        first, second, third = extractors
-        return prefix, lambda request: (prefix, first(request), second(request), third(request))
-    return prefix, lambda request: (prefix, *(extract(request) for extract in extractors))
+    source = _Expression()
+    values = ", ".join(_dimension_value(name, source) for name in names)
+    return prefix, cast(KeyBuilder, source.function(f"({source.constant(prefix)}, {values})"))
 
 
 def describe_key(key: CountingKey) -> str:
@@ -288,17 +287,40 @@ class CompiledRule:
     reset_on: frozenset[int] | None = None
     ban_increment: BanIncrement | None = None  # ban.increment: repeat bans escalate
     penalty_ban: PenaltyBan | None = None  # challenge.then_ban_after: unsolved penalties ban
+    # A challenge rule's: the ruleset's challenges per address before a ban.
+    auto_ban: AutoBan | None = None
     # Derived once, read on every request.
     stops: bool = field(init=False)  # over limit ends evaluation: every action but log, unless shadow
     counts: bool = field(init=False)  # counted at request time (no count_on, no score)
     applied_ban: float | None = field(init=False)  # the ban the store issues: none in shadow mode
     base_threshold: float = field(init=False)  # the threshold as a float, before overrides
+    # What the rule asks of the store for a request it matches; for a
+    # verified bot (never banned, by a challenge's bans neither).
+    spec: CheckSpec = field(init=False)
+    bot_spec: CheckSpec = field(init=False)
+    # Nothing to do after the store when within the limit but count the hit
+    # (no response phase, no reset_on, no concurrency slot).
+    plain: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stops", self.action != "log" and not self.shadow)
-        object.__setattr__(self, "counts", self.response is None)
-        object.__setattr__(self, "applied_ban", None if self.shadow else self.ban_duration)
-        object.__setattr__(self, "base_threshold", float(self.threshold))
+        stops = self.action != "log" and not self.shadow
+        counts = self.response is None
+        applied_ban = None if self.shadow else self.ban_duration
+        threshold = float(self.threshold)
+        # A shadow challenge is never issued, so it counts towards no ban.
+        bans_for_challenges = self.challenge is not None and not self.shadow
+        spec = CheckSpec(self.id, self.limiter, threshold, stops, applied_ban, counts,
+                         self.auto_ban if bans_for_challenges else None, "", 1, self.ban_increment,
+                         self.penalty_ban if bans_for_challenges else None)
+        # A verified bot that triggers a ban is let through.
+        bot_spec = CheckSpec(self.id, self.limiter, threshold, stops and applied_ban is None, None, counts,
+                             None, "", 1, self.ban_increment, None)
+        if bot_spec == spec:
+            bot_spec = spec  # nothing a verified bot changes: the engine need not ask
+        for name, value in (("stops", stops), ("counts", counts), ("applied_ban", applied_ban),
+                            ("base_threshold", threshold), ("spec", spec), ("bot_spec", bot_spec),
+                            ("plain", counts and self.reset_on is None and not self.limiter.leases)):
+            object.__setattr__(self, name, value)
 
     def threshold_for(self, address: IPAddress | None) -> float:
         if address is not None and self.overrides:
@@ -359,6 +381,7 @@ def compile_rules(loaded: LoadedRules, shadow: bool = False) -> Ruleset:
     for override in model.overrides:
         for rule_id in override.rules:
             overrides.setdefault(rule_id, []).append(Override(tuple(override.cidrs), override.multiply))
+    auto_ban = AutoBan.from_config(model.challenge.auto_ban)
     rules = []
     for index, rule in enumerate(model.rules):
         loc = ("rules", index)
@@ -409,6 +432,7 @@ def compile_rules(loaded: LoadedRules, shadow: bool = False) -> Ruleset:
             reset_on=frozenset(rule.reset_on.status) if rule.reset_on is not None else None,
             ban_increment=BanIncrement.from_config(ban.increment) if ban.increment is not None else None,
             penalty_ban=penalty_ban,
+            auto_ban=auto_ban if challenge is not None else None,
         ))
     if issues:
         raise ConfigError(issues)
@@ -433,7 +457,7 @@ def compile_rules(loaded: LoadedRules, shadow: bool = False) -> Ruleset:
         draft_headers=model.headers == "draft",
         log_keys=model.decision_log.keys,
         difficulty=model.challenge.difficulty,
-        auto_ban=AutoBan.from_config(model.challenge.auto_ban),
+        auto_ban=auto_ban,
     )
 
 

@@ -159,24 +159,107 @@ class PenaltyBan:
         return (*self.limiter.redis_args(self.threshold), lua_number(self.duration))
 
 
-@dataclass(slots=True)  # not frozen: made per rule per request, and frozen __init__ is slow
-class Check:
-    """One matching rule of one request, ready for the store."""
+@dataclass(frozen=True, slots=True)
+class CheckSpec:
+    """What one matching rule asks of the store, whatever the request's key.
+
+    A rule makes its own once, when the rules load (``CompiledRule.spec``);
+    a request makes another only in the uncommon cases (an override's
+    threshold, a verified bot, a lease id).
+    """
 
     rule_id: str
-    key: CountingKey
     limiter: Limiter
     threshold: float
     stops: bool  # over limit ends evaluation (block, ban, challenge)
     ban_duration: float | None = None  # over limit bans the client address
     count: bool = True  # False: a response-phase rule, only its penalty is checked
     auto_ban: AutoBan | None = None  # over limit issues a challenge, counted per address
-    lease: str = ""  # the request's lease id, in a ruleset with a concurrency limit
+    lease: str = ""  # the request's lease id, for a check of a concurrency limit
     # Requests this check counts at once (Envoy's hits_addend); 0 looks
     # without counting.
     amount: int = 1
     ban_increment: BanIncrement | None = None  # repeat bans of the address by the rule escalate
     penalty_ban: PenaltyBan | None = None  # over limit counts a penalty towards a ban (then_ban_after)
+
+
+class Check(tuple[CheckSpec, CountingKey]):
+    """One matching rule of one request, ready for the store: the rule's
+    ``CheckSpec`` and the request's counting key.
+
+    A pair, so that the engine makes one for every matching rule of every
+    request as ``Check.of(rule.spec, key)`` (a tuple: a tenth of a
+    twelve-field object's cost) and the stores read it as ``spec, key =
+    check``. ``Check(rule_id, key, limiter, ...)`` spells every field, for
+    the front doors that make a spec per request (the Rate Limit Service)
+    and for tests; the spec's fields are also properties, but ``count``
+    (which is tuple.count): read ``check.spec.count``.
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, rule_id: str, key: CountingKey, limiter: Limiter, threshold: float, stops: bool,
+                ban_duration: float | None = None, count: bool = True, auto_ban: AutoBan | None = None,
+                lease: str = "", amount: int = 1, ban_increment: BanIncrement | None = None,
+                penalty_ban: PenaltyBan | None = None) -> "Check":
+        return tuple.__new__(cls, (CheckSpec(rule_id, limiter, threshold, stops, ban_duration, count, auto_ban,
+                                             lease, amount, ban_increment, penalty_ban), key))
+
+    @staticmethod
+    def of(spec: CheckSpec, key: CountingKey) -> "Check":
+        return make_check(Check, (spec, key))
+
+    @property
+    def spec(self) -> CheckSpec:
+        return self[0]
+
+    @property
+    def key(self) -> CountingKey:
+        return self[1]
+
+    @property
+    def rule_id(self) -> str:
+        return self[0].rule_id
+
+    @property
+    def limiter(self) -> Limiter:
+        return self[0].limiter
+
+    @property
+    def threshold(self) -> float:
+        return self[0].threshold
+
+    @property
+    def stops(self) -> bool:
+        return self[0].stops
+
+    @property
+    def ban_duration(self) -> float | None:
+        return self[0].ban_duration
+
+    @property
+    def auto_ban(self) -> AutoBan | None:
+        return self[0].auto_ban
+
+    @property
+    def lease(self) -> str:
+        return self[0].lease
+
+    @property
+    def amount(self) -> int:
+        return self[0].amount
+
+    @property
+    def ban_increment(self) -> BanIncrement | None:
+        return self[0].ban_increment
+
+    @property
+    def penalty_ban(self) -> PenaltyBan | None:
+        return self[0].penalty_ban
+
+
+# tuple.__new__ called with the class: ``Check.of`` without its own call, for the engine.
+make_check = tuple.__new__
 
 
 @dataclass(frozen=True, slots=True)

@@ -66,7 +66,7 @@ class LeakyBucket(Bucket):
         if excess > self.burst:
             return self.refuse(state, now, self._wait_ms(state, now_ms, amount) / 1000)
         delay_ms = 0 if excess <= self.delay else (excess - self.delay) * 1000 // self.rate
-        return Hit(False, delay=delay_ms / 1000, proposal=(excess, now_ms))
+        return Hit(False, 0.0, delay_ms / 1000, (excess, now_ms))  # positional: made for every admitted request
 
     def _excess(self, state: LeakyState, now_ms: int, amount: int = 1) -> int:
         assert state.last is not None

@@ -51,7 +51,7 @@ class TokenBucket(Bucket):
         cost = self.cost * amount
         if cost > tokens:
             return self.refuse(state, now, (cost - tokens) / self.refill)
-        return Hit(False, proposal=(tokens - cost, now))
+        return Hit(False, 0.0, 0.0, (tokens - cost, now))  # positional: made for every admitted request
 
     @staticmethod
     def commit(state: TokenState, hit: Hit) -> None:

@@ -200,7 +200,7 @@ class MemoryStore:
         evaluation = self._evaluate(now, address, checks, can_delay)
         if quotas and evaluation.ban is None:
             evaluation.quotas = [check.limiter.quota(self._state(check.key, check.limiter)[0], now,
-                                                     check.threshold) if check.count else None
+                                                     check.threshold) if check.spec.count else None
                                  for check in checks]
         return evaluation
 
@@ -213,50 +213,57 @@ class MemoryStore:
         hits = evaluation.hits
         buckets: list[tuple[Check, DeferredLimiter, Any, bool, Hit]] = []
         refused = False
-        # BoundedMap.get written out for the common case (a key counted by
-        # the same limiter before): this loop runs for every rule of every
-        # request, and a method call per rule is a tenth of its cost.
+        # BoundedMap.get and _state written out: this loop runs for every
+        # rule of every request, and a method call per rule is a tenth of
+        # its cost.
         data = self._states.data
         for check in checks:
-            key = check.key
-            limiter = check.limiter
-            if check.count and not limiter.deferred:
+            spec, key = check
+            limiter = spec.limiter
+            if spec.count and not limiter.deferred:
                 state = data.pop(key, None)
                 if state is not None:
                     data[key] = state
                 if state is not None and state.limiter is limiter:
-                    hit = limiter.hit(state, now, check.threshold, check.amount)
+                    hit = limiter.hit(state, now, spec.threshold, spec.amount)
                 else:  # a new key, or one a reload gave another limiter
-                    hit = self._count(key, state, limiter, now, check.threshold, check.amount)
-            elif not check.count:
-                state, stored = self._state(key, limiter)
-                hit = limiter.peek(state, now) if stored else ALLOWED
-            elif is_deferred(limiter):
-                state, stored = self._state(key, limiter)
-                hit = limiter.assess(state, now, check.lease, check.amount)
-                if hit.delay and not can_delay:
-                    hit = Hit(True, hit.delay)  # the wait queue is full: refuse
-                buckets.append((check, limiter, state, stored, hit))
+                    hit = self._count(key, state, limiter, now, spec.threshold, spec.amount)
+            else:  # a look (a response-phase rule), or a bucket's
+                state = data.pop(key, None)
+                if state is not None:
+                    data[key] = state
+                    if state.limiter is not limiter:
+                        state = self._reloaded(state, limiter)
+                stored = state is not None
+                if not spec.count:
+                    hit = limiter.peek(state, now) if stored else ALLOWED
+                elif is_deferred(limiter):
+                    if not stored:
+                        state = limiter.new_state()
+                    hit = limiter.assess(state, now, spec.lease, spec.amount)
+                    if hit.delay and not can_delay:
+                        hit = Hit(True, hit.delay)  # the wait queue is full: refuse
+                    buckets.append((check, limiter, state, stored, hit))
             hits.append(hit)
-            if hit.over_limit and check.stops:
+            if hit.over_limit and spec.stops:
                 refused = True
-                ban_key, ban_duration = check.key, check.ban_duration
-                auto_ban = check.auto_ban
+                ban_key, ban_duration = key, spec.ban_duration
+                auto_ban = spec.auto_ban
                 if auto_ban is not None and address:
                     # One more challenge for this address: past the auto-ban
                     # threshold, a ban instead.
                     ban_key = auto_ban.key(address)
                     if self._hit(ban_key, auto_ban.limiter, now, auto_ban.threshold, 1).over_limit:
                         ban_duration = auto_ban.duration
-                penalty_ban = check.penalty_ban
+                penalty_ban = spec.penalty_ban
                 if penalty_ban is not None and ban_duration is None and address and \
-                        self._unsolved_penalty(now, address, check.rule_id, hit, penalty_ban):
-                    ban_key, ban_duration = penalty_ban.key(check.rule_id, address), penalty_ban.duration
+                        self._unsolved_penalty(now, address, spec.rule_id, hit, penalty_ban):
+                    ban_key, ban_duration = penalty_ban.key(spec.rule_id, address), penalty_ban.duration
                 if ban_duration is not None and address:
                     # Issuing a ban clears the triggering key.
                     self._states.pop(ban_key, None)
-                    evaluation.ban = self._ban(now, address, check.rule_id, ban_duration,
-                                               check.ban_increment if ban_duration == check.ban_duration else None)
+                    evaluation.ban = self._ban(now, address, spec.rule_id, ban_duration,
+                                               spec.ban_increment if ban_duration == spec.ban_duration else None)
                     evaluation.new_ban = True
                 break
         if buckets and not refused:

@@ -155,12 +155,12 @@ class _RuleTable:
         numbers = []
         added = False
         for check in checks:
-            kind = (id(check.limiter), check.threshold, check.rule_id, check.count, check.stops,
+            kind = (id(check.limiter), check.threshold, check.rule_id, check.spec.count, check.stops,
                     check.ban_duration, check.auto_ban is not None, check.ban_increment, check.penalty_ban)
             known = self._numbers.get(kind)
             if known is None:
                 known = self._numbers[kind] = str(len(self._entries) + 1), check.limiter
-                fields = [check.rule_id, _flag(check.count), _flag(check.stops), _ban_spec(check),
+                fields = [check.rule_id, _flag(check.spec.count), _flag(check.stops), _ban_spec(check),
                           _flag(check.auto_ban is not None), *check.limiter.redis_args(check.threshold)]
                 if check.penalty_ban is not None:
                     fields += check.penalty_ban.lua_fields()
