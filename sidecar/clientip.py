@@ -17,7 +17,6 @@ from __future__ import annotations
 import ipaddress
 import re
 import socket
-from dataclasses import dataclass
 from typing import Any, Sequence, Union
 
 IPAddress = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
@@ -37,21 +36,49 @@ _NON_SPACE = re.compile(r"\S")
 _SPACES = re.compile(r"\s*")
 
 
-@dataclass(frozen=True, slots=True)
 class ClientAddress:
     """The resolved client: the full address and the key text derived from it.
 
     ``address`` is None when the proxy sent nothing usable; ``key`` is then the
     empty value (a missing value takes part as the empty value).
+
+    A canonical IPv4 address is resolved from its value alone
+    (``ClientAddress(None, key, value)``): its ``ipaddress`` object, which
+    costs as much as the rest of resolving, is made only if something asks
+    for ``address`` (exempt networks, overrides, an ``ip`` condition), so a
+    flood of new addresses never makes one. Treat it as immutable.
     """
 
-    address: IPAddress | None
-    key: str
+    __slots__ = ("key", "_address", "_ipv4")
+
+    def __init__(self, address: IPAddress | None, key: str, ipv4: int = -1) -> None:
+        self.key = key
+        self._address = address
+        self._ipv4 = ipv4  # the IPv4 address's value, when ``address`` is yet to be made
+
+    @property
+    def address(self) -> IPAddress | None:
+        address = self._address
+        if address is None and self._ipv4 >= 0:
+            address = self._address = ipaddress.IPv4Address(self._ipv4)
+        return address
 
     @property
     def text(self) -> str:
         """The address as a person would write it (for pages and logs)."""
-        return "" if self.address is None else str(self.address)
+        address = self.address
+        return "" if address is None else str(address)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ClientAddress):
+            return NotImplemented
+        return self.key == other.key and self.address == other.address
+
+    def __hash__(self) -> int:
+        return hash((self.key, self.address))
+
+    def __repr__(self) -> str:
+        return f"ClientAddress({self.address!r}, {self.key!r})"
 
 
 UNKNOWN_CLIENT = ClientAddress(None, "")
@@ -77,23 +104,20 @@ def in_networks(address: IPAddress, networks: Sequence[IPNetwork]) -> bool:
     return any(version == net.version and address in net for net in networks)
 
 
+# Canonical dotted IPv4, the only form ``ipaddress`` accepts: four decimal
+# octets of at most 255, without leading zeros.
+_OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+_CANONICAL_IPV4 = re.compile(rf"{_OCTET}(?:\.{_OCTET}){{3}}")
+
+
 def _canonical_ipv4(text: str) -> int | None:
     """The value of ``text`` when it is an IPv4 address in canonical dotted
-    form (which is the only form ``ipaddress`` accepts: four decimal octets,
-    no leading zeros), else None, meaning "ask ``ipaddress``".
-
-    inet_pton is lenient or strict depending on the C library; the round
-    trip through inet_ntop makes the answer exact whatever it accepts.
-    """
-    if len(text) > 15 or ":" in text:
+    form, else None, meaning "ask ``ipaddress``". The pattern decides what
+    is one (inet_pton is lenient or strict depending on the C library), and
+    inet_pton only turns it into bytes."""
+    if _CANONICAL_IPV4.fullmatch(text) is None:
         return None
-    try:
-        packed = socket.inet_pton(socket.AF_INET, text)
-    except (OSError, ValueError):  # ValueError: NUL or a surrogate in the text
-        return None
-    if socket.inet_ntop(socket.AF_INET, packed) != text:
-        return None
-    return int.from_bytes(packed, "big")
+    return int.from_bytes(socket.inet_pton(socket.AF_INET, text), "big")
 
 
 # What one field (or the peer) is, once classified: a usable address with
@@ -258,24 +282,18 @@ class ClientIPResolver:
         if not text:
             return _BLANK
         value = _canonical_ipv4(text)
-        address: IPAddress | None
         if value is not None:
-            address = ipaddress.IPv4Address(value)
             key = text if self.ipv4_prefix == 32 else self._ipv4_key(value)
-        else:
-            address = parse_address(text)
-            if address is None:
-                return _MALFORMED
-            key = self.key_for(address)
-        return ClientAddress(address, key), self._trusted(address)
+            return ClientAddress(None, key, value), self._trusted(4, value)
+        address = parse_address(text)
+        if address is None:
+            return _MALFORMED
+        return ClientAddress(address, self.key_for(address)), self._trusted(address.version, int(address))
 
-    def _trusted(self, address: IPAddress) -> bool:
-        networks = self._trusted_ints[address.version]
-        if networks:
-            value = int(address)
-            for mask, network in networks:
-                if value & mask == network:
-                    return True
+    def _trusted(self, version: int, value: int) -> bool:
+        for mask, network in self._trusted_ints[version]:
+            if value & mask == network:
+                return True
         return False
 
     def _ipv4_key(self, value: int) -> str:

@@ -202,10 +202,12 @@ class Engine:
         ruleset = self.ruleset
         metrics = self.metrics
         metrics.checks.inc()
-        address = request.client.address
+        network_bans = self.store.network_bans  # banned by hand (sidecar.networkbans)
+        # The address object only when something asks for it: a new client's
+        # is made on the first read (sidecar.clientip.ClientAddress).
+        address = request.client.address if ruleset.exempt or network_bans or ruleset.overridden else None
         if address is not None and ruleset.exempt and in_networks(address, ruleset.exempt):
             return ALLOWED
-        network_bans = self.store.network_bans  # banned by hand (sidecar.networkbans)
         if network_bans and address is not None and network_bans.find(address, self.clock()) is not None:
             metrics.banned_requests.inc()
             return CLOSED

@@ -353,10 +353,12 @@ class Ruleset:
     auto_ban: AutoBan  # challenges per address before it is banned
     holds: bool = field(init=False)  # any rule may hold a request (read for every request)
     leases: bool = field(init=False)  # any rule takes concurrency slots: requests need a lease id
+    overridden: bool = field(init=False)  # any rule has overrides: thresholds depend on the address
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "holds", any(rule.limiter.holds for rule in self.rules))
         object.__setattr__(self, "leases", any(rule.limiter.leases for rule in self.rules))
+        object.__setattr__(self, "overridden", any(rule.overrides for rule in self.rules))
 
     @property
     def warnings(self) -> list[str]:

@@ -178,7 +178,12 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._header_count += 1
         if self._header_count > self.max_headers:
             raise HeadTooLarge(f"more than {self.max_headers} header fields")
-        super().on_header(name, value)
+        # What uvicorn's on_header does, without the call: this runs for
+        # every header field of every check.
+        name = name.lower()
+        if name == b"expect" and value.lower() == b"100-continue":
+            self.expect_100_continue = True
+        self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         self._head_budget = None

@@ -83,8 +83,8 @@ class RouteTable:
 
 def header_map(scope: Scope) -> dict[str, str]:
     """Request headers by lower-case name; repeated headers are joined."""
-    return join_fields((raw_name.decode("latin-1"), raw_value.decode("latin-1"))
-                       for raw_name, raw_value in scope["headers"])
+    return join_fields([(raw_name.decode("latin-1"), raw_value.decode("latin-1"))
+                        for raw_name, raw_value in scope["headers"]])
 
 
 def join_fields(fields: Iterable[tuple[str, str]]) -> dict[str, str]:
