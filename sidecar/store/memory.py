@@ -47,9 +47,11 @@ class BoundedMap:
 
     When the map is full, the keys of past slots that have really expired
     go, then the oldest entries down to nine tenths. Each key costs one
-    ``expires_at`` when stored and one per slot it outlives; entries read or
+    ``expires_at`` when stored and one per slot it outlives; entries
     dropped leave stale wheel references, which are skipped, and the wheel
-    is rebuilt from the map when they outnumber its keys. So an attack
+    is rebuilt from the map whenever they outnumber its keys (full or not:
+    a key popped and stored again on every request, as a concurrency
+    limit's is, must not grow it). So an attack
     rotating through millions of addresses costs O(1) per request, with no
     sweep over the map, and never more memory than the cap.
     """
@@ -79,9 +81,14 @@ class BoundedMap:
             return
         if stored is None:
             self.add(key, value)
-        else:
-            self._file(key, self._expires_at(value))
-            data[key] = value
+            return
+        expires = self._expires_at(value)
+        if expires < self._expires_at(stored):
+            # The key's reference may be filed after its new expiry; one
+            # that expires later keeps it, which is still a time before
+            # which it cannot have expired.
+            self._file(key, expires)
+        data[key] = value
 
     def add(self, key: Hashable, value: Any, expires: float | None = None) -> None:
         """Store a key that is not in the map, the common case under key
@@ -103,6 +110,8 @@ class BoundedMap:
             keys.append(key)
         self._filed += 1
         data[key] = value
+        if self._filed > 2 * len(data) + 1024:
+            self._rebuild_wheel()
 
     def pop(self, key: Hashable, default: Any = None) -> Any:
         return self.data.pop(key, default)
@@ -130,12 +139,12 @@ class BoundedMap:
         else:
             keys.append(key)
         self._filed += 1
+        if self._filed > 2 * len(self.data) + 1024:
+            self._rebuild_wheel()
 
     def _make_room(self) -> None:
         data = self.data
         now = self._clock()
-        if self._filed > 2 * len(data) + 1024:
-            self._rebuild_wheel()
         expires_at, wheel, slots = self._expires_at, self._wheel, self._slots
         current = self._slot(now)
         outlived: list[tuple[Hashable, float]] = []
@@ -159,19 +168,36 @@ class BoundedMap:
                 del data[key]
 
     def _rebuild_wheel(self) -> None:
-        """Drop the wheel's stale references (keys dropped since they were
-        filed, and second references to one key); each key stays in its
-        slot, which is still a time before which it cannot expire."""
-        data, seen = self.data, set()
+        """Drop the wheel's stale references: keys dropped since they were
+        filed (made room for, popped), which a map in use keeps making, full
+        or not. Each key stays in its slot, which is still a time before
+        which it cannot expire.
+
+        Under key rotation nearly every reference is stale by now, so this
+        is one membership test per reference; only when a key is filed
+        twice (its expiry moved earlier) is the earliest reference kept.
+        """
+        data = self.data
         wheel: dict[int, list[Hashable]] = {}
+        filed = 0
         for slot, keys in self._wheel.items():
-            live = [key for key in keys if key in data and key not in seen]
+            live = [key for key in keys if key in data]
             if live:
-                seen.update(live)
                 wheel[slot] = live
+                filed += len(live)
+        if filed > len(data):
+            seen: set[Hashable] = set()
+            for slot in sorted(wheel):
+                live = [key for key in wheel[slot] if key not in seen]
+                seen.update(live)
+                if live:
+                    wheel[slot] = live
+                else:
+                    del wheel[slot]
+            filed = len(seen)
         self._wheel, self._slots = wheel, list(wheel)
         heapq.heapify(self._slots)
-        self._filed = len(seen)
+        self._filed = filed
 
 
 class MemoryStore:

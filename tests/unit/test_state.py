@@ -96,3 +96,32 @@ def test_an_entry_read_often_keeps_its_place_and_stale_references_stay_bounded()
     # Keys forgotten by recency leave references in the expiry wheel; the
     # wheel is rebuilt before they outnumber the map's keys by much.
     assert m._filed <= 2 * len(m) + 1024 + 1
+
+
+def test_a_key_popped_and_stored_again_never_grows_the_wheel_of_a_map_that_is_not_full():
+    """As a concurrency limit's key is, on every request: the map never
+    fills, so no room is made, and its stale references are still dropped."""
+    clock = [0.0]
+    m = bounded(100_000, clock)
+    for round_ in range(20_000):
+        m.add(("exports", "192.0.2.1"), Expiring(1e9))
+        m.pop(("exports", "192.0.2.1"))
+        assert m._filed <= 2 * 1 + 1024 + 1  # the bound while the key is stored
+    assert len(m) == 0
+
+
+def test_a_value_replaced_many_times_keeps_one_reference():
+    """A ban or a step stored again over its key: a later expiry keeps the
+    reference it has, an earlier one is filed anew, and the wheel stays
+    bounded either way."""
+    clock = [0.0]
+    m = bounded(100_000, clock)
+    for step in range(20_000):
+        # Alternately later and earlier than the value it replaces.
+        m["address"] = Expiring(1_000.0 + (step % 2) * 500 - step * 0.01)
+        assert m._filed <= 2 * len(m) + 1024 + 1
+    m["address"] = Expiring(0.5)
+    clock[0] = 1.0
+    for key in range(100_000):
+        m.add(key, Expiring(1e9))
+    assert m.get("address") is None  # found expired through its earliest reference
