@@ -98,7 +98,7 @@ http {{
     client_body_temp_path "{run}/tmp";
     proxy_temp_path "{run}/tmp";
     limit_req_zone $binary_remote_addr zone=bench:10m rate=1000000r/s;
-    upstream app {{ server 127.0.0.1:{upstream}; keepalive 16; }}
+    upstream app {{ server 127.0.0.1:{upstream}; keepalive 64; }}
     server {{
         listen 127.0.0.1:{plain};
         proxy_http_version 1.1;
