@@ -201,7 +201,7 @@ class Engine:
         store need not be asked."""
         ruleset = self.ruleset
         metrics = self.metrics
-        metrics.checks.inc()
+        metrics.checks.value += 1  # Tally.inc without the call: every request
         network_bans = self.store.network_bans  # banned by hand (sidecar.networkbans)
         # The address object only when something asks for it: a new client's
         # is made on the first read (sidecar.clientip.ClientAddress).

@@ -235,8 +235,8 @@ class MemoryStore:
             ban = self._bans.get(address)
             if ban is not None and now < ban.expires:
                 return Evaluation(ban=ban)
-        evaluation = Evaluation()
-        hits = evaluation.hits
+        hits: list[Hit] = []
+        evaluation = Evaluation(None, False, hits)  # positional: made for every request
         buckets: list[tuple[Check, DeferredLimiter, Any, bool, Hit]] = []
         refused = False
         # BoundedMap.get and _state written out: this loop runs for every
