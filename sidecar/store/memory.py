@@ -97,21 +97,8 @@ class BoundedMap:
         data = self.data
         if len(data) >= self.max_keys:
             self._make_room()
-        if expires is None:
-            expires = self._expires_at(value)
-        # _file and _slot written out: under key rotation this runs for
-        # every rule of every request.
-        slot = (int(expires) if expires < 1e18 else 1 << 62) if expires >= 1.0 else 0
-        keys = self._wheel.get(slot)
-        if keys is None:
-            self._wheel[slot] = [key]
-            heapq.heappush(self._slots, slot)
-        else:
-            keys.append(key)
-        self._filed += 1
         data[key] = value
-        if self._filed > 2 * len(data) + 1024:
-            self._rebuild_wheel()
+        self._file(key, self._expires_at(value) if expires is None else expires)
 
     def pop(self, key: Hashable, default: Any = None) -> Any:
         return self.data.pop(key, default)
