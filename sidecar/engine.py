@@ -27,7 +27,6 @@ from sidecar.request import CheckRequest
 from sidecar.responses import ResponsePhase
 from sidecar.rules import CompiledRule, Ruleset
 from sidecar.state import BanRecord, Check, Evaluation, epoch_clock, make_check
-
 from sidecar.store import StateStore, StoreUnavailable, open_store
 from sidecar.store.memory import run_at_once
 from sidecar.tokens import Tokens
