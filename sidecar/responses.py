@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from sidecar.keys import CountingKey
 from sidecar.limiters import Hit
-from sidecar.pending import Pending, SlotEntry
+from sidecar.pending import KeyValues, Pending
 from sidecar.rules import CompiledRule
 from sidecar.state import ResponseCount
 from sidecar.store import StoreUnavailable
@@ -41,14 +41,13 @@ class ResponsePhase:
         engine.metrics.reports.inc()
         if pending.slots:
             await self._release(pending)
-        resets = self._resets(pending, status)
+        resets, prepared = self._walk(pending, status, headers)
         if resets:
             try:
                 await engine.store.reset(resets)
             except StoreUnavailable as exc:
                 engine.store_failed(exc)  # the key keeps its count, as with a lost report
             engine.metrics.resets.inc(len(resets))
-        prepared = self._counts(pending, status, headers)
         if prepared is None:
             return 0
         try:
@@ -58,9 +57,20 @@ class ResponsePhase:
             return 0
         return self._counted(*prepared, hits)
 
+    def _key(self, rule_id: str, values: KeyValues) -> tuple[CompiledRule, CountingKey] | None:
+        """A pending entry's rule and counting key under the rules running
+        now; None when a reload removed the rule or changed its dimensions
+        (the entry is dropped: its slots end with their lease, its count
+        is lost as with a lost report)."""
+        rule = self._engine.ruleset.by_id.get(rule_id)
+        if rule is None or len(values) != len(rule.key_prefix[1]):
+            return None
+        return rule, (rule.key_prefix, *values)
+
     async def _release(self, pending: Pending) -> None:
         engine = self._engine
-        keys = self._slot_keys(pending.slots)
+        keys = [found[1] for found in (self._key(rule_id, values) for rule_id, values in pending.slots)
+                if found is not None]
         if not keys:
             return
         try:
@@ -70,45 +80,27 @@ class ResponsePhase:
             return
         engine.metrics.released.inc(released)
 
-    def _slot_keys(self, slots: list[SlotEntry]) -> list[CountingKey]:
-        """The counting keys of the slots; a reload that removed a rule, or
-        changed its dimensions, leaves its slots to their leases."""
-        by_id = self._engine.ruleset.by_id
-        keys: list[CountingKey] = []
-        for rule_id, values in slots:
-            rule = by_id.get(rule_id)
-            if rule is not None and len(values) == len(rule.key_prefix[1]):
-                keys.append((rule.key_prefix, *values))
-        return keys
-
-    def _resets(self, pending: Pending, status: int) -> list[CountingKey]:
-        """The keys this response clears: of the pending rules whose
-        ``reset_on`` names its status."""
-        by_id = self._engine.ruleset.by_id
-        keys: list[CountingKey] = []
-        for rule_id, _, values in pending.counts:
-            rule = by_id.get(rule_id)
-            if rule is not None and rule.reset_on is not None and status in rule.reset_on \
-                    and len(values) == len(rule.key_prefix[1]):
-                keys.append((rule.key_prefix, *values))
-        return keys
-
-    def _counts(self, pending: Pending, status: int, headers: dict[str, str]
-                ) -> tuple[list[CompiledRule], list[ResponseCount]] | None:
-        """The counts a report makes, or None when it makes none."""
-        ruleset = self._engine.ruleset
+    def _walk(self, pending: Pending, status: int, headers: dict[str, str]
+              ) -> tuple[list[CountingKey], tuple[list[CompiledRule], list[ResponseCount]] | None]:
+        """What the response does to the pending rules, in one walk: the
+        keys it clears (rules whose ``reset_on`` names its status), and the
+        counts it makes (None when it makes none)."""
+        resets: list[CountingKey] = []
         rules: list[CompiledRule] = []
         counts: list[ResponseCount] = []
         for rule_id, threshold, values in pending.counts:
-            rule = ruleset.by_id.get(rule_id)
-            # A reload may have removed the rule or changed its dimensions.
-            if rule is None or rule.response is None or len(values) != len(rule.key_prefix[1]):
+            found = self._key(rule_id, values)
+            if found is None:
                 continue
-            amount = rule.response.amount(status, headers)
-            if amount:
-                rules.append(rule)
-                counts.append(ResponseCount((rule.key_prefix, *values), rule.limiter, threshold, amount))
-        return (rules, counts) if counts else None
+            rule, key = found
+            if rule.reset_on is not None and status in rule.reset_on:
+                resets.append(key)
+            if rule.response is not None:
+                amount = rule.response.amount(status, headers)
+                if amount:
+                    rules.append(rule)
+                    counts.append(ResponseCount(key, rule.limiter, threshold, amount))
+        return resets, ((rules, counts) if counts else None)
 
     def _counted(self, rules: list[CompiledRule], counts: list[ResponseCount], hits: list[Hit]) -> int:
         engine = self._engine
