@@ -40,6 +40,7 @@ from sidecar.keys import CountingKey, key_dimensions
 from sidecar.limiters import ALLOWED, Hit, lua_libraries
 from sidecar.networkbans import NetworkBans
 from sidecar.store import Described, StoreUnavailable
+from sidecar.store.memory import BoundedMap
 from sidecar.store.penalties import PenaltyCache
 from sidecar.store.redis_admin import (ADMIN_VERSION, COUNT_INFIX, NETWORK_HEAD, NETWORK_INDEX, VERSION_KEPT_MS,
                                        AdminCopy, glob_escape, key_of_name, network_record, new_version, scan)
@@ -263,6 +264,8 @@ class RedisStore:
         self._release = client.script(_script("release"))
         self._admin_scripts: dict[str, str] = {}
         self._writes: set[asyncio.Task[None]] = set()  # shadow bans being written
+        # address -> when the shadow ban this node last wrote for it ends
+        self._shadow_written = BoundedMap(max_keys, lambda expires: expires, clock)
         self.admin = AdminCopy(self._admin_state, self._ban_record, self.penalties, clock)
         self.network_bans: NetworkBans = self.admin.network_bans  # read again in place on changes
 
@@ -448,7 +451,13 @@ class RedisStore:
 
     def record_shadow_ban(self, record: BanRecord) -> None:
         """Written in the background: the request it was decided for does
-        not wait, and a shared store that does not answer loses only it."""
+        not wait, and a shared store that does not answer loses only it.
+        Every request over the shadow rule's limit calls for the ban again;
+        it is written once while the one this node wrote is in force."""
+        written = self._shadow_written.get(record.address)
+        if written is not None and record.expires - record.duration < written:  # made now, on the rules' clock
+            return
+        self._shadow_written[record.address] = record.expires
         task = asyncio.get_running_loop().create_task(self._write_shadow_ban(record))
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
@@ -461,17 +470,19 @@ class RedisStore:
                                 "started", repr(record.started_wall), "duration", repr(record.duration))
             await self._command(name, "PEXPIRE", name, ttl)
         except StoreUnavailable:
-            pass  # a shadow ban is a note: the next one is written again
+            # A shadow ban is a note: the next request that calls for it writes it.
+            self._shadow_written.pop(record.address, None)
 
     async def shadow_bans(self, now: float) -> list[BanRecord]:
         """Every node's, found by scanning (with the time Redis has left them)."""
         names: list[str] = []
         async for batch in scan(self.client, BAN_HEAD + "*" + SHADOW_TAIL):
             names.extend(batch)
+        replies = await _all([self._command(name, command, name, *fields) for name in names
+                              for command, fields in (("HMGET", ("rule", "node", "started", "duration")),
+                                                      ("PTTL", ()))])
         found = []
-        for name in names:
-            fields, ttl = await self._command(name, "HMGET", name, "rule", "node", "started", "duration"), \
-                await self._command(name, "PTTL", name)
+        for name, fields, ttl in zip(names, replies[0::2], replies[1::2]):
             if fields[0] is None or int(ttl) <= 0:
                 continue
             address = name[len(BAN_HEAD):-len(SHADOW_TAIL)]
@@ -486,11 +497,19 @@ class RedisStore:
         for kind in ("banstep", "counted", "penalties"):
             async for batch in scan(self.client, f"{BAN_HEAD}{glob_escape(address)}}}:{kind}:*"):
                 names.extend(batch)
-        return sum([int(await self._command(name, "DEL", name)) for name in names])
+        return await self._delete(names)
 
     async def lift_shadow_ban(self, address: str) -> bool:
+        self._shadow_written.pop(address, None)
         name = shadow_ban_key(address)
         return bool(await self._command(name, "DEL", name))
+
+    async def _delete(self, names: Sequence[str]) -> int:
+        """DEL of the names, a batch per hash slot at a time (at its slot's
+        master on a cluster), all at once; how many existed."""
+        calls = [self._command(names[indices[0]], "DEL", *(names[i] for i in indices))
+                 for indices in self._batches(names)]
+        return sum(int(count) for count in await _all(calls)) if calls else 0
 
     async def reset(self, keys: Sequence[CountingKey]) -> int:
         """DEL of the keys, a batch per hash slot at a time (at its slot's
@@ -499,10 +518,7 @@ class RedisStore:
         see reset_keys for an administrator's)."""
         for key in keys:
             self.penalties.forget(key)
-        names = [counting_key(key) for key in keys]
-        calls = [self._command(names[indices[0]], "DEL", *(names[i] for i in indices))
-                 for indices in self._batches(names)]
-        return sum(int(count) for count in await _all(calls)) if calls else 0
+        return await self._delete([counting_key(key) for key in keys])
 
     async def lift_ban(self, address: str) -> bool:
         if isinstance(self.client, ClusterRedis):
@@ -654,10 +670,12 @@ class RedisStore:
 
     def configure(self, max_keys: int, node: str) -> None:
         """New settings from a reload. ``max_keys`` bounds the node's cache of
-        keys over limit; Redis's own ``maxmemory`` bounds the shared state,
+        keys over limit and of shadow bans written; Redis's own ``maxmemory``
+        bounds the shared state,
         where every key expires."""
         self.node = node
         self.penalties.configure(max_keys)
+        self._shadow_written.max_keys = max_keys
         # The new rules' checks are other kinds: a table of their own.
         self._rules.close()
         self._rules = _RuleTable(self.client, self._rules.body)

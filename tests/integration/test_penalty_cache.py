@@ -98,3 +98,47 @@ def test_rules_that_ban_or_still_count_are_always_asked(redis_server: RedisServe
     watched, watched_trips, scraped, scrape_trips = asyncio.run(run())
     assert watched == [ALLOW, ALLOW, ALLOW] and watched_trips == 3
     assert scraped == [ALLOW, ALLOW, CLOSE, CLOSE, CLOSE] and scrape_trips == 5
+
+
+SHADOW_RULES = """\
+rules:
+  - id: scrapers
+    key: [ip]
+    limit: {requests: 1, per: 1h}
+    action: ban
+    ban: {duration: 1h}
+    shadow: true
+"""
+
+
+def test_a_shadow_ban_is_written_once_while_it_is_in_force(redis_server: RedisServer) -> None:
+    """Every request over a shadow ban rule's limit calls for the ban again;
+    the shared store gets it once, and again once it has ended."""
+    redis_server.client().flushdb()
+    redis_server.client().config_resetstat()
+
+    def writes() -> int:
+        return int(redis_server.client().info("commandstats").get("cmdstat_hset", {}).get("calls", 0))
+
+    async def run() -> tuple[list[str], int, int, list[str]]:
+        clock = FakeClock()
+        ruleset = ruleset_from(f"state: {{backend: redis, url: '{redis_server.url}'}}\n" + SHADOW_RULES)
+        e = Engine(ruleset, store=RedisStore.from_url(redis_server.url, "a", server_time=False), clock=clock)
+        outcomes = [(await e.decide(request(e, "192.0.2.9"))).outcome for _ in range(50)]
+        await asyncio.sleep(0.2)  # the background writes
+        during = writes()
+        listed = [ban.address for ban in await e.active_bans() if ban.shadow]
+        clock.advance(3601)  # the shadow ban has ended: the next over-limit request writes it again
+        for _ in range(5):
+            clock.advance(3601)
+            await e.decide(request(e, "192.0.2.9"))
+        await asyncio.sleep(0.2)
+        return outcomes, during, writes(), listed
+
+    outcomes, during, after, listed = asyncio.run(run())
+    assert set(outcomes) == {ALLOW}
+    assert listed == ["192.0.2.9"]
+    # One HSET is the counter's, in the evaluation script (the first
+    # request); the other the shadow ban's, once for the 49 over the limit.
+    assert during == 2
+    assert after > during
