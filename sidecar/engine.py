@@ -5,7 +5,6 @@ backend it has."""
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import logging
 import math
@@ -235,13 +234,9 @@ class Engine:
                 if verified:
                     spec = rule.bot_spec
             if rule.overrides and address is not None:
-                threshold = rule.threshold_for(address)
-                if threshold != spec.threshold:
-                    spec = dataclasses.replace(spec, threshold=threshold)
-            if lease and spec.limiter.leases:
-                spec = dataclasses.replace(spec, lease=lease)
+                spec = rule.spec_for(address, spec)
             matched.append(rule)
-            checks.append(make_check(Check, (spec, rule.key(request))))
+            checks.append(make_check(Check, (spec, rule.key(request), lease)))
         if not checks and not self.store.may_be_banned():
             return ALLOWED
         return matched, checks
@@ -262,20 +257,18 @@ class Engine:
         # its limit, as the request is not refused.
         slots: list[SlotEntry] = []
         rule_hits = metrics.rule_hits
-        lease = ""
         for rule, check, hit in zip(matched, checks, evaluation.hits):
             if not hit.over_limit:
                 if rule.plain:
                     rule_hits[rule.id] += 1
                     continue
-                spec, key = check
+                spec, key, _ = check
                 if rule.counts:
                     rule_hits[rule.id] += 1
                     if rule.reset_on is not None:
                         # A response it names clears the key, when it is reported.
                         pending.append((rule.id, spec.threshold, key_values(key)))
-                    if spec.lease:
-                        lease = spec.lease
+                    if spec.limiter.leases:
                         slots.append((rule.id, key_values(key)))
                 else:
                     # Counted, maybe, when the response is reported.
@@ -303,7 +296,7 @@ class Engine:
         if pending or slots:
             # The report gives the slots back; without a token they end
             # with their lease.
-            token = self.pending.issue(pending, lease, slots)
+            token = self.pending.issue(pending, checks[0].lease, slots)
             if token is None:
                 metrics.unreportable.inc()
         allowed = observed or ALLOWED

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import socket
+import dataclasses
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -301,6 +302,8 @@ class CompiledRule:
     # Nothing to do after the store when within the limit but count the hit
     # (no response phase, no reset_on, no concurrency slot).
     plain: bool = field(init=False)
+    # Per override: its networks, and the spec and bot spec with its threshold.
+    override_specs: tuple[tuple[tuple[IPNetwork, ...], CheckSpec, CheckSpec], ...] = field(init=False)
 
     def __post_init__(self) -> None:
         stops = self.action != "log" and not self.shadow
@@ -310,17 +313,30 @@ class CompiledRule:
         # A shadow challenge is never issued, so it counts towards no ban.
         bans_for_challenges = self.challenge is not None and not self.shadow
         spec = CheckSpec(self.id, self.limiter, threshold, stops, applied_ban, counts,
-                         self.auto_ban if bans_for_challenges else None, "", 1, self.ban_increment,
+                         self.auto_ban if bans_for_challenges else None, 1, self.ban_increment,
                          self.penalty_ban if bans_for_challenges else None)
         # A verified bot that triggers a ban is let through.
-        bot_spec = CheckSpec(self.id, self.limiter, threshold, stops and applied_ban is None, None, counts,
-                             None, "", 1, self.ban_increment, None)
+        bot_spec = dataclasses.replace(spec, stops=stops and applied_ban is None, ban_duration=None,
+                                       auto_ban=None, penalty_ban=None)
         if bot_spec == spec:
             bot_spec = spec  # nothing a verified bot changes: the engine need not ask
+        override_specs = tuple(
+            (override.networks, dataclasses.replace(spec, threshold=self.threshold * override.multiply),
+             dataclasses.replace(bot_spec, threshold=self.threshold * override.multiply))
+            for override in self.overrides)
         for name, value in (("stops", stops), ("counts", counts), ("applied_ban", applied_ban),
                             ("base_threshold", threshold), ("spec", spec), ("bot_spec", bot_spec),
-                            ("plain", counts and self.reset_on is None and not self.limiter.leases)):
+                            ("plain", counts and self.reset_on is None and not self.limiter.leases),
+                            ("override_specs", override_specs)):
             object.__setattr__(self, name, value)
+
+    def spec_for(self, address: IPAddress, spec: CheckSpec) -> CheckSpec:
+        """``spec`` (the rule's, or its bot spec) with the threshold of the
+        first override whose networks hold the address."""
+        for networks, scaled, bot_scaled in self.override_specs:
+            if in_networks(address, networks):
+                return bot_scaled if spec is self.bot_spec and spec is not self.spec else scaled
+        return spec
 
     def threshold_for(self, address: IPAddress | None) -> float:
         if address is not None and self.overrides:

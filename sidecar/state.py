@@ -163,9 +163,9 @@ class PenaltyBan:
 class CheckSpec:
     """What one matching rule asks of the store, whatever the request's key.
 
-    A rule makes its own once, when the rules load (``CompiledRule.spec``);
-    a request makes another only in the uncommon cases (an override's
-    threshold, a verified bot, a lease id).
+    A rule makes its own when the rules load (``CompiledRule.spec``), and
+    one for a verified bot and one per override beside it; a request picks
+    one, and makes none.
     """
 
     rule_id: str
@@ -175,7 +175,6 @@ class CheckSpec:
     ban_duration: float | None = None  # over limit bans the client address
     count: bool = True  # False: a response-phase rule, only its penalty is checked
     auto_ban: AutoBan | None = None  # over limit issues a challenge, counted per address
-    lease: str = ""  # the request's lease id, for a check of a concurrency limit
     # Requests this check counts at once (Envoy's hits_addend); 0 looks
     # without counting.
     amount: int = 1
@@ -183,17 +182,18 @@ class CheckSpec:
     penalty_ban: PenaltyBan | None = None  # over limit counts a penalty towards a ban (then_ban_after)
 
 
-class Check(tuple[CheckSpec, CountingKey]):
+class Check(tuple[CheckSpec, CountingKey, str]):
     """One matching rule of one request, ready for the store: the rule's
-    ``CheckSpec`` and the request's counting key.
+    ``CheckSpec``, the request's counting key, and the request's lease id
+    (in a ruleset with a concurrency limit, else "").
 
-    A pair, so that the engine makes one for every matching rule of every
-    request as ``Check.of(rule.spec, key)`` (a tuple: a tenth of a
-    twelve-field object's cost) and the stores read it as ``spec, key =
-    check``. ``Check(rule_id, key, limiter, ...)`` spells every field, for
-    the front doors that make a spec per request (the Rate Limit Service)
-    and for tests; the spec's fields are also properties, but ``count``
-    (which is tuple.count): read ``check.spec.count``.
+    A triple, so that the engine makes one for every matching rule of every
+    request as ``Check.of(spec, key, lease)`` (a tuple: a tenth of a
+    twelve-field object's cost) and the stores read it as ``spec, key,
+    lease = check``. ``Check(rule_id, key, limiter, ...)`` spells every
+    field, for the front doors that make a spec per request (the Rate Limit
+    Service) and for tests; the spec's fields are also properties, but
+    ``count`` (which is tuple.count): read ``check.spec.count``.
     """
 
     __slots__ = ()
@@ -203,11 +203,11 @@ class Check(tuple[CheckSpec, CountingKey]):
                 lease: str = "", amount: int = 1, ban_increment: BanIncrement | None = None,
                 penalty_ban: PenaltyBan | None = None) -> "Check":
         return tuple.__new__(cls, (CheckSpec(rule_id, limiter, threshold, stops, ban_duration, count, auto_ban,
-                                             lease, amount, ban_increment, penalty_ban), key))
+                                             amount, ban_increment, penalty_ban), key, lease))
 
     @staticmethod
-    def of(spec: CheckSpec, key: CountingKey) -> "Check":
-        return make_check(Check, (spec, key))
+    def of(spec: CheckSpec, key: CountingKey, lease: str = "") -> "Check":
+        return make_check(Check, (spec, key, lease))
 
     @property
     def spec(self) -> CheckSpec:
@@ -243,7 +243,7 @@ class Check(tuple[CheckSpec, CountingKey]):
 
     @property
     def lease(self) -> str:
-        return self[0].lease
+        return self[2]
 
     @property
     def amount(self) -> int:

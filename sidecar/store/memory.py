@@ -231,7 +231,7 @@ class MemoryStore:
         # its cost.
         data = self._states.data
         for check in checks:
-            spec, key = check
+            spec, key, lease = check
             limiter = spec.limiter
             if spec.count and not limiter.deferred:
                 state = data.pop(key, None)
@@ -253,7 +253,7 @@ class MemoryStore:
                 elif is_deferred(limiter):
                     if not stored:
                         state = limiter.new_state()
-                    hit = limiter.assess(state, now, spec.lease, spec.amount)
+                    hit = limiter.assess(state, now, lease, spec.amount)
                     if hit.delay and not can_delay:
                         hit = Hit(True, hit.delay)  # the wait queue is full: refuse
                     buckets.append((check, limiter, state, stored, hit))
