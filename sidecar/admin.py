@@ -184,8 +184,7 @@ class Admin:
         """Why there was no ban of ``text`` to lift, and what bans it instead
         (a network's ban)."""
         target = self._target(text)
-        address = parse_address(target.text.partition("/")[0])
-        ban = self.engine.store.network_bans.find(address, self.engine.clock()) if address is not None else None
+        ban = self._network_ban(target.text, self.engine.clock())
         return f"no ban of {target.text}" + (f"; it is in the banned network {ban.address}: lift that"
                                               if ban is not None else "")
 
@@ -255,7 +254,7 @@ class Admin:
         if selection.key is not None:
             # As the decision log shows counting keys: values hashed unless
             # decision_log.keys says otherwise.
-            details["key"] = self.engine.log._key(selection.key)
+            details["key"] = self.engine.log.key_text(selection.key)
         self.engine.log.audit("reset", who, "reset", counters=reset, **details)
         result: dict[str, Any] = {"reset": reset}
         if selection.address is not None:
@@ -270,7 +269,7 @@ class Admin:
         if rule is not None and rule.key_prefix == (rule.id, key_dimensions(key)):
             address = next((parse_address(str(value).partition("/")[0]) for name, value
                             in zip(key_dimensions(key), key_values(key)) if name == "ip"), None)
-            return rule.limiter, rule.threshold_for(address) if rule.overrides else rule.base_threshold
+            return rule.limiter, rule.threshold_for(address)
         auto_ban = ruleset.auto_ban
         if key_rule_id(key) == key_rule_id(AutoBan.key("")):
             return auto_ban.limiter, float(auto_ban.threshold)
@@ -281,9 +280,14 @@ class Admin:
         ban = await self.engine.store.ban_of(now, address)
         if ban is not None:
             return ban_view(ban, now, network=False)
-        parsed = parse_address(address.partition("/")[0])
-        ban = self.engine.store.network_bans.find(parsed, now) if parsed is not None else None
+        ban = self._network_ban(address, now)
         return ban_view(ban, now, network=True) if ban is not None else None
+
+    def _network_ban(self, text: str, now: float) -> BanRecord | None:
+        """The network ban in force that holds a client key or a network's
+        text (by its first address), if any."""
+        address = parse_address(text.partition("/")[0])
+        return self.engine.store.network_bans.find(address, now) if address is not None else None
 
     @property
     def caller(self) -> str:

@@ -98,7 +98,7 @@ class DecisionLog:
         self._secret = secret
         self._hash_key: tuple[bytes, bytes] = (b"", log_hash_key(b""))  # (secret, its log key)
 
-    def _key(self, key: CountingKey) -> str:
+    def key_text(self, key: CountingKey) -> str:
         secret = self._secret()
         if self._hash_key[0] != secret:
             self._hash_key = (secret, log_hash_key(secret))
@@ -120,7 +120,7 @@ class DecisionLog:
             "rule": rule.id,
             "action": rule.action,
             "outcome": outcome,
-            "key": self._key(check.key),
+            "key": self.key_text(check.key),
             "client": request.client.key,
             "method": request.method,
             "host": _bounded(request.host),
@@ -148,7 +148,7 @@ class DecisionLog:
         entry = self._head()
         entry.update({"front_door": "rls", "domain": domain, "rule": rule_id,
                       "action": "shadow" if shadow else "ban" if banned else "block",
-                      "outcome": "observe" if shadow else "deny", "key": self._key(key), "node": self._node()})
+                      "outcome": "observe" if shadow else "deny", "key": self.key_text(key), "node": self._node()})
         self._write(entry)
 
     def counted(self, rule: CompiledRule, count: ResponseCount) -> None:
@@ -156,7 +156,7 @@ class DecisionLog:
         if decision_log.isEnabledFor(logging.INFO):
             entry = self._head()
             entry.update({"rule": rule.id, "outcome": "counted", "amount": count.amount,
-                          "key": self._key(count.key), "node": self._node()})
+                          "key": self.key_text(count.key), "node": self._node()})
             self._write(entry)
 
     def audit(self, action: str, who: str, result: str, **details: object) -> None:

@@ -339,11 +339,8 @@ class CompiledRule:
         return spec
 
     def threshold_for(self, address: IPAddress | None) -> float:
-        if address is not None and self.overrides:
-            for override in self.overrides:
-                if in_networks(address, override.networks):
-                    return self.threshold * override.multiply
-        return self.base_threshold
+        """The threshold for a client address, after overrides."""
+        return self.spec_for(address, self.spec).threshold if address is not None else self.base_threshold
 
 
 @dataclass(frozen=True, slots=True)
