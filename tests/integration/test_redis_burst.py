@@ -1,6 +1,7 @@
-"""A burst of simultaneous requests on one key, with the Redis backend,
-admits exactly the budget: straight to Sluice, through nginx and through
-Envoy, whatever the concurrency, and no store error is counted.
+"""A burst of simultaneous requests on one key, with the Redis backend (and
+a thousand with the memory store), admits exactly the budget: straight to
+Sluice, through nginx and through Envoy, whatever the concurrency, and no
+store or internal error is counted.
 
 The stack fails closed, so a request that the store could not decide would
 show as a 503 besides being counted as a store error.
@@ -28,12 +29,10 @@ BUDGET = 50
 
 
 
-@pytest.fixture(scope="module")
-def redis_stack(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer) -> Iterator[Stack]:
-    directory = tmp_path_factory.mktemp("redis-burst")
+def burst_stack(directory: Path, state: str) -> Stack:
     rules = directory / "rules.yaml"
     rules.write_text(f"""\
-state: {{backend: redis, url: "{redis_server.url}", fail: closed}}
+state: {state}
 rules:
   - id: per-key
     match: {{header: {{name: x-k, present: true}}}}
@@ -46,8 +45,21 @@ rules:
     # thousand decisions on a loaded 2-core machine can. What is tested
     # here is that Sluice itself admits exactly the budget, so the proxies
     # wait long enough for every answer.
-    stack = start_stack(directory / "stack", Path(rules),
-                        {"SLUICE_READ_TIMEOUT": "20s", "SLUICE_CHECK_TIMEOUT": "20s"})
+    return start_stack(directory / "stack", Path(rules),
+                       {"SLUICE_READ_TIMEOUT": "20s", "SLUICE_CHECK_TIMEOUT": "20s"})
+
+
+@pytest.fixture(scope="module")
+def redis_stack(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer) -> Iterator[Stack]:
+    stack = burst_stack(tmp_path_factory.mktemp("redis-burst"),
+                        f'{{backend: redis, url: "{redis_server.url}", fail: closed}}')
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="module")
+def memory_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    stack = burst_stack(tmp_path_factory.mktemp("memory-burst"), "{backend: memory}")
     yield stack
     stack.stop()
 
@@ -63,8 +75,20 @@ def door_port(stack: Stack, door: str) -> tuple[int, str, dict[str, str]]:
 @pytest.mark.parametrize("door", ["sluice", *FRONT_DOORS])
 @pytest.mark.parametrize("concurrency", [100, 400, 1000])
 def test_a_burst_on_one_key_admits_exactly_the_budget(redis_stack: Stack, door: str, concurrency: int) -> None:
-    port, path, headers = door_port(redis_stack, door)
-    errors_before = sluice_metric(redis_stack, "sluice_store_errors_total")
+    assert_burst_admits_the_budget(redis_stack, door, concurrency)
+
+
+@pytest.mark.parametrize("door", ["sluice", *FRONT_DOORS])
+def test_a_burst_of_a_thousand_on_the_memory_store_admits_exactly_the_budget(memory_stack: Stack, door: str) -> None:
+    """The same with the memory store, whose checks the HTTP protocol
+    answers inside the parser's callback."""
+    assert_burst_admits_the_budget(memory_stack, door, 1000)
+
+
+def assert_burst_admits_the_budget(stack: Stack, door: str, concurrency: int) -> None:
+    port, path, headers = door_port(stack, door)
+    errors_before = sluice_metric(stack, "sluice_store_errors_total")
+    internal_before = sluice_metric(stack, "sluice_internal_errors_total")
     statuses = burst(port, concurrency, path, {**headers, "x-k": uuid.uuid4().hex},
                      source=fresh_client_address())
     # Sluice answers nginx's check with 200 or 403 (the page comes from a
@@ -72,7 +96,8 @@ def test_a_burst_on_one_key_admits_exactly_the_budget(redis_stack: Stack, door: 
     # upstream's 200 or the block page's 429.
     refused = 403 if door == "sluice" else 429
     assert statuses == {200: BUDGET, refused: concurrency - BUDGET}
-    assert sluice_metric(redis_stack, "sluice_store_errors_total") == errors_before == 0
+    assert sluice_metric(stack, "sluice_store_errors_total") == errors_before == 0
+    assert sluice_metric(stack, "sluice_internal_errors_total") == internal_before == 0
 
 
 # Two Sluice processes of two workers each, on one Redis: one budget of
