@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from sidecar.clientip import parse_address
+from sidecar.clientip import ClientAddress, parse_address
 from sidecar.config import ConfigError, parse_duration
 from sidecar.counters import CounterState, KeySelection, dimension_values, key_from_text
 from sidecar.engine import Engine
@@ -269,7 +269,7 @@ class Admin:
         if rule is not None and rule.key_prefix == (rule.id, key_dimensions(key)):
             address = next((parse_address(str(value).partition("/")[0]) for name, value
                             in zip(key_dimensions(key), key_values(key)) if name == "ip"), None)
-            return rule.limiter, rule.threshold_for(address)
+            return rule.limiter, rule.threshold_for(ClientAddress(address, "") if address is not None else None)
         auto_ban = ruleset.auto_ban
         if key_rule_id(key) == key_rule_id(AutoBan.key("")):
             return auto_ban.limiter, float(auto_ban.threshold)

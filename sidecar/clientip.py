@@ -17,7 +17,7 @@ from __future__ import annotations
 import ipaddress
 import re
 import socket
-from typing import Any, Sequence, Union
+from typing import Any, Generic, Iterable, Iterator, Sequence, TypeVar, Union
 
 IPAddress = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
 IPNetwork = Union[ipaddress.IPv4Network, ipaddress.IPv6Network]
@@ -64,6 +64,15 @@ class ClientAddress:
         return address
 
     @property
+    def numeric(self) -> tuple[int, int] | None:
+        """(IP version, the address's value), without making the address
+        object; None for the unknown client."""
+        if self._ipv4 >= 0:
+            return 4, self._ipv4
+        address = self._address
+        return None if address is None else (address.version, int(address))
+
+    @property
     def text(self) -> str:
         """The address as a person would write it (for pages and logs)."""
         address = self.address
@@ -99,9 +108,86 @@ def parse_address(text: str) -> IPAddress | None:
     return address
 
 
-def in_networks(address: IPAddress, networks: Sequence[IPNetwork]) -> bool:
-    version = address.version
-    return any(version == net.version and address in net for net in networks)
+V = TypeVar("V")
+
+
+class NetworkTable(Generic[V]):
+    """Networks, each with a value, found by an address's value.
+
+    Grouped by IP version and prefix length, each group a dict from the
+    network's integer to its value: a lookup is one mask and one dict lookup
+    per prefix length in use, longest first, however many networks there
+    are, and makes no ``ipaddress`` object. Of two entries for one network,
+    the first is kept.
+    """
+
+    __slots__ = ("_levels",)
+
+    def __init__(self, entries: Iterable[tuple[IPNetwork, V]] = ()) -> None:
+        lengths: dict[int, dict[int, dict[int, V]]] = {4: {}, 6: {}}
+        for network, value in entries:
+            lengths[network.version].setdefault(network.prefixlen, {}).setdefault(
+                int(network.network_address), value)
+        # version -> ((mask, {network value: value}), ...), longest prefix first
+        self._levels = {version: tuple((_mask(version, length), values)
+                                       for length, values in sorted(by_length.items(), reverse=True))
+                        for version, by_length in lengths.items()}
+
+    def values(self, version: int, value: int) -> Iterator[V]:
+        """The values of the networks holding the address, longest prefix first."""
+        for mask, values in self._levels[version]:
+            found = values.get(value & mask)
+            if found is not None:
+                yield found
+
+    def holds(self, version: int, value: int) -> bool:
+        for mask, values in self._levels[version]:
+            if value & mask in values:
+                return True
+        return False
+
+
+def _mask(version: int, length: int) -> int:
+    bits = 32 if version == 4 else 128
+    return ((1 << bits) - 1) ^ ((1 << (bits - length)) - 1)
+
+
+class NetworkSet:
+    """Networks asked whether they hold a client's address: exempt
+    networks, an ``ip`` condition's, an override's, a verified bot's,
+    trusted proxies. A client resolved from canonical IPv4 text is looked
+    up by its value, without its address object."""
+
+    __slots__ = ("networks", "_table")
+
+    def __init__(self, networks: Iterable[IPNetwork] = ()) -> None:
+        self.networks = tuple(networks)
+        self._table: NetworkTable[bool] = NetworkTable((network, True) for network in self.networks)
+
+    def __bool__(self) -> bool:
+        return bool(self.networks)
+
+    def __len__(self) -> int:
+        return len(self.networks)
+
+    def __iter__(self) -> Iterator[IPNetwork]:
+        return iter(self.networks)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, NetworkSet) and self.networks == other.networks
+
+    def __hash__(self) -> int:
+        return hash(self.networks)
+
+    def __repr__(self) -> str:
+        return f"NetworkSet({[str(network) for network in self.networks]})"
+
+    def holds(self, client: ClientAddress) -> bool:
+        numeric = client.numeric
+        return numeric is not None and self._table.holds(*numeric)
+
+    def holds_value(self, version: int, value: int) -> bool:
+        return self._table.holds(version, value)
 
 
 # Canonical dotted IPv4, the only form ``ipaddress`` accepts: four decimal
@@ -168,7 +254,7 @@ class ClientIPResolver:
         ipv6_prefix: int = 64,
         cache_size: int = 4096,
     ) -> None:
-        self.trusted_proxies = tuple(trusted_proxies)
+        self.trusted_proxies = NetworkSet(trusted_proxies)
         self.ipv4_prefix = ipv4_prefix
         self.ipv6_prefix = ipv6_prefix
         self.cache_size = cache_size
@@ -177,13 +263,6 @@ class ClientIPResolver:
         self._walks: dict[str, ClientAddress | None] = {}
         self._ipv4_mask = (0xFFFFFFFF << (32 - ipv4_prefix)) & 0xFFFFFFFF
         self._ipv6_mask = ((1 << 128) - 1) ^ ((1 << (128 - ipv6_prefix)) - 1)
-        # (netmask, network) as integers, per IP version: `address in net`
-        # without building anything.
-        self._trusted_ints: dict[int, tuple[tuple[int, int], ...]] = {
-            version: tuple((int(net.netmask), int(net.network_address))
-                           for net in self.trusted_proxies if net.version == version)
-            for version in (4, 6)
-        }
 
     def resolve(self, peer: str, forwarded_for: str | None) -> ClientAddress:
         if not peer:
@@ -284,17 +363,12 @@ class ClientIPResolver:
         value = _canonical_ipv4(text)
         if value is not None:
             key = text if self.ipv4_prefix == 32 else self._ipv4_key(value)
-            return ClientAddress(None, key, value), self._trusted(4, value)
+            return ClientAddress(None, key, value), self.trusted_proxies.holds_value(4, value)
         address = parse_address(text)
         if address is None:
             return _MALFORMED
-        return ClientAddress(address, self.key_for(address)), self._trusted(address.version, int(address))
-
-    def _trusted(self, version: int, value: int) -> bool:
-        for mask, network in self._trusted_ints[version]:
-            if value & mask == network:
-                return True
-        return False
+        trusted = self.trusted_proxies.holds_value(address.version, int(address))
+        return ClientAddress(address, self.key_for(address)), trusted
 
     def _ipv4_key(self, value: int) -> str:
         network = socket.inet_ntop(socket.AF_INET, (value & self._ipv4_mask).to_bytes(4, "big"))

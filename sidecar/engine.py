@@ -15,7 +15,7 @@ from typing import Callable
 
 from sidecar.actions import BlockPage, draft_fields, retry_after_seconds
 from sidecar.challenge import Challenges, IssuedChallenge
-from sidecar.clientip import UNKNOWN_CLIENT, ClientAddress, in_networks
+from sidecar.clientip import UNKNOWN_CLIENT, ClientAddress
 from sidecar.decisionlog import DecisionLog
 from sidecar.keys import key_values
 from sidecar.limiters import Hit
@@ -201,12 +201,12 @@ class Engine:
         metrics = self.metrics
         metrics.checks.value += 1  # Tally.inc without the call: every request
         network_bans = self.store.network_bans  # banned by hand (sidecar.networkbans)
-        # The address object only when something asks for it: a new client's
-        # is made on the first read (sidecar.clientip.ClientAddress).
-        address = request.client.address if ruleset.exempt or network_bans or ruleset.overridden else None
-        if address is not None and ruleset.exempt and in_networks(address, ruleset.exempt):
+        # Networks are looked up by the address's value (sidecar.clientip.NetworkSet):
+        # a new client's address object is never made for them.
+        client = request.client
+        if ruleset.exempt and ruleset.exempt.holds(client):
             return ALLOWED
-        if network_bans and address is not None and network_bans.find(address, self.clock()) is not None:
+        if network_bans and network_bans.find_client(client, self.clock()) is not None:
             metrics.banned_requests.inc()
             return CLOSED
 
@@ -233,8 +233,8 @@ class Engine:
                     verified = self._verified_bot(ruleset, request)
                 if verified:
                     spec = rule.bot_spec
-            if rule.overrides and address is not None:
-                spec = rule.spec_for(address, spec)
+            if rule.overrides:
+                spec = rule.spec_for(client, spec)
             matched.append(rule)
             checks.append(make_check(Check, (spec, rule.key(request), lease)))
         if not checks and not self.store.may_be_banned():

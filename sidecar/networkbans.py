@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable
 
-from sidecar.clientip import ClientIPResolver, IPAddress, IPNetwork, parse_address
+from sidecar.clientip import ClientAddress, ClientIPResolver, IPAddress, IPNetwork, NetworkTable, parse_address
 from sidecar.state import BanRecord
 
 # Longer texts are no address or network: refused before they are parsed.
@@ -75,17 +75,13 @@ def ban_target(resolver: ClientIPResolver, text: str) -> BanTarget:
 
 
 class NetworkBans:
-    """The network bans in force, looked up for every request's address.
-
-    Grouped by IP version and prefix length, each group a dict from the
-    network's integer to its ban: a lookup is one mask and one dict lookup
-    per prefix length in use, however many networks are banned.
-    """
+    """The network bans in force, looked up for every request's address
+    (``clientip.NetworkTable``: one mask and one dict lookup per prefix
+    length in use, however many networks are banned)."""
 
     def __init__(self) -> None:
         self._records: dict[str, tuple[IPNetwork, BanRecord]] = {}
-        # version -> [(mask, {network integer: ban})], longest prefix first
-        self._tables: dict[int, list[tuple[int, dict[int, BanRecord]]]] = {4: [], 6: []}
+        self._table: NetworkTable[BanRecord] = NetworkTable()
         self._last_end = -math.inf  # after it, nothing is banned
 
     def __bool__(self) -> bool:
@@ -96,14 +92,20 @@ class NetworkBans:
 
     def find(self, address: IPAddress, now: float) -> BanRecord | None:
         """The ban in force whose network holds ``address``, if any."""
+        return self._find(address.version, int(address), now)
+
+    def find_client(self, client: ClientAddress, now: float) -> BanRecord | None:
+        """``find`` for a request's client, without its address object."""
+        numeric = client.numeric
+        return self._find(*numeric, now) if numeric is not None else None
+
+    def _find(self, version: int, value: int, now: float) -> BanRecord | None:
         if now >= self._last_end:
             if self._records:
                 self.replace([])  # every ban ended: requests stop looking
             return None
-        value = int(address)
-        for mask, networks in self._tables[address.version]:
-            ban = networks.get(value & mask)
-            if ban is not None and now < ban.expires:
+        for ban in self._table.values(version, value):
+            if now < ban.expires:
                 return ban
         return None
 
@@ -128,15 +130,5 @@ class NetworkBans:
         self._rebuild()
 
     def _rebuild(self) -> None:
-        tables: dict[int, dict[int, dict[int, BanRecord]]] = {4: {}, 6: {}}
-        for network, ban in self._records.values():
-            tables[network.version].setdefault(network.prefixlen, {})[int(network.network_address)] = ban
-        self._tables = {version: [(_mask(version, length), networks)
-                                  for length, networks in sorted(by_length.items(), reverse=True)]
-                        for version, by_length in tables.items()}
+        self._table = NetworkTable(self._records.values())
         self._last_end = max((ban.expires for _, ban in self._records.values()), default=-math.inf)
-
-
-def _mask(version: int, length: int) -> int:
-    bits = 32 if version == 4 else 128
-    return ((1 << bits) - 1) ^ ((1 << (bits - length)) - 1)

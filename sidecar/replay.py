@@ -45,7 +45,6 @@ from typing import Any, Collection, Sequence
 from sidecar import config
 from sidecar.accesslog import AccessLogs, LogEntry
 from sidecar.challenge import FINGERPRINT_HEADER
-from sidecar.clientip import in_networks
 from sidecar.config import ConfigError, LoadedRules, format_duration
 from sidecar.engine import ALLOW, DENY, Decision, Engine
 from sidecar.keys import CountingKey, key_rule_id
@@ -266,9 +265,7 @@ class Replay:
             answers["allowed"] += 1
             answers["observed"] += decision.rule is not None
             answers["held"] += decision.delay > 0
-            address = request.client.address
-            exempt = self.ruleset.exempt
-            answers["exempt"] += address is not None and bool(exempt) and in_networks(address, exempt)
+            answers["exempt"] += self.ruleset.exempt.holds(request.client)
         elif decision.outcome == DENY:
             answers["denied"] += 1
             answers["challenged"] += decision.rule is not None and decision.rule.action == "challenge"

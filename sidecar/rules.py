@@ -20,7 +20,7 @@ from typing import Callable, cast
 from sidecar import config
 from sidecar.actions import CHALLENGE_PAGE, BlockPage
 from sidecar.challenge import cookie_name
-from sidecar.clientip import ClientIPResolver, IPAddress, IPNetwork, in_networks
+from sidecar.clientip import ClientAddress, ClientIPResolver, NetworkSet
 from sidecar.config import ConfigError, ConfigIssue, LoadedRules
 from sidecar.keys import CountingKey, KeyPrefix, key_dimensions, key_values
 from sidecar.limiters import build_limiter
@@ -49,7 +49,7 @@ class _Expression:
     """
 
     def __init__(self) -> None:
-        self.namespace: dict[str, object] = {"__builtins__": {}, "in_networks": in_networks}
+        self.namespace: dict[str, object] = {"__builtins__": {}}
         self._values = 0
 
     def constant(self, value: object) -> str:
@@ -115,8 +115,7 @@ def _condition(condition: config.Condition, source: _Expression) -> str:
         for test in tests or ():
             parts.append(_named_test(mapping, test, test.name.lower() if fold else test.name, source))
     if condition.ip is not None:
-        parts.append(f"(request.client.address is not None and "
-                     f"in_networks(request.client.address, {source.constant(tuple(condition.ip.in_))}))")
+        parts.append(f"{source.constant(NetworkSet(condition.ip.in_))}.holds(request.client)")
     return _all(parts)
 
 
@@ -186,18 +185,17 @@ def describe_key(key: CountingKey) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Override:
-    networks: tuple[IPNetwork, ...]
+    networks: NetworkSet
     multiply: float
 
 
 @dataclass(frozen=True, slots=True)
 class VerifiedBot:
-    networks: tuple[IPNetwork, ...]
+    networks: NetworkSet
     user_agent: object | None  # compiled regex
 
     def matches(self, request: CheckRequest) -> bool:
-        address = request.client.address
-        if address is None or not in_networks(address, self.networks):
+        if not self.networks.holds(request.client):
             return False
         return self.user_agent is None or \
             self.user_agent.search(request.headers.get("user-agent", "")) is not None  # type: ignore[attr-defined]
@@ -303,7 +301,7 @@ class CompiledRule:
     # (no response phase, no reset_on, no concurrency slot).
     plain: bool = field(init=False)
     # Per override: its networks, and the spec and bot spec with its threshold.
-    override_specs: tuple[tuple[tuple[IPNetwork, ...], CheckSpec, CheckSpec], ...] = field(init=False)
+    override_specs: tuple[tuple[NetworkSet, CheckSpec, CheckSpec], ...] = field(init=False)
 
     def __post_init__(self) -> None:
         stops = self.action != "log" and not self.shadow
@@ -330,17 +328,17 @@ class CompiledRule:
                             ("override_specs", override_specs)):
             object.__setattr__(self, name, value)
 
-    def spec_for(self, address: IPAddress, spec: CheckSpec) -> CheckSpec:
+    def spec_for(self, client: ClientAddress, spec: CheckSpec) -> CheckSpec:
         """``spec`` (the rule's, or its bot spec) with the threshold of the
-        first override whose networks hold the address."""
+        first override whose networks hold the client's address."""
         for networks, scaled, bot_scaled in self.override_specs:
-            if in_networks(address, networks):
+            if networks.holds(client):
                 return bot_scaled if spec is self.bot_spec and spec is not self.spec else scaled
         return spec
 
-    def threshold_for(self, address: IPAddress | None) -> float:
-        """The threshold for a client address, after overrides."""
-        return self.spec_for(address, self.spec).threshold if address is not None else self.base_threshold
+    def threshold_for(self, client: ClientAddress | None) -> float:
+        """The threshold for a client, after overrides."""
+        return self.spec_for(client, self.spec).threshold if client is not None else self.base_threshold
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,7 +346,7 @@ class Ruleset:
     rules: tuple[CompiledRule, ...]
     by_id: dict[str, CompiledRule]
     resolver: ClientIPResolver
-    exempt: tuple[IPNetwork, ...]
+    exempt: NetworkSet
     verified_bots: tuple[VerifiedBot, ...]
     node: str
     max_keys: int
@@ -395,7 +393,7 @@ def compile_rules(loaded: LoadedRules, shadow: bool = False) -> Ruleset:
     overrides: dict[str, list[Override]] = {}
     for override in model.overrides:
         for rule_id in override.rules:
-            overrides.setdefault(rule_id, []).append(Override(tuple(override.cidrs), override.multiply))
+            overrides.setdefault(rule_id, []).append(Override(NetworkSet(override.cidrs), override.multiply))
     auto_ban = AutoBan.from_config(model.challenge.auto_ban)
     rules = []
     for index, rule in enumerate(model.rules):
@@ -457,8 +455,8 @@ def compile_rules(loaded: LoadedRules, shadow: bool = False) -> Ruleset:
         by_id={rule.id: rule for rule in rules},
         resolver=ClientIPResolver(tuple(client_ip.trusted_proxies), client_ip.ipv4_prefix,
                                   client_ip.ipv6_prefix),
-        exempt=tuple(model.exempt),
-        verified_bots=tuple(VerifiedBot(tuple(b.cidrs), b.user_agent) for b in model.verified_bots),
+        exempt=NetworkSet(model.exempt),
+        verified_bots=tuple(VerifiedBot(NetworkSet(b.cidrs), b.user_agent) for b in model.verified_bots),
         node=model.node or socket.gethostname(),
         max_keys=model.state.max_keys,
         max_delayed=model.state.max_delayed,

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from sidecar.clientip import MAX_CACHED_ENTRY, MAX_FORWARDED_HOPS, ClientAddress, ClientIPResolver
+from sidecar.clientip import (MAX_CACHED_ENTRY, MAX_FORWARDED_HOPS, ClientAddress, ClientIPResolver, NetworkSet,
+                              NetworkTable)
 
 # --------------------------------------------------------------------------
 # Strategies: addresses and every legal way of writing them
@@ -538,3 +539,48 @@ def test_memory_stays_bounded_with_many_distinct_short_headers() -> None:
     # Two caches of at most 4,096 entries of a few hundred bytes.
     assert _traced_growth(send) < 4_000_000
     assert len(resolver._walks) <= 4096 and len(resolver._cache) <= 4096
+
+
+# --------------------------------------------------------------------------
+# Networks looked up by value
+# --------------------------------------------------------------------------
+
+ipv4_networks = st.builds(lambda value, length: ipaddress.IPv4Network((value, length), strict=False),
+                          ipv4_ints, st.integers(min_value=0, max_value=32))
+ipv6_networks = st.builds(lambda value, length: ipaddress.IPv6Network((value, length), strict=False),
+                          ipv6_ints, st.integers(min_value=0, max_value=128))
+
+
+@st.composite
+def networks_and_address(draw: st.DrawFn) -> tuple[list, ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """Networks of both versions and an address, often inside one of them."""
+    networks = draw(st.lists(ipv4_networks | ipv6_networks, max_size=6))
+    if networks and draw(st.booleans()):
+        network = draw(st.sampled_from(networks))
+        offset = draw(st.integers(min_value=0, max_value=network.num_addresses - 1))
+        return networks, network.network_address + offset
+    return networks, ipaddress.ip_address(draw(ipv4_ints) if draw(st.booleans()) else draw(ipv6_ints))
+
+
+@given(networks_and_address())
+def test_a_network_set_agrees_with_the_ipaddress_reference(case) -> None:
+    """``NetworkSet.holds`` is ``any(address in network)``, for a client
+    resolved from IPv4 text (its value only) and from an address object."""
+    networks, address = case
+    expected = any(address.version == network.version and address in network for network in networks)
+    holder = NetworkSet(networks)
+    clients = [ClientAddress(address, "k")]
+    if address.version == 4:
+        clients.append(ClientAddress(None, "k", int(address)))
+    assert [holder.holds(client) for client in clients] == [expected] * len(clients)
+    assert holder.holds_value(address.version, int(address)) == expected
+    assert not holder.holds(ClientAddress(None, ""))  # the unknown client is in no network
+
+
+def test_a_network_table_gives_the_values_of_the_holding_networks_longest_prefix_first() -> None:
+    table = NetworkTable([(ip_network("10.0.0.0/8"), "wide"), (ip_network("10.1.0.0/16"), "narrow"),
+                          (ip_network("10.1.0.0/16"), "second entry, dropped"), (ip_network("2001:db8::/32"), "six")])
+    assert list(table.values(4, int(IPv4Address("10.1.2.3")))) == ["narrow", "wide"]
+    assert list(table.values(4, int(IPv4Address("10.2.0.1")))) == ["wide"]
+    assert list(table.values(4, int(IPv4Address("11.0.0.1")))) == []
+    assert list(table.values(6, int(IPv6Address("2001:db8::1")))) == ["six"]

@@ -4,6 +4,7 @@ import json
 import logging
 
 from sidecar.engine import ALLOW, CLOSE, DENY
+from sidecar.store.memory import run_at_once
 
 from .conftest import Harness
 
@@ -369,3 +370,40 @@ rules:
     entry = json.loads(caplog.records[-1].getMessage())
     assert entry["rule"] == "keyed" and entry["key"].startswith("header:x-k=vvv")
     assert len(entry["key"]) <= 257
+
+
+def test_networks_are_looked_up_without_making_a_new_clients_address_object():
+    """Exempt networks, a network ban, an override, an ``ip`` condition and
+    a verified bot's networks all ask about every request's address: for a
+    client resolved from canonical IPv4 text they read its value, and its
+    ``ipaddress`` object (as dear as the rest of resolving) is never made.
+    The answers stay those of the networks."""
+    h = Harness("""
+exempt: [172.16.0.0/12]
+overrides:
+  - cidrs: [198.51.100.0/24]
+    rules: [per-ip]
+    multiply: 2
+verified_bots:
+  - cidrs: [66.249.64.0/19]
+rules:
+  - id: internal
+    match: {ip: {in: [10.0.0.0/8]}}
+    key: [ip]
+    limit: {requests: 1, per: 60s}
+    action: block
+  - id: per-ip
+    key: [ip]
+    limit: {requests: 2, per: 60s}
+    action: ban
+    ban: {duration: 1h}
+""")
+    run_at_once(h.engine.store.ban_network(h.clock(), "203.0.113.0/24", 3600, "test"))
+    cases = {"172.16.9.9": [ALLOW] * 5,  # exempt
+             "203.0.113.9": [CLOSE] * 5,  # its network is banned
+             "198.51.100.9": [ALLOW] * 4 + [CLOSE],  # the override doubles the threshold
+             "10.1.1.1": [ALLOW] + [DENY] * 4,  # the ip condition's rule
+             "192.0.2.9": [ALLOW] * 2 + [CLOSE] * 3}
+    requests = {ip: [h.request(ip=ip) for _ in range(5)] for ip in cases}
+    assert {ip: [h.engine.decide_now(request).outcome for request in requests[ip]] for ip in cases} == cases
+    assert all(request.client._address is None for made in requests.values() for request in made)
