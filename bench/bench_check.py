@@ -10,7 +10,9 @@ second (noisy) and CPU time per request of each process (utime + stime from
    worker_processes 1) checking with Sluice (one uvicorn worker, the ten
    rules of bench/bench_engine.py) against the same nginx checking with a
    trivial raw ASGI app under uvicorn that answers 200 and nothing else: the
-   sidecar's CPU per check, and req/s through nginx;
+   sidecar's CPU per check, and req/s through nginx; and the same Sluice
+   settings without a rule, which splits the first ratio into what the
+   front door costs and what the rules cost;
 2. the same through the shipped Envoy template (HTTP ext_authz), and Envoy's
    own CPU per request with and without the template's Lua filter;
 3. nginx's own limit_req against nginx without any check (the C reference);
@@ -353,6 +355,9 @@ class Bench:
         self.envoy = find_envoy()
         self.rules = run / "rules.yaml"
         self.rules.write_text(TEN_RULES)
+        # The same settings without a rule: what the front door costs by itself.
+        self.no_rules = run / "no-rules.yaml"
+        self.no_rules.write_text(TEN_RULES[:TEN_RULES.index("rules:")] + "rules: []\n")
         # The same rules on a shared Redis, over TCP and over a Unix socket.
         self.redis_port = free_port()
         self.redis_socket = run / "redis.sock"
@@ -516,6 +521,10 @@ def report(configs: dict[str, Config], seconds: float, rounds: int) -> None:
             "  (target <= 1.25)")
     rate_row("2. nginx: req/s, Sluice / trivial app", c["nginx-sluice"], c["nginx-bare"], "  (target >= 0.8)")
     cpu_row("   nginx: nginx worker CPU per request, Sluice / trivial", c["nginx-sluice"], c["nginx-bare"], "nginx")
+    cpu_row("   nginx: sidecar CPU per check, Sluice without rules / trivial", c["nginx-sluice-no-rules"],
+            c["nginx-bare"], "sidecar")
+    cpu_row("   nginx: sidecar CPU per check, the ten rules / no rule", c["nginx-sluice"],
+            c["nginx-sluice-no-rules"], "sidecar")
     cpu_row("3. Envoy: sidecar CPU per check, Sluice / trivial app", c["envoy-sluice"], c["envoy-bare"], "sidecar")
     rate_row("   Envoy: req/s, Sluice / trivial app", c["envoy-sluice"], c["envoy-bare"])
     cpu_row("   Envoy: Envoy CPU per request, with Lua / without", c["envoy-sluice"], c["envoy-sluice-nolua"],
@@ -621,12 +630,14 @@ def main() -> None:
             redis = [bench.start_redis()]
             sluice, sluice_port = bench.start_sluice(grpc=True)
             shared, shared_port = bench.start_sluice("sluice-redis", rules=bench.redis_rules)
+            ruleless, ruleless_port = bench.start_sluice("sluice-no-rules", rules=bench.no_rules)
             shared2, shared2_port = bench.start_sluice("sluice-redis-unix-w2", rules=bench.redis_unix_rules,
                                                        workers=2)
             bare_pid, bare_port = bench.start_bare()
             bare = [bare_pid]
             nginx_s, nginx_s_port = bench.start_nginx("nginx-sluice", sluice_port)
             nginx_b, nginx_b_port = bench.start_nginx("nginx-bare", bare_port)
+            nginx_0, nginx_0_port = bench.start_nginx("nginx-sluice-no-rules", ruleless_port)
             envoy_s, envoy_s_port = bench.start_envoy("envoy-sluice", sluice_port)
             envoy_b, envoy_b_port = bench.start_envoy("envoy-bare", bare_port)
             envoy_n, envoy_n_port = bench.start_envoy("envoy-sluice-nolua", sluice_port, without_lua=True)
@@ -646,6 +657,8 @@ def main() -> None:
             configs = {config.name: config for config in [
                 Config("nginx-bare", url(nginx_b_port), {"sidecar": bare, "nginx": nginx_b, "upstream": upstream}),
                 Config("nginx-sluice", url(nginx_s_port), {"sidecar": sluice, "nginx": nginx_s, "upstream": upstream}),
+                Config("nginx-sluice-no-rules", url(nginx_0_port),
+                       {"sidecar": ruleless, "nginx": nginx_0, "upstream": upstream}),
                 Config("nginx-sluice-redis", url(nginx_r_port),
                        {"sidecar": shared, "redis": redis, "nginx": nginx_r, "upstream": upstream}),
                 Config("nginx-sluice-redis-unix-w2", url(nginx_r2_port),

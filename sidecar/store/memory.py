@@ -118,7 +118,8 @@ class BoundedMap:
         return int(when) if when < 1e18 else 1 << 62
 
     def _file(self, key: Hashable, expires: float) -> None:
-        slot = self._slot(expires)
+        # _slot written out for the common case: a key is filed when stored.
+        slot = int(expires) if 1.0 <= expires < 1e18 else self._slot(expires)
         keys = self._wheel.get(slot)
         if keys is None:
             self._wheel[slot] = [key]
@@ -168,7 +169,7 @@ class BoundedMap:
         wheel: dict[int, list[Hashable]] = {}
         filed = 0
         for slot, keys in self._wheel.items():
-            live = [key for key in keys if key in data]
+            live = list(filter(data.__contains__, keys))  # no bytecode per reference
             if live:
                 wheel[slot] = live
                 filed += len(live)
@@ -230,6 +231,7 @@ class MemoryStore:
         # rule of every request, and a method call per rule is a tenth of
         # its cost.
         data = self._states.data
+        add = self._states.add
         for check in checks:
             spec, key, lease = check
             limiter = spec.limiter
@@ -239,7 +241,11 @@ class MemoryStore:
                     data[key] = state
                 if state is not None and state.limiter is limiter:
                     hit = limiter.hit(state, now, spec.threshold, spec.amount)
-                else:  # a new key, or one a reload gave another limiter
+                elif state is None:  # a new key: under key rotation, most of them
+                    state = limiter.new_state()
+                    hit = limiter.hit(state, now, spec.threshold, spec.amount)
+                    add(key, state, limiter.expires_at(state))
+                else:  # a key a reload gave another limiter
                     hit = self._count(key, state, limiter, now, spec.threshold, spec.amount)
             else:  # a look (a response-phase rule), or a bucket's
                 state = data.pop(key, None)
