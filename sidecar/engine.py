@@ -25,7 +25,7 @@ from sidecar.ratelog import RateLimitedLog
 from sidecar.request import CheckRequest
 from sidecar.responses import ResponsePhase
 from sidecar.rules import CompiledRule, Ruleset
-from sidecar.state import BanRecord, Check, Evaluation, epoch_clock, make_check
+from sidecar.state import BanRecord, Check, Evaluation, epoch_clock
 from sidecar.store import StateStore, StoreUnavailable, open_store
 from sidecar.store.memory import run_at_once
 from sidecar.tokens import Tokens
@@ -102,6 +102,7 @@ class Engine:
         self.log = DecisionLog(lambda: self.ruleset.node, wall_clock, keys=lambda: self.ruleset.log_keys,
                                secret=lambda: self._secret)
         self.responses = ResponsePhase(self)
+        self._credential_check = self._has_credential  # bound once: the rules get it for every request
         # Counted always, logged at most every 10 s / 60 s.
         self._store_error_log = RateLimitedLog(log, 10)
         self._bad_address_log = RateLimitedLog(log, 60, clock)
@@ -212,31 +213,12 @@ class Engine:
 
         matched: list[CompiledRule] = []
         checks: list[Check] = []
-        verified_bots = ruleset.verified_bots
-        verified: bool | None = None  # whether the request is a verified bot's, once asked
         # The id the request's concurrency slots are taken under, and given
         # back by: unique across nodes and workers without coordination.
         lease = os.urandom(9).hex() if ruleset.leases else ""
-        for rule in ruleset.rules:
-            condition = rule.condition
-            if condition is not None and not condition(request):
-                continue
-            if rule.challenge is not None and self._has_credential(rule, request):
-                # Passes this rule, and evaluation ends.
-                metrics.credentials.inc()
-                break
-            spec = rule.spec
-            if rule.bot_spec is not spec and verified_bots:
-                # Verified bots are never banned, not even for challenges;
-                # the challenge itself applies to them as block does.
-                if verified is None:
-                    verified = self._verified_bot(ruleset, request)
-                if verified:
-                    spec = rule.bot_spec
-            if rule.overrides:
-                spec = rule.spec_for(client, spec)
-            matched.append(rule)
-            checks.append(make_check(Check, (spec, rule.key(request), lease)))
+        # The rules in order, their conditions and keys inline (rules.compile_matcher).
+        if ruleset.match(request, matched, checks, lease, self._credential_check):
+            metrics.credentials.inc()  # a challenge credential ended the evaluation
         if not checks and not self.store.may_be_banned():
             return ALLOWED
         return matched, checks
@@ -369,7 +351,3 @@ class Engine:
         credential = request.cookies.get(rule.challenge.cookie) if "cookie" in request.headers else None
         return credential is not None and self.challenges.accepts(
             credential, rule.id, request.client.key, request.tls_fingerprint)
-
-    @staticmethod
-    def _verified_bot(ruleset: Ruleset, request: CheckRequest) -> bool:
-        return any(bot.matches(request) for bot in ruleset.verified_bots)

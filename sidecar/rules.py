@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Callable, cast
+from typing import Callable, Sequence, cast
 
 from sidecar import config
 from sidecar.actions import CHALLENGE_PAGE, BlockPage
@@ -24,12 +24,17 @@ from sidecar.clientip import ClientAddress, ClientIPResolver, NetworkSet
 from sidecar.config import ConfigError, ConfigIssue, LoadedRules
 from sidecar.keys import CountingKey, KeyPrefix, key_dimensions, key_values
 from sidecar.limiters import build_limiter
-from sidecar.state import AutoBan, BanIncrement, CheckSpec, Limiter, PenaltyBan
+from sidecar.state import AutoBan, BanIncrement, Check, CheckSpec, Limiter, PenaltyBan, make_check
 from sidecar.store.redis_cluster import parse_node
 from sidecar.request import CheckRequest
 
 Predicate = Callable[[CheckRequest], bool]
 KeyBuilder = Callable[[CheckRequest], CountingKey]
+# The ruleset's rules for one request (``compile_matcher``): appends the
+# matching rules and their checks to the two lists; True when a challenge
+# credential ended the evaluation.
+Matcher = Callable[[CheckRequest, "list[CompiledRule]", "list[Check]", str,
+                    Callable[["CompiledRule", CheckRequest], bool]], bool]
 
 # --------------------------------------------------------------------------
 # Conditions
@@ -165,11 +170,15 @@ def compile_key(rule_id: str, dimensions: list[str]) -> tuple[KeyPrefix, KeyBuil
     cannot make two different tuples collide; sorting makes the written
     order irrelevant. No dimensions means host + client address.
     """
-    names = tuple(sorted(dimensions or ["host", "ip"]))
-    prefix = (rule_id, names)
+    prefix = (rule_id, tuple(sorted(dimensions or ["host", "ip"])))
     source = _Expression()
-    values = ", ".join(_dimension_value(name, source) for name in names)
-    return prefix, cast(KeyBuilder, source.function(f"({source.constant(prefix)}, {values})"))
+    return prefix, cast(KeyBuilder, source.function(_key(prefix, source)))
+
+
+def _key(prefix: KeyPrefix, source: _Expression) -> str:
+    """The expression of a key with ``prefix``, from the request."""
+    values = ", ".join(_dimension_value(name, source) for name in prefix[1])
+    return f"({source.constant(prefix)}, {values})"
 
 
 def describe_key(key: CountingKey) -> str:
@@ -362,6 +371,7 @@ class Ruleset:
     log_keys: config.LogKeys  # how decision lines show counting-key values
     difficulty: int  # proof-of-work zero bits of a challenge
     auto_ban: AutoBan  # challenges per address before it is banned
+    match: Matcher  # the rules for one request, in order (compile_matcher)
     holds: bool = field(init=False)  # any rule may hold a request (read for every request)
     leases: bool = field(init=False)  # any rule takes concurrency slots: requests need a lease id
     overridden: bool = field(init=False)  # any rule has overrides: thresholds depend on the address
@@ -384,6 +394,50 @@ class Ruleset:
         return max((rule.limiter.longest_hold() for rule in self.rules), default=0.0)
 
 
+def compile_matcher(rules: Sequence[tuple[CompiledRule, config.Rule]],
+                    verified_bots: Sequence[VerifiedBot]) -> Matcher:
+    """The ruleset's rules, in order, as one function: what the engine did
+    for each rule of each request (its condition, a challenge credential,
+    a verified bot's spec, an override's, its key) written out, with every
+    rule's condition and key inline instead of a call each.
+
+    As in ``_Expression``, the source is made of fixed fragments only: every
+    rule, spec and value is a bound constant (``c0``, ``c1``, ...).
+    """
+    source = _Expression()
+    make, check = source.constant(make_check), source.constant(Check)
+    bots = source.constant(lambda request: any(bot.matches(request) for bot in verified_bots))
+    lines = ["def match(request, matched, checks, lease, has_credential):",
+             "    add_rule, add_check = matched.append, checks.append",
+             "    verified = None  # whether the request is a verified bot's, once asked"]
+    for rule, model in rules:
+        name = source.constant(rule)
+        indent = "    "
+        if model.match is not None:
+            lines.append(f"    if {_condition(model.match, source)}:")
+            indent = "        "
+        if rule.challenge is not None:
+            # A credential passes this rule, and evaluation ends.
+            lines += [f"{indent}if has_credential({name}, request):", f"{indent}    return True"]
+        spec = source.constant(rule.spec)
+        # Verified bots are never banned, not even for challenges; the
+        # challenge itself applies to them as block does.
+        for_bots = bool(verified_bots) and rule.bot_spec is not rule.spec
+        if for_bots or rule.overrides:
+            lines.append(f"{indent}spec = {spec}")
+            spec = "spec"
+        if for_bots:
+            lines += [f"{indent}if verified is None:", f"{indent}    verified = {bots}(request)",
+                      f"{indent}if verified:", f"{indent}    spec = {source.constant(rule.bot_spec)}"]
+        if rule.overrides:
+            lines.append(f"{indent}spec = {name}.spec_for(request.client, spec)")
+        lines += [f"{indent}add_rule({name})",
+                  f"{indent}add_check({make}({check}, ({spec}, {_key(rule.key_prefix, source)}, lease)))"]
+    lines.append("    return False")
+    exec("\n".join(lines), source.namespace)  # noqa: S102 - our fragments only
+    return cast(Matcher, source.namespace["match"])
+
+
 def compile_rules(loaded: LoadedRules, shadow: bool = False) -> Ruleset:
     """Build the immutable ruleset; raise ConfigError for what cannot run.
     ``shadow`` puts every rule in shadow mode (``sluice serve --shadow``),
@@ -395,7 +449,8 @@ def compile_rules(loaded: LoadedRules, shadow: bool = False) -> Ruleset:
         for rule_id in override.rules:
             overrides.setdefault(rule_id, []).append(Override(NetworkSet(override.cidrs), override.multiply))
     auto_ban = AutoBan.from_config(model.challenge.auto_ban)
-    rules = []
+    rules: list[CompiledRule] = []
+    compiled_from: list[tuple[CompiledRule, config.Rule]] = []
     for index, rule in enumerate(model.rules):
         loc = ("rules", index)
         page = None
@@ -447,16 +502,18 @@ def compile_rules(loaded: LoadedRules, shadow: bool = False) -> Ruleset:
             penalty_ban=penalty_ban,
             auto_ban=auto_ban if challenge is not None else None,
         ))
+        compiled_from.append((rules[-1], rule))
     if issues:
         raise ConfigError(issues)
     client_ip = model.client_ip
+    verified_bots = tuple(VerifiedBot(NetworkSet(b.cidrs), b.user_agent) for b in model.verified_bots)
     return Ruleset(
         rules=tuple(rules),
         by_id={rule.id: rule for rule in rules},
         resolver=ClientIPResolver(tuple(client_ip.trusted_proxies), client_ip.ipv4_prefix,
                                   client_ip.ipv6_prefix),
         exempt=NetworkSet(model.exempt),
-        verified_bots=tuple(VerifiedBot(NetworkSet(b.cidrs), b.user_agent) for b in model.verified_bots),
+        verified_bots=verified_bots,
         node=model.node or socket.gethostname(),
         max_keys=model.state.max_keys,
         max_delayed=model.state.max_delayed,
@@ -471,6 +528,7 @@ def compile_rules(loaded: LoadedRules, shadow: bool = False) -> Ruleset:
         log_keys=model.decision_log.keys,
         difficulty=model.challenge.difficulty,
         auto_ban=auto_ban,
+        match=compile_matcher(compiled_from, verified_bots),
     )
 
 

@@ -383,3 +383,53 @@ def test_request_path_is_normalised_and_query_stripped() -> None:
     assert req.uri == "//api/./%6Cogin?next=/x"
     assert key_of(["path"], req) == key_of(["path"], request("/api/login"))
     assert key_of(["uri"], req) != key_of(["uri"], request("/api/login?next=/x"))
+
+
+# --------------------------------------------------------------------------
+# The ruleset as one function
+# --------------------------------------------------------------------------
+
+CONDITIONS = [
+    None,
+    "{path: {prefix: /api/}}",
+    "{path: {regex: '^/a/[0-9]+'}}",
+    "{method: [POST]}",
+    "{header: {name: x-api-key, present: true}}",
+    "{header: {name: accept, prefix: text/}}",
+    "{cookie: {name: sid, equals: s1}}",
+    "{query: {name: q, in: [a, b]}}",
+    "{ip: {in: [192.0.2.0/25]}}",
+    "{not: {path: {equals: /}}}",
+    "{any: [{header: {name: x-api-key, equals: k}}, {query: {name: q, present: true}}]}",
+    "{all: [{path: {prefix: /a}}, {cookie: {name: sid, present: false}}]}",
+]
+
+
+@given(st.lists(st.tuples(st.sampled_from(CONDITIONS), st.lists(st.sampled_from(ALL_DIMENSIONS), unique=True,
+                                                                  max_size=3)), min_size=1, max_size=6),
+       st.lists(st.tuples(st.sampled_from(["/", "/api/x", "/a/12", "/a/b"]), st.sampled_from(["GET", "POST"]),
+                          st.dictionaries(st.sampled_from(["x-api-key", "accept"]),
+                                          st.sampled_from(["k", "text/html", ""]), max_size=2),
+                          st.sampled_from(["", "q=a", "q=c"]), st.sampled_from([None, "s1", "s2"]),
+                          st.sampled_from([CLIENT, OTHER_CLIENT, ClientIPResolver().resolve("192.0.2.200", None)])),
+                min_size=1, max_size=5))
+def test_the_ruleset_function_matches_and_keys_as_each_rule_does(rules: list, requests: list) -> None:
+    """``Ruleset.match``, every rule's condition and key written inline in
+    one function, agrees with each rule's own condition and key: the same
+    rules, in order, and the same keys, whatever the mix (walrus names of
+    several rules in one function included)."""
+    text = "rules:\n" + "".join(
+        f"  - id: r{index}\n" + (f"    match: {match}\n" if match else "")
+        + f"    key: {dimensions!r}\n    limit: {{requests: 5, per: 60s}}\n    action: block\n"
+        for index, (match, dimensions) in enumerate(rules))
+    ruleset = compile_rules(parse_rules_text(text, "test", Path(".")))
+    for path, method, headers, query, sid, client in requests:
+        made = request(f"{path}?{query}" if query else path, method=method, headers=headers,
+                       cookies={"sid": sid} if sid else None, client=client)
+        matched: list = []
+        checks: list = []
+        assert not ruleset.match(made, matched, checks, "", lambda rule, req: False)
+        expected = [rule for rule in ruleset.rules if rule.condition is None or rule.condition(made)]
+        assert matched == expected
+        assert [check.key for check in checks] == [rule.key(made) for rule in expected]
+        assert [check.spec for check in checks] == [rule.spec for rule in expected]
