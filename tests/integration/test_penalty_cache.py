@@ -10,7 +10,7 @@ import pytest
 
 from sidecar.engine import ALLOW, CLOSE, DENY, Engine
 from sidecar.request import CheckRequest
-from sidecar.store.redis import RedisStore
+from sidecar.store.redis import RedisStore, shadow_ban_key
 from tests.integration.redis_server import RedisServer
 from tests.unit.conftest import FakeClock, ruleset_from
 
@@ -142,3 +142,27 @@ def test_a_shadow_ban_is_written_once_while_it_is_in_force(redis_server: RedisSe
     # request); the other the shadow ban's, once for the 49 over the limit.
     assert during == 2
     assert after > during
+
+
+def test_a_shadow_ban_is_written_with_its_expiry(redis_server: RedisServer) -> None:
+    """The record and its expiry are one script: a shadow ban's record never
+    outlives the ban, and lifting it removes it."""
+    redis_server.client().flushdb()
+
+    async def run() -> tuple[dict, int, bool, int, str]:
+        clock = FakeClock()
+        ruleset = ruleset_from(f"state: {{backend: redis, url: '{redis_server.url}'}}\n" + SHADOW_RULES)
+        e = Engine(ruleset, store=RedisStore.from_url(redis_server.url, "a", server_time=False), clock=clock)
+        for _ in range(3):
+            await e.decide(request(e, "192.0.2.9"))
+        await asyncio.sleep(0.2)  # the background write
+        name = shadow_ban_key("192.0.2.9")
+        fields = redis_server.client().hgetall(name)
+        ttl = redis_server.client().pttl(name)
+        lifted = await e.lift_ban("192.0.2.9")
+        return fields, ttl, lifted, redis_server.client().exists(name), e.ruleset.node
+
+    fields, ttl, lifted, left, node = asyncio.run(run())
+    assert fields == {"rule": "scrapers", "node": node, "started": fields["started"], "duration": "3600.0"}
+    assert 3_590_000 < ttl <= 3_600_000
+    assert lifted and left == 0
