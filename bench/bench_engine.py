@@ -9,7 +9,9 @@ both sides alike, and the ratio is what to read:
    ``state.max_keys`` 100,000: eviction must not make an attack dearer,
 2. one rule and the ten rules against one hit of the ``limits`` library's
    ``SlidingWindowCounterRateLimiter`` in memory (the Python reference),
-3. ``resolve_client`` with a trusted X-Forwarded-For against the same hit,
+3. ``resolve_client`` with a trusted X-Forwarded-For against the same hit:
+   the same header every time (a walk remembered), and a new IPv4 or IPv6
+   client every time, as under rotation,
 4. memory per tracked key at 100,000 keys (tracemalloc), and the process's
    RSS while the rotation runs: flat once the cap is reached.
 
@@ -209,14 +211,21 @@ def against_limits(rounds: int, passes: int) -> dict[str, float]:
     one, ten = engine_for(ONE_RULE), engine_for(TEN_RULES)
     one_requests, ten_requests = requests_for(one, ["192.0.2.1"] * rounds), requests_for(ten, ["192.0.2.1"] * rounds)
     resolve = ten.resolve_client
-    figures: dict[str, list[float]] = {"limits": [], "1 rule": [], "10 rules": [], "resolve_client": []}
-    for _ in range(passes):
+    figures: dict[str, list[float]] = {"limits": [], "1 rule": [], "10 rules": [], "resolve_client": [],
+                                       "  a new IPv4 client": [], "  a new IPv6 client": []}
+    for number in range(passes):
         if hit is not None:
             figures["limits"].append(time_calls(hit, rounds))
         figures["1 rule"].append(time_decisions(one, one_requests))
         figures["10 rules"].append(time_decisions(ten, ten_requests))
         figures["resolve_client"].append(
             time_calls(lambda: resolve("127.0.0.1", "198.51.100.7, 127.0.0.2"), rounds))
+        # Under rotation every client is new: the same header, another
+        # address each time (even i IPv4, odd i IPv6: see address()).
+        for label, parity in (("  a new IPv4 client", 0), ("  a new IPv6 client", 1)):
+            headers = iter([f"{address(i)}, 127.0.0.2" for i in range(number * 2 * rounds + parity,
+                                                                      (number + 1) * 2 * rounds, 2)])
+            figures[label].append(time_calls(lambda: resolve("127.0.0.1", next(headers)), rounds))
     reference = statistics.median(figures["limits"]) if hit is not None else None
     ratios = {}
     for name, values in figures.items():
@@ -290,6 +299,8 @@ def main() -> None:
     rows += [(f"{name} / one limits hit", f"{ratios[name]:.2f}x", target)
              for name, target in (("10 rules", "<= 1.5x"), ("1 rule", "<= 0.3x"), ("resolve_client", "<= 0.1x"))
              if name in ratios]
+    rows += [(f"resolve_client,{name[1:]} / one limits hit", f"{ratios[name]:.2f}x", "report only")
+             for name in ("  a new IPv4 client", "  a new IPv6 client") if name in ratios]
     rows.append(("memory per tracked key at 100,000 keys", f"{per_key:.0f} bytes", "<= 250 bytes"))
     for label, figure, target in rows:
         print(f"  {label:48} {figure:>22}   (target {target})")

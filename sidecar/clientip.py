@@ -42,25 +42,31 @@ class ClientAddress:
     ``address`` is None when the proxy sent nothing usable; ``key`` is then the
     empty value (a missing value takes part as the empty value).
 
-    A canonical IPv4 address is resolved from its value alone
-    (``ClientAddress(None, key, value)``): its ``ipaddress`` object, which
-    costs as much as the rest of resolving, is made only if something asks
-    for ``address`` (exempt networks, overrides, an ``ip`` condition), so a
-    flood of new addresses never makes one. Treat it as immutable.
+    An address in canonical IPv4 text or plain IPv6 text is resolved from
+    its value alone (``ClientAddress(None, key, ipv4=value)``, ``ipv6=``):
+    its ``ipaddress`` object, which costs as much as the rest of resolving
+    (several times as much for IPv6), is made only if something asks for
+    ``address`` (the decision log, an admin's view), so a flood of new
+    addresses never makes one. Treat it as immutable.
     """
 
-    __slots__ = ("key", "_address", "_ipv4")
+    __slots__ = ("key", "_address", "_ipv4", "_ipv6")
 
-    def __init__(self, address: IPAddress | None, key: str, ipv4: int = -1) -> None:
+    def __init__(self, address: IPAddress | None, key: str, ipv4: int = -1, ipv6: int = -1) -> None:
         self.key = key
         self._address = address
-        self._ipv4 = ipv4  # the IPv4 address's value, when ``address`` is yet to be made
+        # The address's value, when ``address`` is yet to be made.
+        self._ipv4 = ipv4
+        self._ipv6 = ipv6
 
     @property
     def address(self) -> IPAddress | None:
         address = self._address
-        if address is None and self._ipv4 >= 0:
-            address = self._address = ipaddress.IPv4Address(self._ipv4)
+        if address is None:
+            if self._ipv4 >= 0:
+                address = self._address = ipaddress.IPv4Address(self._ipv4)
+            elif self._ipv6 >= 0:
+                address = self._address = ipaddress.IPv6Address(self._ipv6)
         return address
 
     @property
@@ -69,6 +75,8 @@ class ClientAddress:
         object; None for the unknown client."""
         if self._ipv4 >= 0:
             return 4, self._ipv4
+        if self._ipv6 >= 0:
+            return 6, self._ipv6
         address = self._address
         return None if address is None else (address.version, int(address))
 
@@ -204,6 +212,23 @@ def _canonical_ipv4(text: str) -> int | None:
     if _CANONICAL_IPV4.fullmatch(text) is None:
         return None
     return int.from_bytes(socket.inet_pton(socket.AF_INET, text), "big")
+
+
+# IPv6 written with hex digits and colons only: no embedded IPv4, no zone.
+_PLAIN_IPV6 = re.compile(r"[0-9A-Fa-f:]{2,39}")
+
+
+def _plain_ipv6(text: str) -> int | None:
+    """The value of ``text`` when it is IPv6 in hex digits and colons, else
+    None, meaning "ask ``ipaddress``" (which also has the last word on what
+    inet_pton refuses). For such text inet_pton and ``ipaddress`` accept
+    the same strings (``tests/unit/test_clientip.py`` holds them to it)."""
+    if _PLAIN_IPV6.fullmatch(text) is None:
+        return None
+    try:
+        return int.from_bytes(socket.inet_pton(socket.AF_INET6, text), "big")
+    except OSError:
+        return None
 
 
 # What one field (or the peer) is, once classified: a usable address with
@@ -364,6 +389,14 @@ class ClientIPResolver:
         if value is not None:
             key = text if self.ipv4_prefix == 32 else self._ipv4_key(value)
             return ClientAddress(None, key, value), self.trusted_proxies.holds_value(4, value)
+        value = _plain_ipv6(text)
+        if value is not None:
+            if value >> 32 == 0xFFFF:  # IPv4-mapped: the IPv4 address
+                value &= 0xFFFFFFFF
+                key = socket.inet_ntop(socket.AF_INET, value.to_bytes(4, "big")) if self.ipv4_prefix == 32 \
+                    else self._ipv4_key(value)
+                return ClientAddress(None, key, value), self.trusted_proxies.holds_value(4, value)
+            return ClientAddress(None, self._ipv6_key(value), ipv6=value), self.trusted_proxies.holds_value(6, value)
         address = parse_address(text)
         if address is None:
             return _MALFORMED
@@ -381,7 +414,16 @@ class ClientIPResolver:
                 return str(address)
             # Arithmetic on the value, never string cuts.
             return self._ipv4_key(int(address))
+        return self._ipv6_key(int(address))
+
+    def _ipv6_key(self, value: int) -> str:
         if self.ipv6_prefix == 128:
-            return str(address)
-        network = ipaddress.IPv6Address(int(address) & self._ipv6_mask)
-        return f"{network.compressed}/{self.ipv6_prefix}"
+            return str(ipaddress.IPv6Address(value))
+        if self.ipv6_prefix > 64:
+            # inet_ntop may write the low 32 bits as a dotted quad (::a.b.c.d),
+            # where ipaddress writes hex: ipaddress's text, as always.
+            return f"{ipaddress.IPv6Address(value & self._ipv6_mask).compressed}/{self.ipv6_prefix}"
+        # The low 64 bits are zero: inet_ntop writes what ipaddress does
+        # (RFC 5952: lower case, the first longest zero run as ::).
+        network = socket.inet_ntop(socket.AF_INET6, (value & self._ipv6_mask).to_bytes(16, "big"))
+        return f"{network}/{self.ipv6_prefix}"

@@ -12,6 +12,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from sidecar.clientip import (MAX_CACHED_ENTRY, MAX_FORWARDED_HOPS, ClientAddress, ClientIPResolver, NetworkSet,
+                              _plain_ipv6,
                               NetworkTable)
 
 # --------------------------------------------------------------------------
@@ -584,3 +585,52 @@ def test_a_network_table_gives_the_values_of_the_holding_networks_longest_prefix
     assert list(table.values(4, int(IPv4Address("10.2.0.1")))) == ["wide"]
     assert list(table.values(4, int(IPv4Address("11.0.0.1")))) == []
     assert list(table.values(6, int(IPv6Address("2001:db8::1")))) == ["six"]
+
+
+# --------------------------------------------------------------------------
+# IPv6 in hex digits and colons, read without ipaddress
+# --------------------------------------------------------------------------
+
+hex_colon_text = st.text(alphabet="0123456789abcdefABCDEF:", max_size=44)
+hex_groups = st.lists(st.text(alphabet="0123456789abcdefABCDEF", min_size=0, max_size=5), min_size=1, max_size=10)
+
+
+@st.composite
+def near_ipv6(draw: st.DrawFn) -> str:
+    """Groups of hex digits (some too long, some empty) joined by colons,
+    with a "::" or two somewhere: mostly near-misses of IPv6."""
+    groups = draw(hex_groups)
+    text = ":".join(groups)
+    for _ in range(draw(st.integers(0, 2))):
+        at = draw(st.integers(0, len(text)))
+        text = text[:at] + "::" + text[at:]
+    return text
+
+
+def _ipaddress_value(text: str) -> int | None:
+    try:
+        return int(ipaddress.IPv6Address(text))
+    except ValueError:
+        return None
+
+
+@given(st.one_of(hex_colon_text, near_ipv6(), ipv6_ints.flatmap(ipv6_spellings).filter(lambda text: "." not in text)))
+def test_hex_and_colon_ipv6_is_read_as_ipaddress_reads_it(text: str) -> None:
+    """The fast IPv6 path (inet_pton over text of hex digits and colons)
+    accepts exactly what ipaddress accepts, with the same value."""
+    assert _plain_ipv6(text) == _ipaddress_value(text)
+
+
+@given(plain_ipv6_ints, st.sampled_from([64, 56, 48, 32, 1, 65, 96, 127, 128]))
+def test_ipv6_keys_are_ipaddress_text(value: int, prefix: int) -> None:
+    """A client read from hex-and-colon IPv6 has the key the ipaddress
+    reference gives it, for every prefix, and its address on request."""
+    text = str(IPv6Address(value))
+    resolved = ClientIPResolver(ipv6_prefix=prefix).resolve(text, None)
+    assert resolved == _reference_resolve([], text, None, 32, prefix)
+    assert resolved.numeric == (6, value) and resolved.address == IPv6Address(value)
+
+
+def test_a_mapped_address_in_hex_is_the_ipv4_client() -> None:
+    resolved = ClientIPResolver().resolve("::ffff:c000:207", None)
+    assert (resolved.key, resolved.numeric, resolved.address) == ("192.0.2.7", (4, 0xC0000207), IPv4Address("192.0.2.7"))
