@@ -46,7 +46,7 @@ class ClientAddress:
     its value alone (``ClientAddress(None, key, ipv4=value)``, ``ipv6=``):
     its ``ipaddress`` object, which costs as much as the rest of resolving
     (several times as much for IPv6), is made only if something asks for
-    ``address`` (the decision log, an admin's view), so a flood of new
+    ``address`` (a refusal's page, which shows it), so a flood of new
     addresses never makes one. Treat it as immutable.
     """
 
@@ -82,7 +82,16 @@ class ClientAddress:
 
     @property
     def text(self) -> str:
-        """The address as a person would write it (for pages and logs)."""
+        """The address as a person would write it (for pages and logs), as
+        ``ipaddress`` writes it: a refusal's page, sent to every client of an
+        attack, shows it without making the address object."""
+        if self._address is None:
+            if self._ipv4 >= 0:
+                return socket.inet_ntop(socket.AF_INET, self._ipv4.to_bytes(4, "big"))
+            if self._ipv6 > 0xFFFFFFFF:
+                # Above ::255.255.255.255 (and never IPv4-mapped, which is
+                # the IPv4 client), inet_ntop writes no dotted quad.
+                return socket.inet_ntop(socket.AF_INET6, self._ipv6.to_bytes(16, "big"))
         address = self.address
         return "" if address is None else str(address)
 

@@ -8,7 +8,7 @@ import tracemalloc
 from ipaddress import IPv4Address, IPv6Address, ip_network
 
 import pytest
-from hypothesis import assume, given
+from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
 from sidecar.clientip import (MAX_CACHED_ENTRY, MAX_FORWARDED_HOPS, ClientAddress, ClientIPResolver, NetworkSet,
@@ -634,3 +634,17 @@ def test_ipv6_keys_are_ipaddress_text(value: int, prefix: int) -> None:
 def test_a_mapped_address_in_hex_is_the_ipv4_client() -> None:
     resolved = ClientIPResolver().resolve("::ffff:c000:207", None)
     assert (resolved.key, resolved.numeric, resolved.address) == ("192.0.2.7", (4, 0xC0000207), IPv4Address("192.0.2.7"))
+
+
+@given(ipv4_ints, plain_ipv6_ints)
+@example(0, 0)
+@example(0x7F000001, 1)  # ::1
+@example(0xFFFFFFFF, 0x01020304)  # ::1.2.3.4 to inet_ntop, ::102:304 to ipaddress
+@example(1, 0x1_0000_0000)  # ::1:0:0, the first written without a dotted quad
+def test_a_client_read_from_its_value_is_written_as_ipaddress_writes_it(ipv4: int, ipv6: int) -> None:
+    """``text`` (what a refusal's page shows) is ipaddress's text, and for
+    all but the lowest IPv6 addresses reading it makes no address object."""
+    clients = [ClientAddress(None, "k", ipv4), ClientAddress(None, "k", ipv6=ipv6)]
+    assert [client.text for client in clients] == [str(IPv4Address(ipv4)), str(IPv6Address(ipv6))]
+    assert clients[0]._address is None
+    assert (clients[1]._address is None) == (ipv6 > 0xFFFFFFFF)
