@@ -396,15 +396,14 @@ class ClientIPResolver:
             return _BLANK
         value = _canonical_ipv4(text)
         if value is not None:
+            # Canonical text is the address's own: its key when unreduced.
             key = text if self.ipv4_prefix == 32 else self._ipv4_key(value)
             return ClientAddress(None, key, value), self.trusted_proxies.holds_value(4, value)
         value = _plain_ipv6(text)
         if value is not None:
             if value >> 32 == 0xFFFF:  # IPv4-mapped: the IPv4 address
                 value &= 0xFFFFFFFF
-                key = socket.inet_ntop(socket.AF_INET, value.to_bytes(4, "big")) if self.ipv4_prefix == 32 \
-                    else self._ipv4_key(value)
-                return ClientAddress(None, key, value), self.trusted_proxies.holds_value(4, value)
+                return ClientAddress(None, self._ipv4_key(value), value), self.trusted_proxies.holds_value(4, value)
             return ClientAddress(None, self._ipv6_key(value), ipv6=value), self.trusted_proxies.holds_value(6, value)
         address = parse_address(text)
         if address is None:
@@ -413,17 +412,14 @@ class ClientIPResolver:
         return ClientAddress(address, self.key_for(address)), trusted
 
     def _ipv4_key(self, value: int) -> str:
+        # Arithmetic on the value, never string cuts; inet_ntop writes IPv4
+        # as ipaddress does.
         network = socket.inet_ntop(socket.AF_INET, (value & self._ipv4_mask).to_bytes(4, "big"))
-        return f"{network}/{self.ipv4_prefix}"
+        return network if self.ipv4_prefix == 32 else f"{network}/{self.ipv4_prefix}"
 
     def key_for(self, address: IPAddress) -> str:
         """Canonical key text: the address, or its network when reduced."""
-        if address.version == 4:
-            if self.ipv4_prefix == 32:
-                return str(address)
-            # Arithmetic on the value, never string cuts.
-            return self._ipv4_key(int(address))
-        return self._ipv6_key(int(address))
+        return (self._ipv4_key if address.version == 4 else self._ipv6_key)(int(address))
 
     def _ipv6_key(self, value: int) -> str:
         if self.ipv6_prefix == 128:

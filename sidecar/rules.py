@@ -277,6 +277,8 @@ class ChallengeSettings:
 class CompiledRule:
     id: str
     action: config.Action
+    # The rule's own condition and key, one function each (for the admin,
+    # tools and tests); Ruleset.match writes both inline for requests.
     condition: Predicate | None
     key: KeyBuilder
     key_prefix: KeyPrefix
@@ -374,12 +376,10 @@ class Ruleset:
     match: Matcher  # the rules for one request, in order (compile_matcher)
     holds: bool = field(init=False)  # any rule may hold a request (read for every request)
     leases: bool = field(init=False)  # any rule takes concurrency slots: requests need a lease id
-    overridden: bool = field(init=False)  # any rule has overrides: thresholds depend on the address
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "holds", any(rule.limiter.holds for rule in self.rules))
         object.__setattr__(self, "leases", any(rule.limiter.leases for rule in self.rules))
-        object.__setattr__(self, "overridden", any(rule.overrides for rule in self.rules))
 
     @property
     def warnings(self) -> list[str]:

@@ -187,8 +187,9 @@ class Check(tuple[CheckSpec, CountingKey, str]):
     ``CheckSpec``, the request's counting key, and the request's lease id
     (in a ruleset with a concurrency limit, else "").
 
-    A triple, so that the engine makes one for every matching rule of every
-    request as ``Check.of(spec, key, lease)`` (a tuple: a tenth of a
+    A triple, so that the ruleset's matcher (``rules.compile_matcher``)
+    makes one for every matching rule of every request as
+    ``make_check(Check, (spec, key, lease))`` (a tuple: a tenth of a
     twelve-field object's cost) and the stores read it as ``spec, key,
     lease = check``. ``Check(rule_id, key, limiter, ...)`` spells every
     field, for the front doors that make a spec per request (the Rate Limit
@@ -204,10 +205,6 @@ class Check(tuple[CheckSpec, CountingKey, str]):
                 penalty_ban: PenaltyBan | None = None) -> "Check":
         return tuple.__new__(cls, (CheckSpec(rule_id, limiter, threshold, stops, ban_duration, count, auto_ban,
                                              amount, ban_increment, penalty_ban), key, lease))
-
-    @staticmethod
-    def of(spec: CheckSpec, key: CountingKey, lease: str = "") -> "Check":
-        return make_check(Check, (spec, key, lease))
 
     @property
     def spec(self) -> CheckSpec:
@@ -258,7 +255,8 @@ class Check(tuple[CheckSpec, CountingKey, str]):
         return self[0].penalty_ban
 
 
-# tuple.__new__ called with the class: ``Check.of`` without its own call, for the engine.
+# A Check from its three parts, without a call of Check's own: tuple.__new__
+# called with the class.
 make_check = tuple.__new__
 
 

@@ -118,8 +118,7 @@ class BoundedMap:
         return int(when) if when < 1e18 else 1 << 62
 
     def _file(self, key: Hashable, expires: float) -> None:
-        # _slot written out for the common case: a key is filed when stored.
-        slot = int(expires) if 1.0 <= expires < 1e18 else self._slot(expires)
+        slot = self._slot(expires)
         keys = self._wheel.get(slot)
         if keys is None:
             self._wheel[slot] = [key]
@@ -231,7 +230,6 @@ class MemoryStore:
         # rule of every request, and a method call per rule is a tenth of
         # its cost.
         data = self._states.data
-        add = self._states.add
         for check in checks:
             spec, key, lease = check
             limiter = spec.limiter
@@ -241,11 +239,7 @@ class MemoryStore:
                     data[key] = state
                 if state is not None and state.limiter is limiter:
                     hit = limiter.hit(state, now, spec.threshold, spec.amount)
-                elif state is None:  # a new key: under key rotation, most of them
-                    state = limiter.new_state()
-                    hit = limiter.hit(state, now, spec.threshold, spec.amount)
-                    add(key, state, limiter.expires_at(state))
-                else:  # a key a reload gave another limiter
+                else:  # a new key, or one a reload gave another limiter
                     hit = self._count(key, state, limiter, now, spec.threshold, spec.amount)
             else:  # a look (a response-phase rule), or a bucket's
                 state = data.pop(key, None)

@@ -466,7 +466,7 @@ class RedisStore:
         name = shadow_ban_key(record.address)
         ttl = max(1, int(record.duration * 1000))  # from now: the decision was just made
         try:
-            await self.client.evalsha(self._script("shadow_ban"), [name], [
+            await self.client.evalsha(self._lazy_script("shadow_ban"), [name], [
                 record.rule_id, record.node, repr(record.started_wall), repr(record.duration), ttl])
         except StoreUnavailable:
             # A shadow ban is a note: the next request that calls for it writes it.
@@ -529,7 +529,7 @@ class RedisStore:
 
     # -- what administrators do (see sidecar.store.redis_admin) --------------
 
-    def _script(self, name: str) -> str:
+    def _lazy_script(self, name: str) -> str:
         """The digest of a script used off the request path (the admin's, a
         shadow ban's), registered when first used (loaded ahead of that
         call): a node that is never asked loads none."""
@@ -541,7 +541,7 @@ class RedisStore:
     async def _admin_state(self, now: float, known: str) -> list[Any]:
         """admin_state.lua: the admin version, and the network bans when it
         is not ``known``."""
-        return await self.client.evalsha(self._script("admin_state"), [ADMIN_VERSION, NETWORK_INDEX],
+        return await self.client.evalsha(self._lazy_script("admin_state"), [ADMIN_VERSION, NETWORK_INDEX],
                                          [self._now(now), known, NETWORK_HEAD])
 
     async def _command(self, key: str, *command: Any) -> Any:
@@ -566,7 +566,7 @@ class RedisStore:
         # On a single Redis the version changes in the same step; a cluster
         # keeps it in another slot.
         keys = [record, BAN_INDEX, ADMIN_VERSION] if single else [record] * 3
-        fields = await self.client.evalsha(self._script("manual_ban"), keys, [
+        fields = await self.client.evalsha(self._lazy_script("manual_ban"), keys, [
             self._now(now), address, self.node, repr(self._wall_clock()), repr(float(duration)), reason,
             _flag(single), new_version() if single else "", VERSION_KEPT_MS])
         if single:
@@ -577,7 +577,7 @@ class RedisStore:
 
     async def ban_network(self, now: float, network: str, duration: float, reason: str) -> BanRecord:
         keys = [network_record(network), NETWORK_INDEX, ADMIN_VERSION]
-        fields = await self.client.evalsha(self._script("manual_ban"), keys, [
+        fields = await self.client.evalsha(self._lazy_script("manual_ban"), keys, [
             self._now(now), network, self.node, repr(self._wall_clock()), repr(float(duration)), reason,
             "1", new_version(), VERSION_KEPT_MS])
         await self.admin.refresh(now)
@@ -650,7 +650,7 @@ class RedisStore:
             for i in indices:
                 _, limiter, threshold = keys[i]
                 args += _NO_LIMITER if limiter is None else limiter.redis_args(threshold)
-            calls.append(self.client.evalsha(self._script("inspect"), [names[i] for i in indices], args))
+            calls.append(self.client.evalsha(self._lazy_script("inspect"), [names[i] for i in indices], args))
         described: list[CounterState | None] = [None] * len(keys)
         for indices, result in zip(groups, await _all(calls)):
             for n, i in enumerate(indices):
