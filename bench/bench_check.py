@@ -12,7 +12,10 @@ second (noisy) and CPU time per request of each process (utime + stime from
    trivial raw ASGI app under uvicorn that answers 200 and nothing else: the
    sidecar's CPU per check, and req/s through nginx; and the same Sluice
    settings without a rule, which splits the first ratio into what the
-   front door costs and what the rules cost;
+   front door costs and what the rules cost; and the HTTP floor (a bare
+   httptools protocol on uvloop answering a fixed 200), the least any
+   Python check costs, which shows what uvicorn's ASGI machinery costs the
+   trivial app and what Sluice's front door costs above it;
 2. the same through the shipped Envoy template (HTTP ext_authz), and Envoy's
    own CPU per request with and without the template's Lua filter;
 3. nginx's own limit_req against nginx without any check (the C reference);
@@ -86,6 +89,44 @@ async def app(scope, receive, send):
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-length", b"0")]})
     await send({"type": "http.response.body", "body": b""})
+"""
+
+# The least a Python HTTP check can cost here: one asyncio protocol on
+# uvloop, httptools' parser with one Python call per header field (as any
+# server built on it makes), the same fixed 200 for every request, no ASGI,
+# no decision. What the trivial ASGI app costs above it is uvicorn's own
+# machinery; what Sluice without a rule costs above it is its front door.
+FLOOR_APP = """
+import asyncio, sys
+import httptools, uvloop
+
+ANSWER = b"HTTP/1.1 200 OK\\r\\ncontent-length: 0\\r\\n\\r\\n"
+
+
+class Floor(asyncio.Protocol):
+    def connection_made(self, transport):
+        self.transport, self.parser, self.fields = transport, httptools.HttpRequestParser(self), []
+
+    def data_received(self, data):
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            self.transport.close()
+
+    def on_header(self, name, value):
+        self.fields.append((name, value))
+
+    def on_message_complete(self):
+        self.fields = []
+        self.transport.write(ANSWER)
+
+
+async def serve(port):
+    server = await asyncio.get_running_loop().create_server(Floor, "127.0.0.1", port)
+    await server.serve_forever()
+
+
+uvloop.run(serve(int(sys.argv[1])))
 """
 
 # nginx without a check, and with its own limit_req (far above the load),
@@ -366,6 +407,7 @@ class Bench:
         self.redis_unix_rules = run / "rules-redis-unix.yaml"
         self.redis_unix_rules.write_text(with_state(TEN_RULES, f"unix://{self.redis_socket}?db=0"))
         (run / "bare.py").write_text(BARE_APP)
+        (run / "floor.py").write_text(FLOOR_APP)
         self.upstream_port = free_port()
         # Each Sluice's --hook-udp, where nginx sends response reports (none
         # in these rules' traffic), by the Sluice's port.
@@ -421,6 +463,12 @@ class Bench:
             self.python, "-m", "uvicorn", "--loop", "uvloop", "--http", "httptools", "--app-dir", str(self.run),
             "bare:app", "--host", "127.0.0.1", "--port", str(port), "--no-access-log", "--log-level", "warning",
             "--lifespan", "off", "--no-server-header", "--no-date-header"], lambda: accepts(port))
+        return process.pid, port
+
+    def start_floor(self) -> tuple[int, int]:
+        port = free_port()
+        process = self.procs.start("floor", [self.python, str(self.run / "floor.py"), str(port)],
+                                   lambda: accepts(port))
         return process.pid, port
 
     def ports(self, sidecar_port: int) -> StackPorts:
@@ -525,6 +573,10 @@ def report(configs: dict[str, Config], seconds: float, rounds: int) -> None:
             c["nginx-bare"], "sidecar")
     cpu_row("   nginx: sidecar CPU per check, the ten rules / no rule", c["nginx-sluice"],
             c["nginx-sluice-no-rules"], "sidecar")
+    cpu_row("   nginx: sidecar CPU per check, trivial app / HTTP floor", c["nginx-bare"], c["nginx-floor"],
+            "sidecar")
+    cpu_row("   nginx: sidecar CPU per check, Sluice without rules / floor", c["nginx-sluice-no-rules"],
+            c["nginx-floor"], "sidecar")
     cpu_row("3. Envoy: sidecar CPU per check, Sluice / trivial app", c["envoy-sluice"], c["envoy-bare"], "sidecar")
     rate_row("   Envoy: req/s, Sluice / trivial app", c["envoy-sluice"], c["envoy-bare"])
     cpu_row("   Envoy: Envoy CPU per request, with Lua / without", c["envoy-sluice"], c["envoy-sluice-nolua"],
@@ -635,9 +687,11 @@ def main() -> None:
                                                        workers=2)
             bare_pid, bare_port = bench.start_bare()
             bare = [bare_pid]
+            floor_pid, floor_port = bench.start_floor()
             nginx_s, nginx_s_port = bench.start_nginx("nginx-sluice", sluice_port)
             nginx_b, nginx_b_port = bench.start_nginx("nginx-bare", bare_port)
             nginx_0, nginx_0_port = bench.start_nginx("nginx-sluice-no-rules", ruleless_port)
+            nginx_f, nginx_f_port = bench.start_nginx("nginx-floor", floor_port)
             envoy_s, envoy_s_port = bench.start_envoy("envoy-sluice", sluice_port)
             envoy_b, envoy_b_port = bench.start_envoy("envoy-bare", bare_port)
             envoy_n, envoy_n_port = bench.start_envoy("envoy-sluice-nolua", sluice_port, without_lua=True)
@@ -659,6 +713,8 @@ def main() -> None:
                 Config("nginx-sluice", url(nginx_s_port), {"sidecar": sluice, "nginx": nginx_s, "upstream": upstream}),
                 Config("nginx-sluice-no-rules", url(nginx_0_port),
                        {"sidecar": ruleless, "nginx": nginx_0, "upstream": upstream}),
+                Config("nginx-floor", url(nginx_f_port), {"sidecar": [floor_pid], "nginx": nginx_f,
+                                                         "upstream": upstream}),
                 Config("nginx-sluice-redis", url(nginx_r_port),
                        {"sidecar": shared, "redis": redis, "nginx": nginx_r, "upstream": upstream}),
                 Config("nginx-sluice-redis-unix-w2", url(nginx_r2_port),

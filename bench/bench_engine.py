@@ -13,7 +13,10 @@ both sides alike, and the ratio is what to read:
    the same header every time (a walk remembered), and a new IPv4 or IPv6
    client every time, as under rotation,
 4. memory per tracked key at 100,000 keys (tracemalloc), and the process's
-   RSS while the rotation runs: flat once the cap is reached.
+   RSS while the rotation runs: flat once the cap is reached,
+5. Sluice's HTTP protocol fed nginx's check requests from rotating clients
+   in process, without a rule and with the ten rules: the front door's
+   Python cost without sockets or the event loop (report only).
 
 Usage: ``.venv/bin/python bench/bench_engine.py [--clients 1000000]``
 (``make bench`` installs ``limits`` into the virtualenv for it);
@@ -39,7 +42,7 @@ from sidecar.config import parse_rules_text  # noqa: E402
 from sidecar.engine import Engine  # noqa: E402
 from sidecar.request import CheckRequest  # noqa: E402
 from sidecar.rules import compile_rules  # noqa: E402
-from sidecar.server import tune_garbage_collector  # noqa: E402
+from sidecar.server import freeze_loaded_objects, tune_garbage_collector  # noqa: E402
 
 HIGH = 1_000_000_000  # far above the load: every rule evaluated, every request allowed
 
@@ -266,6 +269,86 @@ def memory_per_key(keys: int = 100_000) -> float:
     return per_key
 
 
+class _Transport:
+    """What the HTTP protocol asks of its transport; the answers are dropped."""
+
+    def __init__(self) -> None:
+        self.closing = False
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def close(self) -> None:
+        self.closing = True
+
+    def get_extra_info(self, name: str, default=None):
+        return {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.1", 40000)}.get(name, default)
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+def nginx_check(i: int) -> bytes:
+    """The i-th check request as the shipped nginx template sends it, from
+    the i-th of 100,000 rotating clients (bench/rotate.lua's traffic)."""
+    n = i % 100_000
+    return (f"GET /v1/nginx/auth HTTP/1.1\r\nHost: sluice\r\nX-Sluice-Client-Addr: 127.0.0.1\r\n"
+            f"X-Original-Method: GET\r\nX-Original-URI: /api/items?q={i % 5003}\r\n"
+            f"X-Original-Host: bench.example\r\nX-Request-Id: {i:032x}\r\nX-Sluice-Tls-Fingerprint: \r\n"
+            f"X-Forwarded-For: 10.{n >> 16 & 255}.{n >> 8 & 255}.{n & 255}\r\nX-Api-Key: key-{i % 997}\r\n"
+            f"User-Agent: wrk\r\n\r\n").encode()
+
+
+def front_door(passes: int = 8, batch: int = 20_000) -> dict[str, float]:
+    """µs per check of Sluice's HTTP protocol fed nginx's check requests in
+    process (no socket, no event loop turn): what reading the check,
+    deciding and writing the answer cost in Python, without a rule and with
+    the ten rules under rotation (the fastest of ``passes``)."""
+    import asyncio
+
+    import uvloop
+    from uvicorn.config import Config
+    from uvicorn.server import ServerState
+
+    from sidecar.app import create_app
+    from sidecar.server import protocol_factory
+
+    print("== nginx check requests fed to Sluice's HTTP protocol in process (rotating clients)")
+    results: dict[str, float] = {}
+
+    async def measure(text: str) -> float:
+        app = create_app(engine_for(text))
+        config = Config(app, access_log=False, server_header=False, date_header=False, proxy_headers=False,
+                        lifespan="off", http=protocol_factory())
+        config.load()
+        protocol = protocol_factory()(config=config, server_state=ServerState(), app_state={})
+        protocol.connection_made(_Transport())
+        freeze_loaded_objects()  # as a `sluice serve` process does once started
+        best = float("inf")
+        for number in range(passes):
+            checks = [nginx_check(number * batch + i) for i in range(batch)]
+            started = time.perf_counter()
+            for check in checks:
+                protocol.data_received(check)
+            best = min(best, (time.perf_counter() - started) / batch * 1e6)
+        assert app.engine.metrics.errors.value == 0, "a check failed inside Sluice"
+        protocol.connection_lost(None)
+        gc.unfreeze()
+        return best
+
+    for name, text in (("no rule", TEN_RULES[:TEN_RULES.index("rules:")] + "rules: []\n"), ("10 rules", TEN_RULES)):
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:  # the loop `sluice serve` runs
+            results[name] = runner.run(measure(text))
+        print(f"{name + ':':10} {results[name]:7.2f} µs per check (fastest of {passes} passes of {batch:,})")
+    return results
+
+
 def fastest(passes: int = 15, batch: int = 20_000) -> None:
     """The fastest of ``passes`` passes of one rule and of ten rules, one
     client: run it in two checkouts in turn, a few times, to compare them
@@ -292,6 +375,7 @@ def main() -> None:
     rotating, growth, late = rotation(args.clients, args.batch)
     ratios = against_limits(rounds=20_000, passes=5)
     per_key = memory_per_key()
+    door = front_door()
     print()
     print("Summary (ratios from this run):")
     rows = [("10 rules under rotating clients / one client", f"{rotating:.2f}x", "<= 1.2x"),
@@ -305,6 +389,7 @@ def main() -> None:
     rows += [(f"resolve_client,{name[1:]} / one limits hit", f"{ratios[name]:.2f}x", "report only")
              for name in ("  a new IPv4 client", "  a new IPv6 client") if name in ratios]
     rows.append(("memory per tracked key at 100,000 keys", f"{per_key:.0f} bytes", "<= 250 bytes"))
+    rows += [(f"nginx check in process, {name}", f"{us:.1f} µs", "report only") for name, us in door.items()]
     for label, figure, target in rows:
         print(f"  {label:48} {figure:>22}   (target {target})")
 

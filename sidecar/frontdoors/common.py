@@ -82,9 +82,16 @@ class RouteTable:
 
 
 def header_map(scope: Scope) -> dict[str, str]:
-    """Request headers by lower-case name; repeated headers are joined."""
-    return join_fields([(raw_name.decode("latin-1"), raw_value.decode("latin-1"))
-                        for raw_name, raw_value in scope["headers"]])
+    """Request headers by lower-case name; repeated headers are joined.
+
+    Built in one comprehension, which is ``join_fields`` exactly when no
+    name comes twice (the case of nearly every check): only then are the
+    fields joined one by one."""
+    fields = scope["headers"]
+    headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in fields}
+    if len(headers) < len(fields):  # a name repeated: its values joined, in order
+        return join_fields([(name.decode("latin-1"), value.decode("latin-1")) for name, value in fields])
+    return headers
 
 
 def join_fields(fields: Iterable[tuple[str, str]]) -> dict[str, str]:
