@@ -64,7 +64,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
-from bench_engine import TEN_RULES  # noqa: E402  (bench/ is on sys.path as the script's directory)
+from bench_engine import NO_RULES, TEN_RULES  # noqa: E402  (bench/ is on sys.path as the script's directory)
 
 from sidecar.launcher import (  # noqa: E402
     DEFAULT_ENVOY_GRPC_TEMPLATE,
@@ -396,9 +396,8 @@ class Bench:
         self.envoy = find_envoy()
         self.rules = run / "rules.yaml"
         self.rules.write_text(TEN_RULES)
-        # The same settings without a rule: what the front door costs by itself.
         self.no_rules = run / "no-rules.yaml"
-        self.no_rules.write_text(TEN_RULES[:TEN_RULES.index("rules:")] + "rules: []\n")
+        self.no_rules.write_text(NO_RULES)
         # The same rules on a shared Redis, over TCP and over a Unix socket.
         self.redis_port = free_port()
         self.redis_socket = run / "redis.sock"
