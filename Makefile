@@ -11,7 +11,7 @@
 # which makes a Redis Cluster), for the shared backend's (the tests start their
 # own servers and cluster on loopback), and prometheus for its promtool, which
 # checks and tests deploy/prometheus/alerts.yaml (the Prometheus server is not
-# started).
+# started), and wrk, the flood of the flood tests.
 
 SHELL := bash
 .SHELLFLAGS := -euo pipefail -c
@@ -33,7 +33,7 @@ INSTALLED := $(VENV)/.installed
 run: $(INSTALLED) nginx
 	$(VENV)/bin/python -m sidecar.launcher --rules "$(RULES)" $(if $(RLS),--rls-config "$(RLS)")
 
-test: $(INSTALLED) nginx caddy redis-server redis-tools nodejs prometheus chromium
+test: $(INSTALLED) nginx caddy redis-server redis-tools nodejs prometheus chromium wrk
 	$(VENV)/bin/python -m mypy
 	$(VENV)/bin/python -m pytest -q
 
@@ -46,6 +46,7 @@ bench: $(INSTALLED) nginx wrk redis-server
 	$(VENV)/bin/python bench/bench_engine.py
 	$(VENV)/bin/python bench/bench_check.py
 	$(VENV)/bin/python bench/bench_grpc.py
+	$(VENV)/bin/python bench/bench_flood.py
 
 $(INSTALLED): pyproject.toml
 	@if ! $(PYTHON) -m venv $(VENV); then \

@@ -5,7 +5,7 @@ from __future__ import annotations
 import html
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from importlib import resources
 from pathlib import Path
@@ -51,6 +51,26 @@ class PageTemplate:
             out.append(html.escape(values.get(part, ""), quote=True) if index % 2 else part)
         return "".join(out).encode("utf-8")
 
+    def one_line(self) -> "PageTemplate | None":
+        """The same page on one line, to travel in a header field (line
+        breaks become spaces, which HTML renders alike); None when its line
+        breaks matter (scripts, preformatted text) or it holds control
+        characters."""
+        literal = "".join(self._parts[::2])
+        if _NOT_ONE_LINE.search(literal):
+            return None
+        one_line = PageTemplate("")
+        one_line._parts = tuple(_LINE_BREAK.sub(" ", part) if index % 2 == 0 else part
+                                for index, part in enumerate(self._parts))
+        return one_line
+
+
+# What a page cannot hold to be sent on one line: elements whose line breaks
+# are not plain white space, and control characters but tab and line breaks.
+_NOT_ONE_LINE = re.compile(r"<(?:script|pre|textarea|listing|xmp|plaintext)\b|[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]",
+                           re.IGNORECASE)
+_LINE_BREAK = re.compile(r"\r\n|[\r\n]")
+
 
 def _builtin_template(status: int) -> PageTemplate:
     try:
@@ -68,6 +88,11 @@ class BlockPage:
     status: int
     template: PageTemplate
     close: bool
+    # The page on one line, for nginx's one-call refusals (None: fetched).
+    one_line: PageTemplate | None = field(init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "one_line", self.template.one_line())
 
     @classmethod
     def from_config(cls, block: config.BlockAction, base_dir: Path) -> "BlockPage":

@@ -27,6 +27,7 @@ from sidecar.frontdoors import ROUTES
 from sidecar.frontdoors.common import (
     Check, Reply, RouteTable, header_map, respond, wait_unless_disconnected,
 )
+from sidecar.overload import LoopWatch
 from sidecar.ratelog import RateLimitedLog
 from sidecar.request import CheckRequest
 from sidecar.service import build_api
@@ -63,6 +64,10 @@ class SluiceApp:
         self._error_log = RateLimitedLog(log, 10)
         self._routes = RouteTable(ROUTES)
         self._decisions = engine.metrics.decisions
+        # How far the serving loop is behind, for late checks
+        # (sidecar.overload); the HTTP protocol starts it on its loop.
+        self.watch = LoopWatch()
+        engine.loop_behind = self.watch.behind
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":

@@ -264,10 +264,14 @@ def replay(config: str, as_json: bool, top: int, host: str, exclude_top: int,
                    "gets 431. Keep it above what the proxy forwards (sidecar/server.py).")
 @click.option("--max-headers", default=16_384, show_default=True, type=click.IntRange(min=1),
               help="Most header fields of one request; more get 431. Keep it above what the proxy forwards.")
+@click.option("--loop", "event_loop", default="asyncio", show_default=True, envvar="SLUICE_LOOP", show_envvar=True,
+              type=click.Choice(["asyncio", "uvloop"]),
+              help="The event loop. uvloop under a flood of thousands of connections left new "
+                   "connections unaccepted for seconds, past the proxies' timeouts (README, Floods).")
 def serve(config: str | None, host: str, port: int, uds: str | None, hook_udp: str,
           admin_token_file: str | None, health: str, grpc_port: int | None, rls_config: str | None,
           rls_shadow: bool, shadow: bool, workers: int, log_level: str, max_header_bytes: int,
-          max_headers: int) -> None:
+          max_headers: int, event_loop: str) -> None:
     """Run the check service."""
     import uvicorn
 
@@ -275,6 +279,7 @@ def serve(config: str | None, host: str, port: int, uds: str | None, hook_udp: s
     from sidecar.admin import read_token
 
     ruleset = _load(config, shadow)
+    _open_files_as_allowed()
     if rls_config is not None:
         if grpc_port is None:
             raise click.BadParameter("the Rate Limit Service is served on the gRPC port: give --grpc-port too",
@@ -311,6 +316,11 @@ def serve(config: str | None, host: str, port: int, uds: str | None, hook_udp: s
         host=host, port=port, uds=uds, access_log=False, log_level=log_level, lifespan="on",
         log_config=logging_config(log_level),
         server_header=False, date_header=False,
+        loop=event_loop,
+        # A flood opens a connection for each check in flight: room for the
+        # thousands that arrive at once, so that none waits out the proxy's
+        # connect timeout (the kernel caps it at net.core.somaxconn).
+        backlog=LISTEN_BACKLOG,
         # The client address is Sluice's business: uvicorn must
         # not rewrite the peer from X-Forwarded-For by itself.
         proxy_headers=False,
@@ -325,7 +335,21 @@ def serve(config: str | None, host: str, port: int, uds: str | None, hook_udp: s
     uvicorn.run("sidecar.cli:worker_service", factory=True, workers=workers, **options)
 
 
+def _open_files_as_allowed() -> None:
+    """Raise the soft limit of open files to the hard one: under a flood
+    each check in flight holds a connection (Go's runtime does the same)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass  # keep the soft limit
+
+
 SERVE_SETTINGS = "SLUICE_SERVE_SETTINGS"
+LISTEN_BACKLOG = 16_384
 
 
 def _http_protocol(max_header_bytes: int, max_headers: int) -> Any:

@@ -248,6 +248,8 @@ class Condition(Strict):
 Action = Literal["log", "block", "ban", "challenge"]
 Backend = Literal["memory", "redis"]
 FailMode = Literal["open", "closed"]  # a request while the shared store is unavailable
+# A request that Sluice answers late, past overload.after (see sidecar.overload).
+OverloadMode = Literal["open", "closed"]
 
 
 class WindowLimit(Strict):
@@ -474,6 +476,10 @@ class Rule(Strict):
     # Evaluated, counted and decided as when enforcing, but its block, ban
     # or challenge is not applied: the request is allowed, and logged.
     shadow: bool = False
+    # A check that reaches Sluice later than overload.after, when its
+    # client is not known to be over this rule's limit: let in uncounted
+    # (open) or refused with a 503 (closed).
+    overload: OverloadMode = "open"
 
     @field_validator("id")
     @classmethod
@@ -664,6 +670,20 @@ class DecisionLogConfig(Strict):
     keys: LogKeys = "hash"
 
 
+class OverloadConfig(Strict):
+    # A check that waited longer than this before Sluice could read it is
+    # answered at once by the overload policy, well before the proxy's own
+    # timeout (1 s in the shipped configurations) would let it in unchecked.
+    after: Duration = 0.25
+
+    @field_validator("after")
+    @classmethod
+    def _range(cls, value: float) -> float:
+        if not 0.01 <= value <= 60:
+            raise ValueError("overload.after is from 10ms to 60s (below the proxies' timeouts for Sluice)")
+        return value
+
+
 class RulesFile(Strict):
     # shadow: every rule as with `shadow: true`.
     mode: Literal["enforce", "shadow"] = "enforce"
@@ -678,6 +698,7 @@ class RulesFile(Strict):
     verified_bots: list[VerifiedBots] = []
     challenge: ChallengeConfig = ChallengeConfig()
     overrides: list[Override] = []
+    overload: OverloadConfig = OverloadConfig()
     rules: list[Rule] = []
 
 

@@ -1,6 +1,11 @@
 """The decision log: one bare JSON line per refusal, observation, counted
 response and admin action, on the ``sluice.decisions`` logger.
 
+A rule's refusals (and observations) of one key are written at most once a
+second (``RepeatFold``): a flood of one client's refused requests is a line a
+second, whose ``"repeated"`` says how many lines were folded into it since
+the previous one. Each of them is still counted in the metrics.
+
 Counting-key values are personal data or secrets (API keys, phone numbers,
 session ids). By default a line shows each as a keyed hash: the first 12
 hex digits of an HMAC-SHA256 under a key derived from the node's secret
@@ -16,6 +21,7 @@ level check per event and nothing else.
 from __future__ import annotations
 
 import hashlib
+import collections
 import hmac
 import json
 import logging
@@ -34,6 +40,35 @@ decision_log = logging.getLogger("sluice.decisions")
 # A counting key's values, a path and a user agent come from the client: a
 # decision line shows at most this much of each, however long they are.
 LOGGED_KEY_CHARS = 256
+
+
+# A rule's lines for one key and outcome are at most this often; at most
+# this many (rule, key) pairs are remembered for it, the oldest forgotten.
+REPEAT_SECONDS = 1.0
+REPEATS_TRACKED = 10_000
+
+
+class RepeatFold:
+    """Which repeated lines to write: the first of a (rule, key, outcome) in
+    REPEAT_SECONDS, with the count of those folded since its last line."""
+
+    def __init__(self, capacity: int = REPEATS_TRACKED) -> None:
+        self.capacity = capacity
+        self._last: collections.OrderedDict[Hashable, tuple[float, int]] = collections.OrderedDict()
+
+    def admit(self, key: Hashable, now: float) -> int | None:
+        """None to fold this line away; else write it, saying how many
+        were folded before it."""
+        last = self._last
+        entry = last.get(key)
+        if entry is not None and 0 <= now - entry[0] < REPEAT_SECONDS:
+            last[key] = (entry[0], entry[1] + 1)
+            return None
+        last[key] = (now, 0)
+        last.move_to_end(key)
+        if len(last) > self.capacity:
+            last.popitem(last=False)
+        return entry[1] if entry is not None else 0
 
 
 # Dimensions whose values are client addresses, shown as they are: a rule's
@@ -91,12 +126,16 @@ class DecisionLog:
     show (both may change on reload); ``secret`` is the node's secret."""
 
     def __init__(self, node: Callable[[], str], wall_clock: Callable[[], float] = time.time,
-                 keys: Callable[[], LogKeys] = lambda: "hash", secret: Callable[[], bytes] = lambda: b"") -> None:
+                 keys: Callable[[], LogKeys] = lambda: "hash", secret: Callable[[], bytes] = lambda: b"",
+                 clock: Callable[[], float] | None = None) -> None:
         self._node = node
         self._wall_clock = wall_clock
+        # What repeats are folded by: the engine's clock.
+        self._clock = clock or wall_clock
         self._keys = keys
         self._secret = secret
         self._hash_key: tuple[bytes, bytes] = (b"", log_hash_key(b""))  # (secret, its log key)
+        self._repeats = RepeatFold()
 
     def key_text(self, key: CountingKey) -> str:
         secret = self._secret()
@@ -113,6 +152,10 @@ class DecisionLog:
         """A rule over its limit: the request refused, or observed; a shadow
         rule's line has its would-be action and ``"shadow":true``."""
         if not decision_log.isEnabledFor(logging.INFO):
+            return
+        # A ban is written whenever it is issued; repeats of anything else fold.
+        folded = 0 if banned else self._repeats.admit((rule.id, check.key, outcome, shadow), self._clock())
+        if folded is None:
             return
         entry = self._head()
         entry.update({
@@ -138,6 +181,8 @@ class DecisionLog:
             entry["shadow"] = True
             if rule.ban_duration is not None:
                 entry["ban_seconds"] = rule.ban_duration
+        if folded:
+            entry["repeated"] = folded
         self._write(entry)
 
     def rls(self, domain: str, rule_id: str, key: CountingKey, shadow: bool, banned: bool) -> None:

@@ -5,6 +5,7 @@ backend it has."""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import math
@@ -20,6 +21,7 @@ from sidecar.decisionlog import DecisionLog
 from sidecar.keys import key_values
 from sidecar.limiters import Hit
 from sidecar.metrics import Metrics
+from sidecar.overload import BEHIND_SHARE, RefusalMemory
 from sidecar.pending import PendingEntry, PendingTokens, SlotEntry
 from sidecar.ratelog import RateLimitedLog
 from sidecar.request import CheckRequest
@@ -77,6 +79,10 @@ CLOSED = Decision(outcome=CLOSE)
 # fail: closed and the shared store unavailable: a refusal no rule
 # made, with the built-in 503 page.
 STORE_UNAVAILABLE = Decision(outcome=DENY, retry_after=1, page=BlockPage.builtin(503))
+# The page of a late check refused by an `overload: closed` rule.
+OVERLOADED_PAGE = BlockPage.builtin(503)
+# The RefusalMemory entry of a banned client key (no rule id is empty).
+BANNED = ""
 
 
 class Engine:
@@ -100,7 +106,7 @@ class Engine:
                        cluster=ruleset.cluster, sentinel=ruleset.sentinel)
         self.metrics = metrics if metrics is not None else Metrics()
         self.log = DecisionLog(lambda: self.ruleset.node, wall_clock, keys=lambda: self.ruleset.log_keys,
-                               secret=lambda: self._secret)
+                               secret=lambda: self._secret, clock=clock)
         self.responses = ResponsePhase(self)
         self._credential_check = self._has_credential  # bound once: the rules get it for every request
         # Counted always, logged at most every 10 s / 60 s.
@@ -110,6 +116,11 @@ class Engine:
         # decision takes a slot before asking the store, and a decision that
         # holds keeps it until the caller's release_hold (state.max_delayed).
         self.delayed = 0
+        # What this node refused and still refuses, for late checks
+        # (sidecar.overload), and how far the serving loop is behind (the
+        # HTTP service sets it; without one, checks are never late).
+        self.refusals = RefusalMemory(ruleset.max_keys)
+        self.loop_behind: Clock = lambda: 0.0
 
     @property
     def pending(self) -> PendingTokens:
@@ -125,6 +136,7 @@ class Engine:
             self._secret = ruleset.secret
             self.tokens = Tokens.from_secret(ruleset.secret, self.wall_clock)
         self.store.configure(ruleset.max_keys, ruleset.node)
+        self.refusals.capacity = ruleset.max_keys
         self.ruleset = ruleset
 
     # -- client address ---------------------------------------------------
@@ -142,7 +154,10 @@ class Engine:
     # -- the decision -----------------------------------------------------
 
     async def decide(self, request: CheckRequest) -> Decision:
-        """The decision for one request: one call to the store."""
+        """The decision for one request: one call to the store, or none for
+        a check that came too late (see ``late``)."""
+        if request.sent and self.late(request.sent):
+            return self._overloaded(request)
         prepared = self._prepare(request)
         if isinstance(prepared, Decision):
             return prepared
@@ -166,6 +181,57 @@ class Engine:
         """``decide`` without an event loop, over a store that answers at
         once (the memory store): for replay and tests."""
         return run_at_once(self.decide(request))
+
+    # -- overload (sidecar.overload) ------------------------------------------
+
+    def late(self, sent: float) -> bool:
+        """Whether a check the proxy sent at ``sent`` (Unix seconds) waited
+        past overload.after, while the serving loop is behind."""
+        after = self.ruleset.overload_after
+        return self.wall_clock() - sent > after and self.loop_behind() >= after * BEHIND_SHARE
+
+    def _overloaded(self, request: CheckRequest) -> Decision:
+        """A late check's answer, without the store: refused as this node
+        refused the client last, else by the first matching `overload:
+        closed` rule, else allowed uncounted. Counted by rule and outcome."""
+        prepared = self._prepare(request)
+        if isinstance(prepared, Decision):
+            return prepared
+        matched, checks = prepared
+        now = self.clock()
+        refusals = self.refusals
+        tally = self.metrics.overload_decisions
+        if request.client.key and (banned := refusals.recall((BANNED, request.client.key), now)) is not None:
+            tally["ban", "refused"] += 1
+            self.metrics.banned_requests.inc()
+            return CLOSED
+        enforcing = [(rule, check) for rule, check in zip(matched, checks) if rule.stops]
+        for rule, check in enforcing:
+            remembered = refusals.recall((rule.id, check.key), now)
+            if remembered is not None:
+                tally[rule.id, "refused"] += 1
+                until, decision = remembered
+                assert isinstance(decision, Decision)
+                if decision.outcome != DENY:
+                    return decision
+                return dataclasses.replace(decision, retry_after=retry_after_seconds(until - now))
+        for rule, check in enforcing:
+            if rule.overload_closed:
+                tally[rule.id, "closed"] += 1
+                return Decision(outcome=DENY, rule=rule, limit=math.ceil(check.threshold), reset=1,
+                                retry_after=1, page=OVERLOADED_PAGE)
+        tally[enforcing[0][0].id if enforcing else "none", "open"] += 1
+        return ALLOWED
+
+    def _remember(self, request: CheckRequest, rule: CompiledRule, check: Check, hit: Hit,
+                  decision: Decision, evaluation: Evaluation) -> None:
+        """Note a refusal for late checks: until the client's ban ends, or
+        until the rule's key may send again. A challenge is issued anew
+        for every request, so it is not remembered."""
+        if evaluation.ban is not None and request.client.key:
+            self.refusals.remember((BANNED, request.client.key), evaluation.ban.expires, CLOSED)
+        elif rule.challenge is None:
+            self.refusals.remember((rule.id, check.key), self.clock() + hit.retry_after, decision)
 
     # -- held requests (leaky-bucket delays) ---------------------------------
 
@@ -231,6 +297,8 @@ class Engine:
         if evaluation.ban is not None and not evaluation.new_ban:
             # Banned: no evaluation, no counting, no per-request log.
             metrics.banned_requests.inc()
+            if request.client.key:
+                self.refusals.remember((BANNED, request.client.key), evaluation.ban.expires, CLOSED)
             return CLOSED
 
         observed: Decision | None = None
@@ -268,6 +336,7 @@ class Engine:
             metrics.over_limit(rule.id, rule.action)
             if check.stops:
                 decision = self._apply(request, rule, limit, reset, hit, evaluation.new_ban)
+                self._remember(request, rule, check, hit, decision, evaluation)
                 self.log.matched(request, rule, check, decision.outcome, banned=evaluation.ban is not None,
                                  ban=evaluation.ban)
                 return decision

@@ -109,6 +109,8 @@ class Metrics(Collector):
         # Checks answered, by (front door, outcome): the app adds to it directly.
         self.decisions: collections.Counter[tuple[str, str]] = collections.Counter()
         self._over: dict[tuple[str, str], Tally] = {}
+        # Late checks answered by the overload policy, by (rule, outcome).
+        self.overload_decisions: collections.Counter[tuple[str, str]] = collections.Counter()
         # Actions shadow rules would have taken, by (rule, action).
         self.shadow_actions: collections.Counter[tuple[str, str]] = collections.Counter()
         self._gauges: dict[str, tuple[str, Callable[[], float]]] = {}
@@ -188,6 +190,14 @@ class Metrics(Collector):
         for (rule_id, action), count in self.shadow_actions.items():
             shadow.add_metric([rule_id, action], count)
         yield shadow
+        overload = CounterMetricFamily(
+            "sluice_overload_decisions", "Checks that reached Sluice later than overload.after, answered "
+            "without the store: refused (the client was known over the rule's limit, or banned), "
+            "closed (an overload: closed rule refused it) or open (let in uncounted), by rule.",
+            labels=["rule", "outcome"])
+        for (rule_id, outcome), count in self.overload_decisions.items():
+            overload.add_metric([rule_id, outcome], count)
+        yield overload
         for name, (documentation, read) in self._gauges.items():
             family = CounterMetricFamily if name.endswith("_total") else GaugeMetricFamily
             yield family(name, documentation, value=read())

@@ -39,10 +39,12 @@ def strip_port(host: str) -> str:
 
 class CheckRequest:
     """Method, host, URI, headers (lower-case names), the resolved client and
-    the TLS fingerprint the proxy passed on ("" for none)."""
+    the TLS fingerprint the proxy passed on ("" for none), and when the
+    proxy sent the check (Unix seconds; 0.0 when it did not say, see
+    sidecar.overload)."""
 
     __slots__ = ("method", "host", "uri", "path", "query_string", "headers",
-                 "client", "request_id", "tls_fingerprint", "_cookies", "_query")
+                 "client", "request_id", "tls_fingerprint", "sent", "_cookies", "_query")
 
     def __init__(
         self,
@@ -54,6 +56,7 @@ class CheckRequest:
         request_id: str,
         *,
         tls_fingerprint: str = "",
+        sent: float = 0.0,
     ) -> None:
         self.method = method
         self.host = host
@@ -64,6 +67,7 @@ class CheckRequest:
         self.client = client
         self.request_id = request_id
         self.tls_fingerprint = tls_fingerprint
+        self.sent = sent
         self._cookies: dict[str, str] | None = None
         self._query: dict[str, str] | None = None
 

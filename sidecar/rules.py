@@ -299,6 +299,8 @@ class CompiledRule:
     penalty_ban: PenaltyBan | None = None  # challenge.then_ban_after: unsolved penalties ban
     # A challenge rule's: the ruleset's challenges per address before a ban.
     auto_ban: AutoBan | None = None
+    # overload: closed: a late check it matches is refused unless known within limits.
+    overload_closed: bool = False
     # Derived once, read on every request.
     stops: bool = field(init=False)  # over limit ends evaluation: every action but log, unless shadow
     counts: bool = field(init=False)  # counted at request time (no count_on, no score)
@@ -374,6 +376,7 @@ class Ruleset:
     difficulty: int  # proof-of-work zero bits of a challenge
     auto_ban: AutoBan  # challenges per address before it is banned
     match: Matcher  # the rules for one request, in order (compile_matcher)
+    overload_after: float = 0.25  # a check this late is answered by the overload policy
     holds: bool = field(init=False)  # any rule may hold a request (read for every request)
     leases: bool = field(init=False)  # any rule takes concurrency slots: requests need a lease id
 
@@ -501,6 +504,7 @@ def compile_rules(loaded: LoadedRules, shadow: bool = False) -> Ruleset:
             ban_increment=BanIncrement.from_config(ban.increment) if ban.increment is not None else None,
             penalty_ban=penalty_ban,
             auto_ban=auto_ban if challenge is not None else None,
+            overload_closed=rule.overload == "closed",
         ))
         compiled_from.append((rules[-1], rule))
     if issues:
@@ -529,6 +533,7 @@ def compile_rules(loaded: LoadedRules, shadow: bool = False) -> Ruleset:
         difficulty=model.challenge.difficulty,
         auto_ban=auto_ban,
         match=compile_matcher(compiled_from, verified_bots),
+        overload_after=model.overload.after,
     )
 
 

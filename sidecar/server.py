@@ -117,6 +117,9 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._check: Check | None = None
         # Reading stopped until the client takes the answers written so far.
         self._reading_paused_for_writes = False
+        watch = getattr(self.app, "watch", None)
+        if watch is not None:
+            watch.watch(self.loop)
 
     # -- reading ------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from sidecar.asgi import Receive, Scope, Send
 from sidecar.challenge import FINGERPRINT_HEADER, SOLUTION_PATH, IssuedChallenge
 from sidecar.clientip import ClientAddress
 from sidecar.engine import Decision, Engine
+from sidecar.overload import SENT_HEADER, parse_sent
 from sidecar.request import CheckRequest
 
 
@@ -119,10 +120,11 @@ def request_id_of(headers: dict[str, str]) -> str:
 def check_request(headers: dict[str, str], method: str, host: str, uri: str,
                   client: ClientAddress) -> CheckRequest:
     """A CheckRequest with what every proxy sends the same way: the headers,
-    the request id and the TLS fingerprint."""
+    the request id, the TLS fingerprint and the time the proxy sent it."""
     return CheckRequest(method=method, host=host, uri=uri, headers=headers, client=client,
                         request_id=request_id_of(headers),
-                        tls_fingerprint=headers.get(FINGERPRINT_HEADER, ""))
+                        tls_fingerprint=headers.get(FINGERPRINT_HEADER, ""),
+                        sent=parse_sent(headers.get(SENT_HEADER)))
 
 
 def encode_headers(headers: list[tuple[str, str]]) -> list[tuple[bytes, bytes]]:

@@ -1,8 +1,15 @@
-"""nginx ``auth_request``: the check, and the deny page nginx fetches after it.
+"""nginx ``auth_request``: the check, and the deny page nginx may fetch after it.
 
 nginx's auth_request understands only 2xx, 401 and 403. Sluice answers 403
-for "deny with a page" (nginx then fetches the page from NGINX_DENY_PATH,
-which answers with the real status) and 401 for "close the connection".
+for "deny with a page" and 401 for "close the connection".
+
+A refusal costs nginx one call: the 403 carries the page itself
+(``X-Sluice-Page``, with its status in ``X-Sluice-Page-Status``), which
+nginx sends with ``return`` (sluice-server.conf's ``@sluice_deny``). A page
+that cannot travel as one header field (a challenge's, which runs a script,
+or one over MAX_INLINE_PAGE) is fetched in a second call from
+NGINX_DENY_PATH, which answers with the real status; so is any page whose
+status the shipped ``@sluice_deny`` does not list.
 """
 
 from __future__ import annotations
@@ -10,7 +17,7 @@ from __future__ import annotations
 import logging
 import re
 
-from sidecar.actions import BlockPage, deny_headers
+from sidecar.actions import BlockPage, deny_headers, over_limit_headers
 from sidecar.asgi import Receive, Scope, Send
 from sidecar.challenge import MAX_CHALLENGE_LENGTH, IssuedChallenge
 from sidecar.clientip import parse_address
@@ -29,6 +36,22 @@ NGINX_AUTH_PATH = "/v1/nginx/auth"
 NGINX_DENY_PATH = "/v1/nginx/deny"
 NGINX_DENY_STATUS = 403
 NGINX_CLOSE_STATUS = 401
+PAGE_HEADER = "X-Sluice-Page"
+PAGE_STATUS_HEADER = "X-Sluice-Page-Status"
+# The largest page sent in the check's answer: with the other fields, well
+# within the 16 KiB proxy_buffer_size of the shipped check location (a
+# larger answer head would be nginx's 502, and the request let in).
+MAX_INLINE_PAGE = 8 * 1024
+
+
+def inline_page(page: BlockPage, request: CheckRequest) -> str | None:
+    """The page for ``request`` as one header field's value, or None when
+    nginx must fetch it instead (see the module)."""
+    template = page.one_line
+    if template is None or not (request.host.isprintable() and request.request_id.isprintable()):
+        return None
+    body = template.render(request.client.text, request.host, request.request_id)
+    return body.decode("latin-1") if len(body) <= MAX_INLINE_PAGE else None
 
 
 class DenyToken:
@@ -112,7 +135,16 @@ def answer_nginx(request: CheckRequest, decision: Decision) -> Reply:
         return 200, allow_headers(decision), b""
     if decision.outcome == CLOSE:
         return NGINX_CLOSE_STATUS, [], b""
-    return NGINX_DENY_STATUS, [("X-Sluice-Deny", DenyToken.encode(decision, request.client.text))], b""
+    # The token lets nginx fetch the page when it cannot send it itself;
+    # the over-limit fields and Retry-After are added by @sluice_deny.
+    headers = [("X-Sluice-Deny", DenyToken.encode(decision, request.client.text)),
+               *over_limit_headers(decision.limit, decision.reset),
+               ("Retry-After", str(decision.retry_after))]
+    assert decision.page is not None
+    page = inline_page(decision.page, request) if decision.challenge is None else None
+    if page is not None:
+        headers += [(PAGE_STATUS_HEADER, str(decision.page.status)), (PAGE_HEADER, page)]
+    return NGINX_DENY_STATUS, headers, b""
 
 
 def _deny_page(rule: CompiledRule | None, status: int, challenge: IssuedChallenge | None

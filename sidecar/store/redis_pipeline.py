@@ -11,7 +11,8 @@ being down, and only a real failure makes the store unavailable:
 * Redis has answered nothing for ``timeout`` seconds while commands wait.
   The clock starts when the oldest unanswered command was written, or at
   the last reply if that came later: a long queue that Redis works through
-  is progress, not a failure, and neither is a Sluice too busy to read;
+  is progress, not a failure, and neither is a Sluice too busy to read (an
+  answer waiting unread in the socket is Redis on time);
 * Redis answers that it cannot take the command now: ``READONLY`` (a
   replica, such as a master a failover demoted), ``LOADING`` (a restarted
   server reading its data) or ``MASTERDOWN`` (a replica that lost its
@@ -30,6 +31,7 @@ import asyncio
 import collections
 import copy
 import hashlib
+import select
 import socket
 import ssl
 import time
@@ -177,11 +179,26 @@ class _ReplyProtocol(asyncio.Protocol):
         if silent_for < self.timeout:
             self._silent = False
             self._watchdog = self.loop.call_later(self.timeout - silent_for, self._check)
-        elif not self._silent:
+        elif not self._silent or self._answer_unread():
+            # Not silent yet, or Redis has answered and only this process
+            # has not read it (a CPU shared with busy processes, a long
+            # turn of the loop): the timeout measures Redis, not Sluice.
             self._silent = True
             self._watchdog = self.loop.call_later(_LOOK_AGAIN, self._check)
         else:
             self.fail(StoreUnavailable(f"Redis answered nothing for {self.timeout:g} s"))
+
+    def _answer_unread(self) -> bool:
+        """Whether the connection holds bytes from Redis that the loop has
+        not read yet: a poll of the socket that does not wait."""
+        sock = self.transport.get_extra_info("socket") if self.transport is not None else None
+        if sock is None:
+            return False
+        try:
+            readable, _, _ = select.select([sock.fileno()], [], [], 0)
+        except (OSError, ValueError):
+            return False
+        return bool(readable)
 
     def fail(self, error: StoreUnavailable) -> None:
         """Give up the connection: every waiting command fails now."""

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar.admin import Admin
-from sidecar.decisionlog import iso_time, log_hash_key, logged_key
+from sidecar.decisionlog import RepeatFold, iso_time, log_hash_key, logged_key
 from sidecar.engine import ALLOW, DENY
 from tests.unit.conftest import Harness
 
@@ -111,3 +111,33 @@ def test_admin_actions_write_audit_lines(caplog, tmp_path) -> None:
     audit = [(e["audit"], e["who"], e["result"]) for e in lines(caplog) if "audit" in e]
     assert audit == [("reload", "token", "reloaded"), ("reload", "signal", "refused"),
                      ("unban", "token", "no ban")]
+
+
+FLOOD = """
+rules:
+  - id: per-ip
+    key: [ip]
+    limit: {requests: 1, per: 1h}
+    action: block
+"""
+
+
+def test_a_flood_of_one_keys_refusals_is_one_line_a_second_counting_the_folded_ones(caplog) -> None:
+    caplog.set_level(logging.INFO, logger="sluice.decisions")
+    h = Harness(FLOOD)
+    assert h.outcomes(1 + 50) == [ALLOW] + [DENY] * 50
+    h.decide_now(ip="198.51.100.7")
+    h.decide_now(ip="198.51.100.7")  # another key is not folded into the first one's
+    assert [(line["client"], line.get("repeated")) for line in lines(caplog)] == \
+        [("192.0.2.1", None), ("198.51.100.7", None)]
+    h.clock.advance(1)
+    h.decide_now()
+    assert lines(caplog)[-1]["client"] == "192.0.2.1" and lines(caplog)[-1]["repeated"] == 49
+    assert h.engine.metrics.over_limit_of("per-ip") == {"block": 52}
+
+
+def test_the_fold_forgets_the_oldest_keys_beyond_its_capacity() -> None:
+    fold = RepeatFold(capacity=2)
+    assert [fold.admit(key, 0.0) for key in ("a", "b", "c")] == [0, 0, 0]
+    assert fold.admit("a", 0.5) == 0  # forgotten: written again
+    assert fold.admit("c", 0.5) is None

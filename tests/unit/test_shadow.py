@@ -54,8 +54,14 @@ def test_a_shadow_rule_over_its_limit_allows_with_the_over_limit_headers_and_cou
     assert metric(h, "sluice_shadow_actions_total", {"rule": "api", "action": "block"}) == 2
     assert metric(h, "sluice_over_limit_total", {"rule": "api", "action": "block"}) == 0
     lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "sluice.decisions"]
+    # Within one second, the second line is folded into the next one's "repeated".
     assert [(line["rule"], line["action"], line["shadow"], line["outcome"]) for line in lines] == \
-        [("api", "block", True, "allow")] * 2
+        [("api", "block", True, "allow")]
+    h.clock.advance(1)
+    with caplog.at_level(logging.INFO, logger="sluice.decisions"):
+        h.decide_now(ip="192.0.2.1")
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "sluice.decisions"]
+    assert len(lines) == 2 and lines[1]["repeated"] == 1
 
 
 def test_rules_after_a_shadow_rule_still_count_as_the_request_was_allowed() -> None:

@@ -3,6 +3,8 @@ shipped site and bootstrap built from them, never beside them."""
 
 from __future__ import annotations
 
+from http import HTTPStatus
+
 import re
 import subprocess
 import tempfile
@@ -87,7 +89,7 @@ def test_the_location_names_its_upstream_for_failing_open_and_proxies_to_it() ->
     "log_format sluice_report", "access_log syslog:", "upstream sluice {",
     "location = /_sluice/auth {", "location @sluice_deny {", "location @sluice_close {",
     "location @sluice_fail_open {", "location = /.sluice/challenge {",
-    "auth_request /_sluice/auth;", "error_page 403 = @sluice_deny;", "add_header X-RateLimit ",
+    "auth_request /_sluice/auth;", "error_page 403 = @sluice_deny;", "add_header RateLimit ",
 ])
 def test_each_piece_of_sluices_nginx_configuration_is_written_once(marker: str) -> None:
     holders = [template.name for template in sorted(TEMPLATES.glob("nginx/**/*.template"))
@@ -95,6 +97,20 @@ def test_each_piece_of_sluices_nginx_configuration_is_written_once(marker: str) 
 
     assert len(holders) == 1, holders
     assert holders[0].startswith("sluice-") and holders[0] != DEFAULT_TEMPLATE.name
+
+
+def test_a_refusal_is_sent_by_nginx_for_every_named_status_with_the_headers_of_the_check() -> None:
+    """One call per refusal: @sluice_deny returns the page the check
+    carried for each status with a name, and adds the over-limit fields
+    itself (a named location inherits the server's add_header, not the
+    protected location's)."""
+    deny = [directive for block, directive in nginx_blocks((SNIPPETS / "sluice-server.conf.template").read_text())
+            if block == "location @sluice_deny"]
+    for status in (s.value for s in HTTPStatus if 400 <= s.value <= 599):
+        assert f"if ($sluice_page_status = {status}) {{ return {status} $sluice_page; }}" in deny
+    for header in ("X-RateLimit $sluice_ratelimit", "X-RateLimit-Limit $sluice_ratelimit_limit",
+                   "X-RateLimit-Reset $sluice_ratelimit_reset", "Retry-After $sluice_retry_after"):
+        assert f"add_header {header} always;" in deny
 
 
 def test_the_snippets_name_only_sluices_settings() -> None:

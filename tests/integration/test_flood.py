@@ -1,0 +1,46 @@
+"""One address floods through the shipped nginx and Envoy configurations
+(``sluice config``) with thousands of connections: the application sees at
+most the budget plus 1 % of the flood, and an honest client at another
+address is never refused beyond its own limit (sidecar.overload)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.integration.flood import FloodStack
+
+pytestmark = pytest.mark.integration
+
+BUDGET = 10
+RULES = f"""\
+state: {{backend: memory}}
+rules:
+  - id: per-address
+    key: [ip]
+    limit: {{requests: {BUDGET}, per: 60s}}
+    action: block
+"""
+SECONDS = 3
+
+
+# nginx with one worker process is not here: at 2,000 connections it still
+# lets 2 % of the flood through (README, "When a flood outruns Sluice").
+@pytest.mark.parametrize(("door", "workers", "connections"), [
+    ("nginx", 2, 2000),
+    ("envoy", 2, 2000),
+])
+def test_a_flood_from_one_address_reaches_the_application_at_most_the_budget_plus_one_percent(
+        tmp_path: Path, door: str, workers: int, connections: int) -> None:
+    with FloodStack(tmp_path, RULES, door, workers) as stack:
+        result = stack.flood(connections, SECONDS)
+        internal_errors = stack.metric("sluice_internal_errors_total")
+    honest = [status for status, _ in result.honest]
+    # The honest client is let in within its own budget (or more, when a
+    # late check of its was let in uncounted), refused only past it.
+    assert set(honest) <= {200, 429}, honest
+    assert honest.count(200) >= min(len(honest), BUDGET)
+    flood_reached = result.reached - honest.count(200)
+    assert flood_reached <= BUDGET + result.requests // 100, (result.requests, result.reached)
+    assert internal_errors == 0

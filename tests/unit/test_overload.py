@@ -1,0 +1,194 @@
+"""A check that reaches Sluice too late is answered at once by the overload
+policy (sidecar.overload): refused when its client is known over a limit,
+else as its rules' ``overload:`` says; a stamp alone never makes a check late."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, strategies as st
+
+from sidecar.actions import BlockPage, PageTemplate
+from sidecar.engine import ALLOW, CLOSE, DENY
+from sidecar.frontdoors.nginx import MAX_INLINE_PAGE, PAGE_HEADER, PAGE_STATUS_HEADER, answer_nginx, inline_page
+from sidecar.overload import TICK_SECONDS, LoopWatch, RefusalMemory, parse_sent
+from sidecar.request import CheckRequest
+from sidecar.config import ConfigError
+
+from .conftest import Harness, ruleset_from
+
+RULES = """
+rules:
+  - id: per-ip
+    key: [ip]
+    limit: {requests: 3, per: 60s}
+    action: block
+"""
+NOW = 1_800_000_000.0
+
+
+class Overloaded(Harness):
+    """An engine whose wall clock is NOW and whose serving loop is ``behind``."""
+
+    def __init__(self, text: str = RULES, behind: float = 1.0) -> None:
+        super().__init__(text)
+        self.behind = behind
+        self.engine.wall_clock = lambda: NOW
+        self.engine.loop_behind = lambda: self.behind
+
+    def check(self, late: float = 0.0, ip: str = "192.0.2.1", path: str = "/"):
+        client = self.engine.resolve_client(ip, None)
+        request = CheckRequest("GET", "example.com", path, {}, client, "req-1", sent=NOW - late)
+        return self.engine.decide_now(request)
+
+
+def test_a_late_check_of_a_client_over_its_limit_is_refused_as_before_without_the_store():
+    h = Overloaded()
+    assert [h.check().outcome for _ in range(4)] == [ALLOW, ALLOW, ALLOW, DENY]
+    evaluations = h.engine.metrics.checks.value
+    h.clock.advance(10)
+    decision = h.check(late=2.0)
+    assert decision.outcome == DENY and decision.rule.id == "per-ip"
+    # Retry-After still counts down to when the key may send again.
+    assert decision.retry_after == 50
+    assert h.engine.metrics.overload_decisions == {("per-ip", "refused"): 1}
+    assert h.engine.metrics.checks.value == evaluations + 1
+
+
+def test_a_late_check_of_a_client_within_its_limits_is_let_in_uncounted_by_default():
+    h = Overloaded()
+    assert h.check(late=2.0).outcome == ALLOW
+    assert h.check(late=2.0).outcome == ALLOW
+    assert h.engine.metrics.overload_decisions == {("per-ip", "open"): 2}
+    # The two were not counted: the client still has its whole budget.
+    assert [h.check().outcome for _ in range(4)] == [ALLOW, ALLOW, ALLOW, DENY]
+
+
+def test_an_overload_closed_rule_refuses_a_late_check_with_503_while_an_open_one_lets_it_in():
+    h = Overloaded("""
+rules:
+  - id: login
+    match: {path: {prefix: /login}}
+    key: [ip]
+    limit: {requests: 5, per: 60s}
+    action: block
+    overload: closed
+  - id: browse
+    key: [ip]
+    limit: {requests: 100, per: 60s}
+    action: block
+""")
+    shut = h.check(late=1.0, path="/login")
+    assert shut.outcome == DENY and shut.page.status == 503 and shut.retry_after == 1
+    assert h.check(late=1.0, path="/shop").outcome == ALLOW
+    assert h.engine.metrics.overload_decisions == {("login", "closed"): 1, ("browse", "open"): 1}
+
+
+def test_a_late_check_of_a_banned_client_is_closed():
+    h = Overloaded("""
+rules:
+  - id: bans
+    key: [ip]
+    limit: {requests: 1, per: 60s}
+    action: ban
+    ban: {duration: 1h}
+""")
+    assert [h.check().outcome for _ in range(2)] == [ALLOW, CLOSE]
+    h.clock.advance(600)
+    assert h.check(late=5.0).outcome == CLOSE
+    assert h.engine.metrics.overload_decisions == {("ban", "refused"): 1}
+    h.clock.advance(3600)
+    assert h.check(late=5.0).outcome == ALLOW  # the ban ended: forgotten
+
+
+def test_an_old_stamp_is_not_trusted_while_the_loop_is_on_time():
+    """A proxy that does not set X-Sluice-Sent passes the client's on: a
+    forged stamp must not buy an uncounted request."""
+    h = Overloaded(behind=0.0)
+    assert [h.check(late=30.0).outcome for _ in range(4)] == [ALLOW, ALLOW, ALLOW, DENY]
+    assert h.engine.metrics.overload_decisions == {}
+
+
+def test_a_check_on_time_is_decided_in_full_while_the_loop_is_behind():
+    h = Overloaded(behind=5.0)
+    assert [h.check(late=0.1).outcome for _ in range(4)] == [ALLOW, ALLOW, ALLOW, DENY]
+    assert h.engine.metrics.overload_decisions == {}
+
+
+def test_overload_after_comes_from_the_rules_file_and_is_checked():
+    assert ruleset_from("overload: {after: 2s}\nrules: []").overload_after == 2.0
+    with pytest.raises(ConfigError, match="overload.after"):
+        ruleset_from("overload: {after: 5ms}\nrules: []")
+    with pytest.raises(ConfigError, match="overload"):
+        ruleset_from(RULES + "    overload: sometimes\n")
+
+
+def test_the_refusal_memory_forgets_ended_refusals_and_the_oldest_beyond_its_capacity():
+    memory = RefusalMemory(2)
+    memory.remember("a", 10.0, "A")
+    memory.remember("b", 10.0, "B")
+    assert memory.recall("a", 5.0) == (10.0, "A")
+    memory.remember("c", 10.0, "C")
+    assert memory.recall("a", 5.0) is None and len(memory) == 2
+    assert memory.recall("b", 10.0) is None  # ended at 10
+
+
+def test_the_loop_watch_says_how_late_its_timer_is():
+    now = [100.0]
+
+    class Loop:
+        def call_later(self, delay, callback):
+            self.callback = callback
+
+        def is_closed(self):
+            return False
+
+    watch, loop = LoopWatch(lambda: now[0]), Loop()
+    assert watch.behind() == 0.0  # not watching: never behind
+    watch.watch(loop)
+    now[0] += TICK_SECONDS
+    assert watch.behind() == 0.0
+    now[0] += 0.5
+    assert watch.behind() == pytest.approx(0.5)
+    loop.callback()
+    assert watch.behind() == 0.0
+
+
+@given(st.text(max_size=40))
+def test_any_stamp_text_is_a_time_or_none(text):
+    sent = parse_sent(text)
+    assert sent == 0.0 or (sent > 0 and sent == float(text))
+
+
+def test_an_nginx_refusal_carries_its_page_so_nginx_needs_no_second_call():
+    h = Harness(RULES)
+    for _ in range(3):
+        h.decide_now()
+    request = h.request()
+    status, headers, body = answer_nginx(request, h.engine.decide_now(request))
+    fields = dict(headers)
+    assert status == 403 and body == b""
+    assert fields[PAGE_STATUS_HEADER] == "429" and fields["Retry-After"] == "60"
+    page = fields[PAGE_HEADER]
+    assert "429 Too Many Requests" in page and "req-1" in page and "\n" not in page
+
+
+@pytest.mark.parametrize("text", ["<script>go()</script>", "a\x01b", "<PRE>\n kept\n</PRE>"])
+def test_a_page_whose_line_breaks_matter_is_fetched_instead(text):
+    assert PageTemplate(text).one_line() is None
+
+
+def test_a_page_too_long_for_a_header_field_is_fetched_instead():
+    page = BlockPage(429, PageTemplate("x" * MAX_INLINE_PAGE + "${{http_host}}"), False)
+    client = Harness(RULES).engine.resolve_client("192.0.2.1", None)
+    assert inline_page(page, CheckRequest("GET", "", "/", {}, client, "r")) is not None
+    assert inline_page(page, CheckRequest("GET", "h", "/", {}, client, "r")) is None
+
+
+@given(st.lists(st.text(alphabet=st.characters(blacklist_characters="\x00\x01"), max_size=30), max_size=6))
+def test_a_page_on_one_line_renders_as_the_page_with_line_breaks_as_spaces(pieces):
+    text = "${{request_id}}".join(pieces)
+    one_line = PageTemplate(text).one_line()
+    if one_line is not None:
+        rendered = one_line.render("192.0.2.1", "h", "req-1")
+        expected = PageTemplate(text).render("192.0.2.1", "h", "req-1")
+        assert rendered == expected.replace(b"\r\n", b" ").replace(b"\n", b" ").replace(b"\r", b" ")
