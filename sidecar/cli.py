@@ -131,18 +131,31 @@ CONFIG_TARGETS = {
               help="Port of sluice serve --grpc-port on the --sluice host (envoy-grpc, envoy-fragments).")
 @click.option("--rules", type=click.Path(dir_okay=False, exists=True),
               help="Rules file: the proxy's timeout for Sluice's answer then outlasts its longest hold.")
+@click.option("--guard", is_flag=True,
+              help="nginx: a first tier, nginx's own limit_req per client address, ahead of Sluice: "
+                   "ten times the fastest rule's rate (of --rules), at least 10 r/s. It holds a flood "
+                   "that outruns Sluice; it also limits every client behind one address (a NAT).")
+@click.option("--guard-rate", type=click.FloatRange(min=0.001), metavar="R",
+              help="The guard's requests per second per address (implies --guard).")
 @click.option("--out", type=click.Path(file_okay=False),
               help="Write the files into this folder (as nginx's conf.d, say) instead of printing them.")
 def config_command(target: str, listen: str, sluice: str, hook_udp: str, upstream: str, envoy_admin_port: int,
-                   sluice_grpc_port: int, rules: str | None, out: str | None) -> None:
+                   sluice_grpc_port: int, rules: str | None, guard: bool, guard_rate: float | None,
+                   out: str | None) -> None:
     """Print (or write) the nginx or Envoy configuration for Sluice, rendered
     for the given addresses: the full site or bootstrap, or the snippets and
     fragments to add to an existing one."""
     from pathlib import Path
 
-    from sidecar.launcher import PACKAGE_TEMPLATES, StackError, proxy_variables, render_folder
+    from sidecar.launcher import PACKAGE_TEMPLATES, StackError, guard_rate as derived_guard_rate
+    from sidecar.launcher import proxy_variables, render_folder, with_guard
 
-    longest_hold = _load(rules).longest_hold if rules else 0.0
+    ruleset = _load(rules) if rules else None
+    longest_hold = ruleset.longest_hold if ruleset is not None else 0.0
+    if (guard or guard_rate is not None) and not target.startswith("nginx"):
+        raise click.BadParameter("the guard is nginx's limit_req: give it with nginx or nginx-snippets "
+                                 "(README, When a flood outruns Sluice, says what Envoy can do)",
+                                 param_hint="--guard")
     # A bare port listens on every address, as nginx's `listen 80` does.
     listen_at = ("0.0.0.0", int(listen)) if listen.isdigit() else _address(listen, "--listen")
     variables = proxy_variables(listen_at, listen_at, _address(sluice, "--sluice"), _address(hook_udp, "--hook-udp"),
@@ -157,6 +170,8 @@ def config_command(target: str, listen: str, sluice: str, hook_udp: str, upstrea
     except StackError as exc:
         click.echo(f"error: {exc}", err=True)
         raise SystemExit(1) from None
+    if guard or guard_rate is not None:
+        files = with_guard(files, guard_rate if guard_rate is not None else derived_guard_rate(ruleset))
     if out is not None:
         for name, text in files.items():
             path = Path(out) / name

@@ -44,7 +44,9 @@ from types import FrameType, TracebackType
 from typing import Self
 
 from sidecar.config import ConfigError
-from sidecar.rules import default_ruleset, load_ruleset
+from sidecar.limiters.bucket import Bucket
+from sidecar.limiters.window import WindowCounter
+from sidecar.rules import Ruleset, default_ruleset, load_ruleset
 
 # Package data, so that they are found wherever the package is installed,
 # not only in a source checkout. A Traversable rather than a Path: the
@@ -174,7 +176,7 @@ def proxy_variables(listen: tuple[str, int], envoy_listen: tuple[str, int], slui
         "SLUICE_LISTEN": _host_port(*listen),
         "SLUICE_ADDR": _host_port(*sluice),
         "UPSTREAM_ADDR": _host_port(*upstream),
-        "SLUICE_CONNECT_TIMEOUT": "100ms",
+        "SLUICE_CONNECT_TIMEOUT": "1s",
         "SLUICE_READ_TIMEOUT": check_timeout,
         # Response reports, syslog over UDP.
         "SLUICE_HOOK_ADDR": _host_port(*hook_udp),
@@ -194,6 +196,43 @@ def proxy_variables(listen: tuple[str, int], envoy_listen: tuple[str, int], slui
         "ENVOY_UNCHECKED_PREFIX": ENVOY_UNCHECKED_PREFIX,
         "SLUICE_RLS_DOMAIN": DEFAULT_RLS_DOMAIN,
     }
+
+
+# Where `sluice config nginx --guard` writes nginx's first tier (the
+# templates hold these comment lines, which stay comments without --guard).
+GUARD_ZONE_MARKER = "# @sluice-guard-zone"
+GUARD_MARKER = "# @sluice-guard"
+# The guard never goes below this rate per client address, and stays this
+# many times above the fastest rule's: wide enough for an honest client
+# whom Sluice's own rules let through.
+GUARD_MIN_RATE = 10.0
+GUARD_HEADROOM = 10.0
+
+
+def guard_rate(ruleset: Ruleset | None) -> float:
+    """Requests per second per address that the nginx guard lets through:
+    GUARD_HEADROOM times the fastest sustained rate of any rule (a window's
+    threshold per period, a bucket's refill), and at least GUARD_MIN_RATE."""
+    fastest = 0.0
+    for rule in ruleset.rules if ruleset is not None else ():
+        limiter = rule.limiter
+        if isinstance(limiter, WindowCounter):
+            fastest = max(fastest, limiter.threshold / limiter.period)
+        elif isinstance(limiter, Bucket):
+            fastest = max(fastest, limiter.per_second)
+    return max(GUARD_MIN_RATE, math.ceil(fastest * GUARD_HEADROOM))
+
+
+def with_guard(files: Mapping[str, str], rate: float) -> dict[str, str]:
+    """The rendered nginx files with the first tier written in: a zone keyed
+    by nginx's own client address (after realip, never a forwarded header),
+    and a limit with a burst of two seconds' worth, refused at once (429)."""
+    zone = (f"limit_req_zone $binary_remote_addr zone=sluice_guard:10m rate={rate:g}r/s;\n"
+            "limit_req_status 429;\n"
+            "# A refusal of the guard is not an error of nginx's: logged at info.\n"
+            "limit_req_log_level info;")
+    limit = f"limit_req zone=sluice_guard burst={math.ceil(rate * 2)} nodelay;"
+    return {name: text.replace(GUARD_ZONE_MARKER, zone).replace(GUARD_MARKER, limit) for name, text in files.items()}
 
 
 def _host_port(host: str, port: int) -> str:

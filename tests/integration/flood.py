@@ -25,8 +25,10 @@ from sidecar.launcher import find_envoy, find_nginx, nginx_main_config
 from tests.integration.clients import LOOPBACK
 from tests.integration.conftest import free_port, metric_at
 
-# Where the honest client comes from: another address than the flood's.
+# Where the honest client comes from: another address than the flood's;
+# and the address of the probe that waits for the chain to answer.
 HONEST_SOURCE = "127.0.0.2"
+PROBE_SOURCE = "127.0.0.3"
 OPEN_FILES = 65_536  # or the hard limit, when lower
 WRK = shutil.which("wrk") or "/usr/bin/wrk"
 
@@ -124,11 +126,14 @@ class FloodResult:
 
 class FloodStack:
     """``sluice serve`` with ``rules``, behind ``door`` (``nginx`` with
-    ``workers`` worker processes, or ``envoy`` with ``--concurrency
-    workers``), in front of a ``CountingUpstream``."""
+    ``workers`` worker processes, with nginx's first tier when ``guard``, or
+    ``envoy`` with ``--concurrency workers``), in front of a
+    ``CountingUpstream``."""
 
-    def __init__(self, directory: Path, rules: str, door: str = "nginx", workers: int = 1) -> None:
+    def __init__(self, directory: Path, rules: str, door: str = "nginx", workers: int = 1,
+                 guard: bool = False) -> None:
         self.directory = directory
+        self.guard = guard
         self.rules_text = rules
         self.door = door
         self.workers = workers
@@ -165,7 +170,8 @@ class FloodStack:
         target = "nginx" if self.door == "nginx" else "envoy"
         subprocess.run([sys.executable, "-m", "sidecar", "config", target, "--listen", f"{LOOPBACK}:{self.door_port}",
                         "--sluice", f"{LOOPBACK}:{self.sluice_port}", "--upstream", f"{LOOPBACK}:{self.upstream.port}",
-                        "--envoy-admin-port", str(self.admin_port), "--rules", str(rules), "--out", str(out)],
+                        "--envoy-admin-port", str(self.admin_port), "--rules", str(rules), "--out", str(out),
+                        *(["--guard"] if self.guard else [])],
                        check=True, capture_output=True)
         errors = self.directory / f"{self.door}.err"
         if self.door == "nginx":
@@ -186,7 +192,7 @@ class FloodStack:
         _wait_for_port(self.door_port, self.proxy, self.door, errors, 60)
         # The first request through also proves the chain answers.
         deadline = time.monotonic() + 30
-        while self.get("/healthz-probe", source=HONEST_SOURCE)[0] in (0, 503):
+        while self.get("/healthz-probe", source=PROBE_SOURCE)[0] in (0, 503):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{self.door} never answered: {errors.read_text(errors='replace')[-3000:]}")
             time.sleep(0.1)
