@@ -1,62 +1,150 @@
-"""Does the limit hold when a flood outruns Sluice? The flood matrix, in one run.
+"""Does the limit hold when a flood outruns Sluice? The flood matrix, and what a refusal costs.
 
-One address floods through the shipped configurations (``sluice config``)
-with wrk: nginx with 1 and 2 worker processes and Envoy with
-``--concurrency 2``, at 1,000, 4,000 and 8,000 connections, on the memory
-backend; an honest client at another address sends 5 requests a second
-meanwhile. One rule, ``key: [ip]``, 10 requests per 60 s, ``action: block``.
-For each row: the requests wrk completed, those that reached the upstream
-(an nginx counting its access log lines), their share over the budget, the
-honest client's p99 latency, and Sluice's overload decisions. The target is
-at most the budget plus 1 % of the flood.
+1. The matrix. One address floods through the shipped configurations
+   (``sluice config``) with wrk: nginx with 1 and 2 worker processes, the
+   same with nginx's first tier (``--guard``), and Envoy with
+   ``--concurrency 2``, at 1,000, 4,000 and 8,000 connections, on the
+   memory backend and on a redis-server the bench starts on loopback. An
+   honest client at another address sends 5 requests a second meanwhile. One
+   rule, ``key: [ip]``, 10 requests per 60 s, ``action: block``. For each
+   row: the requests wrk completed, those that reached the upstream (an nginx
+   counting its access log lines), whether that stayed within the budget plus
+   1 % of the flood, the honest client's p99 latency, and the late checks
+   Sluice refused from its memory of refusals.
+2. Sluice's CPU per check (utime + stime from /proc, over the requests wrk
+   completed; interleaved passes, ``wrk -c32`` straight to nginx's check
+   endpoint): a refusal of a client already over its limit against an
+   admitted check, the same rule with a limit no client reaches.
 
-Usage: ``.venv/bin/python bench/bench_flood.py [--seconds 10] [--connections 1000,4000,8000]``.
-Loopback only; every pass is bounded in time.
+Usage: ``.venv/bin/python bench/bench_flood.py [--seconds 10] [--connections 1000,4000,8000]
+[--backends memory,redis] [--rounds 3]``. Loopback only; every pass is bounded in time.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+
+import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.integration.flood import FloodStack  # noqa: E402
+from tests.integration.clients import LOOPBACK  # noqa: E402
+from tests.integration.conftest import free_port  # noqa: E402
+from tests.integration.flood import WRK, FloodStack  # noqa: E402
+from tests.integration.redis_server import RedisServer  # noqa: E402
 
 BUDGET = 10
-RULES = f"""\
-state: {{backend: memory}}
+DOORS = (("nginx", 1, False), ("nginx", 2, False), ("nginx", 1, True), ("nginx", 2, True), ("envoy", 2, False))
+
+
+def rules(state: str, requests: int = BUDGET) -> str:
+    return f"""\
+state: {state}
 rules:
   - id: flood
     key: [ip]
-    limit: {{requests: {BUDGET}, per: 60s}}
+    limit: {{requests: {requests}, per: 60s}}
     action: block
 """
-DOORS = (("nginx", 1), ("nginx", 2), ("envoy", 2))
+
+
+def door_name(door: str, workers: int, guard: bool) -> str:
+    if door == "envoy":
+        return f"Envoy, --concurrency {workers}"
+    return f"nginx, {workers} worker{'s' if workers > 1 else ''}{', --guard' if guard else ''}"
+
+
+def matrix(seconds: float, connections: list[int], state: str, backend: str,
+           server: RedisServer | None = None) -> None:
+    print(f"\n{backend} backend:\n")
+    print("| door | connections | requests | reached | budget + 1 % | honest p99 | late checks refused |")
+    print("|---|---:|---:|---:|---|---:|---:|")
+    for door, workers, guard in DOORS:
+        for count in connections:
+            if server is not None:
+                # Every row starts from nothing counted: the flood's address
+                # is not over its limit yet.
+                redis.Redis(host=LOOPBACK, port=server.port).flushall()
+            with tempfile.TemporaryDirectory() as directory, \
+                    FloodStack(Path(directory), rules(state), door, workers, guard) as stack:
+                result = stack.flood(count, seconds)
+                refused = stack.metric("sluice_overload_decisions_total", 'outcome="refused",rule="flood"')
+            honest_allowed = sum(1 for status, _ in result.honest if status == 200)
+            over = result.reached - honest_allowed - BUDGET
+            verdict = "held" if over <= result.requests // 100 else f"{over / max(result.requests, 1):.1%} over"
+            print(f"| {door_name(door, workers, guard)} | {count:,} | {result.requests:,} | {result.reached:,} | "
+                  f"{verdict} | {result.honest_p99() * 1000:.0f} ms | {refused:,.0f} |", flush=True)
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / 100  # utime + stime, in clock ticks of 1/100 s
+
+
+def cpu_per_check(rounds: int, seconds: float) -> None:
+    """Sluice's CPU per refusal and per admitted check, interleaved."""
+    totals: dict[str, list[float]] = {"refusal": [], "admitted": []}
+    servers = {}
+    with tempfile.TemporaryDirectory() as directory:
+        for name, requests in (("refusal", BUDGET), ("admitted", 10**9)):
+            path = Path(directory) / f"{name}.yaml"
+            path.write_text(rules("{backend: memory}", requests))
+            port = free_port()
+            process = subprocess.Popen([sys.executable, "-m", "sidecar", "serve", "--config", str(path), "--port",
+                                        str(port), "--hook-udp", "off", "--log-level", "warning"],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            servers[name] = (process, port)
+        time.sleep(3)
+        try:
+            for round_ in range(rounds):
+                order = list(servers) if round_ % 2 == 0 else list(reversed(servers))
+                for name in order:
+                    process, port = servers[name]
+                    url = f"http://{LOOPBACK}:{port}/v1/nginx/auth"
+                    before = cpu_seconds(process.pid)
+                    run = subprocess.run([WRK, "-t1", "-c32", f"-d{seconds:g}s", "-H",
+                                          "X-Sluice-Client-Addr: 192.0.2.1", url],
+                                         capture_output=True, text=True, timeout=seconds + 30)
+                    found = re.search(r"(\d+) requests in", run.stdout)
+                    assert found is not None, run.stdout + run.stderr
+                    totals[name].append((cpu_seconds(process.pid) - before) / int(found.group(1)))
+        finally:
+            for process, _ in servers.values():
+                process.terminate()
+                process.wait()
+    refusal, admitted = min(totals["refusal"]), min(totals["admitted"])
+    print("\n| Sluice's CPU per check (fastest of the passes) | µs |\n|---|---:|")
+    print(f"| a refusal of a client over its limit | {refusal * 1e6:.1f} |")
+    print(f"| an admitted check | {admitted * 1e6:.1f} |")
+    print(f"| refusal / admitted | {refusal / admitted:.2f}× (target ≤ 0.5×) |", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--connections", default="1000,4000,8000")
+    parser.add_argument("--backends", default="memory,redis")
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    print("| door | connections | requests | reached | over the budget + 1 % | honest p99 | overload refused |")
-    print("|---|---:|---:|---:|---|---:|---:|")
-    for door, workers in DOORS:
-        for connections in (int(n) for n in args.connections.split(",")):
-            with tempfile.TemporaryDirectory() as directory, \
-                    FloodStack(Path(directory), RULES, door, workers) as stack:
-                result = stack.flood(connections, args.seconds)
-                refused = stack.metric("sluice_overload_decisions_total", 'outcome="refused",rule="flood"')
-            honest_allowed = sum(1 for status, _ in result.honest if status == 200)
-            over = result.reached - honest_allowed - BUDGET
-            verdict = "held" if over <= result.requests // 100 else f"{over / max(result.requests, 1):.1%} over"
-            name = f"nginx, {workers} worker{'s' if workers > 1 else ''}" if door == "nginx" else \
-                f"Envoy, --concurrency {workers}"
-            print(f"| {name} | {connections:,} | {result.requests:,} | {result.reached:,} | {verdict} | "
-                  f"{result.honest_p99() * 1000:.0f} ms | {refused:,.0f} |", flush=True)
+    connections = [int(n) for n in args.connections.split(",")]
+    cpu_per_check(args.rounds, 5.0)
+    for backend in args.backends.split(","):
+        if backend == "memory":
+            matrix(args.seconds, connections, "{backend: memory}", backend)
+            continue
+        with tempfile.TemporaryDirectory() as directory:
+            server = RedisServer(Path(directory))
+            server.start()
+            try:
+                matrix(args.seconds, connections, f"{{backend: redis, url: '{server.url}'}}", backend, server)
+            finally:
+                server.stop()
 
 
 if __name__ == "__main__":

@@ -54,10 +54,12 @@ def request_headers(http: Any) -> dict[str, str]:
 def describe_grpc(engine: Engine, scope: Scope, headers: dict[str, str]) -> CheckRequest:
     """The original method, path (with the query) and host; the client is
     the direct peer (``attributes.source``), walked back through
-    X-Forwarded-For when it is a trusted proxy."""
+    X-Forwarded-For when it is a trusted proxy; the time Envoy received the
+    request (``attributes.request.time``) is when it was sent, for late
+    checks (sidecar.overload), never a header of the client's."""
     attributes = scope[GRPC_MESSAGE].attributes
     http = attributes.request.http
-    return check_request(
+    request = check_request(
         headers,
         method=http.method or "GET",
         host=strip_port(http.host or headers.get("host", "")),
@@ -65,6 +67,9 @@ def describe_grpc(engine: Engine, scope: Scope, headers: dict[str, str]) -> Chec
         client=engine.resolve_client(attributes.source.address.socket_address.address,
                                      headers.get("x-forwarded-for")),
     )
+    received = attributes.request.time
+    request.sent = received.seconds + received.nanos / 1e9 if received.seconds > 0 else 0.0
+    return request
 
 
 GRPC_CHECK = Check("envoy_grpc", describe_grpc, answer_in_full)

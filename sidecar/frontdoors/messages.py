@@ -20,7 +20,8 @@ from __future__ import annotations
 from typing import Any
 
 from google.protobuf.message import DecodeError
-from google.protobuf import descriptor_pb2, descriptor_pool, duration_pb2, message_factory, struct_pb2, wrappers_pb2
+from google.protobuf import (descriptor_pb2, descriptor_pool, duration_pb2, message_factory, struct_pb2, timestamp_pb2,
+                              wrappers_pb2)
 
 _Field = descriptor_pb2.FieldDescriptorProto
 STRING, BYTES, INT32, UINT32, INT64, MESSAGE, ENUM = (
@@ -96,7 +97,9 @@ _FILES = [
             ("request", 4, MESSAGE, f"{AUTH}.AttributeContext.Request", False),
         ], nested=[
             _message("Peer", [("address", 1, MESSAGE, f"{CORE}.Address", False)]),
-            _message("Request", [("http", 2, MESSAGE, _HTTP_REQUEST, False)]),
+            # When Envoy received the request's first byte (sidecar.overload).
+            _message("Request", [("time", 1, MESSAGE, "google.protobuf.Timestamp", False),
+                                 ("http", 2, MESSAGE, _HTTP_REQUEST, False)]),
             _message("HttpRequest", [
                 ("id", 1, STRING, "", False), ("method", 2, STRING, "", False),
                 ("headers", 3, MESSAGE, f"{_HTTP_REQUEST}.HeadersEntry", True),
@@ -122,8 +125,8 @@ _FILES = [
             ("ok_response", 3, MESSAGE, f"{AUTH}.OkHttpResponse", False),
             ("dynamic_metadata", 4, MESSAGE, "google.protobuf.Struct", False),
         ]),
-    ], dependencies=("google/protobuf/struct.proto", "sluice/google_rpc.proto", "sluice/envoy_type.proto",
-                     "sluice/envoy_core.proto")),
+    ], dependencies=("google/protobuf/struct.proto", "google/protobuf/timestamp.proto", "sluice/google_rpc.proto",
+                     "sluice/envoy_type.proto", "sluice/envoy_core.proto")),
     _file("sluice/envoy_ratelimit_common.proto", RLS_COMMON, [
         _message("RateLimitDescriptor", [
             ("entries", 1, MESSAGE, f"{RLS_COMMON}.RateLimitDescriptor.Entry", True),
@@ -169,7 +172,7 @@ _FILES = [
 def _pool() -> descriptor_pool.DescriptorPool:
     pool = descriptor_pool.DescriptorPool()
     known = []
-    for module in (struct_pb2, duration_pb2, wrappers_pb2):
+    for module in (struct_pb2, duration_pb2, timestamp_pb2, wrappers_pb2):
         known.append(descriptor_pb2.FileDescriptorProto())
         module.DESCRIPTOR.CopyToProto(known[-1])
     for file in (*known, *_FILES):
