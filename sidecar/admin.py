@@ -162,6 +162,7 @@ class Admin:
             if len(held) >= MAX_NETWORK_BANS and target.text not in held:
                 raise Refused(409, f"{len(held)} networks are banned, the most a node holds; lift some first")
             ban = await store.ban_network(now, target.text, duration, reason)
+        self.engine.forget_refusals()  # a refusal answered again would now be this ban's
         self.engine.log.audit("ban", who, "banned", address=target.text, duration=duration, reason=reason)
         return ban_view(ban, now, network=target.network is not None)
 
@@ -177,6 +178,7 @@ class Admin:
             # width the rules no longer count by.
             lifted = await engine.store.lift_network_ban(engine.clock(), target.text) \
                 or await engine.lift_ban(target.text)
+            engine.forget_refusals()
         self.engine.log.audit("unban", who, "lifted" if lifted else "no ban", address=target.text)
         return lifted
 
@@ -249,6 +251,7 @@ class Admin:
         if selection.address is not None and selection.rule is None:
             # Everything of an address: what its next bans would react to too.
             reset += await store.forget_history(selection.address)
+        self.engine.forget_refusals()
         details: dict[str, object] = {name: value for name, value in
                                       (("ip", selection.address), ("rule", selection.rule)) if value is not None}
         if selection.key is not None:

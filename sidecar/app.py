@@ -27,7 +27,8 @@ from sidecar.frontdoors import ROUTES
 from sidecar.frontdoors.common import (
     Check, Reply, RouteTable, header_map, respond, wait_unless_disconnected,
 )
-from sidecar.overload import LoopWatch
+from sidecar.overload import STORED_FRONT_DOORS, AddressRefusals, LoopWatch, StoredKey, stored_key
+from sidecar.server import encode_reply
 from sidecar.ratelog import RateLimitedLog
 from sidecar.request import CheckRequest
 from sidecar.service import build_api
@@ -99,6 +100,37 @@ class SluiceApp:
         handler = self._routes.find(path)
         return handler if isinstance(handler, Check) else None
 
+    @property
+    def stored_refusals(self) -> AddressRefusals:
+        """Refusals whose answers the HTTP protocol sends again (``refused_at_once``)."""
+        return self.engine.address_refusals
+
+    def refused_at_once(self, check: Check, key: StoredKey, request_id: bytes) -> bytes | None:
+        """The stored answer of a refusal that still holds for the client
+        these fields name (``StoredKey``), counted as its decision was; None
+        when there is none and the check is decided."""
+        engine = self.engine
+        stored = engine.address_refusals.recall(key, request_id, engine.clock())
+        if stored is None:
+            return None
+        engine.refused_again(stored)
+        self._decisions[check.front_door, stored.outcome] += 1
+        return stored.bytes_for(request_id)
+
+    def _store_refusal(self, check: Check, request: CheckRequest, decision: Decision, reply: Reply,
+                       method: str) -> None:
+        """Keep the answer of a refusal that holds for every request of the
+        client, as the HTTP protocol writes it on a connection kept alive."""
+        if check.front_door not in STORED_FRONT_DOORS:
+            return
+        content, keep_alive = encode_reply(reply, method, True, [])
+        if not keep_alive:
+            return  # Envoy's close: the connection ends with the answer
+        rule_id, action, log_key = request.refused_as
+        self.engine.address_refusals.remember(stored_key(check.front_door, method, request.headers),
+                                              request.request_id, content, request.refused_until, rule_id,
+                                              action, decision.outcome, log_key)
+
     def check_at_once(self, check: Check, scope: Scope, headers: dict[str, str]) -> Reply | None:
         """The reply to a check, decided and answered without awaiting (see
         ``check_for``); None when a leaky bucket holds the request, which
@@ -110,7 +142,7 @@ class SluiceApp:
         if decision.delay > 0:
             scope[HELD] = (check, request, decision)
             return None
-        return self._answer(check, request, decision)
+        return self._answer(check, request, decision, scope.get("method"))
 
     async def check_later(self, check: Check, scope: Scope, headers: dict[str, str]) -> Reply:
         """The reply to a check over a store that is awaited (see
@@ -126,7 +158,7 @@ class SluiceApp:
                 await asyncio.sleep(decision.delay)
             finally:
                 self.engine.release_hold()
-        return self._answer(check, request, decision)
+        return self._answer(check, request, decision, scope.get("method"))
 
     async def _check(self, scope: Scope, receive: Receive, send: Send, check: Check) -> None:
         decided = await self._decide(check, scope, header_map(scope))
@@ -135,7 +167,7 @@ class SluiceApp:
         elif decided[1].delay > 0:
             await self._answer_after_hold(receive, send, check, *decided)
         else:
-            await respond(send, *self._answer(check, *decided))
+            await respond(send, *self._answer(check, *decided, scope.get("method")))
 
     async def _decide(self, check: Check, scope: Scope, headers: dict[str, str]
                       ) -> tuple[CheckRequest, Decision] | None:
@@ -164,9 +196,13 @@ class SluiceApp:
             self.engine.release_hold()
         await respond(send, *self._answer(check, request, decision))
 
-    def _answer(self, check: Check, request: CheckRequest, decision: Decision) -> Reply:
+    def _answer(self, check: Check, request: CheckRequest, decision: Decision, method: str | None = None) -> Reply:
+        """The front door's reply; a refusal that holds for the client's
+        every request is kept too, for the check's ``method``."""
         try:
             reply = check.answer(request, decision)
+            if request.refused_until and method is not None:
+                self._store_refusal(check, request, decision, reply, method)
         except Exception:
             self.internal_error()
             return self._fail_open(check)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import collections
 import hmac
+import math
 import json
 import logging
 import sys
@@ -69,6 +70,17 @@ class RepeatFold:
         if len(last) > self.capacity:
             last.popitem(last=False)
         return entry[1] if entry is not None else 0
+
+    def deadline(self, key: Hashable) -> float:
+        """Until when this key's lines are folded (-inf: not folding)."""
+        entry = self._last.get(key)
+        return entry[0] + REPEAT_SECONDS if entry is not None else -math.inf
+
+    def fold(self, key: Hashable) -> None:
+        """One line more folded, written by no one (an answer sent again)."""
+        entry = self._last.get(key)
+        if entry is not None:
+            self._last[key] = (entry[0], entry[1] + 1)
 
 
 # Dimensions whose values are client addresses, shown as they are: a rule's
@@ -184,6 +196,17 @@ class DecisionLog:
         if folded:
             entry["repeated"] = folded
         self._write(entry)
+
+    def fold_deadline(self, key: Hashable) -> float:
+        """Until when a rule's line for ``key`` (rule id, counting key,
+        outcome, shadow) would be folded: inf while the log is off."""
+        if not decision_log.isEnabledFor(logging.INFO):
+            return math.inf
+        return self._repeats.deadline(key)
+
+    def folded(self, key: Hashable) -> None:
+        if decision_log.isEnabledFor(logging.INFO):
+            self._repeats.fold(key)
 
     def rls(self, domain: str, rule_id: str, key: CountingKey, shadow: bool, banned: bool) -> None:
         """A Rate Limit Service descriptor over its limit: refused, banned,

@@ -21,7 +21,7 @@ from sidecar.decisionlog import DecisionLog
 from sidecar.keys import key_values
 from sidecar.limiters import Hit
 from sidecar.metrics import Metrics
-from sidecar.overload import BEHIND_SHARE, RefusalMemory
+from sidecar.overload import BEHIND_SHARE, STORED_SECONDS, AddressRefusals, RefusalMemory, StoredRefusal
 from sidecar.pending import PendingEntry, PendingTokens, SlotEntry
 from sidecar.ratelog import RateLimitedLog
 from sidecar.request import CheckRequest
@@ -121,6 +121,8 @@ class Engine:
         # HTTP service sets it; without one, checks are never late).
         self.refusals = RefusalMemory(ruleset.max_keys)
         self.loop_behind: Clock = lambda: 0.0
+        # Answers the HTTP protocol sends again without a decision.
+        self.address_refusals = AddressRefusals(ruleset.max_keys)
 
     @property
     def pending(self) -> PendingTokens:
@@ -136,8 +138,26 @@ class Engine:
             self._secret = ruleset.secret
             self.tokens = Tokens.from_secret(ruleset.secret, self.wall_clock)
         self.store.configure(ruleset.max_keys, ruleset.node)
-        self.refusals.capacity = ruleset.max_keys
+        self.refusals.capacity = self.address_refusals.capacity = ruleset.max_keys
         self.ruleset = ruleset
+        self.forget_refusals()
+
+    def forget_refusals(self) -> None:
+        """State changed other than by a decision (a reload, a ban lifted or
+        issued by hand, keys reset): what was refused is decided anew."""
+        self.refusals = RefusalMemory(self.refusals.capacity)
+        self.address_refusals.clear()
+
+    def refused_again(self, stored: StoredRefusal) -> None:
+        """Count a stored refusal sent again as its decision was counted."""
+        metrics = self.metrics
+        metrics.checks.value += 1
+        metrics.latency.observe(0.0)
+        if stored.rule_id:
+            metrics.over_limit(stored.rule_id, stored.action)  # type: ignore[arg-type]
+            self.log.folded(stored.log_key)
+        else:
+            metrics.banned_requests.inc()
 
     # -- client address ---------------------------------------------------
 
@@ -233,6 +253,27 @@ class Engine:
         elif rule.challenge is None:
             self.refusals.remember((rule.id, check.key), self.clock() + hit.retry_after, decision)
 
+    def _holds_for_the_address(self, request: CheckRequest, rule: CompiledRule, check: Check, hit: Hit,
+                               decision: Decision, evaluation: Evaluation) -> None:
+        """Say until when the refusal by the ruleset's address-wide rule is
+        the answer to every request of this client, as it is now: while its
+        Retry-After (and X-RateLimit-Reset) stay the same whole seconds, its
+        decision-log line stays folded, and STORED_SECONDS at most."""
+        now = self.clock()
+        ban = evaluation.ban
+        if ban is not None:
+            # The next requests are the ban's, as a ban counts them.
+            if not self.ruleset.address_wide_bans:
+                return
+            request.refused_until = min(ban.expires, now + STORED_SECONDS)
+            return
+        wait = hit.retry_after
+        shown = retry_after_seconds(wait)
+        log_key = (rule.id, check.key, decision.outcome, False)
+        request.refused_until = min(now + (wait - (shown - 1) if shown > 1 else wait), now + STORED_SECONDS,
+                                    self.log.fold_deadline(log_key))
+        request.refused_as = (rule.id, rule.action, log_key)
+
     # -- held requests (leaky-bucket delays) ---------------------------------
 
     def _reserve_hold(self, checks: list[Check]) -> bool:
@@ -299,6 +340,8 @@ class Engine:
             metrics.banned_requests.inc()
             if request.client.key:
                 self.refusals.remember((BANNED, request.client.key), evaluation.ban.expires, CLOSED)
+                if ruleset.address_wide_bans:
+                    request.refused_until = min(evaluation.ban.expires, self.clock() + STORED_SECONDS)
             return CLOSED
 
         observed: Decision | None = None
@@ -339,6 +382,8 @@ class Engine:
                 self._remember(request, rule, check, hit, decision, evaluation)
                 self.log.matched(request, rule, check, decision.outcome, banned=evaluation.ban is not None,
                                  ban=evaluation.ban)
+                if rule.id == ruleset.address_wide_rule and request.client.key:
+                    self._holds_for_the_address(request, rule, check, hit, decision, evaluation)
                 return decision
             if rule.action == "log" and observed is None:
                 observed = Decision(outcome=ALLOW, rule=rule, limit=limit, reset=reset)
@@ -398,6 +443,7 @@ class Engine:
         return await self.store.active_bans(now) + await self.store.shadow_bans(now)
 
     async def lift_ban(self, address: str) -> bool:
+        self.forget_refusals()
         shadow = await self.store.lift_shadow_ban(address)
         return await self.store.lift_ban(address) or shadow
 

@@ -31,7 +31,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import math
+import re
 import time
+from dataclasses import dataclass
 from typing import Callable, Hashable
 
 # The proxy's stamp of when it sent the check (the shipped templates set it).
@@ -116,3 +118,90 @@ class RefusalMemory:
             del self._entries[key]
             return None
         return entry
+
+
+# A request id that a stored answer can take in place of its own: what
+# nginx's $request_id (32 hex digits) and Envoy's (a UUID) look like, which
+# neither a page's HTML escaping nor a header field's changes.
+_SPLICEABLE_ID = re.compile(r"[A-Za-z0-9-]{16,64}")
+# A stored answer is sent again for at most this long: the decision log's
+# fold (a key's line a second) and other nodes' resets over Redis are late
+# by no more.
+STORED_SECONDS = 1.0
+
+
+# What a stored refusal is found by: the front door, the check's method, and
+# the header fields that name the client and shape the answer (the peer, its
+# X-Forwarded-For, and the host the page names), as received.
+StoredKey = tuple[str, str, str | None, str | None, str | None, str | None]
+STORED_KEY_FIELDS = ("x-sluice-client-addr", "x-forwarded-for", "x-original-host", "host")
+# The front doors whose client and page come from those fields alone
+# (forward-auth's client is the connection's peer).
+STORED_FRONT_DOORS = frozenset({"nginx", "envoy"})
+
+
+def stored_key(front_door: str, method: str, headers: dict[str, str]) -> StoredKey:
+    """The ``StoredKey`` of a check, from its header map."""
+    peer, forwarded, original_host, host = (headers.get(name) for name in STORED_KEY_FIELDS)
+    return front_door, method, peer, forwarded, original_host, host
+
+
+@dataclass(frozen=True, slots=True)
+class StoredRefusal:
+    """An answer the HTTP protocol sends again without a decision: its
+    bytes split where the request id goes, until when it holds, and what
+    the metrics count for it."""
+
+    until: float
+    id_length: int
+    parts: tuple[bytes, ...]
+    rule_id: str  # "" for a ban
+    action: str
+    outcome: str
+    log_key: Hashable | None  # the decision log's fold, for a rule's refusal
+
+    def bytes_for(self, request_id: bytes) -> bytes:
+        return request_id.join(self.parts)
+
+
+class AddressRefusals:
+    """Refusals that hold for every request of one client for a while, as
+    the bytes of their answers (see ``Engine.address_wide``): a ban, or the
+    first rule of the file when it matches every request, is keyed by the
+    address alone and over its limit. Looked up by the fields of the check
+    that name the client and shape the answer (``StoredKey``), at most
+    ``capacity`` of them, the oldest forgotten first."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._entries: collections.OrderedDict[Hashable, StoredRefusal] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def remember(self, key: Hashable, request_id: str, answer: bytes, until: float, rule_id: str,
+                 action: str, outcome: str, log_key: Hashable | None) -> None:
+        if not _SPLICEABLE_ID.fullmatch(request_id):
+            return
+        parts = tuple(answer.split(request_id.encode("ascii")))
+        entries = self._entries
+        entries[key] = StoredRefusal(until, len(request_id), parts, rule_id, action, outcome, log_key)
+        entries.move_to_end(key)
+        while len(entries) > self.capacity:
+            entries.popitem(last=False)
+
+    def recall(self, key: Hashable, request_id: bytes, now: float) -> StoredRefusal | None:
+        """The stored refusal for ``key`` if it still holds and takes this
+        request id."""
+        stored = self._entries.get(key)
+        if stored is None:
+            return None
+        if now >= stored.until:
+            del self._entries[key]
+            return None
+        if len(request_id) != stored.id_length or not _SPLICEABLE_ID.fullmatch(request_id.decode("latin-1")):
+            return None
+        return stored

@@ -8,6 +8,7 @@ edges). Cookies and query parameters are parsed only when a rule asks.
 from __future__ import annotations
 
 import posixpath
+from typing import Hashable
 from urllib.parse import unquote
 
 from sidecar.clientip import ClientAddress
@@ -41,10 +42,14 @@ class CheckRequest:
     """Method, host, URI, headers (lower-case names), the resolved client and
     the TLS fingerprint the proxy passed on ("" for none), and when the
     proxy sent the check (Unix seconds; 0.0 when it did not say, see
-    sidecar.overload)."""
+    sidecar.overload). A refusal that holds for every request of the client
+    says until when (``refused_until``, on the engine's clock) and how it is
+    counted (``refused_as``: rule id or "" for a ban, action, decision-log
+    key), for ``sidecar.overload.AddressRefusals``."""
 
     __slots__ = ("method", "host", "uri", "path", "query_string", "headers",
-                 "client", "request_id", "tls_fingerprint", "sent", "_cookies", "_query")
+                 "client", "request_id", "tls_fingerprint", "sent", "refused_until", "refused_as",
+                 "_cookies", "_query")
 
     def __init__(
         self,
@@ -68,6 +73,8 @@ class CheckRequest:
         self.request_id = request_id
         self.tls_fingerprint = tls_fingerprint
         self.sent = sent
+        self.refused_until = 0.0
+        self.refused_as: tuple[str, str, Hashable | None] = ("", "", None)
         self._cookies: dict[str, str] | None = None
         self._query: dict[str, str] | None = None
 

@@ -377,6 +377,10 @@ class Ruleset:
     auto_ban: AutoBan  # challenges per address before it is banned
     match: Matcher  # the rules for one request, in order (compile_matcher)
     overload_after: float = 0.25  # a check this late is answered by the overload policy
+    # Whose refusals hold for every request of the client (sidecar.overload.AddressRefusals):
+    # the id of the file's first rule when it qualifies, and bans.
+    address_wide_rule: str | None = None
+    address_wide_bans: bool = False
     holds: bool = field(init=False)  # any rule may hold a request (read for every request)
     leases: bool = field(init=False)  # any rule takes concurrency slots: requests need a lease id
 
@@ -534,7 +538,25 @@ def compile_rules(loaded: LoadedRules, shadow: bool = False) -> Ruleset:
         auto_ban=auto_ban,
         match=compile_matcher(compiled_from, verified_bots),
         overload_after=model.overload.after,
+        address_wide_rule=_address_wide_rule(compiled_from, verified_bots),
+        address_wide_bans=not verified_bots and not any(rule.challenge is not None for rule in rules),
     )
+
+
+def _address_wide_rule(rules: Sequence[tuple[CompiledRule, config.Rule]],
+                       verified_bots: Sequence[VerifiedBot]) -> str | None:
+    """The rule whose refusal of a client holds for every request of that
+    client while it lasts, if there is one: the first rule of the file, when
+    it matches every request, is keyed by the address alone, refuses at
+    request time without a challenge, and the file has no challenge (whose
+    credentials end an evaluation) and no verified bots (known by their user
+    agent). Its refusals are then answered again as stored bytes."""
+    if not rules or verified_bots or any(rule.challenge is not None for rule, _ in rules):
+        return None
+    first, source = rules[0]
+    qualifies = (source.match is None and source.key == ["ip"] and first.stops and first.counts
+                 and first.reset_on is None and not first.limiter.holds and not first.limiter.leases)
+    return first.id if qualifies else None
 
 
 def _read_secret(name: str | None, base_dir: Path) -> bytes | None:

@@ -44,6 +44,7 @@ from uvicorn.protocols.http.httptools_impl import HEADER_VALUE_RE, STATUS_LINE, 
 
 from sidecar.asgi import Scope
 from sidecar.frontdoors.common import Check, Reply, encode_headers, header_map
+from sidecar.overload import STORED_KEY_FIELDS
 from sidecar.ratelog import RateLimitedLog
 
 # 128 KiB: twice the largest head either shipped proxy can forward.
@@ -120,6 +121,8 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         watch = getattr(self.app, "watch", None)
         if watch is not None:
             watch.watch(self.loop)
+        # Refusals answered again as stored bytes (sidecar.overload.AddressRefusals).
+        self._stored: Any = getattr(self.app, "stored_refusals", None)
 
     # -- reading ------------------------------------------------------------
 
@@ -207,6 +210,8 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             super().on_message_complete()
             return
         scope = cast(Scope, self.scope)
+        if self._stored and self._answer_stored(check, scope):
+            return
         if not self.app.answers_at_once:
             self._answer_later(check, scope)
             return
@@ -242,6 +247,26 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             scope["raw_path"] = raw_path
             scope["query_string"] = url.query or b""
         return check
+
+    def _answer_stored(self, check: Check, scope: Scope) -> bool:
+        """Answer a check from a stored refusal of its client, without a
+        decision; False when there is none for it (the check is decided).
+        Only on a connection kept alive, when the header fields that make the
+        key come once each, as the protocol writes answers itself."""
+        if self.server_state.default_headers or not self._keep_alive(scope):
+            return False
+        fields = dict(self.headers)
+        request_id = fields.get(b"x-request-id")
+        if request_id is None or len(fields) != len(self.headers):
+            return False
+        peer, forwarded, original_host, host = (fields.get(name) for name in _STORED_KEY_FIELDS)
+        key = (check.front_door, scope["method"], _text(peer), _text(forwarded), _text(original_host), _text(host))
+        answer = self.app.refused_at_once(check, key, request_id)
+        if answer is None:
+            return False
+        self.transport.write(answer)
+        self._answered()
+        return True
 
     def _keep_alive(self, scope: Scope) -> bool:
         """Whether the connection may carry another request, as uvicorn decides it."""
@@ -284,24 +309,8 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     def _send(self, reply: Reply, method: str, keep_alive: bool) -> None:
         """Write the answer, and close the connection when it ends with it."""
-        status, headers, body = reply
-        content = [STATUS_LINE[status]]
-        asks_close = False
-        for name, value in self.server_state.default_headers:
-            content.extend([name, b": ", value, b"\r\n"])
-        for name, value in encode_headers(headers):
-            if HEADER_VALUE_RE.search(value):
-                value = b""  # never a forged header line; no value of ours has one
-            if name == b"connection" and b"close" in value.lower():
-                keep_alive, asks_close = False, True
-            content.extend([name, b": ", value, b"\r\n"])
-        content.extend([b"content-length: ", str(len(body)).encode("ascii"), b"\r\n"])
-        if not keep_alive and not asks_close:
-            content.append(b"connection: close\r\n")
-        content.append(b"\r\n")
-        if body and method != "HEAD":
-            content.append(body)
-        self.transport.write(b"".join(content))
+        content, keep_alive = encode_reply(reply, method, keep_alive, self.server_state.default_headers)
+        self.transport.write(content)
         if not keep_alive:
             self.transport.close()
 
@@ -348,6 +357,37 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             self._linger.cancel()
             self._linger = None
         super().connection_lost(exc)
+
+
+_STORED_KEY_FIELDS = tuple(name.encode("ascii") for name in STORED_KEY_FIELDS)
+
+
+def _text(value: bytes | None) -> str | None:
+    return value.decode("latin-1") if value is not None else None
+
+
+def encode_reply(reply: Reply, method: str, keep_alive: bool,
+                 default_headers: list[tuple[bytes, bytes]]) -> tuple[bytes, bool]:
+    """A check's answer as uvicorn would have written it, and whether the
+    connection stays open after it."""
+    status, headers, body = reply
+    content = [STATUS_LINE[status]]
+    asks_close = False
+    for name, value in default_headers:
+        content.extend([name, b": ", value, b"\r\n"])
+    for name, value in encode_headers(headers):
+        if HEADER_VALUE_RE.search(value):
+            value = b""  # never a forged header line; no value of ours has one
+        if name == b"connection" and b"close" in value.lower():
+            keep_alive, asks_close = False, True
+        content.extend([name, b": ", value, b"\r\n"])
+    content.extend([b"content-length: ", str(len(body)).encode("ascii"), b"\r\n"])
+    if not keep_alive and not asks_close:
+        content.append(b"connection: close\r\n")
+    content.append(b"\r\n")
+    if body and method != "HEAD":
+        content.append(body)
+    return b"".join(content), keep_alive
 
 
 # Young objects between two collections of the youngest generation (Python's
