@@ -43,7 +43,7 @@ import httptools
 from uvicorn.protocols.http.httptools_impl import HEADER_VALUE_RE, STATUS_LINE, HttpToolsProtocol
 
 from sidecar.asgi import Scope
-from sidecar.frontdoors.common import Check, Reply, encode_headers, header_map
+from sidecar.frontdoors.common import Check, Reply, encode_headers, header_map, new_request_id
 from sidecar.overload import STORED_KEY_FIELDS
 from sidecar.ratelog import RateLimitedLog
 
@@ -256,9 +256,10 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         if self.server_state.default_headers or not self._keep_alive(scope):
             return False
         fields = dict(self.headers)
-        request_id = fields.get(b"x-request-id")
-        if request_id is None or len(fields) != len(self.headers):
+        if len(fields) != len(self.headers):
             return False
+        # As request_id_of: the proxy's, or a new one.
+        request_id = fields.get(b"x-request-id") or new_request_id().encode("ascii")
         peer, forwarded, original_host, host = (fields.get(name) for name in _STORED_KEY_FIELDS)
         key = (check.front_door, scope["method"], _text(peer), _text(forwarded), _text(original_host), _text(host))
         answer = self.app.refused_at_once(check, key, request_id)
