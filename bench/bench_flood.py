@@ -11,7 +11,10 @@
    counting its access log lines), whether that stayed within the budget plus
    1 % of the flood, the honest client's p99 latency, and the late checks
    Sluice refused from its memory of refusals.
-2. Sluice's CPU per check (utime + stime from /proc, over the requests wrk
+2. Many addresses: 1,000 of them behind a trusted proxy, each far over its
+   budget, from 2,000 connections through nginx (1 and 2 workers) and
+   Envoy; the target is at most 1,000 budgets plus 1 % of the flood.
+3. Sluice's CPU per check (utime + stime from /proc, over the requests wrk
    completed; interleaved passes, ``wrk -c32`` straight to nginx's check
    endpoint): a refusal of a client already over its limit against an
    admitted check, the same rule with a limit no client reaches.
@@ -82,6 +85,29 @@ def matrix(seconds: float, connections: list[int], state: str, backend: str,
                   f"{verdict} | {result.honest_p99() * 1000:.0f} ms | {refused:,.0f} |", flush=True)
 
 
+ADDRESSES = 1000
+ADDRESSES_SCRIPT = Path(__file__).resolve().parent / "addresses.lua"
+
+
+def many_addresses(seconds: float, state: str, backend: str, server: RedisServer | None = None) -> None:
+    """1,000 addresses behind a trusted proxy (X-Forwarded-For from
+    loopback), each far over its budget, from 2,000 connections."""
+    print(f"\n{backend} backend, {ADDRESSES:,} addresses behind a trusted proxy, 2,000 connections:\n")
+    print("| door | requests | reached | budgets + 1 % |\n|---|---:|---:|---|")
+    text = rules(state).replace("rules:\n", "client_ip: {trusted_proxies: [127.0.0.1/32]}\nrules:\n", 1)
+    for door, workers, guard in (("nginx", 1, False), ("nginx", 2, False), ("envoy", 2, False)):
+        if server is not None:
+            redis.Redis(host=LOOPBACK, port=server.port).flushall()
+        with tempfile.TemporaryDirectory() as directory, \
+                FloodStack(Path(directory), text, door, workers, guard) as stack:
+            result = stack.flood(2000, seconds, script=ADDRESSES_SCRIPT)
+        honest_allowed = sum(1 for status, _ in result.honest if status == 200)
+        over = result.reached - honest_allowed - ADDRESSES * BUDGET
+        verdict = "held" if over <= result.requests // 100 else f"{over / max(result.requests, 1):.1%} over"
+        print(f"| {door_name(door, workers, guard)} | {result.requests:,} | {result.reached:,} | {verdict} |",
+              flush=True)
+
+
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / 100  # utime + stime, in clock ticks of 1/100 s
@@ -144,6 +170,7 @@ def main() -> None:
             cpu_per_check(args.rounds, 5.0, "{backend: memory}", backend)
             if connections:
                 matrix(args.seconds, connections, "{backend: memory}", backend)
+                many_addresses(args.seconds, "{backend: memory}", backend)
             continue
         with tempfile.TemporaryDirectory() as directory:
             server = RedisServer(Path(directory))
@@ -153,6 +180,7 @@ def main() -> None:
                 cpu_per_check(args.rounds, 5.0, state, backend, server)
                 if connections:
                     matrix(args.seconds, connections, state, backend, server)
+                    many_addresses(args.seconds, state, backend, server)
             finally:
                 server.stop()
 

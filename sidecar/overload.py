@@ -125,9 +125,12 @@ class RefusalMemory:
 # neither a page's HTML escaping nor a header field's changes.
 _SPLICEABLE_ID = re.compile(r"[A-Za-z0-9-]{16,64}")
 # A stored answer is sent again for at most this long: the decision log's
-# fold (a key's line a second) and other nodes' resets over Redis are late
-# by no more.
+# fold (a key's line a second) is late by no more. Over a shared store, a
+# quarter of that: what an administrator does on another node reaches this
+# node's cache of keys over limit within a second (sidecar.store.redis_admin),
+# and a stored refusal adds no more than this to it.
 STORED_SECONDS = 1.0
+SHARED_STORED_SECONDS = 0.25
 
 
 # What a stored refusal is found by: the front door, the check's method, and

@@ -11,6 +11,8 @@ import pytest
 
 from tests.integration.flood import FloodStack
 
+ADDRESSES_SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "addresses.lua"
+
 pytestmark = pytest.mark.integration
 
 BUDGET = 10
@@ -45,4 +47,31 @@ def test_a_flood_from_one_address_reaches_the_application_at_most_the_budget_plu
     assert honest.count(200) >= min(len(honest), BUDGET)
     flood_reached = result.reached - honest.count(200)
     assert flood_reached <= BUDGET + result.requests // 100, (result.requests, result.reached)
+    assert internal_errors == 0
+
+
+ADDRESSES = 1000
+PER_ADDRESS = 2
+
+
+def test_a_flood_from_a_thousand_addresses_behind_a_trusted_proxy_reaches_at_most_their_budgets_plus_one_percent(
+        tmp_path: Path) -> None:
+    """Each address far over its budget, and the stored refusals kept by
+    the address X-Forwarded-For names, never by the proxy's own."""
+    rules = f"""\
+client_ip: {{trusted_proxies: [127.0.0.1/32]}}
+rules:
+  - id: per-address
+    key: [ip]
+    limit: {{requests: {PER_ADDRESS}, per: 60s}}
+    action: block
+"""
+    with FloodStack(tmp_path, rules, "nginx", 2) as stack:
+        result = stack.flood(2000, SECONDS, script=ADDRESSES_SCRIPT)
+        internal_errors = stack.metric("sluice_internal_errors_total")
+    honest = [status for status, _ in result.honest]
+    assert set(honest) <= {200, 429}, honest
+    flood_reached = result.reached - honest.count(200)
+    assert result.requests > 5 * ADDRESSES * PER_ADDRESS  # each address far over its budget
+    assert flood_reached <= ADDRESSES * PER_ADDRESS + result.requests // 100, (result.requests, result.reached)
     assert internal_errors == 0

@@ -27,10 +27,13 @@ NOW = 1_800_000_000.0
 
 
 class Overloaded(Harness):
-    """An engine whose wall clock is NOW and whose serving loop is ``behind``."""
+    """An engine whose wall clock is NOW and whose serving loop is
+    ``behind``, over a store that is awaited as a shared one is (a late
+    check over this node's memory is decided in full)."""
 
-    def __init__(self, text: str = RULES, behind: float = 1.0) -> None:
+    def __init__(self, text: str = RULES, behind: float = 1.0, awaited: bool = True) -> None:
         super().__init__(text)
+        self.engine.store.answers_at_once = not awaited  # type: ignore[misc]
         self.behind = behind
         self.engine.wall_clock = lambda: NOW
         self.engine.loop_behind = lambda: self.behind
@@ -105,6 +108,12 @@ def test_an_old_stamp_is_not_trusted_while_the_loop_is_on_time():
     forged stamp must not buy an uncounted request."""
     h = Overloaded(behind=0.0)
     assert [h.check(late=30.0).outcome for _ in range(4)] == [ALLOW, ALLOW, ALLOW, DENY]
+    assert h.engine.metrics.overload_decisions == {}
+
+
+def test_a_late_check_over_this_nodes_memory_is_decided_in_full():
+    h = Overloaded(awaited=False)
+    assert [h.check(late=2.0).outcome for _ in range(4)] == [ALLOW, ALLOW, ALLOW, DENY]
     assert h.engine.metrics.overload_decisions == {}
 
 
