@@ -123,3 +123,25 @@ def test_config_envoy_grpc_checks_over_grpc_at_the_given_port() -> None:
     endpoint = clusters["sluice_grpc"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
     assert endpoint["address"]["socket_address"] == {"address": "10.0.0.5", "port_value": 9393}
     assert "grpc_service:" in result.output and "http_service:" not in result.output
+
+
+def test_the_nginx_guard_is_ten_times_the_fastest_rule_and_written_only_when_asked(tmp_path: Path) -> None:
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("rules:\n"
+                     "  - {id: slow, key: [ip], limit: {requests: 10, per: 60s}, action: block}\n"
+                     "  - {id: fast, key: [ip], limit: {requests: 50, per: 1s}, action: block}\n")
+    plain = CliRunner().invoke(cli.main, ["config", "nginx-snippets", "--rules", str(rules)])
+    guarded = CliRunner().invoke(cli.main, ["config", "nginx-snippets", "--rules", str(rules), "--guard"])
+    fixed = CliRunner().invoke(cli.main, ["config", "nginx-snippets", "--guard-rate", "7"])
+    assert plain.exit_code == guarded.exit_code == fixed.exit_code == 0
+    assert "limit_req" not in "\n".join(line for line in plain.output.splitlines() if not line.startswith("#"))
+    assert "limit_req_zone $binary_remote_addr zone=sluice_guard:10m rate=500r/s;" in guarded.output
+    assert "limit_req zone=sluice_guard burst=1000 nodelay;" in guarded.output
+    assert "rate=7r/s;" in fixed.output and "burst=14 nodelay;" in fixed.output
+    # Without rules, or with slow ones only, the guard is never below 10 r/s.
+    assert "rate=10r/s;" in CliRunner().invoke(cli.main, ["config", "nginx", "--guard"]).output
+
+
+def test_the_guard_is_refused_for_envoy() -> None:
+    result = CliRunner().invoke(cli.main, ["config", "envoy", "--guard"])
+    assert result.exit_code == 2 and "nginx's limit_req" in result.output
