@@ -233,7 +233,7 @@ def test_rendered_front_doors_wait_past_the_longest_hold_and_a_second_to_connect
     (ext_authz,) = [f["typed_config"] for f in filters if f["name"] == "envoy.filters.http.ext_authz"]
     assert ext_authz["http_service"]["server_uri"]["timeout"] == "3s"
     clusters = {cluster["name"]: cluster for cluster in bootstrap["static_resources"]["clusters"]}
-    assert clusters["sluice"]["connect_timeout"] == "0.25s"
+    assert clusters["sluice"]["connect_timeout"] == "1s"
 
 
 class SignalledStack:
