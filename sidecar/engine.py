@@ -225,7 +225,7 @@ class Engine:
         now = self.clock()
         refusals = self.refusals
         tally = self.metrics.overload_decisions
-        if request.client.key and (banned := refusals.recall((BANNED, request.client.key), now)) is not None:
+        if request.client.key and refusals.recall((BANNED, request.client.key), now) is not None:
             tally["ban", "refused"] += 1
             self.metrics.banned_requests.inc()
             return CLOSED
@@ -252,8 +252,8 @@ class Engine:
         """Note a refusal for late checks: until the client's ban ends, or
         until the rule's key may send again. A challenge is issued anew
         for every request, so it is not remembered."""
-        if evaluation.ban is not None and request.client.key:
-            self.refusals.remember((BANNED, request.client.key), evaluation.ban.expires, CLOSED)
+        if evaluation.ban is not None:
+            self._refused_by_ban(request, evaluation.ban)
         elif rule.challenge is None:
             self.refusals.remember((rule.id, check.key), self.clock() + hit.retry_after, decision)
 
@@ -263,13 +263,9 @@ class Engine:
         the answer to every request of this client, as it is now: while its
         Retry-After (and X-RateLimit-Reset) stay the same whole seconds, its
         decision-log line stays folded, and STORED_SECONDS at most."""
+        if evaluation.ban is not None:
+            return  # the ban's own (_refused_by_ban)
         now = self.clock()
-        ban = evaluation.ban
-        if ban is not None:
-            # The next requests are the ban's, as a ban counts them.
-            if self._stores_bans():
-                request.refused_until = min(ban.expires, now + STORED_SECONDS)
-            return
         wait = hit.retry_after
         shown = retry_after_seconds(wait)
         log_key = (rule.id, check.key, decision.outcome, False)
@@ -278,10 +274,15 @@ class Engine:
                                     self.log.fold_deadline(log_key))
         request.refused_as = (rule.id, rule.action, log_key)
 
-    def _stores_bans(self) -> bool:
-        """Bans are answered again from stored bytes on a store of this node
-        only: a ban lifted on another node must let the client in at once."""
-        return self.ruleset.address_wide_bans and self.store.answers_at_once
+    def _refused_by_ban(self, request: CheckRequest, ban: BanRecord) -> None:
+        """Note a banned client's refusal: for late checks until the ban
+        ends, and, on a store of this node only (a ban lifted on another
+        node must let the client in at once), as stored bytes for a while."""
+        if not request.client.key:
+            return
+        self.refusals.remember((BANNED, request.client.key), ban.expires, CLOSED)
+        if self.ruleset.address_wide_bans and self.store.answers_at_once:
+            request.refused_until = min(ban.expires, self.clock() + STORED_SECONDS)
 
     # -- held requests (leaky-bucket delays) ---------------------------------
 
@@ -347,10 +348,7 @@ class Engine:
         if evaluation.ban is not None and not evaluation.new_ban:
             # Banned: no evaluation, no counting, no per-request log.
             metrics.banned_requests.inc()
-            if request.client.key:
-                self.refusals.remember((BANNED, request.client.key), evaluation.ban.expires, CLOSED)
-                if self._stores_bans():
-                    request.refused_until = min(evaluation.ban.expires, self.clock() + STORED_SECONDS)
+            self._refused_by_ban(request, evaluation.ban)
             return CLOSED
 
         observed: Decision | None = None
