@@ -17,7 +17,10 @@
 3. Sluice's CPU per check (utime + stime from /proc, over the requests wrk
    completed; interleaved passes, ``wrk -c32`` straight to nginx's check
    endpoint): a refusal of a client already over its limit against an
-   admitted check, the same rule with a limit no client reaches.
+   admitted check, the same rule with a limit no client reaches; and the
+   same through the shipped nginx (1 worker, ``wrk -c32`` from one address),
+   whose cache answers the refusals that hold for the whole address, with
+   nginx's own CPU per request beside Sluice's.
 
 Usage: ``.venv/bin/python bench/bench_flood.py [--seconds 10] [--connections 1000,4000,8000]
 [--backends memory,redis] [--rounds 3]``. Loopback only; every pass is bounded in time.
@@ -157,6 +160,55 @@ def cpu_per_check(rounds: int, seconds: float, state: str, backend: str, server:
     print(f"| refusal / admitted | {refusal / admitted:.2f}× (target ≤ 0.5×) |", flush=True)
 
 
+def family_cpu_seconds(pid: int) -> float:
+    """The CPU of a process and of its living children (nginx's workers)."""
+    total = cpu_seconds(pid)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue  # ended meanwhile
+        if int(fields[1]) == pid:
+            total += (int(fields[11]) + int(fields[12])) / 100
+    return total
+
+
+def cpu_through_nginx(rounds: int, seconds: float, state: str, backend: str) -> None:
+    """Sluice's CPU per refused request and per admitted one through the
+    shipped nginx (1 worker), whose cache answers refusals that hold for
+    the whole address: ``wrk -c32`` from one address, interleaved passes;
+    nginx's own CPU (its workers') beside it."""
+    totals: dict[str, list[tuple[float, float]]] = {"refusal": [], "admitted": []}
+    with tempfile.TemporaryDirectory() as directory:
+        stacks = {name: FloodStack(Path(directory) / name, rules(state, requests), "nginx", 1)
+                  for name, requests in (("refusal", BUDGET), ("admitted", 10**9))}
+        try:
+            for stack in stacks.values():
+                stack.start()
+            for round_ in range(rounds):
+                for name in (list(stacks) if round_ % 2 == 0 else list(reversed(stacks))):
+                    stack = stacks[name]
+                    assert stack.sluice is not None and stack.proxy is not None
+                    sluice_before, nginx_before = cpu_seconds(stack.sluice.pid), family_cpu_seconds(stack.proxy.pid)
+                    run = subprocess.run([WRK, "-t1", "-c32", f"-d{seconds:g}s",
+                                          f"http://{LOOPBACK}:{stack.door_port}/flood"],
+                                         capture_output=True, text=True, timeout=seconds + 30)
+                    found = re.search(r"(\d+) requests in", run.stdout)
+                    assert found is not None, run.stdout + run.stderr
+                    requests = int(found.group(1))
+                    totals[name].append(((cpu_seconds(stack.sluice.pid) - sluice_before) / requests,
+                                         (family_cpu_seconds(stack.proxy.pid) - nginx_before) / requests))
+        finally:
+            for stack in stacks.values():
+                stack.stop()
+    refusal, admitted = min(totals["refusal"]), min(totals["admitted"])
+    print(f"\n| CPU per request through nginx (1 worker), {backend} backend (fastest of the passes) "
+          "| Sluice µs | nginx µs |\n|---|---:|---:|")
+    print(f"| a refusal of a client over its limit | {refusal[0] * 1e6:.1f} | {refusal[1] * 1e6:.1f} |")
+    print(f"| an admitted request | {admitted[0] * 1e6:.1f} | {admitted[1] * 1e6:.1f} |")
+    print(f"| refusal / admitted, Sluice's | {refusal[0] / admitted[0]:.2f}× (target ≤ 0.5×) | |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=10.0)
@@ -168,6 +220,7 @@ def main() -> None:
     for backend in filter(None, args.backends.split(",")):
         if backend == "memory":
             cpu_per_check(args.rounds, 5.0, "{backend: memory}", backend)
+            cpu_through_nginx(args.rounds, 5.0, "{backend: memory}", backend)
             if connections:
                 matrix(args.seconds, connections, "{backend: memory}", backend)
                 many_addresses(args.seconds, "{backend: memory}", backend)
@@ -178,6 +231,7 @@ def main() -> None:
             try:
                 state = f"{{backend: redis, url: '{server.url}'}}"
                 cpu_per_check(args.rounds, 5.0, state, backend, server)
+                cpu_through_nginx(args.rounds, 5.0, state, backend)
                 if connections:
                     matrix(args.seconds, connections, state, backend, server)
                     many_addresses(args.seconds, state, backend, server)

@@ -127,9 +127,15 @@ class SluiceApp:
         if not keep_alive:
             return  # Envoy's close: the connection ends with the answer
         rule_id, action, log_key = request.refused_as
-        self.engine.address_refusals.remember(stored_key(check.front_door, method, request.headers),
-                                              request.request_id, content, request.refused_until, rule_id,
-                                              action, decision.outcome, log_key)
+        engine = self.engine
+        until = request.refused_until
+        if request.proxy_expires and check.front_door == "nginx":
+            # The answer names the last second nginx may keep it, which a
+            # decision names one later from the next second on.
+            until = min(until, engine.clock() + 1 - engine.wall_clock() % 1)
+        engine.address_refusals.remember(stored_key(check.front_door, method, request.headers),
+                                         request.request_id, content, until, rule_id, action, decision.outcome,
+                                         log_key)
 
     def check_at_once(self, check: Check, scope: Scope, headers: dict[str, str]) -> Reply | None:
         """The reply to a check, decided and answered without awaiting (see

@@ -6,6 +6,7 @@ import ipaddress
 import json
 import logging
 import os
+import re
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -104,7 +105,8 @@ def check(file: str) -> None:
         click.echo(f"warning: {warning}", err=True)
     if ruleset.longest_hold:
         click.echo(f"leaky buckets hold requests up to {ruleset.longest_hold:g} s: the proxy's "
-                   "timeout for Sluice must be longer, or held requests fail open")
+                   "timeout for Sluice must be longer, or held requests fail open, and nginx's refusal "
+                   "cache off (`sluice config --rules` renders both)")
 
 
 # What `sluice config` renders: the package's template folders, and where
@@ -137,11 +139,14 @@ CONFIG_TARGETS = {
                    "that outruns Sluice; it also limits every client behind one address (a NAT).")
 @click.option("--guard-rate", type=click.FloatRange(min=0.001), metavar="R",
               help="The guard's requests per second per address (implies --guard).")
+@click.option("--cache-dir", default="sluice-cache", show_default=True,
+              help="nginx: where it keeps the refusals it answers itself (proxy_cache_path); relative to "
+                   "nginx's prefix. nginx creates the folder, not its parents.")
 @click.option("--out", type=click.Path(file_okay=False),
               help="Write the files into this folder (as nginx's conf.d, say) instead of printing them.")
 def config_command(target: str, listen: str, sluice: str, hook_udp: str, upstream: str, envoy_admin_port: int,
                    sluice_grpc_port: int, rules: str | None, guard: bool, guard_rate: float | None,
-                   out: str | None) -> None:
+                   cache_dir: str, out: str | None) -> None:
     """Print (or write) the nginx or Envoy configuration for Sluice, rendered
     for the given addresses: the full site or bootstrap, or the snippets and
     fragments to add to an existing one."""
@@ -161,6 +166,10 @@ def config_command(target: str, listen: str, sluice: str, hook_udp: str, upstrea
     variables = proxy_variables(listen_at, listen_at, _address(sluice, "--sluice"), _address(hook_udp, "--hook-udp"),
                                 _address(upstream, "--upstream"), envoy_admin_port, longest_hold,
                                 sluice_grpc_port)
+    if not re.fullmatch(r"[^\s;{}'\"$#\\]+", cache_dir):
+        raise click.BadParameter("a path without spaces, quotes or any of ;{}$#\\ (nginx would read them)",
+                                 param_hint="--cache-dir")
+    variables["SLUICE_CACHE_DIR"] = cache_dir
     files: dict[str, str] = {}
     try:
         for folder, into in CONFIG_TARGETS[target]:

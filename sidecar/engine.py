@@ -21,7 +21,8 @@ from sidecar.decisionlog import DecisionLog
 from sidecar.keys import key_values
 from sidecar.limiters import Hit
 from sidecar.metrics import Metrics
-from sidecar.overload import (BEHIND_SHARE, SHARED_STORED_SECONDS, STORED_SECONDS, AddressRefusals, RefusalMemory,
+from sidecar.overload import (BEHIND_SHARE, PROXY_SECONDS, SHARED_STORED_SECONDS, STORED_SECONDS,
+                              AddressRefusals, RefusalMemory, proxy_expires,
                               StoredRefusal)
 from sidecar.pending import PendingEntry, PendingTokens, SlotEntry
 from sidecar.ratelog import RateLimitedLog
@@ -273,6 +274,7 @@ class Engine:
         request.refused_until = min(now + (wait - (shown - 1) if shown > 1 else wait), now + longest,
                                     self.log.fold_deadline(log_key))
         request.refused_as = (rule.id, rule.action, log_key)
+        self._proxy_holds(request, min(wait, PROXY_SECONDS))
 
     def _refused_by_ban(self, request: CheckRequest, ban: BanRecord) -> None:
         """Note a banned client's refusal: for late checks until the ban
@@ -282,7 +284,15 @@ class Engine:
             return
         self.refusals.remember((BANNED, request.client.key), ban.expires, CLOSED)
         if self.ruleset.address_wide_bans and self.store.answers_at_once:
-            request.refused_until = min(ban.expires, self.clock() + STORED_SECONDS)
+            now = self.clock()
+            request.refused_until = min(ban.expires, now + STORED_SECONDS)
+            self._proxy_holds(request, min(ban.expires - now, PROXY_SECONDS))
+
+    def _proxy_holds(self, request: CheckRequest, seconds: float) -> None:
+        """Let nginx answer this refusal itself for the next ``seconds``
+        (its Retry-After then overstates the wait by that much at most)."""
+        now = self.wall_clock()
+        request.proxy_expires = proxy_expires(now + seconds, now)
 
     # -- held requests (leaky-bucket delays) ---------------------------------
 

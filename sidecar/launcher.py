@@ -178,6 +178,11 @@ def proxy_variables(listen: tuple[str, int], envoy_listen: tuple[str, int], slui
         "UPSTREAM_ADDR": _host_port(*upstream),
         "SLUICE_CONNECT_TIMEOUT": "1s",
         "SLUICE_READ_TIMEOUT": check_timeout,
+        # Relative to nginx's prefix (the launcher's run folder).
+        "SLUICE_CACHE_DIR": "sluice-cache",
+        # With a cache, nginx does not tell Sluice that a held request's
+        # client has gone (sluice-server.conf).
+        "SLUICE_REFUSAL_CACHE": "off" if longest_hold > 0 else "sluice_refusals",
         # Response reports, syslog over UDP.
         "SLUICE_HOOK_ADDR": _host_port(*hook_udp),
         # Envoy

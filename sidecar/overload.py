@@ -131,6 +131,23 @@ _SPLICEABLE_ID = re.compile(r"[A-Za-z0-9-]{16,64}")
 # and a stored refusal adds no more than this to it.
 STORED_SECONDS = 1.0
 SHARED_STORED_SECONDS = 0.25
+# nginx may answer such a refusal itself, from its cache (X-Accel-Expires on
+# the check's answer; sluice-server.conf's proxy_cache), for at most this
+# long: an unban, a reset or a reload reaches a client whose refusal nginx
+# holds within that. nginx counts in whole seconds of its clock and caches
+# an answer only until a later second than the current one, so a refusal
+# that holds less than that (to the end of the next second) is not cached.
+PROXY_SECONDS = 2.0
+
+
+def proxy_expires(until: float, now: float) -> int:
+    """The Unix second to give nginx as ``X-Accel-Expires: @N`` for a
+    refusal that holds from ``now`` to ``until`` (Unix seconds), or 0 when
+    none fits: nginx serves a cached answer through the end of the second
+    it is given, which must end by ``until``, and caches nothing given
+    the current second."""
+    last = math.floor(until) - 1
+    return last if last > math.floor(now) else 0
 
 
 # What a stored refusal is found by: the front door, the check's method, and

@@ -45,10 +45,11 @@ class CheckRequest:
     sidecar.overload). A refusal that holds for every request of the client
     says until when (``refused_until``, on the engine's clock) and how it is
     counted (``refused_as``: rule id or "" for a ban, action, decision-log
-    key), for ``sidecar.overload.AddressRefusals``."""
+    key), for ``sidecar.overload.AddressRefusals``, and the last Unix second
+    nginx may answer it from its cache (``proxy_expires``; 0 for none)."""
 
     __slots__ = ("method", "host", "uri", "path", "query_string", "headers",
-                 "client", "request_id", "tls_fingerprint", "sent", "refused_until", "refused_as",
+                 "client", "request_id", "tls_fingerprint", "sent", "refused_until", "refused_as", "proxy_expires",
                  "_cookies", "_query")
 
     def __init__(
@@ -75,6 +76,7 @@ class CheckRequest:
         self.sent = sent
         self.refused_until = 0.0
         self.refused_as: tuple[str, str, Hashable | None] = ("", "", None)
+        self.proxy_expires = 0
         self._cookies: dict[str, str] | None = None
         self._query: dict[str, str] | None = None
 

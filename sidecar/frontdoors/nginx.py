@@ -38,6 +38,9 @@ NGINX_DENY_STATUS = 403
 NGINX_CLOSE_STATUS = 401
 PAGE_HEADER = "X-Sluice-Page"
 PAGE_STATUS_HEADER = "X-Sluice-Page-Status"
+# Until when nginx may answer the client's checks from its cache: the
+# last Unix second, as "@N" (nginx's own header for it).
+PROXY_EXPIRES_HEADER = "X-Accel-Expires"
 # The largest page sent in the check's answer: with the other fields, well
 # within the 16 KiB proxy_buffer_size of the shipped check location (a
 # larger answer head would be nginx's 502, and the request let in).
@@ -133,13 +136,16 @@ def describe_nginx(engine: Engine, scope: Scope, headers: dict[str, str]) -> Che
 def answer_nginx(request: CheckRequest, decision: Decision) -> Reply:
     if decision.outcome == ALLOW:
         return 200, allow_headers(decision), b""
+    # A refusal that holds for every request of the client: nginx may
+    # answer it from its cache until then (sluice-server.conf).
+    cached = [(PROXY_EXPIRES_HEADER, f"@{request.proxy_expires}")] if request.proxy_expires else []
     if decision.outcome == CLOSE:
-        return NGINX_CLOSE_STATUS, [], b""
+        return NGINX_CLOSE_STATUS, cached, b""
     # The token lets nginx fetch the page when it cannot send it itself;
     # the over-limit fields and Retry-After are added by @sluice_deny.
     headers = [("X-Sluice-Deny", DenyToken.encode(decision, request.client.text)),
                *over_limit_headers(decision.limit, decision.reset),
-               ("Retry-After", str(decision.retry_after))]
+               ("Retry-After", str(decision.retry_after)), *cached]
     assert decision.page is not None
     page = inline_page(decision.page, request) if decision.challenge is None else None
     if page is not None:

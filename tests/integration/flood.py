@@ -118,6 +118,7 @@ class FloodResult:
     requests: int  # what wrk completed
     reached: int  # what reached the application
     honest: list[tuple[int, float]] = field(default_factory=list)  # status, seconds
+    closed: int = 0  # requests whose connection closed without an answer (wrk's read errors)
 
     def honest_p99(self) -> float:
         latencies = sorted(seconds for _, seconds in self.honest)
@@ -253,4 +254,6 @@ class FloodStack:
         found = re.search(r"(\d+) requests in", run.stdout)
         if found is None:
             raise RuntimeError(f"wrk failed: {run.stdout}\n{run.stderr}")
-        return FloodResult(int(found.group(1)), self.upstream.settled_requests() - before, honest)
+        closed = re.search(r"Socket errors: connect \d+, read (\d+)", run.stdout)
+        return FloodResult(int(found.group(1)), self.upstream.settled_requests() - before, honest,
+                           int(closed.group(1)) if closed else 0)

@@ -75,3 +75,31 @@ rules:
     assert result.requests > 5 * ADDRESSES * PER_ADDRESS  # each address far over its budget
     assert flood_reached <= ADDRESSES * PER_ADDRESS + result.requests // 100, (result.requests, result.reached)
     assert internal_errors == 0
+
+
+@pytest.mark.parametrize("refusal", ["ban", "block"])
+def test_a_flood_from_a_refused_address_is_answered_by_nginx_and_barely_reaches_sluice(
+        tmp_path: Path, refusal: str) -> None:
+    """A ban, or a refusal by an address-wide rule, holds for every request
+    of the client: nginx answers the flood from its cache (X-Accel-Expires)."""
+    answer = "ban: {duration: 10m}" if refusal == "ban" else "penalty: 10m"
+    rules = f"""\
+rules:
+  - id: per-address
+    key: [ip]
+    limit: {{requests: {BUDGET}, per: 60s}}
+    action: {refusal}
+    {answer}
+"""
+    with FloodStack(tmp_path, rules, "nginx", 1) as stack:
+        before = stack.metric("sluice_checks_total")
+        result = stack.flood(1000, SECONDS)
+        checks = stack.metric("sluice_checks_total") - before
+        internal_errors = stack.metric("sluice_internal_errors_total")
+    attempts = result.requests + result.closed  # a ban closes the connection (nginx's 444)
+    honest = [status for status, _ in result.honest]
+    assert attempts > 20 * BUDGET
+    assert checks - len(honest) <= BUDGET + attempts // 100, (checks, attempts)
+    assert result.reached - honest.count(200) <= BUDGET + attempts // 100
+    assert honest.count(200) == min(len(honest), BUDGET)
+    assert internal_errors == 0

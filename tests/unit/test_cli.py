@@ -145,3 +145,26 @@ def test_the_nginx_guard_is_ten_times_the_fastest_rule_and_written_only_when_ask
 def test_the_guard_is_refused_for_envoy() -> None:
     result = CliRunner().invoke(cli.main, ["config", "envoy", "--guard"])
     assert result.exit_code == 2 and "nginx's limit_req" in result.output
+
+
+def test_nginx_keeps_the_refusals_it_answers_itself_where_config_says() -> None:
+    default = CliRunner().invoke(cli.main, ["config", "nginx-snippets"])
+    chosen = CliRunner().invoke(cli.main, ["config", "nginx", "--cache-dir", "/var/lib/nginx/sluice"])
+    assert default.exit_code == chosen.exit_code == 0
+    assert "proxy_cache_path sluice-cache levels=1:2 keys_zone=sluice_refusals:1m" in default.output
+    assert "proxy_cache_path /var/lib/nginx/sluice levels=" in chosen.output
+    for path in ("a b", "x;include /etc/passwd", "${HOME}", ""):
+        result = CliRunner().invoke(cli.main, ["config", "nginx", "--cache-dir", path])
+        assert result.exit_code == 2 and "--cache-dir" in result.output, path
+
+
+def test_nginx_answers_refusals_from_its_cache_unless_the_rules_hold_requests(tmp_path: Path) -> None:
+    held = tmp_path / "held.yaml"
+    held.write_text("rules:\n  - {id: held, key: [ip], limit: {rate: 6r/m, burst: 1}, action: block}\n")
+    plain = tmp_path / "plain.yaml"
+    plain.write_text("rules:\n  - {id: plain, key: [ip], limit: {requests: 6, per: 1m}, action: block}\n")
+    # With a cache, nginx would not tell Sluice that a held request's client has gone.
+    assert "proxy_cache off;" in CliRunner().invoke(cli.main, ["config", "nginx-snippets", "--rules", str(held)]).output
+    for argv in (["--rules", str(plain)], []):
+        output = CliRunner().invoke(cli.main, ["config", "nginx-snippets", *argv]).output
+        assert "proxy_cache sluice_refusals;" in output

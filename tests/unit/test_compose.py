@@ -214,6 +214,9 @@ def test_nginx_accepts_the_rendered_configuration(tmp_path: Path) -> None:
     settings = {
         name: re.sub(rf"^(?:{service_names}):", "127.0.0.1:", value) for name, value in environment("nginx").items()
     }
+    # The image's cache folder exists there; nginx makes the one in it.
+    assert Path(settings["SLUICE_CACHE_DIR"]).parent == Path("/var/cache/nginx")
+    settings["SLUICE_CACHE_DIR"] = str(tmp_path / "sluice-cache")
     rendered_image_tree(DEFAULT_TEMPLATE.parent, settings, tmp_path / "conf.d")
     site = tmp_path / "conf.d" / "sluice.conf"
     for directory in ("logs", "tmp"):

@@ -86,7 +86,9 @@ class Node:
     whether refusals are stored."""
 
     def __init__(self, rules: str, clock: FakeClock, stores: bool, loop: asyncio.AbstractEventLoop) -> None:
-        self.engine = Engine(ruleset_from(rules), clock=clock, wall_clock=lambda: 1_800_000_000.0, secret=b"s" * 32)
+        # The wall clock moves with the engine's: nginx's cache is told Unix seconds.
+        wall = 1_800_000_000.25 - clock()
+        self.engine = Engine(ruleset_from(rules), clock=clock, wall_clock=lambda: wall + clock(), secret=b"s" * 32)
         if not stores:
             self.engine.address_refusals.capacity = 0
         self.config = Config(app=SluiceApp(self.engine), lifespan="off", log_level="warning", proxy_headers=False)
