@@ -49,11 +49,14 @@ BUDGET = 10
 DOORS = (("nginx", 1, False), ("nginx", 2, False), ("nginx", 1, True), ("nginx", 2, True), ("envoy", 2, False))
 
 
-def rules(state: str, requests: int = BUDGET) -> str:
+def rules(state: str, requests: int = BUDGET, rule_id: str = "flood") -> str:
+    """One rule keyed by the address. Sluices that share a Redis and run at
+    once take rules of their own ids: one rule's refusals must not be
+    another's."""
     return f"""\
 state: {state}
 rules:
-  - id: flood
+  - id: {rule_id}
     key: [ip]
     limit: {{requests: {requests}, per: 60s}}
     action: block
@@ -125,7 +128,7 @@ def cpu_per_check(rounds: int, seconds: float, state: str, backend: str, server:
     with tempfile.TemporaryDirectory() as directory:
         for name, requests in (("refusal", BUDGET), ("admitted", 10**9)):
             path = Path(directory) / f"{name}.yaml"
-            path.write_text(rules(state, requests))
+            path.write_text(rules(state, requests, name))
             port = free_port()
             process = subprocess.Popen([sys.executable, "-m", "sidecar", "serve", "--config", str(path), "--port",
                                         str(port), "--hook-udp", "off", "--log-level", "warning"],
@@ -180,7 +183,7 @@ def cpu_through_nginx(rounds: int, seconds: float, state: str, backend: str) -> 
     nginx's own CPU (its workers') beside it."""
     totals: dict[str, list[tuple[float, float]]] = {"refusal": [], "admitted": []}
     with tempfile.TemporaryDirectory() as directory:
-        stacks = {name: FloodStack(Path(directory) / name, rules(state, requests), "nginx", 1)
+        stacks = {name: FloodStack(Path(directory) / name, rules(state, requests, name), "nginx", 1)
                   for name, requests in (("refusal", BUDGET), ("admitted", 10**9))}
         try:
             for stack in stacks.values():

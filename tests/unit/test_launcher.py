@@ -20,6 +20,7 @@ import yaml
 
 import sidecar
 from sidecar.launcher import (
+    DEFAULT_ENVOY_GRPC_TEMPLATE,
     DEFAULT_ENVOY_TEMPLATE,
     DEFAULT_TEMPLATE,
     StackError,
@@ -234,6 +235,9 @@ def test_rendered_front_doors_wait_past_the_longest_hold_and_a_second_to_connect
     assert ext_authz["http_service"]["server_uri"]["timeout"] == "3s"
     clusters = {cluster["name"]: cluster for cluster in bootstrap["static_resources"]["clusters"]}
     assert clusters["sluice"]["connect_timeout"] == "1s"
+    grpc = yaml.safe_load(write_envoy_config(tmp_path, DEFAULT_ENVOY_GRPC_TEMPLATE, variables, "grpc.yaml").read_text())
+    grpc_clusters = {cluster["name"]: cluster for cluster in grpc["static_resources"]["clusters"]}
+    assert grpc_clusters["sluice_grpc"]["connect_timeout"] == "1s"
 
 
 class SignalledStack:
