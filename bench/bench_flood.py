@@ -114,9 +114,15 @@ def many_addresses(seconds: float, state: str, backend: str, server: RedisServer
               flush=True)
 
 
+def _stat(path: Path) -> tuple[int, float]:
+    """A process's parent and CPU seconds (utime + stime, in clock ticks
+    of 1/100 s), from its /proc stat file."""
+    fields = path.read_text().rpartition(")")[2].split()
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / 100
+
+
 def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / 100  # utime + stime, in clock ticks of 1/100 s
+    return _stat(Path(f"/proc/{pid}/stat"))[1]
 
 
 def cpu_per_check(rounds: int, seconds: float, state: str, backend: str, server: RedisServer | None = None) -> None:
@@ -168,11 +174,11 @@ def family_cpu_seconds(pid: int) -> float:
     total = cpu_seconds(pid)
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rpartition(")")[2].split()
+            parent, seconds = _stat(stat)
         except OSError:
             continue  # ended meanwhile
-        if int(fields[1]) == pid:
-            total += (int(fields[11]) + int(fields[12])) / 100
+        if parent == pid:
+            total += seconds
     return total
 
 
