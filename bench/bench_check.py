@@ -478,7 +478,7 @@ class Bench:
 
     def variables(self, ports: StackPorts) -> dict[str, str]:
         # The same timeouts the launcher would compute for these rules (no leaky bucket holds).
-        return template_variables(ports, "127.0.0.1", 0.0)
+        return template_variables(ports, "127.0.0.1")
 
     def start_nginx(self, name: str, sidecar_port: int) -> tuple[list[int], int]:
         ports = self.ports(sidecar_port)

@@ -3,14 +3,16 @@
 1. The matrix. One address floods through the shipped configurations
    (``sluice config``) with wrk: nginx with 1 and 2 worker processes, the
    same with nginx's first tier (``--guard``), and Envoy with
-   ``--concurrency 2``, at 1,000, 4,000 and 8,000 connections, on the
-   memory backend and on a redis-server the bench starts on loopback. An
-   honest client at another address sends 5 requests a second meanwhile. One
-   rule, ``key: [ip]``, 10 requests per 60 s, ``action: block``. For each
-   row: the requests wrk completed, those that reached the upstream (an nginx
-   counting its access log lines), whether that stayed within the budget plus
-   1 % of the flood, the honest client's p99 latency, and the late checks
-   Sluice refused from its memory of refusals.
+   ``--concurrency 2``, without and with its own (``--guard``), at 1,000,
+   4,000 and 8,000 connections, on the memory backend and on a
+   redis-server the bench starts on loopback. An honest client at another
+   address sends 5 requests a second meanwhile. One rule, ``key: [ip]``,
+   10 requests per 60 s, ``action: block``. For each row: the requests wrk
+   completed, those that reached the upstream (an nginx counting its access
+   log lines), whether that stayed within the budget plus 1 % of the flood,
+   the honest client's p99 latency, and the late checks Sluice refused
+   without the shared store: from its memory of refusals, or by its own
+   count of late checks.
 2. Many addresses: 1,000 of them behind a trusted proxy, each far over its
    budget, from 2,000 connections through nginx (1 and 2 workers) and
    Envoy; the target is at most 1,000 budgets plus 1 % of the flood.
@@ -23,7 +25,9 @@
    nginx's own CPU per request beside Sluice's.
 
 Usage: ``.venv/bin/python bench/bench_flood.py [--seconds 10] [--connections 1000,4000,8000]
-[--backends memory,redis] [--rounds 3]``. Loopback only; every pass is bounded in time.
+[--backends memory,redis] [--rounds 3] [--doors nginx-1,nginx-2,envoy-2,...]
+[--no-many-addresses]``
+(``--rounds 0`` leaves out the CPU passes, ``--connections ''`` the matrix). Loopback only; every pass is bounded in time.
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ from tests.integration.flood import WRK, FloodStack  # noqa: E402
 from tests.integration.redis_server import RedisServer  # noqa: E402
 
 BUDGET = 10
-DOORS = (("nginx", 1, False), ("nginx", 2, False), ("nginx", 1, True), ("nginx", 2, True), ("envoy", 2, False))
+DOORS = (("nginx", 1, False), ("nginx", 2, False), ("nginx", 1, True), ("nginx", 2, True), ("envoy", 2, False),
+         ("envoy", 2, True))
 
 
 def rules(state: str, requests: int = BUDGET, rule_id: str = "flood") -> str:
@@ -63,18 +68,24 @@ rules:
 """
 
 
+def door_id(door: str, workers: int, guard: bool) -> str:
+    """The door as ``--doors`` names it: nginx-2-guard, envoy-2."""
+    return f"{door}-{workers}{'-guard' if guard else ''}"
+
+
 def door_name(door: str, workers: int, guard: bool) -> str:
+    guarded = ", --guard" if guard else ""
     if door == "envoy":
-        return f"Envoy, --concurrency {workers}"
-    return f"nginx, {workers} worker{'s' if workers > 1 else ''}{', --guard' if guard else ''}"
+        return f"Envoy, --concurrency {workers}{guarded}"
+    return f"nginx, {workers} worker{'s' if workers > 1 else ''}{guarded}"
 
 
 def matrix(seconds: float, connections: list[int], state: str, backend: str,
-           server: RedisServer | None = None) -> None:
+           server: RedisServer | None = None, doors: tuple[tuple[str, int, bool], ...] = DOORS) -> None:
     print(f"\n{backend} backend:\n")
     print("| door | connections | requests | reached | budget + 1 % | honest p99 | late checks refused |")
     print("|---|---:|---:|---:|---|---:|---:|")
-    for door, workers, guard in DOORS:
+    for door, workers, guard in doors:
         for count in connections:
             if server is not None:
                 # Every row starts from nothing counted: the flood's address
@@ -83,7 +94,8 @@ def matrix(seconds: float, connections: list[int], state: str, backend: str,
             with tempfile.TemporaryDirectory() as directory, \
                     FloodStack(Path(directory), rules(state), door, workers, guard) as stack:
                 result = stack.flood(count, seconds)
-                refused = stack.metric("sluice_overload_decisions_total", 'outcome="refused",rule="flood"')
+                refused = sum(stack.metric("sluice_overload_decisions_total", f'outcome="{outcome}",rule="flood"')
+                              for outcome in ("refused", "refused_locally"))
             honest_allowed = sum(1 for status, _ in result.honest if status == 200)
             over = result.reached - honest_allowed - BUDGET
             verdict = "held" if over <= result.requests // 100 else f"{over / max(result.requests, 1):.1%} over"
@@ -218,32 +230,39 @@ def cpu_through_nginx(rounds: int, seconds: float, state: str, backend: str) -> 
     print(f"| refusal / admitted, Sluice's | {refusal[0] / admitted[0]:.2f}× (target ≤ 0.5×) | |", flush=True)
 
 
+def run(args: argparse.Namespace, state: str, backend: str, server: RedisServer | None = None) -> None:
+    """Every part of the bench that ``args`` asks for, on one backend."""
+    if args.rounds:
+        cpu_per_check(args.rounds, 5.0, state, backend, server)
+        cpu_through_nginx(args.rounds, 5.0, state, backend)
+    connections = [int(n) for n in args.connections.split(",") if n]
+    if connections:
+        by_id = {door_id(*door): door for door in DOORS}
+        doors = tuple(by_id[name] for name in args.doors.split(",") if name)
+        matrix(args.seconds, connections, state, backend, server, doors)
+        if args.many_addresses:
+            many_addresses(args.seconds, state, backend, server)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--connections", default="1000,4000,8000")
     parser.add_argument("--backends", default="memory,redis")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--doors", default=",".join(door_id(*door) for door in DOORS),
+                        help="the matrix's rows, of " + ", ".join(door_id(*door) for door in DOORS))
+    parser.add_argument("--many-addresses", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args()
-    connections = [int(n) for n in args.connections.split(",") if n]
     for backend in filter(None, args.backends.split(",")):
         if backend == "memory":
-            cpu_per_check(args.rounds, 5.0, "{backend: memory}", backend)
-            cpu_through_nginx(args.rounds, 5.0, "{backend: memory}", backend)
-            if connections:
-                matrix(args.seconds, connections, "{backend: memory}", backend)
-                many_addresses(args.seconds, "{backend: memory}", backend)
+            run(args, "{backend: memory}", backend)
             continue
         with tempfile.TemporaryDirectory() as directory:
             server = RedisServer(Path(directory))
             server.start()
             try:
-                state = f"{{backend: redis, url: '{server.url}'}}"
-                cpu_per_check(args.rounds, 5.0, state, backend, server)
-                cpu_through_nginx(args.rounds, 5.0, state, backend)
-                if connections:
-                    matrix(args.seconds, connections, state, backend, server)
-                    many_addresses(args.seconds, state, backend, server)
+                run(args, f"{{backend: redis, url: '{server.url}'}}", backend, server)
             finally:
                 server.stop()
 

@@ -134,11 +134,16 @@ CONFIG_TARGETS = {
 @click.option("--rules", type=click.Path(dir_okay=False, exists=True),
               help="Rules file: the proxy's timeout for Sluice's answer then outlasts its longest hold.")
 @click.option("--guard", is_flag=True,
-              help="nginx: a first tier, nginx's own limit_req per client address, ahead of Sluice: "
-                   "ten times the fastest rule's rate (of --rules), at least 10 r/s. It holds a flood "
-                   "that outruns Sluice; it also limits every client behind one address (a NAT).")
+              help="A first tier per client address ahead of Sluice, the proxy's own (nginx's limit_req, "
+                   "Envoy's local_ratelimit): ten times the fastest rule's rate (of --rules), at least "
+                   "10 r/s. It holds a flood that outruns Sluice; it also limits every client behind one "
+                   "address (a NAT). Not for envoy-rls.")
 @click.option("--guard-rate", type=click.FloatRange(min=0.001), metavar="R",
               help="The guard's requests per second per address (implies --guard).")
+@click.option("--unchecked-rate", type=click.FloatRange(min=0.001), metavar="R",
+              help="nginx: the requests per second per address it lets in when Sluice did not answer in "
+                   "time (default: the guard's rate, from --rules). A Sluice that is down lets every "
+                   "request in.")
 @click.option("--cache-dir", default="sluice-cache", show_default=True,
               help="nginx: where it keeps the refusals it answers itself (proxy_cache_path); relative to "
                    "nginx's prefix. nginx creates the folder, not its parents.")
@@ -146,26 +151,28 @@ CONFIG_TARGETS = {
               help="Write the files into this folder (as nginx's conf.d, say) instead of printing them.")
 def config_command(target: str, listen: str, sluice: str, hook_udp: str, upstream: str, envoy_admin_port: int,
                    sluice_grpc_port: int, rules: str | None, guard: bool, guard_rate: float | None,
-                   cache_dir: str, out: str | None) -> None:
+                   unchecked_rate: float | None, cache_dir: str, out: str | None) -> None:
     """Print (or write) the nginx or Envoy configuration for Sluice, rendered
     for the given addresses: the full site or bootstrap, or the snippets and
     fragments to add to an existing one."""
     from pathlib import Path
 
     from sidecar.launcher import PACKAGE_TEMPLATES, StackError, guard_rate as derived_guard_rate
-    from sidecar.launcher import proxy_variables, render_folder, with_guard
+    from sidecar.launcher import guard_burst, proxy_variables, render_folder, with_envoy_guard, with_nginx_guard
 
     ruleset = _load(rules) if rules else None
-    longest_hold = ruleset.longest_hold if ruleset is not None else 0.0
-    if (guard or guard_rate is not None) and not target.startswith("nginx"):
-        raise click.BadParameter("the guard is nginx's limit_req: give it with nginx or nginx-snippets "
-                                 "(README, When a flood outruns Sluice, says what Envoy can do)",
-                                 param_hint="--guard")
+    guarded = guard or guard_rate is not None
+    if guarded and target == "envoy-rls":
+        raise click.BadParameter("the guard goes ahead of Sluice's check, and envoy-rls has none (its Envoy asks "
+                                 "Sluice's Rate Limit Service): give it with nginx, nginx-snippets, envoy, "
+                                 "envoy-grpc or envoy-fragments", param_hint="--guard")
     # A bare port listens on every address, as nginx's `listen 80` does.
     listen_at = ("0.0.0.0", int(listen)) if listen.isdigit() else _address(listen, "--listen")
     variables = proxy_variables(listen_at, listen_at, _address(sluice, "--sluice"), _address(hook_udp, "--hook-udp"),
-                                _address(upstream, "--upstream"), envoy_admin_port, longest_hold,
-                                sluice_grpc_port)
+                                _address(upstream, "--upstream"), envoy_admin_port, ruleset, sluice_grpc_port)
+    if unchecked_rate is not None:
+        variables["SLUICE_UNCHECKED_RATE"] = f"{unchecked_rate:g}r/s"
+        variables["SLUICE_UNCHECKED_BURST"] = str(guard_burst(unchecked_rate))
     if not re.fullmatch(r"[^\s;{}'\"$#\\]+", cache_dir):
         raise click.BadParameter("a path without spaces, quotes or any of ;{}$#\\ (nginx would read them)",
                                  param_hint="--cache-dir")
@@ -176,11 +183,12 @@ def config_command(target: str, listen: str, sluice: str, hook_udp: str, upstrea
             source = PACKAGE_TEMPLATES.joinpath(*folder.split("/"))
             for name, text in render_folder(source, variables).items():
                 files[f"{into}/{name}" if into else name] = text
+        if guarded:
+            with_guard = with_nginx_guard if target.startswith("nginx") else with_envoy_guard
+            files = with_guard(files, guard_rate if guard_rate is not None else derived_guard_rate(ruleset))
     except StackError as exc:
         click.echo(f"error: {exc}", err=True)
         raise SystemExit(1) from None
-    if guard or guard_rate is not None:
-        files = with_guard(files, guard_rate if guard_rate is not None else derived_guard_rate(ruleset))
     if out is not None:
         for name, text in files.items():
             path = Path(out) / name

@@ -477,8 +477,9 @@ class Rule(Strict):
     # or challenge is not applied: the request is allowed, and logged.
     shadow: bool = False
     # A check that reaches Sluice later than overload.after, when its
-    # client is not known to be over this rule's limit: let in uncounted
-    # (open) or refused with a 503 (closed).
+    # client is not known to be over this rule's limit: counted on this
+    # node alone, let in within the limit there (open), or refused with a
+    # 503 (closed).
     overload: OverloadMode = "open"
 
     @field_validator("id")

@@ -29,9 +29,9 @@ from sidecar.ratelog import RateLimitedLog
 from sidecar.request import CheckRequest
 from sidecar.responses import ResponsePhase
 from sidecar.rules import CompiledRule, Ruleset
-from sidecar.state import BanRecord, Check, Evaluation, epoch_clock
+from sidecar.state import BanRecord, Check, Evaluation, ResponseCount, epoch_clock
 from sidecar.store import StateStore, StoreUnavailable, open_store
-from sidecar.store.memory import run_at_once
+from sidecar.store.memory import MemoryStore, run_at_once
 from sidecar.tokens import Tokens
 
 Clock = Callable[[], float]
@@ -122,6 +122,7 @@ class Engine:
         # (sidecar.overload), and how far the serving loop is behind (the
         # HTTP service sets it; without one, checks are never late).
         self.refusals = RefusalMemory(ruleset.max_keys)
+        self.late_counts = self._late_counts(ruleset)
         self.loop_behind: Clock = lambda: 0.0
         # Answers the HTTP protocol sends again without a decision.
         self.address_refusals = AddressRefusals(ruleset.max_keys)
@@ -146,9 +147,16 @@ class Engine:
 
     def forget_refusals(self) -> None:
         """State changed other than by a decision (a reload, a ban lifted or
-        issued by hand, keys reset): what was refused is decided anew."""
+        issued by hand, keys reset): what was refused is decided anew, and
+        late checks are counted anew."""
         self.refusals = RefusalMemory(self.refusals.capacity)
         self.address_refusals.clear()
+        self.late_counts = self._late_counts(self.ruleset)
+
+    def _late_counts(self, ruleset: Ruleset) -> MemoryStore:
+        """Where late checks that an `overload: open` rule lets in are
+        counted: this node's memory, bounded like the store."""
+        return MemoryStore(ruleset.max_keys, ruleset.node, self.clock, self.wall_clock)
 
     def refused_again(self, stored: StoredRefusal) -> None:
         """Count a stored refusal sent again as its decision was counted."""
@@ -216,9 +224,10 @@ class Engine:
         return self.wall_clock() - sent > after and self.loop_behind() >= after * BEHIND_SHARE
 
     def _overloaded(self, request: CheckRequest) -> Decision:
-        """A late check's answer, without the store: refused as this node
-        refused the client last, else by the first matching `overload:
-        closed` rule, else allowed uncounted. Counted by rule and outcome."""
+        """A late check's answer, without the shared store: refused as this
+        node refused the client last, else by the first matching `overload:
+        closed` rule, else decided by this node's own count of late checks
+        (``late_counts``). Counted by rule and outcome."""
         prepared = self._prepare(request)
         if isinstance(prepared, Decision):
             return prepared
@@ -235,6 +244,7 @@ class Engine:
             remembered = refusals.recall((rule.id, check.key), now)
             if remembered is not None:
                 tally[rule.id, "refused"] += 1
+                self.metrics.over_limit(rule.id, rule.action)
                 until, decision = remembered
                 assert isinstance(decision, Decision)
                 if decision.outcome != DENY:
@@ -245,6 +255,24 @@ class Engine:
                 tally[rule.id, "closed"] += 1
                 return Decision(outcome=DENY, rule=rule, limit=math.ceil(check.threshold), reset=1,
                                 retry_after=1, page=OVERLOADED_PAGE)
+        for rule, check in enforcing:
+            spec = check.spec
+            if not spec.count or not spec.amount:
+                continue  # a response-phase rule's look: only the shared store knows its penalty
+            hit = self.late_counts.count_now(now, ResponseCount(check.key, spec.limiter, spec.threshold, spec.amount))
+            if hit.over_limit:
+                # Over its limit by this node's count of late checks alone:
+                # refused as a decision would, without a ban (a ban is the
+                # shared store's to issue), and remembered as any refusal.
+                tally[rule.id, "refused_locally"] += 1
+                self.metrics.over_limit(rule.id, rule.action)
+                limit = math.ceil(check.threshold)
+                reset = rule.reset if rule.reset is not None else retry_after_seconds(hit.retry_after)
+                decision = self._apply(request, rule, limit, reset, hit, False)
+                if rule.challenge is None:
+                    refusals.remember((rule.id, check.key), now + hit.retry_after, decision)
+                self.log.matched(request, rule, check, decision.outcome)
+                return decision
         tally[enforcing[0][0].id if enforcing else "none", "open"] += 1
         return ALLOWED
 

@@ -37,6 +37,7 @@ import textwrap
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 from importlib.resources import files
 from importlib.resources.abc import Traversable
 from pathlib import Path
@@ -142,35 +143,36 @@ def check_timeout_seconds(longest_hold: float) -> int:
     return max(MIN_CHECK_TIMEOUT_SECONDS, math.ceil(longest_hold + CHECK_TIMEOUT_MARGIN_SECONDS))
 
 
-def longest_hold_of(rules: Path | None) -> float:
-    """The longest a rule of this file (or of the built-in rules) holds a request."""
+def ruleset_of(rules: Path | None) -> Ruleset:
+    """The rules of this file (or the built-in rules), which the proxies'
+    configuration is rendered for."""
     try:
-        ruleset = load_ruleset(str(rules)) if rules is not None else default_ruleset()
+        return load_ruleset(str(rules)) if rules is not None else default_ruleset()
     except ConfigError as error:
         raise StackError(f"the rules cannot be used:\n{error}") from error
-    return ruleset.longest_hold
 
 
-def template_variables(ports: StackPorts, host: str, longest_hold: float = 0.0) -> dict[str, str]:
-    """The values the local stack gives the variables of both templates.
-
-    The timeouts for Sluice's answer outlast `longest_hold`, the longest a
-    leaky bucket rule holds a request (seconds).
-    """
+def template_variables(ports: StackPorts, host: str, ruleset: Ruleset | None = None) -> dict[str, str]:
+    """The values the local stack gives the variables of both templates,
+    for these rules (see ``proxy_variables``)."""
     return proxy_variables(listen=(host, ports.nginx), envoy_listen=(host, ports.envoy),
                            sluice=(host, ports.sluice), hook_udp=(host, ports.sluice_hook),
                            upstream=(host, ports.upstream), envoy_admin_port=ports.envoy_admin,
-                           longest_hold=longest_hold, sluice_grpc_port=ports.sluice_grpc)
+                           ruleset=ruleset, sluice_grpc_port=ports.sluice_grpc)
 
 
 def proxy_variables(listen: tuple[str, int], envoy_listen: tuple[str, int], sluice: tuple[str, int],
                     hook_udp: tuple[str, int], upstream: tuple[str, int], envoy_admin_port: int = 9901,
-                    longest_hold: float = 0.0, sluice_grpc_port: int = StackPorts.sluice_grpc) -> dict[str, str]:
+                    ruleset: Ruleset | None = None, sluice_grpc_port: int = StackPorts.sluice_grpc) -> dict[str, str]:
     """The variables of the nginx and Envoy templates for these addresses:
     where the proxy listens, where Sluice and its UDP report hook are, and
-    the application's upstream."""
+    the application's upstream. From the rules: the timeouts for Sluice's
+    answer outlast the longest a leaky bucket rule holds a request, and
+    nginx's limit on requests it lets in unchecked is the guard's rate."""
+    longest_hold = ruleset.longest_hold if ruleset is not None else 0.0
     # "Ns" is a duration in both nginx's and Envoy's syntax.
     check_timeout = f"{check_timeout_seconds(longest_hold)}s"
+    unchecked_rate = guard_rate(ruleset)
     return {
         # nginx
         "SLUICE_LISTEN": _host_port(*listen),
@@ -183,6 +185,10 @@ def proxy_variables(listen: tuple[str, int], envoy_listen: tuple[str, int], slui
         # With a cache, nginx does not tell Sluice that a held request's
         # client has gone (sluice-server.conf).
         "SLUICE_REFUSAL_CACHE": "off" if longest_hold > 0 else "sluice_refusals",
+        # Requests nginx lets in when Sluice did not answer in time, per
+        # client address (sluice-server.conf's @sluice_unreachable).
+        "SLUICE_UNCHECKED_RATE": f"{unchecked_rate:g}r/s",
+        "SLUICE_UNCHECKED_BURST": str(guard_burst(unchecked_rate)),
         # Response reports, syslog over UDP.
         "SLUICE_HOOK_ADDR": _host_port(*hook_udp),
         # Envoy
@@ -212,12 +218,25 @@ GUARD_MARKER = "# @sluice-guard"
 # whom Sluice's own rules let through.
 GUARD_MIN_RATE = 10.0
 GUARD_HEADROOM = 10.0
+# An address may spend this many seconds' worth of the guard's rate at once.
+GUARD_BURST_SECONDS = 2
+# Envoy's guard keeps a token bucket for this many addresses, forgetting the
+# least recently seen first: about 450 bytes each (measured on Envoy 1.40),
+# some 30 MB when full. A forgotten address starts again with a full bucket.
+ENVOY_GUARD_ADDRESSES = 65536
+# Envoy's token buckets count in 32-bit integers.
+ENVOY_MAX_TOKENS = 2**32 - 1
+# The Envoy files the guard goes into are those with Sluice's check; it goes
+# ahead of their first HTTP filter, and of the comments just above it.
+_ENVOY_CHECK_FILTER = re.compile(r"^ *- name: envoy\.filters\.http\.ext_authz$", re.MULTILINE)
+_ENVOY_FIRST_FILTER = re.compile(r"^( *)- name: envoy\.filters\.http\.", re.MULTILINE)
 
 
 def guard_rate(ruleset: Ruleset | None) -> float:
-    """Requests per second per address that the nginx guard lets through:
-    GUARD_HEADROOM times the fastest sustained rate of any rule (a window's
-    threshold per period, a bucket's refill), and at least GUARD_MIN_RATE."""
+    """Requests per second per address that the guard (nginx's or Envoy's)
+    lets through: GUARD_HEADROOM times the fastest sustained rate of any rule
+    (a window's threshold per period, a bucket's refill), and at least
+    GUARD_MIN_RATE."""
     fastest = 0.0
     for rule in ruleset.rules if ruleset is not None else ():
         limiter = rule.limiter
@@ -228,7 +247,12 @@ def guard_rate(ruleset: Ruleset | None) -> float:
     return max(GUARD_MIN_RATE, math.ceil(fastest * GUARD_HEADROOM))
 
 
-def with_guard(files: Mapping[str, str], rate: float) -> dict[str, str]:
+def guard_burst(rate: float) -> int:
+    """The requests an address may send at once: GUARD_BURST_SECONDS' worth."""
+    return math.ceil(rate * GUARD_BURST_SECONDS)
+
+
+def with_nginx_guard(files: Mapping[str, str], rate: float) -> dict[str, str]:
     """The rendered nginx files with the first tier written in: a zone keyed
     by nginx's own client address (after realip, never a forwarded header),
     and a limit with a burst of two seconds' worth, refused at once (429)."""
@@ -236,8 +260,74 @@ def with_guard(files: Mapping[str, str], rate: float) -> dict[str, str]:
             "limit_req_status 429;\n"
             "# A refusal of the guard is not an error of nginx's: logged at info.\n"
             "limit_req_log_level info;")
-    limit = f"limit_req zone=sluice_guard burst={math.ceil(rate * 2)} nodelay;"
+    limit = f"limit_req zone=sluice_guard burst={guard_burst(rate)} nodelay;"
     return {name: text.replace(GUARD_ZONE_MARKER, zone).replace(GUARD_MARKER, limit) for name, text in files.items()}
+
+
+def envoy_guard_filter(rate: float) -> str:
+    """Envoy's local_ratelimit filter as the first tier: a token bucket per
+    client address, `rate` a second with a burst of two seconds' worth."""
+    # The rate as whole tokens per whole seconds (7.5 r/s: 15 every 2 s);
+    # Envoy refills continuously at tokens_per_fill / fill_interval.
+    tokens, seconds = Fraction(rate).limit_denominator(1000).as_integer_ratio()
+    burst = guard_burst(rate)
+    if max(tokens, burst) > ENVOY_MAX_TOKENS:
+        raise StackError(f"a guard of {rate:g} requests a second is beyond Envoy's token buckets "
+                         f"(a burst of {ENVOY_MAX_TOKENS:,} at most): give a lower --guard-rate")
+    return f"""\
+# Sluice's first tier (`sluice config --guard`): at most {rate:g} requests a
+# second per client address, in bursts of {burst}, refused by Envoy itself
+# before Sluice is asked, on every route (the unchecked ones included). The
+# address is the downstream remote address Envoy trusts: with the shipped
+# bootstrap's use_remote_address and xff_num_trusted_hops 0, the TCP peer,
+# never a header (an Envoy of your own at the edge needs use_remote_address
+# too, or a client's X-Forwarded-For picks its bucket). Refusals: 429 with the
+# body "local_rate_limited" (Envoy adds no x-envoy-ratelimited), counted in
+# the stat sluice_guard.http_local_rate_limit.enforced, never by Sluice.
+- name: envoy.filters.http.local_ratelimit
+  typed_config:
+    "@type": type.googleapis.com/envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit
+    stat_prefix: sluice_guard
+    status: {{code: TooManyRequests}}
+    filter_enabled:
+      default_value: {{numerator: 100, denominator: HUNDRED}}
+    filter_enforced:
+      default_value: {{numerator: 100, denominator: HUNDRED}}
+    rate_limits:
+      - actions:
+          - remote_address: {{}}
+    # A key without a value: a bucket for each address, for the
+    # {ENVOY_GUARD_ADDRESSES:,} addresses seen last.
+    descriptors:
+      - entries:
+          - key: remote_address
+        token_bucket: {{max_tokens: {burst}, tokens_per_fill: {tokens}, fill_interval: {seconds}s}}
+    max_dynamic_descriptors: {ENVOY_GUARD_ADDRESSES}
+    # Only the address's bucket counts. This one, unlimited, is for a peer
+    # that has no IP address (a Unix socket).
+    always_consume_default_token_bucket: false
+    token_bucket: {{max_tokens: {ENVOY_MAX_TOKENS}, tokens_per_fill: {ENVOY_MAX_TOKENS}, fill_interval: 1s}}
+
+"""
+
+
+def with_envoy_guard(files: Mapping[str, str], rate: float) -> dict[str, str]:
+    """The rendered Envoy files with the first tier written in: ahead of
+    every HTTP filter of each file that holds Sluice's check (a bootstrap's
+    http_filters, or a filters fragment), so a refusal costs no check."""
+    guard = envoy_guard_filter(rate)
+
+    def guarded(text: str) -> str:
+        first = _ENVOY_FIRST_FILTER.search(text)
+        if _ENVOY_CHECK_FILTER.search(text) is None or first is None:
+            return text
+        lines = text[:first.start()].splitlines(keepends=True)
+        while lines and lines[-1].lstrip().startswith("#"):
+            lines.pop()
+        at = sum(map(len, lines))
+        return text[:at] + textwrap.indent(guard, first.group(1)) + text[at:]
+
+    return {name: guarded(text) for name, text in files.items()}
 
 
 def _host_port(host: str, port: int) -> str:
@@ -480,7 +570,7 @@ class Stack:
         if self.rls_config is not None:
             _ensure_port_free(ENVOY_ADMIN_HOST, ports.envoy_rls_admin, "envoy-rls admin")
         _ensure_port_free(host, ports.sluice_hook, "sluice hook", socket.SOCK_DGRAM)
-        variables = {**template_variables(ports, host, longest_hold_of(self.rules)), **self.variables}
+        variables = {**template_variables(ports, host, ruleset_of(self.rules)), **self.variables}
         nginx_conf = write_nginx_config(self.run_dir, self.template, variables)
         envoy_conf = write_envoy_config(self.run_dir, self.envoy_template, variables)
         # The gRPC door is the same bootstrap on ports of its own.
@@ -660,10 +750,10 @@ def template_folders() -> list[str]:
     return found
 
 
-def rendering_variables(ports: StackPorts, longest_hold: float, environment: Mapping[str, str]) -> dict[str, str]:
+def rendering_variables(ports: StackPorts, ruleset: Ruleset, environment: Mapping[str, str]) -> dict[str, str]:
     """What `--render` fills in: the values of the local stack (`make run`),
     each replaced by the environment variable of the same name if set."""
-    defaults = template_variables(ports, "127.0.0.1", longest_hold)
+    defaults = template_variables(ports, "127.0.0.1", ruleset)
     return {name: environment.get(name, value) for name, value in defaults.items()}
 
 
@@ -803,7 +893,7 @@ def _print_banner(stack: Stack) -> None:
 def render_only(folder: str, destination: Path, ports: StackPorts, rules: Path | None) -> int:
     """The body of `--render`: exit status 0, or 1 with the reason on stderr."""
     try:
-        variables = rendering_variables(ports, longest_hold_of(rules), os.environ)
+        variables = rendering_variables(ports, ruleset_of(rules), os.environ)
         written = render_package_folder(folder, destination, variables)
     except (StackError, OSError) as error:
         print(f"sluice render: {error}", file=sys.stderr)

@@ -192,8 +192,9 @@ class Metrics(Collector):
         yield shadow
         overload = CounterMetricFamily(
             "sluice_overload_decisions", "Checks that reached Sluice later than overload.after, answered "
-            "without the store: refused (the client was known over the rule's limit, or banned), "
-            "closed (an overload: closed rule refused it) or open (let in uncounted), by rule.",
+            "without the shared store: refused (the client was known over the rule's limit, or banned), "
+            "closed (an overload: closed rule refused it), refused_locally (over the rule's limit by this "
+            "node's count of late checks) or open (let in, counted on this node), by rule.",
             labels=["rule", "outcome"])
         for (rule_id, outcome), count in self.overload_decisions.items():
             overload.add_metric([rule_id, outcome], count)

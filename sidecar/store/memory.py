@@ -295,7 +295,12 @@ class MemoryStore:
         return evaluation
 
     async def record(self, now: float, counts: Sequence[ResponseCount]) -> list[Hit]:
-        return [self._hit(c.key, c.limiter, now, c.threshold, c.amount) for c in counts]
+        return [self.count_now(now, count) for count in counts]
+
+    def count_now(self, now: float, count: ResponseCount) -> Hit:
+        """Count one at once, whatever the limiter (a bucket is charged
+        when it has room): the overload policy's tally of late checks."""
+        return self._hit(count.key, count.limiter, now, count.threshold, count.amount)
 
     async def release(self, lease: str, keys: Sequence[CountingKey]) -> int:
         released = 0

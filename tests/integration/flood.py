@@ -127,9 +127,9 @@ class FloodResult:
 
 class FloodStack:
     """``sluice serve`` with ``rules``, behind ``door`` (``nginx`` with
-    ``workers`` worker processes, with nginx's first tier when ``guard``, or
-    ``envoy`` with ``--concurrency workers``), in front of a
-    ``CountingUpstream``."""
+    ``workers`` worker processes, or ``envoy`` with ``--concurrency
+    workers``; with the proxy's own first tier, ``sluice config --guard``,
+    when ``guard``), in front of a ``CountingUpstream``."""
 
     def __init__(self, directory: Path, rules: str, door: str = "nginx", workers: int = 1,
                  guard: bool = False) -> None:

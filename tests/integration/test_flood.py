@@ -5,6 +5,8 @@ address is never refused beyond its own limit (sidecar.overload)."""
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -25,29 +27,67 @@ rules:
     action: block
 """
 SECONDS = 3
+# The guard for RULES (sluice config --guard): its floor of 10 requests a
+# second per address, with two seconds' worth at once.
+GUARD_RATE = 10
+GUARD_BURST = 20
 
 
 @pytest.mark.parametrize(("door", "workers", "connections", "guard"), [
     ("nginx", 1, 2000, False),
     ("nginx", 2, 2000, False),
     ("envoy", 2, 2000, False),
-    # Beyond what Sluice answers in time on two cores, nginx's first tier
-    # (sluice config nginx --guard) holds the flood before Sluice is asked.
+    # Beyond what Sluice answers in time on two cores, the proxy's first
+    # tier (sluice config --guard) holds the flood before Sluice is asked.
     ("nginx", 1, 6000, True),
-], ids=["nginx-1-worker", "nginx-2-workers", "envoy", "nginx-guard"])
+    ("envoy", 2, 6000, True),
+], ids=["nginx-1-worker", "nginx-2-workers", "envoy", "nginx-guard", "envoy-guard"])
 def test_a_flood_from_one_address_reaches_the_application_at_most_the_budget_plus_one_percent(
         tmp_path: Path, door: str, workers: int, connections: int, guard: bool) -> None:
     with FloodStack(tmp_path, RULES, door, workers, guard) as stack:
+        checks_before = stack.metric("sluice_checks_total")
         result = stack.flood(connections, SECONDS)
+        checks = stack.metric("sluice_checks_total") - checks_before
         internal_errors = stack.metric("sluice_internal_errors_total")
     honest = [status for status, _ in result.honest]
     # The honest client is let in within its own budget (or more, when a
-    # late check of its was let in uncounted), refused only past it.
+    # late check of its was let in uncounted), refused only past it: the
+    # guard keeps a bucket of its own for its address.
     assert set(honest) <= {200, 429}, honest
     assert honest.count(200) >= min(len(honest), BUDGET)
     flood_reached = result.reached - honest.count(200)
     assert flood_reached <= BUDGET + result.requests // 100, (result.requests, result.reached)
+    if guard:
+        # Sluice was asked about the flood's address no more than the guard
+        # lets through (a second's slack for wrk's start and end).
+        assert checks - len(honest) <= GUARD_BURST + GUARD_RATE * (SECONDS + 1), (checks, result.requests)
     assert internal_errors == 0
+
+
+def test_a_flood_while_sluice_does_not_answer_is_let_in_by_nginx_within_the_unchecked_rate_per_address(
+        tmp_path: Path) -> None:
+    """A Sluice that answers nothing in time (stopped here) fails open, but
+    a flood from one address is not let in for outrunning it: nginx lets
+    each address in within SLUICE_UNCHECKED_RATE (the guard's rate of the
+    rules: 10 r/s, bursts of 20) and answers the rest with 429 itself."""
+    with FloodStack(tmp_path, RULES, "nginx", 1) as stack:
+        assert stack.sluice is not None
+        os.kill(stack.sluice.pid, signal.SIGSTOP)
+        try:
+            result = stack.flood(300, SECONDS)
+        finally:
+            os.kill(stack.sluice.pid, signal.SIGCONT)
+    honest = [status for status, _ in result.honest]
+    # Each request waits for the read timeout (1 s): the flood's 300
+    # connections make about 300 a second, all of which the proxy's
+    # timeout alone would let in.
+    assert result.requests > 5 * (GUARD_BURST + GUARD_RATE * (SECONDS + 2)), result.requests
+    # What the limit lets through over the flood, and a second of checks
+    # sent before it ended and timed out after (a second's slack more).
+    flood_reached = result.reached - honest.count(200)
+    assert flood_reached <= GUARD_BURST + GUARD_RATE * (SECONDS + 2), (result.requests, result.reached)
+    # The honest client at another address has a limit of its own: let in.
+    assert honest and set(honest) == {200}, honest
 
 
 ADDRESSES = 1000

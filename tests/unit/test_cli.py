@@ -3,6 +3,8 @@ environment (for containers), where a flag wins."""
 
 from __future__ import annotations
 
+import difflib
+import subprocess
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -125,6 +127,20 @@ def test_config_envoy_grpc_checks_over_grpc_at_the_given_port() -> None:
     assert "grpc_service:" in result.output and "http_service:" not in result.output
 
 
+def test_nginx_limits_what_it_lets_in_unchecked_at_the_guards_rate_of_the_rules_or_the_one_given(
+        tmp_path: Path) -> None:
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("rules:\n  - {id: fast, key: [ip], limit: {requests: 50, per: 1s}, action: block}\n")
+    derived = CliRunner().invoke(cli.main, ["config", "nginx", "--rules", str(rules)])
+    given = CliRunner().invoke(cli.main, ["config", "nginx-snippets", "--unchecked-rate", "2.5"])
+    default = CliRunner().invoke(cli.main, ["config", "nginx-snippets"])
+    assert derived.exit_code == given.exit_code == default.exit_code == 0
+    zone = "limit_req_zone $binary_remote_addr zone=sluice_unchecked:10m rate={};"
+    assert zone.format("500r/s") in derived.output and "zone=sluice_unchecked burst=1000 nodelay;" in derived.output
+    assert zone.format("2.5r/s") in given.output and "zone=sluice_unchecked burst=5 nodelay;" in given.output
+    assert zone.format("10r/s") in default.output and "zone=sluice_unchecked burst=20 nodelay;" in default.output
+
+
 def test_the_nginx_guard_is_ten_times_the_fastest_rule_and_written_only_when_asked(tmp_path: Path) -> None:
     rules = tmp_path / "rules.yaml"
     rules.write_text("rules:\n"
@@ -134,7 +150,7 @@ def test_the_nginx_guard_is_ten_times_the_fastest_rule_and_written_only_when_ask
     guarded = CliRunner().invoke(cli.main, ["config", "nginx-snippets", "--rules", str(rules), "--guard"])
     fixed = CliRunner().invoke(cli.main, ["config", "nginx-snippets", "--guard-rate", "7"])
     assert plain.exit_code == guarded.exit_code == fixed.exit_code == 0
-    assert "limit_req" not in "\n".join(line for line in plain.output.splitlines() if not line.startswith("#"))
+    assert "sluice_guard" not in "\n".join(line for line in plain.output.splitlines() if not line.startswith("#"))
     assert "limit_req_zone $binary_remote_addr zone=sluice_guard:10m rate=500r/s;" in guarded.output
     assert "limit_req zone=sluice_guard burst=1000 nodelay;" in guarded.output
     assert "rate=7r/s;" in fixed.output and "burst=14 nodelay;" in fixed.output
@@ -142,9 +158,87 @@ def test_the_nginx_guard_is_ten_times_the_fastest_rule_and_written_only_when_ask
     assert "rate=10r/s;" in CliRunner().invoke(cli.main, ["config", "nginx", "--guard"]).output
 
 
-def test_the_guard_is_refused_for_envoy() -> None:
-    result = CliRunner().invoke(cli.main, ["config", "envoy", "--guard"])
-    assert result.exit_code == 2 and "nginx's limit_req" in result.output
+def envoy_guard(bootstrap: str) -> dict[str, Any] | None:
+    """The guard's filter in a rendered bootstrap, checked to come first,
+    ahead of Sluice's check; None without it."""
+    [listener] = yaml.safe_load(bootstrap)["static_resources"]["listeners"]
+    manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    names = [entry["name"] for entry in manager["http_filters"]]
+    if "envoy.filters.http.local_ratelimit" not in names:
+        return None
+    assert names[0] == "envoy.filters.http.local_ratelimit" and "envoy.filters.http.ext_authz" in names
+    config: dict[str, Any] = manager["http_filters"][0]["typed_config"]
+    return config
+
+
+def test_the_envoy_guard_is_ten_times_the_fastest_rule_per_address_and_written_only_when_asked(
+        tmp_path: Path) -> None:
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("rules:\n"
+                     "  - {id: slow, key: [ip], limit: {requests: 10, per: 60s}, action: block}\n"
+                     "  - {id: fast, key: [ip], limit: {requests: 50, per: 1s}, action: block}\n")
+    for target in ("envoy", "envoy-grpc"):
+        plain = CliRunner().invoke(cli.main, ["config", target, "--rules", str(rules)])
+        guarded = CliRunner().invoke(cli.main, ["config", target, "--rules", str(rules), "--guard"])
+        fixed = CliRunner().invoke(cli.main, ["config", target, "--guard-rate", "7.5"])
+        assert plain.exit_code == guarded.exit_code == fixed.exit_code == 0
+        assert envoy_guard(plain.output) is None
+        guard = envoy_guard(guarded.output)
+        assert guard is not None
+        # One bucket per address Envoy trusts (the key has no value), and
+        # only that bucket counts.
+        assert guard["rate_limits"] == [{"actions": [{"remote_address": {}}]}]
+        [descriptor] = guard["descriptors"]
+        assert descriptor["entries"] == [{"key": "remote_address"}]
+        assert descriptor["token_bucket"] == {"max_tokens": 1000, "tokens_per_fill": 500, "fill_interval": "1s"}
+        assert guard["always_consume_default_token_bucket"] is False
+        assert guard["max_dynamic_descriptors"] >= 10_000
+        assert guard["status"] == {"code": "TooManyRequests"}
+        fixed_guard = envoy_guard(fixed.output)
+        assert fixed_guard is not None
+        assert fixed_guard["descriptors"][0]["token_bucket"] == {"max_tokens": 15, "tokens_per_fill": 15,
+                                                                 "fill_interval": "2s"}
+    # Without rules, or with slow ones only, the guard is never below 10 r/s.
+    floor = envoy_guard(CliRunner().invoke(cli.main, ["config", "envoy", "--guard"]).output)
+    assert floor is not None
+    assert floor["descriptors"][0]["token_bucket"] == {"max_tokens": 20, "tokens_per_fill": 10, "fill_interval": "1s"}
+
+
+def test_the_envoy_guard_only_adds_lines_to_the_bootstrap() -> None:
+    plain = CliRunner().invoke(cli.main, ["config", "envoy"]).output
+    guarded = CliRunner().invoke(cli.main, ["config", "envoy", "--guard"]).output
+    changes = [line[0] for line in difflib.ndiff(plain.splitlines(), guarded.splitlines()) if line[0] in "+-"]
+    assert changes and set(changes) == {"+"}
+
+
+def test_envoy_accepts_the_guarded_bootstraps(tmp_path: Path) -> None:
+    from sidecar.launcher import find_envoy
+
+    for target in ("envoy", "envoy-grpc"):
+        out = tmp_path / target
+        result = CliRunner().invoke(cli.main, ["config", target, "--guard-rate", "7.5", "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        [bootstrap] = out.iterdir()
+        validation = subprocess.run([find_envoy(), "--mode", "validate", "-c", str(bootstrap), "--disable-hot-restart",
+                                     "--log-level", "error"], capture_output=True, text=True, timeout=60)
+        assert validation.returncode == 0, validation.stdout + validation.stderr
+
+
+def test_the_envoy_guard_comes_with_both_check_fragments_and_not_the_rate_limit_service_s(tmp_path: Path) -> None:
+    out = tmp_path / "fragments"
+    assert CliRunner().invoke(cli.main, ["config", "envoy-fragments", "--guard", "--out", str(out)]).exit_code == 0
+    guarded = {path.name for path in out.iterdir() if "envoy.filters.http.local_ratelimit" in path.read_text()}
+    assert guarded == {"sluice-http-filters.yaml", "sluice-grpc-http-filters.yaml"}
+    for name in guarded:
+        filters = yaml.safe_load((out / name).read_text())
+        assert [entry["name"] for entry in filters] == [
+            "envoy.filters.http.local_ratelimit", "envoy.filters.http.lua", "envoy.filters.http.ext_authz"]
+
+
+@pytest.mark.parametrize("option", [["--guard"], ["--guard-rate", "5"]])
+def test_the_guard_is_refused_for_the_rate_limit_service_s_envoy_which_has_no_check(option: list[str]) -> None:
+    result = CliRunner().invoke(cli.main, ["config", "envoy-rls", *option])
+    assert result.exit_code == 2 and "envoy-rls has none" in result.output
 
 
 def test_nginx_keeps_the_refusals_it_answers_itself_where_config_says() -> None:

@@ -76,7 +76,7 @@ def pod_nginx_variables(manifests: Build) -> dict[str, str]:
                        sluice=int(option(sluice, "--port")),
                        upstream=int(option(container(deployment, "app")["args"], "--port")),
                        envoy=0, envoy_admin=0, sluice_hook=int(hook_port))
-    variables = template_variables(ports, "127.0.0.1", rules.longest_hold)
+    variables = template_variables(ports, "127.0.0.1", rules)
     # The root file system is read-only: nginx's cache goes to its /tmp.
     return {**variables, "SLUICE_LISTEN": str(ports.nginx), "SLUICE_CACHE_DIR": "/tmp/sluice-cache"}
 

@@ -27,8 +27,8 @@ from sidecar.launcher import (
     StackPorts,
     check_timeout_seconds,
     find_envoy,
-    longest_hold_of,
     render_template,
+    ruleset_of,
     template_variables,
     write_envoy_config,
     write_nginx_config,
@@ -196,12 +196,12 @@ def test_longest_hold_is_read_from_the_rules_file(tmp_path: Path) -> None:
     rules = tmp_path / "rules.yaml"
     rules.write_text(LEAKY_RULES)
 
-    assert longest_hold_of(rules) == 1.5
+    assert ruleset_of(rules).longest_hold == 1.5
 
 
 def test_built_in_rules_hold_nothing_and_keep_the_one_second_timeouts() -> None:
-    assert longest_hold_of(None) == 0.0
-    variables = template_variables(StackPorts(), "127.0.0.1", longest_hold_of(None))
+    assert ruleset_of(None).longest_hold == 0.0
+    variables = template_variables(StackPorts(), "127.0.0.1", ruleset_of(None))
 
     assert (variables["SLUICE_READ_TIMEOUT"], variables["SLUICE_CHECK_TIMEOUT"]) == ("1s", "1s")
 
@@ -211,12 +211,15 @@ def test_unusable_rules_are_reported_before_anything_starts(tmp_path: Path) -> N
     rules.write_text("rules:\n  - id: bad\n    key: [ip]\n    limit: {rate: fast, burst: 1}\n")
 
     with pytest.raises(StackError, match="rules.yaml:4"):
-        longest_hold_of(rules)
+        ruleset_of(rules)
 
 
 def test_rendered_front_doors_wait_past_the_longest_hold_and_a_second_to_connect(tmp_path: Path) -> None:
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(LEAKY_RULES)  # holds up to 1.5 s
     variables = template_variables(
-        StackPorts(nginx=18080, sluice=18181, upstream=19000, envoy=20000, envoy_admin=29901), "127.0.0.1", 1.5
+        StackPorts(nginx=18080, sluice=18181, upstream=19000, envoy=20000, envoy_admin=29901), "127.0.0.1",
+        ruleset_of(rules)
     )
 
     write_nginx_config(tmp_path, DEFAULT_TEMPLATE, variables)

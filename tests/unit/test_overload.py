@@ -12,6 +12,7 @@ from sidecar.engine import ALLOW, CLOSE, DENY
 from sidecar.frontdoors.nginx import MAX_INLINE_PAGE, PAGE_HEADER, PAGE_STATUS_HEADER, answer_nginx, inline_page
 from sidecar.overload import TICK_SECONDS, LoopWatch, RefusalMemory, parse_sent
 from sidecar.request import CheckRequest
+from sidecar.store.memory import run_at_once
 from sidecar.config import ConfigError
 
 from .conftest import Harness, ruleset_from
@@ -22,6 +23,14 @@ rules:
     key: [ip]
     limit: {requests: 3, per: 60s}
     action: block
+"""
+BAN_RULES = """
+rules:
+  - id: bans
+    key: [ip]
+    limit: {requests: 1, per: 60s}
+    action: ban
+    ban: {duration: 1h}
 """
 NOW = 1_800_000_000.0
 
@@ -57,13 +66,47 @@ def test_a_late_check_of_a_client_over_its_limit_is_refused_as_before_without_th
     assert h.engine.metrics.checks.value == evaluations + 1
 
 
-def test_a_late_check_of_a_client_within_its_limits_is_let_in_uncounted_by_default():
+def test_a_late_check_of_a_client_within_its_limits_is_let_in_and_counted_on_this_node_only():
     h = Overloaded()
     assert h.check(late=2.0).outcome == ALLOW
     assert h.check(late=2.0).outcome == ALLOW
     assert h.engine.metrics.overload_decisions == {("per-ip", "open"): 2}
-    # The two were not counted: the client still has its whole budget.
+    # Not counted in the store: the client still has its whole budget there.
     assert [h.check().outcome for _ in range(4)] == [ALLOW, ALLOW, ALLOW, DENY]
+
+
+def test_late_checks_of_a_client_no_refusal_is_known_for_get_one_budget_on_this_node_then_are_refused():
+    """A flood's first checks, all late before the shared store's first
+    refusal came back: counted on this node, not let in without end."""
+    h = Overloaded()
+    outcomes = [h.check(late=2.0).outcome for _ in range(50)]
+    assert outcomes == [ALLOW] * 3 + [DENY] * 47
+    assert h.engine.metrics.overload_decisions == {("per-ip", "open"): 3, ("per-ip", "refused_locally"): 1,
+                                                   ("per-ip", "refused"): 46}
+    assert h.engine.metrics.over_limit_of("per-ip") == {"block": 47}
+    refused = h.check(late=2.0)
+    assert refused.rule.id == "per-ip" and refused.retry_after == 60
+    # The late count is this node's own: the store still has the whole budget.
+    assert [h.check().outcome for _ in range(4)] == [ALLOW, ALLOW, ALLOW, DENY]
+    # It ends with the rule's window, like any count.
+    h.clock.advance(61)
+    assert h.check(late=2.0).outcome == ALLOW
+
+
+def test_a_ban_rule_over_its_limit_by_the_late_count_refuses_without_banning():
+    """A ban is the shared store's to issue: a node's count of late checks
+    closes the request, and the client is not banned anywhere."""
+    h = Overloaded(BAN_RULES)
+    assert [h.check(late=5.0).outcome for _ in range(3)] == [ALLOW, CLOSE, CLOSE]
+    assert run_at_once(h.engine.active_bans()) == []
+    assert h.check().outcome == ALLOW  # on time: the store's own count, and no ban
+
+
+def test_an_admin_reset_forgets_the_late_count():
+    h = Overloaded()
+    assert [h.check(late=2.0).outcome for _ in range(4)] == [ALLOW, ALLOW, ALLOW, DENY]
+    h.engine.forget_refusals()
+    assert h.check(late=2.0).outcome == ALLOW
 
 
 def test_an_overload_closed_rule_refuses_a_late_check_with_503_while_an_open_one_lets_it_in():
@@ -87,14 +130,7 @@ rules:
 
 
 def test_a_late_check_of_a_banned_client_is_closed():
-    h = Overloaded("""
-rules:
-  - id: bans
-    key: [ip]
-    limit: {requests: 1, per: 60s}
-    action: ban
-    ban: {duration: 1h}
-""")
+    h = Overloaded(BAN_RULES)
     assert [h.check().outcome for _ in range(2)] == [ALLOW, CLOSE]
     h.clock.advance(600)
     assert h.check(late=5.0).outcome == CLOSE

@@ -118,7 +118,7 @@ def test_the_snippets_name_only_sluices_settings() -> None:
             for name in re.findall(r"\$\{(\w+)\}", snippet.read_text())}
 
     assert used == {"SLUICE_ADDR", "SLUICE_HOOK_ADDR", "SLUICE_CONNECT_TIMEOUT", "SLUICE_READ_TIMEOUT", "SLUICE_CACHE_DIR",
-                    "SLUICE_REFUSAL_CACHE"}
+                    "SLUICE_REFUSAL_CACHE", "SLUICE_UNCHECKED_RATE", "SLUICE_UNCHECKED_BURST"}
 
 
 # -- Envoy: the bootstrap is the three fragments, put in place --------------
