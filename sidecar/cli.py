@@ -158,7 +158,8 @@ def config_command(target: str, listen: str, sluice: str, hook_udp: str, upstrea
     from pathlib import Path
 
     from sidecar.launcher import PACKAGE_TEMPLATES, StackError, guard_rate as derived_guard_rate
-    from sidecar.launcher import guard_burst, proxy_variables, render_folder, with_envoy_guard, with_nginx_guard
+    from sidecar.launcher import guard_burst, nginx_rate, proxy_variables, render_folder
+    from sidecar.launcher import with_envoy_guard, with_nginx_guard
 
     ruleset = _load(rules) if rules else None
     guarded = guard or guard_rate is not None
@@ -171,7 +172,7 @@ def config_command(target: str, listen: str, sluice: str, hook_udp: str, upstrea
     variables = proxy_variables(listen_at, listen_at, _address(sluice, "--sluice"), _address(hook_udp, "--hook-udp"),
                                 _address(upstream, "--upstream"), envoy_admin_port, ruleset, sluice_grpc_port)
     if unchecked_rate is not None:
-        variables["SLUICE_UNCHECKED_RATE"] = f"{unchecked_rate:g}r/s"
+        variables["SLUICE_UNCHECKED_RATE"] = nginx_rate(unchecked_rate)
         variables["SLUICE_UNCHECKED_BURST"] = str(guard_burst(unchecked_rate))
     if not re.fullmatch(r"[^\s;{}'\"$#\\]+", cache_dir):
         raise click.BadParameter("a path without spaces, quotes or any of ;{}$#\\ (nginx would read them)",

@@ -187,7 +187,7 @@ def proxy_variables(listen: tuple[str, int], envoy_listen: tuple[str, int], slui
         "SLUICE_REFUSAL_CACHE": "off" if longest_hold > 0 else "sluice_refusals",
         # Requests nginx lets in when Sluice did not answer in time, per
         # client address (sluice-server.conf's @sluice_unreachable).
-        "SLUICE_UNCHECKED_RATE": f"{unchecked_rate:g}r/s",
+        "SLUICE_UNCHECKED_RATE": nginx_rate(unchecked_rate),
         "SLUICE_UNCHECKED_BURST": str(guard_burst(unchecked_rate)),
         # Response reports, syslog over UDP.
         "SLUICE_HOOK_ADDR": _host_port(*hook_udp),
@@ -247,6 +247,14 @@ def guard_rate(ruleset: Ruleset | None) -> float:
     return max(GUARD_MIN_RATE, math.ceil(fastest * GUARD_HEADROOM))
 
 
+def nginx_rate(rate: float) -> str:
+    """A rate a second as nginx's limit_req_zone writes it: whole requests
+    a second, or else a minute (nginx reads neither a fraction nor an
+    exponent), rounded up."""
+    per_minute = math.ceil(rate * 60 - 1e-9)
+    return f"{per_minute // 60}r/s" if per_minute % 60 == 0 else f"{per_minute}r/m"
+
+
 def guard_burst(rate: float) -> int:
     """The requests an address may send at once: GUARD_BURST_SECONDS' worth."""
     return math.ceil(rate * GUARD_BURST_SECONDS)
@@ -256,7 +264,7 @@ def with_nginx_guard(files: Mapping[str, str], rate: float) -> dict[str, str]:
     """The rendered nginx files with the first tier written in: a zone keyed
     by nginx's own client address (after realip, never a forwarded header),
     and a limit with a burst of two seconds' worth, refused at once (429)."""
-    zone = (f"limit_req_zone $binary_remote_addr zone=sluice_guard:10m rate={rate:g}r/s;\n"
+    zone = (f"limit_req_zone $binary_remote_addr zone=sluice_guard:10m rate={nginx_rate(rate)};\n"
             "limit_req_status 429;\n"
             "# A refusal of the guard is not an error of nginx's: logged at info.\n"
             "limit_req_log_level info;")

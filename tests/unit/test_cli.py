@@ -137,7 +137,7 @@ def test_nginx_limits_what_it_lets_in_unchecked_at_the_guards_rate_of_the_rules_
     assert derived.exit_code == given.exit_code == default.exit_code == 0
     zone = "limit_req_zone $binary_remote_addr zone=sluice_unchecked:10m rate={};"
     assert zone.format("500r/s") in derived.output and "zone=sluice_unchecked burst=1000 nodelay;" in derived.output
-    assert zone.format("2.5r/s") in given.output and "zone=sluice_unchecked burst=5 nodelay;" in given.output
+    assert zone.format("150r/m") in given.output and "zone=sluice_unchecked burst=5 nodelay;" in given.output
     assert zone.format("10r/s") in default.output and "zone=sluice_unchecked burst=20 nodelay;" in default.output
 
 
@@ -149,11 +149,13 @@ def test_the_nginx_guard_is_ten_times_the_fastest_rule_and_written_only_when_ask
     plain = CliRunner().invoke(cli.main, ["config", "nginx-snippets", "--rules", str(rules)])
     guarded = CliRunner().invoke(cli.main, ["config", "nginx-snippets", "--rules", str(rules), "--guard"])
     fixed = CliRunner().invoke(cli.main, ["config", "nginx-snippets", "--guard-rate", "7"])
+    fractional = CliRunner().invoke(cli.main, ["config", "nginx-snippets", "--guard-rate", "7.5"])
     assert plain.exit_code == guarded.exit_code == fixed.exit_code == 0
     assert "sluice_guard" not in "\n".join(line for line in plain.output.splitlines() if not line.startswith("#"))
     assert "limit_req_zone $binary_remote_addr zone=sluice_guard:10m rate=500r/s;" in guarded.output
     assert "limit_req zone=sluice_guard burst=1000 nodelay;" in guarded.output
     assert "rate=7r/s;" in fixed.output and "burst=14 nodelay;" in fixed.output
+    assert "rate=450r/m;" in fractional.output and "burst=15 nodelay;" in fractional.output
     # Without rules, or with slow ones only, the guard is never below 10 r/s.
     assert "rate=10r/s;" in CliRunner().invoke(cli.main, ["config", "nginx", "--guard"]).output
 

@@ -14,6 +14,7 @@ from importlib.resources import files
 from pathlib import Path
 
 import pytest
+from hypothesis import given, strategies as st
 
 from sidecar import launcher
 import yaml
@@ -27,6 +28,7 @@ from sidecar.launcher import (
     StackPorts,
     check_timeout_seconds,
     find_envoy,
+    nginx_rate,
     render_template,
     ruleset_of,
     template_variables,
@@ -269,3 +271,11 @@ def test_a_second_signal_while_stopping_does_not_interrupt_the_stop() -> None:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     assert status == 0 and stack.stopped == 1
+
+
+@given(st.floats(min_value=0.001, max_value=1e9, allow_nan=False))
+def test_a_rate_is_written_as_nginx_reads_it_whole_and_never_below_the_rate_asked(rate: float) -> None:
+    written = nginx_rate(rate)
+    number, unit = re.fullmatch(r"(\d+)r/(s|m)", written).groups()  # type: ignore[union-attr]
+    per_second = int(number) / (1 if unit == "s" else 60)
+    assert rate - 1e-6 <= per_second < rate + 1 / 60
