@@ -141,9 +141,10 @@ CONFIG_TARGETS = {
 @click.option("--guard-rate", type=click.FloatRange(min=0.001), metavar="R",
               help="The guard's requests per second per address (implies --guard).")
 @click.option("--unchecked-rate", type=click.FloatRange(min=0.001), metavar="R",
-              help="nginx: the requests per second per address it lets in when Sluice did not answer in "
-                   "time (default: the guard's rate, from --rules). A Sluice that is down lets every "
-                   "request in.")
+              help="The requests per second per address the proxy lets in unchecked (default: the guard's "
+                   "rate, from --rules), in bursts of two seconds' worth. nginx: when Sluice did not answer "
+                   "in time (a Sluice that is down lets every request in); Envoy: whenever the check failed, "
+                   "Sluice down included (ext_authz cannot tell the two apart).")
 @click.option("--cache-dir", default="sluice-cache", show_default=True,
               help="nginx: where it keeps the refusals it answers itself (proxy_cache_path); relative to "
                    "nginx's prefix. nginx creates the folder, not its parents.")
@@ -158,8 +159,7 @@ def config_command(target: str, listen: str, sluice: str, hook_udp: str, upstrea
     from pathlib import Path
 
     from sidecar.launcher import PACKAGE_TEMPLATES, StackError, guard_rate as derived_guard_rate
-    from sidecar.launcher import guard_burst, nginx_rate, proxy_variables, render_folder
-    from sidecar.launcher import with_envoy_guard, with_nginx_guard
+    from sidecar.launcher import proxy_variables, render_folder, with_envoy_guard, with_nginx_guard
 
     ruleset = _load(rules) if rules else None
     guarded = guard or guard_rate is not None
@@ -169,17 +169,16 @@ def config_command(target: str, listen: str, sluice: str, hook_udp: str, upstrea
                                  "envoy-grpc or envoy-fragments", param_hint="--guard")
     # A bare port listens on every address, as nginx's `listen 80` does.
     listen_at = ("0.0.0.0", int(listen)) if listen.isdigit() else _address(listen, "--listen")
-    variables = proxy_variables(listen_at, listen_at, _address(sluice, "--sluice"), _address(hook_udp, "--hook-udp"),
-                                _address(upstream, "--upstream"), envoy_admin_port, ruleset, sluice_grpc_port)
-    if unchecked_rate is not None:
-        variables["SLUICE_UNCHECKED_RATE"] = nginx_rate(unchecked_rate)
-        variables["SLUICE_UNCHECKED_BURST"] = str(guard_burst(unchecked_rate))
+    sluice_at, hook_at, upstream_at = (_address(sluice, "--sluice"), _address(hook_udp, "--hook-udp"),
+                                       _address(upstream, "--upstream"))
     if not re.fullmatch(r"[^\s;{}'\"$#\\]+", cache_dir):
         raise click.BadParameter("a path without spaces, quotes or any of ;{}$#\\ (nginx would read them)",
                                  param_hint="--cache-dir")
-    variables["SLUICE_CACHE_DIR"] = cache_dir
     files: dict[str, str] = {}
     try:
+        variables = proxy_variables(listen_at, listen_at, sluice_at, hook_at, upstream_at, envoy_admin_port, ruleset,
+                                    sluice_grpc_port, unchecked_rate)
+        variables["SLUICE_CACHE_DIR"] = cache_dir
         for folder, into in CONFIG_TARGETS[target]:
             source = PACKAGE_TEMPLATES.joinpath(*folder.split("/"))
             for name, text in render_folder(source, variables).items():

@@ -163,16 +163,20 @@ def template_variables(ports: StackPorts, host: str, ruleset: Ruleset | None = N
 
 def proxy_variables(listen: tuple[str, int], envoy_listen: tuple[str, int], sluice: tuple[str, int],
                     hook_udp: tuple[str, int], upstream: tuple[str, int], envoy_admin_port: int = 9901,
-                    ruleset: Ruleset | None = None, sluice_grpc_port: int = StackPorts.sluice_grpc) -> dict[str, str]:
+                    ruleset: Ruleset | None = None, sluice_grpc_port: int = StackPorts.sluice_grpc,
+                    unchecked_rate: float | None = None) -> dict[str, str]:
     """The variables of the nginx and Envoy templates for these addresses:
     where the proxy listens, where Sluice and its UDP report hook are, and
     the application's upstream. From the rules: the timeouts for Sluice's
-    answer outlast the longest a leaky bucket rule holds a request, and
-    nginx's limit on requests it lets in unchecked is the guard's rate."""
+    answer outlast the longest a leaky bucket rule holds a request, and the
+    proxies' limit on requests they let in unchecked is the guard's rate,
+    unless `unchecked_rate` (requests a second per address) is given."""
     longest_hold = ruleset.longest_hold if ruleset is not None else 0.0
     # "Ns" is a duration in both nginx's and Envoy's syntax.
     check_timeout = f"{check_timeout_seconds(longest_hold)}s"
-    unchecked_rate = guard_rate(ruleset)
+    if unchecked_rate is None:
+        unchecked_rate = guard_rate(ruleset)
+    unchecked = envoy_token_bucket(unchecked_rate, "--unchecked-rate")
     return {
         # nginx
         "SLUICE_LISTEN": _host_port(*listen),
@@ -186,9 +190,10 @@ def proxy_variables(listen: tuple[str, int], envoy_listen: tuple[str, int], slui
         # client has gone (sluice-server.conf).
         "SLUICE_REFUSAL_CACHE": "off" if longest_hold > 0 else "sluice_refusals",
         # Requests nginx lets in when Sluice did not answer in time, per
-        # client address (sluice-server.conf's @sluice_unreachable).
+        # client address (sluice-server.conf's @sluice_late); the burst is
+        # Envoy's too.
         "SLUICE_UNCHECKED_RATE": nginx_rate(unchecked_rate),
-        "SLUICE_UNCHECKED_BURST": str(guard_burst(unchecked_rate)),
+        "SLUICE_UNCHECKED_BURST": str(unchecked.max_tokens),
         # Response reports, syslog over UDP.
         "SLUICE_HOOK_ADDR": _host_port(*hook_udp),
         # Envoy
@@ -205,6 +210,10 @@ def proxy_variables(listen: tuple[str, int], envoy_listen: tuple[str, int], slui
         "UPSTREAM_PORT": str(upstream[1]),
         "SLUICE_CHECK_TIMEOUT": check_timeout,
         "ENVOY_UNCHECKED_PREFIX": ENVOY_UNCHECKED_PREFIX,
+        # Requests Envoy lets in after a failed check, per client address
+        # (sluice-unchecked-filter.yaml), in bursts of SLUICE_UNCHECKED_BURST.
+        "ENVOY_UNCHECKED_TOKENS": str(unchecked.tokens_per_fill),
+        "ENVOY_UNCHECKED_FILL_INTERVAL": f"{unchecked.fill_seconds}s",
         "SLUICE_RLS_DOMAIN": DEFAULT_RLS_DOMAIN,
     }
 
@@ -223,8 +232,10 @@ GUARD_BURST_SECONDS = 2
 # Envoy's guard keeps a token bucket for this many addresses, forgetting the
 # least recently seen first: about 450 bytes each (measured on Envoy 1.40),
 # some 30 MB when full. A forgotten address starts again with a full bucket.
+# The limit on unchecked requests (sluice-unchecked-filter.yaml) keeps as many.
 ENVOY_GUARD_ADDRESSES = 65536
-# Envoy's token buckets count in 32-bit integers.
+# Envoy's token buckets count in 32-bit integers; a bucket this large, filled
+# as much each second, is no limit (the fragment's default bucket).
 ENVOY_MAX_TOKENS = 2**32 - 1
 # The Envoy files the guard goes into are those with Sluice's check; it goes
 # ahead of their first HTTP filter, and of the comments just above it.
@@ -260,6 +271,29 @@ def guard_burst(rate: float) -> int:
     return math.ceil(rate * GUARD_BURST_SECONDS)
 
 
+@dataclass(frozen=True)
+class EnvoyTokenBucket:
+    """A rate as Envoy's token bucket holds it: `tokens_per_fill` whole
+    tokens every `fill_seconds` whole seconds (Envoy refills continuously at
+    that ratio), and at most `max_tokens` at once."""
+
+    max_tokens: int
+    tokens_per_fill: int
+    fill_seconds: int
+
+
+def envoy_token_bucket(rate: float, option: str) -> EnvoyTokenBucket:
+    """`rate` requests a second with a burst of guard_burst(rate), as an
+    Envoy token bucket (7.5 r/s: 15 tokens every 2 s, at most 15 at once);
+    beyond Envoy's 32-bit counts, an error that names the `option` to lower."""
+    tokens, seconds = Fraction(rate).limit_denominator(1000).as_integer_ratio()
+    burst = guard_burst(rate)
+    if max(tokens, burst) > ENVOY_MAX_TOKENS:
+        raise StackError(f"{rate:g} requests a second is beyond Envoy's token buckets "
+                         f"(a burst of {ENVOY_MAX_TOKENS:,} at most): give a lower {option}")
+    return EnvoyTokenBucket(max_tokens=burst, tokens_per_fill=tokens, fill_seconds=seconds)
+
+
 def with_nginx_guard(files: Mapping[str, str], rate: float) -> dict[str, str]:
     """The rendered nginx files with the first tier written in: a zone keyed
     by nginx's own client address (after realip, never a forwarded header),
@@ -275,13 +309,8 @@ def with_nginx_guard(files: Mapping[str, str], rate: float) -> dict[str, str]:
 def envoy_guard_filter(rate: float) -> str:
     """Envoy's local_ratelimit filter as the first tier: a token bucket per
     client address, `rate` a second with a burst of two seconds' worth."""
-    # The rate as whole tokens per whole seconds (7.5 r/s: 15 every 2 s);
-    # Envoy refills continuously at tokens_per_fill / fill_interval.
-    tokens, seconds = Fraction(rate).limit_denominator(1000).as_integer_ratio()
-    burst = guard_burst(rate)
-    if max(tokens, burst) > ENVOY_MAX_TOKENS:
-        raise StackError(f"a guard of {rate:g} requests a second is beyond Envoy's token buckets "
-                         f"(a burst of {ENVOY_MAX_TOKENS:,} at most): give a lower --guard-rate")
+    bucket = envoy_token_bucket(rate, "--guard-rate")
+    burst, tokens, seconds = bucket.max_tokens, bucket.tokens_per_fill, bucket.fill_seconds
     return f"""\
 # Sluice's first tier (`sluice config --guard`): at most {rate:g} requests a
 # second per client address, in bursts of {burst}, refused by Envoy itself

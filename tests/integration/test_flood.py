@@ -64,13 +64,15 @@ def test_a_flood_from_one_address_reaches_the_application_at_most_the_budget_plu
     assert internal_errors == 0
 
 
-def test_a_flood_while_sluice_does_not_answer_is_let_in_by_nginx_within_the_unchecked_rate_per_address(
-        tmp_path: Path) -> None:
+@pytest.mark.parametrize(("door", "workers"), [("nginx", 1), ("envoy", 2)], ids=["nginx", "envoy"])
+def test_a_flood_while_sluice_does_not_answer_is_let_in_by_the_proxy_within_the_unchecked_rate_per_address(
+        tmp_path: Path, door: str, workers: int) -> None:
     """A Sluice that answers nothing in time (stopped here) fails open, but
-    a flood from one address is not let in for outrunning it: nginx lets
-    each address in within SLUICE_UNCHECKED_RATE (the guard's rate of the
-    rules: 10 r/s, bursts of 20) and answers the rest with 429 itself."""
-    with FloodStack(tmp_path, RULES, "nginx", 1) as stack:
+    a flood from one address is not let in for outrunning it: the proxy lets
+    each address in within the unchecked rate (the guard's rate of the
+    rules: 10 r/s, bursts of 20; nginx's SLUICE_UNCHECKED_RATE, Envoy's
+    local_ratelimit after ext_authz) and answers the rest with 429 itself."""
+    with FloodStack(tmp_path, RULES, door, workers) as stack:
         assert stack.sluice is not None
         os.kill(stack.sluice.pid, signal.SIGSTOP)
         try:

@@ -15,6 +15,7 @@ import yaml
 from click.testing import CliRunner
 
 from sidecar import DISTRIBUTION, cli
+from sidecar.launcher import ENVOY_GUARD_ADDRESSES, ENVOY_MAX_TOKENS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -160,17 +161,81 @@ def test_the_nginx_guard_is_ten_times_the_fastest_rule_and_written_only_when_ask
     assert "rate=10r/s;" in CliRunner().invoke(cli.main, ["config", "nginx", "--guard"]).output
 
 
+def envoy_http_filters(bootstrap: str) -> list[dict[str, Any]]:
+    [listener] = yaml.safe_load(bootstrap)["static_resources"]["listeners"]
+    filters: list[dict[str, Any]] = listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
+    return filters
+
+
+def local_ratelimit_at(filters: list[dict[str, Any]], stat_prefix: str) -> int | None:
+    """Where the local_ratelimit filter of this stat_prefix is; None without it."""
+    found = [at for at, entry in enumerate(filters) if entry["name"] == "envoy.filters.http.local_ratelimit"
+             and entry["typed_config"]["stat_prefix"] == stat_prefix]
+    assert len(found) <= 1, found
+    return found[0] if found else None
+
+
 def envoy_guard(bootstrap: str) -> dict[str, Any] | None:
     """The guard's filter in a rendered bootstrap, checked to come first,
     ahead of Sluice's check; None without it."""
-    [listener] = yaml.safe_load(bootstrap)["static_resources"]["listeners"]
-    manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
-    names = [entry["name"] for entry in manager["http_filters"]]
-    if "envoy.filters.http.local_ratelimit" not in names:
+    filters = envoy_http_filters(bootstrap)
+    at = local_ratelimit_at(filters, "sluice_guard")
+    if at is None:
         return None
-    assert names[0] == "envoy.filters.http.local_ratelimit" and "envoy.filters.http.ext_authz" in names
-    config: dict[str, Any] = manager["http_filters"][0]["typed_config"]
+    assert at == 0 and "envoy.filters.http.ext_authz" in [entry["name"] for entry in filters]
+    config: dict[str, Any] = filters[0]["typed_config"]
     return config
+
+
+def envoy_unchecked_limit(bootstrap: str) -> dict[str, Any]:
+    """The limit on requests let in unchecked, checked to come right after
+    Sluice's check, ahead of the router."""
+    filters = envoy_http_filters(bootstrap)
+    names = [entry["name"] for entry in filters]
+    at = local_ratelimit_at(filters, "sluice_unchecked")
+    assert at is not None and names[at - 1] == "envoy.filters.http.ext_authz", names
+    assert names[at + 1:] == ["envoy.filters.http.router"]
+    assert filters[at - 1]["typed_config"]["failure_mode_allow_header_add"] is True
+    config: dict[str, Any] = filters[at]["typed_config"]
+    return config
+
+
+@pytest.mark.parametrize("target", ["envoy", "envoy-grpc"])
+def test_envoy_limits_what_it_lets_in_after_a_failed_check_at_the_guards_rate_of_the_rules_or_the_one_given(
+        tmp_path: Path, target: str) -> None:
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("rules:\n  - {id: fast, key: [ip], limit: {requests: 50, per: 1s}, action: block}\n")
+    derived = CliRunner().invoke(cli.main, ["config", target, "--rules", str(rules)])
+    given = CliRunner().invoke(cli.main, ["config", target, "--unchecked-rate", "7.5"])
+    default = CliRunner().invoke(cli.main, ["config", target])
+    guarded = CliRunner().invoke(cli.main, ["config", target, "--guard"])
+    assert derived.exit_code == given.exit_code == default.exit_code == guarded.exit_code == 0
+    limit = envoy_unchecked_limit(default.output)
+    # A bucket per address Envoy trusts, only for a request ext_authz let in
+    # after a failed check: the mark's presence, whatever its value, is the
+    # descriptor entry unchecked=true.
+    assert limit["rate_limits"] == [{"actions": [
+        {"header_value_match": {"descriptor_key": "unchecked", "descriptor_value": "true",
+                                "headers": [{"name": "x-envoy-auth-failure-mode-allowed", "present_match": True}]}},
+        {"remote_address": {}}]}]
+    [descriptor] = limit["descriptors"]
+    assert descriptor["entries"] == [{"key": "unchecked", "value": "true"}, {"key": "remote_address"}]
+    assert descriptor["token_bucket"] == {"max_tokens": 20, "tokens_per_fill": 10, "fill_interval": "1s"}
+    assert limit["always_consume_default_token_bucket"] is False
+    assert limit["token_bucket"]["max_tokens"] == limit["token_bucket"]["tokens_per_fill"] == ENVOY_MAX_TOKENS
+    assert limit["max_dynamic_descriptors"] == ENVOY_GUARD_ADDRESSES
+    assert limit["status"] == {"code": "TooManyRequests"}
+    assert envoy_unchecked_limit(derived.output)["descriptors"][0]["token_bucket"] == {
+        "max_tokens": 1000, "tokens_per_fill": 500, "fill_interval": "1s"}
+    assert envoy_unchecked_limit(given.output)["descriptors"][0]["token_bucket"] == {
+        "max_tokens": 15, "tokens_per_fill": 15, "fill_interval": "2s"}
+    # The guard, ahead of everything, leaves it in place.
+    assert envoy_unchecked_limit(guarded.output) == limit
+
+
+def test_an_unchecked_rate_beyond_envoys_token_buckets_is_an_error_naming_the_option() -> None:
+    result = CliRunner().invoke(cli.main, ["config", "envoy", "--unchecked-rate", "3e9"])
+    assert result.exit_code == 1 and "give a lower --unchecked-rate" in result.output
 
 
 def test_the_envoy_guard_is_ten_times_the_fastest_rule_per_address_and_written_only_when_asked(
@@ -213,12 +278,14 @@ def test_the_envoy_guard_only_adds_lines_to_the_bootstrap() -> None:
     assert changes and set(changes) == {"+"}
 
 
-def test_envoy_accepts_the_guarded_bootstraps(tmp_path: Path) -> None:
+@pytest.mark.parametrize("options", [["--guard-rate", "7.5"], ["--unchecked-rate", "7.5"], []],
+                         ids=["guard", "unchecked-rate", "plain"])
+def test_envoy_accepts_the_rendered_bootstraps(tmp_path: Path, options: list[str]) -> None:
     from sidecar.launcher import find_envoy
 
     for target in ("envoy", "envoy-grpc"):
         out = tmp_path / target
-        result = CliRunner().invoke(cli.main, ["config", target, "--guard-rate", "7.5", "--out", str(out)])
+        result = CliRunner().invoke(cli.main, ["config", target, *options, "--out", str(out)])
         assert result.exit_code == 0, result.output
         [bootstrap] = out.iterdir()
         validation = subprocess.run([find_envoy(), "--mode", "validate", "-c", str(bootstrap), "--disable-hot-restart",
@@ -229,12 +296,13 @@ def test_envoy_accepts_the_guarded_bootstraps(tmp_path: Path) -> None:
 def test_the_envoy_guard_comes_with_both_check_fragments_and_not_the_rate_limit_service_s(tmp_path: Path) -> None:
     out = tmp_path / "fragments"
     assert CliRunner().invoke(cli.main, ["config", "envoy-fragments", "--guard", "--out", str(out)]).exit_code == 0
-    guarded = {path.name for path in out.iterdir() if "envoy.filters.http.local_ratelimit" in path.read_text()}
+    guarded = {path.name for path in out.iterdir() if "stat_prefix: sluice_guard" in path.read_text()}
     assert guarded == {"sluice-http-filters.yaml", "sluice-grpc-http-filters.yaml"}
     for name in guarded:
         filters = yaml.safe_load((out / name).read_text())
-        assert [entry["name"] for entry in filters] == [
-            "envoy.filters.http.local_ratelimit", "envoy.filters.http.lua", "envoy.filters.http.ext_authz"]
+        assert [(entry["name"], entry["typed_config"].get("stat_prefix")) for entry in filters] == [
+            ("envoy.filters.http.local_ratelimit", "sluice_guard"), ("envoy.filters.http.lua", None),
+            ("envoy.filters.http.ext_authz", None), ("envoy.filters.http.local_ratelimit", "sluice_unchecked")]
 
 
 @pytest.mark.parametrize("option", [["--guard"], ["--guard-rate", "5"]])

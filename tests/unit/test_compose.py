@@ -335,6 +335,19 @@ def test_sluice_runs_a_valid_rules_file_from_the_repository() -> None:
     assert load_ruleset(os.fspath(REPO / source)).rules
 
 
+def test_both_front_doors_limit_what_they_let_in_unchecked_as_rendered_for_sluices_rules() -> None:
+    command = SERVICES["sluice"]["command"]
+    config = command[command.index("--config") + 1]
+    source = next(source for source, target in volumes("sluice") if target == config)
+    rendered = launcher.template_variables(launcher.StackPorts(), "127.0.0.1",
+                                           launcher.ruleset_of(REPO / source))
+    names = {"nginx": ["SLUICE_UNCHECKED_RATE", "SLUICE_UNCHECKED_BURST"],
+             ENVOY_RENDERER: ["ENVOY_UNCHECKED_TOKENS", "ENVOY_UNCHECKED_FILL_INTERVAL", "SLUICE_UNCHECKED_BURST"]}
+
+    for service, settings in names.items():
+        assert {name: environment(service)[name] for name in settings} == {name: rendered[name] for name in settings}
+
+
 def test_the_front_doors_report_responses_to_sluice() -> None:
     command = SERVICES["sluice"]["command"]
     hook_host, _, hook_port = command[command.index("--hook-udp") + 1].rpartition(":")

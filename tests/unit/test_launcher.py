@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import re
@@ -27,6 +28,7 @@ from sidecar.launcher import (
     StackError,
     StackPorts,
     check_timeout_seconds,
+    envoy_token_bucket,
     find_envoy,
     nginx_rate,
     render_template,
@@ -279,3 +281,12 @@ def test_a_rate_is_written_as_nginx_reads_it_whole_and_never_below_the_rate_aske
     number, unit = re.fullmatch(r"(\d+)r/(s|m)", written).groups()  # type: ignore[union-attr]
     per_second = int(number) / (1 if unit == "s" else 60)
     assert rate - 1e-6 <= per_second < rate + 1 / 60
+
+
+@given(st.floats(min_value=0.001, max_value=1e6, allow_nan=False))
+def test_an_envoy_token_bucket_is_the_rate_in_whole_tokens_every_whole_seconds_with_two_seconds_at_once(
+        rate: float) -> None:
+    bucket = envoy_token_bucket(rate, "--unchecked-rate")
+    assert bucket.tokens_per_fill >= 1 and 1 <= bucket.fill_seconds <= 1000
+    assert abs(bucket.tokens_per_fill / bucket.fill_seconds - rate) <= rate / 100
+    assert bucket.max_tokens == math.ceil(rate * 2)

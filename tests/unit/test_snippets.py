@@ -136,7 +136,9 @@ def test_the_bootstrap_holds_the_fragments_exactly() -> None:
     clusters = rendered_yaml(FRAGMENTS / "sluice-clusters.yaml.template")
     routes = rendered_yaml(FRAGMENTS / "sluice-routes.yaml.template")
 
-    assert [f["name"] for f in filters] == ["envoy.filters.http.lua", "envoy.filters.http.ext_authz"]
+    assert [f["name"] for f in filters] == [
+        "envoy.filters.http.lua", "envoy.filters.http.ext_authz", "envoy.filters.http.local_ratelimit"]
+    assert filters[-1] == rendered_yaml(FRAGMENTS / "sluice-unchecked-filter.yaml.template")[0]
     assert manager["http_filters"] == [*filters, manager["http_filters"][-1]]
     assert manager["http_filters"][-1]["name"] == "envoy.filters.http.router"
     assert bootstrap["static_resources"]["clusters"][:2] == clusters
@@ -150,8 +152,10 @@ def test_the_grpc_bootstrap_is_the_http_one_with_the_grpc_filters_and_cluster() 
     filters = rendered_yaml(FRAGMENTS / "sluice-grpc-http-filters.yaml.template")
     grpc_clusters = rendered_yaml(FRAGMENTS / "sluice-grpc-clusters.yaml.template")
 
-    assert [f["name"] for f in filters] == ["envoy.filters.http.lua", "envoy.filters.http.ext_authz"]
-    assert filters[0] == rendered_yaml(FRAGMENTS / "sluice-http-filters.yaml.template")[0]
+    assert [f["name"] for f in filters] == [
+        "envoy.filters.http.lua", "envoy.filters.http.ext_authz", "envoy.filters.http.local_ratelimit"]
+    http_filters = rendered_yaml(FRAGMENTS / "sluice-http-filters.yaml.template")
+    assert (filters[0], filters[2]) == (http_filters[0], http_filters[2])
     assert "grpc_service" in filters[1]["typed_config"]
     assert http_connection_manager(grpc)["http_filters"] == [*filters, http_connection_manager(http)["http_filters"][-1]]
     http_clusters = http["static_resources"]["clusters"]
@@ -169,7 +173,7 @@ def test_the_grpc_bootstrap_is_the_http_one_with_the_grpc_filters_and_cluster() 
     "http_service:", "grpc_service:", "- name: sluice_grpc",
     '"@type": type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua',
     "function envoy_on_response(response_handle)", "path_prefix: /v1/envoy/auth", "- name: sluice_hook",
-    "- match: {path: \"/.sluice/challenge\"}",
+    "- match: {path: \"/.sluice/challenge\"}", "stat_prefix: sluice_unchecked",
 ])
 def test_each_piece_of_sluices_envoy_configuration_is_written_once(marker: str) -> None:
     holders = [template.name for template in sorted(TEMPLATES.glob("envoy/**/*.template"))
