@@ -202,6 +202,10 @@ class Engine:
             evaluation = await self.store.evaluate(self.clock(), request.client.key, prepared[1],
                                                    can_delay=held, quotas=self.ruleset.draft_headers)
             decision = self._conclude(request, *prepared, evaluation)
+            if decision.outcome is ALLOW and not self.store.answers_at_once:
+                # The shared store admitted it: so does this node's count of
+                # late checks, which then starts from this node's share.
+                self._count_here(*prepared, admitted=True)
         except StoreUnavailable as exc:
             self.store_failed(exc)
             decision = ALLOWED if self.ruleset.fail == "open" else STORE_UNAVAILABLE
@@ -255,26 +259,42 @@ class Engine:
                 tally[rule.id, "closed"] += 1
                 return Decision(outcome=DENY, rule=rule, limit=math.ceil(check.threshold), reset=1,
                                 retry_after=1, page=OVERLOADED_PAGE)
-        for rule, check in enforcing:
-            spec = check.spec
-            if not spec.count or not spec.amount:
-                continue  # a response-phase rule's look: only the shared store knows its penalty
-            hit = self.late_counts.count_now(now, ResponseCount(check.key, spec.limiter, spec.threshold, spec.amount))
-            if hit.over_limit:
-                # Over its limit by this node's count of late checks alone:
-                # refused as a decision would, without a ban (a ban is the
-                # shared store's to issue), and remembered as any refusal.
-                tally[rule.id, "refused_locally"] += 1
-                self.metrics.over_limit(rule.id, rule.action)
-                limit = math.ceil(check.threshold)
-                reset = rule.reset if rule.reset is not None else retry_after_seconds(hit.retry_after)
-                decision = self._apply(request, rule, limit, reset, hit, False)
-                if rule.challenge is None:
-                    refusals.remember((rule.id, check.key), now + hit.retry_after, decision)
-                self.log.matched(request, rule, check, decision.outcome)
-                return decision
+        refused = self._count_here(matched, checks)
+        if refused is not None:
+            # Over its limit by this node's own count: refused as a decision
+            # would, without a ban (a ban is the shared store's to issue),
+            # and remembered as any refusal.
+            rule, check, hit = refused
+            tally[rule.id, "refused_locally"] += 1
+            self.metrics.over_limit(rule.id, rule.action)
+            limit = math.ceil(check.threshold)
+            reset = rule.reset if rule.reset is not None else retry_after_seconds(hit.retry_after)
+            decision = self._apply(request, rule, limit, reset, hit, False)
+            if rule.challenge is None:
+                refusals.remember((rule.id, check.key), now + hit.retry_after, decision)
+            self.log.matched(request, rule, check, decision.outcome)
+            return decision
         tally[enforcing[0][0].id if enforcing else "none", "open"] += 1
         return ALLOWED
+
+    def _count_here(self, matched: list[CompiledRule], checks: list[Check],
+                    admitted: bool = False) -> tuple[CompiledRule, Check, Hit] | None:
+        """Count a request in ``late_counts``, this node's own count of what
+        it let in over a shared store (``admitted`` by the store, or late
+        and let in by `overload: open`), for each enforcing rule in order;
+        the first one over its limit here, if any, which ends the count."""
+        now = self.clock()
+        count_now = self.late_counts.count_now
+        for rule, check in zip(matched, checks):
+            spec = check.spec
+            if not rule.stops or not spec.count or not spec.amount:
+                continue  # observed, or a response-phase rule's look: only the shared store knows its penalty
+            if admitted and spec.limiter.leases:
+                continue  # its slot is given back to the shared store, never to this count
+            hit = count_now(now, ResponseCount(check.key, spec.limiter, spec.threshold, spec.amount))
+            if hit.over_limit:
+                return rule, check, hit
+        return None
 
     def _remember(self, request: CheckRequest, rule: CompiledRule, check: Check, hit: Hit,
                   decision: Decision, evaluation: Evaluation) -> None:

@@ -10,10 +10,11 @@ timeout would decide for it:
   node refused, until the refusal ends) is refused as it was;
 * otherwise a rule with ``overload: closed`` refuses (503, Retry-After 1),
   and with ``overload: open`` (the default) the check is counted on this
-  node alone (``Engine.late_counts``, this node's memory): let in while
-  within the rule's limit there, refused past it. A flood's first late
-  checks, before any refusal of its client came back from the shared store,
-  then get one budget more per node at most, not the whole flood.
+  node alone (``Engine.late_counts``, this node's memory, which also counts
+  every request the shared store admitted through this node): let in while
+  within the rule's limit there, refused past it. A flood's late checks,
+  before any refusal of its client came back from the shared store, get
+  what is left of the budget on this node, not the whole flood.
 
 Each such answer is counted in ``sluice_overload_decisions_total`` by rule
 and outcome.

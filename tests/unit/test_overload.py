@@ -93,6 +93,33 @@ def test_late_checks_of_a_client_no_refusal_is_known_for_get_one_budget_on_this_
     assert h.check(late=2.0).outcome == ALLOW
 
 
+def test_late_checks_count_on_from_what_the_shared_store_admitted_on_this_node():
+    """The checks the store admitted are this node's share of the count: a
+    client that spent its budget on time gets no second one when late."""
+    h = Overloaded()
+    assert [h.check().outcome for _ in range(2)] == [ALLOW, ALLOW]
+    assert [h.check(late=2.0).outcome for _ in range(3)] == [ALLOW, DENY, DENY]
+    assert h.engine.metrics.overload_decisions == {("per-ip", "open"): 1, ("per-ip", "refused_locally"): 1,
+                                                   ("per-ip", "refused"): 1}
+
+
+def test_a_concurrency_rules_slots_admitted_by_the_shared_store_are_not_held_by_the_late_count():
+    """A slot is given back to the shared store when its response is
+    reported, never to this node's count: it must not fill that count."""
+    h = Overloaded("""
+rules:
+  - id: parallel
+    key: [ip]
+    limit: {concurrent: 2}
+    action: block
+""")
+    for _ in range(5):
+        decision = h.check()
+        assert decision.outcome == ALLOW
+        assert h.engine.record_response_now(decision.pending, 200, {}) >= 0  # the slot given back
+    assert h.check(late=2.0).outcome == ALLOW
+
+
 def test_a_ban_rule_over_its_limit_by_the_late_count_refuses_without_banning():
     """A ban is the shared store's to issue: a node's count of late checks
     closes the request, and the client is not banned anywhere."""
