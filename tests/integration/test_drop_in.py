@@ -168,7 +168,7 @@ def paste_fragments(bootstrap: dict[str, Any], fragments: Path, grpc: bool = Fal
     manager["http_filters"][0:0] = load("sluice-grpc-http-filters.yaml" if grpc else "sluice-http-filters.yaml")
     virtual_host = manager["route_config"]["virtual_hosts"][0]
     virtual_host["routes"][0:0] = load("sluice-routes.yaml")
-    virtual_host["request_headers_to_remove"] = ["x-sluice-pending"]
+    virtual_host["request_headers_to_remove"] = ["x-sluice-pending", "x-envoy-auth-failure-mode-allowed"]
     bootstrap["static_resources"]["clusters"] += load("sluice-clusters.yaml")
     if grpc:
         bootstrap["static_resources"]["clusters"] += load("sluice-grpc-clusters.yaml")
