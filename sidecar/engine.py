@@ -29,7 +29,7 @@ from sidecar.ratelog import RateLimitedLog
 from sidecar.request import CheckRequest
 from sidecar.responses import ResponsePhase
 from sidecar.rules import CompiledRule, Ruleset
-from sidecar.state import BanRecord, Check, Evaluation, ResponseCount, epoch_clock
+from sidecar.state import BanRecord, Check, Evaluation, epoch_clock
 from sidecar.store import StateStore, StoreUnavailable, open_store
 from sidecar.store.memory import MemoryStore, run_at_once
 from sidecar.tokens import Tokens
@@ -199,13 +199,14 @@ class Engine:
         held = self._reserve_hold(prepared[1]) if self.ruleset.holds else False
         decision: Decision | None = None
         try:
-            evaluation = await self.store.evaluate(self.clock(), request.client.key, prepared[1],
+            now = self.clock()
+            evaluation = await self.store.evaluate(now, request.client.key, prepared[1],
                                                    can_delay=held, quotas=self.ruleset.draft_headers)
             decision = self._conclude(request, *prepared, evaluation)
             if decision.outcome is ALLOW and not self.store.answers_at_once:
                 # The shared store admitted it: so does this node's count of
                 # late checks, which then starts from this node's share.
-                self._count_here(*prepared, admitted=True)
+                self._count_here(now, *prepared, admitted=True)
         except StoreUnavailable as exc:
             self.store_failed(exc)
             decision = ALLOWED if self.ruleset.fail == "open" else STORE_UNAVAILABLE
@@ -259,7 +260,7 @@ class Engine:
                 tally[rule.id, "closed"] += 1
                 return Decision(outcome=DENY, rule=rule, limit=math.ceil(check.threshold), reset=1,
                                 retry_after=1, page=OVERLOADED_PAGE)
-        refused = self._count_here(matched, checks)
+        refused = self._count_here(now, matched, checks)
         if refused is not None:
             # Over its limit by this node's own count: refused as a decision
             # would, without a ban (a ban is the shared store's to issue),
@@ -267,23 +268,19 @@ class Engine:
             rule, check, hit = refused
             tally[rule.id, "refused_locally"] += 1
             self.metrics.over_limit(rule.id, rule.action)
-            limit = math.ceil(check.threshold)
-            reset = rule.reset if rule.reset is not None else retry_after_seconds(hit.retry_after)
-            decision = self._apply(request, rule, limit, reset, hit, False)
-            if rule.challenge is None:
-                refusals.remember((rule.id, check.key), now + hit.retry_after, decision)
+            decision = self._apply(request, rule, *self._limit_and_reset(rule, check, hit), hit, False)
+            self._remember(request, rule, check, hit, decision, None)
             self.log.matched(request, rule, check, decision.outcome)
             return decision
         tally[enforcing[0][0].id if enforcing else "none", "open"] += 1
         return ALLOWED
 
-    def _count_here(self, matched: list[CompiledRule], checks: list[Check],
+    def _count_here(self, now: float, matched: list[CompiledRule], checks: list[Check],
                     admitted: bool = False) -> tuple[CompiledRule, Check, Hit] | None:
         """Count a request in ``late_counts``, this node's own count of what
         it let in over a shared store (``admitted`` by the store, or late
         and let in by `overload: open`), for each enforcing rule in order;
         the first one over its limit here, if any, which ends the count."""
-        now = self.clock()
         count_now = self.late_counts.count_now
         for rule, check in zip(matched, checks):
             spec = check.spec
@@ -291,18 +288,18 @@ class Engine:
                 continue  # observed, or a response-phase rule's look: only the shared store knows its penalty
             if admitted and spec.limiter.leases:
                 continue  # its slot is given back to the shared store, never to this count
-            hit = count_now(now, ResponseCount(check.key, spec.limiter, spec.threshold, spec.amount))
+            hit = count_now(check.key, spec.limiter, now, spec.threshold, spec.amount)
             if hit.over_limit:
                 return rule, check, hit
         return None
 
     def _remember(self, request: CheckRequest, rule: CompiledRule, check: Check, hit: Hit,
-                  decision: Decision, evaluation: Evaluation) -> None:
+                  decision: Decision, ban: BanRecord | None) -> None:
         """Note a refusal for late checks: until the client's ban ends, or
         until the rule's key may send again. A challenge is issued anew
         for every request, so it is not remembered."""
-        if evaluation.ban is not None:
-            self._refused_by_ban(request, evaluation.ban)
+        if ban is not None:
+            self._refused_by_ban(request, ban)
         elif rule.challenge is None:
             self.refusals.remember((rule.id, check.key), self.clock() + hit.retry_after, decision)
 
@@ -434,9 +431,7 @@ class Engine:
                 continue
             if rule.reset_on is not None and rule.counts:
                 pending.append((rule.id, check.threshold, key_values(check.key)))
-            limit = math.ceil(check.threshold)
-            # Bucket rules without a penalty report when the next request fits.
-            reset = rule.reset if rule.reset is not None else retry_after_seconds(hit.retry_after)
+            limit, reset = self._limit_and_reset(rule, check, hit)
             if rule.shadow:
                 observed = observed or Decision(outcome=ALLOW, rule=rule, limit=limit, reset=reset)
                 self._shadowed(request, rule, check)
@@ -444,7 +439,7 @@ class Engine:
             metrics.over_limit(rule.id, rule.action)
             if check.stops:
                 decision = self._apply(request, rule, limit, reset, hit, evaluation.new_ban)
-                self._remember(request, rule, check, hit, decision, evaluation)
+                self._remember(request, rule, check, hit, decision, evaluation.ban)
                 self.log.matched(request, rule, check, decision.outcome, banned=evaluation.ban is not None,
                                  ban=evaluation.ban)
                 if rule.id == ruleset.address_wide_rule and request.client.key:
@@ -468,6 +463,13 @@ class Engine:
             metrics.delayed.inc()
         return Decision(outcome=ALLOW, rule=allowed.rule, limit=allowed.limit, reset=allowed.reset,
                         pending=token, delay=evaluation.delay, quota=quota)
+
+    @staticmethod
+    def _limit_and_reset(rule: CompiledRule, check: Check, hit: Hit) -> tuple[int, int]:
+        """X-RateLimit-Limit and X-RateLimit-Reset of a rule over its limit.
+        Bucket rules without a penalty report when the next request fits."""
+        reset = rule.reset if rule.reset is not None else retry_after_seconds(hit.retry_after)
+        return math.ceil(check.threshold), reset
 
     def _shadowed(self, request: CheckRequest, rule: CompiledRule, check: Check) -> None:
         """A shadow rule over its limit: its action is counted and logged

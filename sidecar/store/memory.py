@@ -295,12 +295,13 @@ class MemoryStore:
         return evaluation
 
     async def record(self, now: float, counts: Sequence[ResponseCount]) -> list[Hit]:
-        return [self.count_now(now, count) for count in counts]
+        return [self._hit(c.key, c.limiter, now, c.threshold, c.amount) for c in counts]
 
-    def count_now(self, now: float, count: ResponseCount) -> Hit:
+    def count_now(self, key: Hashable, limiter: Limiter, now: float, threshold: float, amount: int) -> Hit:
         """Count one at once, whatever the limiter (a bucket is charged
-        when it has room): the overload policy's tally of late checks."""
-        return self._hit(count.key, count.limiter, now, count.threshold, count.amount)
+        when it has room), without an event loop: the engine's own count of
+        late checks over a shared store (Engine.late_counts)."""
+        return self._hit(key, limiter, now, threshold, amount)
 
     async def release(self, lease: str, keys: Sequence[CountingKey]) -> int:
         released = 0
