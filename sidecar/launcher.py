@@ -68,6 +68,8 @@ DEFAULT_RLS_DOMAIN = "sluice"
 # rendered into SNIPPETS_DIR beside the site, as the nginx image renders
 # the templates' subfolders into conf.d/.
 NGINX_SNIPPETS = PACKAGE_TEMPLATES / "nginx" / "snippets"
+# Envoy's first tier, written in by `sluice config envoy --guard`.
+ENVOY_GUARD_FILTER = PACKAGE_TEMPLATES / "envoy" / "guard" / "sluice-guard-filter.yaml.template"
 SNIPPETS_DIR = "snippets"
 TEMPLATE_SUFFIX = ".template"
 # The folder that holds this package (a source checkout or site-packages):
@@ -229,18 +231,19 @@ GUARD_MIN_RATE = 10.0
 GUARD_HEADROOM = 10.0
 # An address may spend this many seconds' worth of the guard's rate at once.
 GUARD_BURST_SECONDS = 2
-# Envoy's guard keeps a token bucket for this many addresses, forgetting the
-# least recently seen first: about 450 bytes each (measured on Envoy 1.40),
-# some 30 MB when full. A forgotten address starts again with a full bucket.
-# The limit on unchecked requests (sluice-unchecked-filter.yaml) keeps as many.
+# Envoy's guard and its limit on unchecked requests (envoy/guard's and
+# sluice-unchecked-filter.yaml's max_dynamic_descriptors) keep a token bucket
+# for this many addresses, forgetting the least recently seen first: about
+# 450 bytes each (measured on Envoy 1.40), some 30 MB when full. A forgotten
+# address starts again with a full bucket.
 ENVOY_GUARD_ADDRESSES = 65536
 # Envoy's token buckets count in 32-bit integers; a bucket this large, filled
-# as much each second, is no limit (the fragment's default bucket).
+# as much each second, is no limit (both filters' default bucket).
 ENVOY_MAX_TOKENS = 2**32 - 1
-# The Envoy files the guard goes into are those with Sluice's check; it goes
-# ahead of their first HTTP filter, and of the comments just above it.
-_ENVOY_CHECK_FILTER = re.compile(r"^ *- name: envoy\.filters\.http\.ext_authz$", re.MULTILINE)
-_ENVOY_FIRST_FILTER = re.compile(r"^( *)- name: envoy\.filters\.http\.", re.MULTILINE)
+# Where `sluice config envoy --guard` writes Envoy's first tier: a comment
+# line of the filters fragments (sluice-http-filters.yaml and its gRPC twin),
+# which stays a comment without --guard.
+_ENVOY_GUARD_MARKER = re.compile(r"^( *)# @sluice-envoy-guard$", re.MULTILINE)
 
 
 def guard_rate(ruleset: Ruleset | None) -> float:
@@ -306,65 +309,20 @@ def with_nginx_guard(files: Mapping[str, str], rate: float) -> dict[str, str]:
     return {name: text.replace(GUARD_ZONE_MARKER, zone).replace(GUARD_MARKER, limit) for name, text in files.items()}
 
 
-def envoy_guard_filter(rate: float) -> str:
-    """Envoy's local_ratelimit filter as the first tier: a token bucket per
-    client address, `rate` a second with a burst of two seconds' worth."""
-    bucket = envoy_token_bucket(rate, "--guard-rate")
-    burst, tokens, seconds = bucket.max_tokens, bucket.tokens_per_fill, bucket.fill_seconds
-    return f"""\
-# Sluice's first tier (`sluice config --guard`): at most {rate:g} requests a
-# second per client address, in bursts of {burst}, refused by Envoy itself
-# before Sluice is asked, on every route (the unchecked ones included). The
-# address is the downstream remote address Envoy trusts: with the shipped
-# bootstrap's use_remote_address and xff_num_trusted_hops 0, the TCP peer,
-# never a header (an Envoy of your own at the edge needs use_remote_address
-# too, or a client's X-Forwarded-For picks its bucket). Refusals: 429 with the
-# body "local_rate_limited" (Envoy adds no x-envoy-ratelimited), counted in
-# the stat sluice_guard.http_local_rate_limit.enforced, never by Sluice.
-- name: envoy.filters.http.local_ratelimit
-  typed_config:
-    "@type": type.googleapis.com/envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit
-    stat_prefix: sluice_guard
-    status: {{code: TooManyRequests}}
-    filter_enabled:
-      default_value: {{numerator: 100, denominator: HUNDRED}}
-    filter_enforced:
-      default_value: {{numerator: 100, denominator: HUNDRED}}
-    rate_limits:
-      - actions:
-          - remote_address: {{}}
-    # A key without a value: a bucket for each address, for the
-    # {ENVOY_GUARD_ADDRESSES:,} addresses seen last.
-    descriptors:
-      - entries:
-          - key: remote_address
-        token_bucket: {{max_tokens: {burst}, tokens_per_fill: {tokens}, fill_interval: {seconds}s}}
-    max_dynamic_descriptors: {ENVOY_GUARD_ADDRESSES}
-    # Only the address's bucket counts. This one, unlimited, is for a peer
-    # that has no IP address (a Unix socket).
-    always_consume_default_token_bucket: false
-    token_bucket: {{max_tokens: {ENVOY_MAX_TOKENS}, tokens_per_fill: {ENVOY_MAX_TOKENS}, fill_interval: 1s}}
-
-"""
-
-
 def with_envoy_guard(files: Mapping[str, str], rate: float) -> dict[str, str]:
-    """The rendered Envoy files with the first tier written in: ahead of
-    every HTTP filter of each file that holds Sluice's check (a bootstrap's
-    http_filters, or a filters fragment), so a refusal costs no check."""
-    guard = envoy_guard_filter(rate)
+    """The rendered Envoy files with the first tier written in at the guard
+    marker of the filters fragments, ahead of every HTTP filter of Sluice's
+    (so a refusal costs no check): envoy/guard's filter, for this rate."""
+    bucket = envoy_token_bucket(rate, "--guard-rate")
+    guard = render_template_file(ENVOY_GUARD_FILTER, {
+        "ENVOY_GUARD_RATE": f"{rate:g}", "ENVOY_GUARD_BURST": str(bucket.max_tokens),
+        "ENVOY_GUARD_TOKENS": str(bucket.tokens_per_fill), "ENVOY_GUARD_FILL_INTERVAL": f"{bucket.fill_seconds}s",
+    }, "package")
 
-    def guarded(text: str) -> str:
-        first = _ENVOY_FIRST_FILTER.search(text)
-        if _ENVOY_CHECK_FILTER.search(text) is None or first is None:
-            return text
-        lines = text[:first.start()].splitlines(keepends=True)
-        while lines and lines[-1].lstrip().startswith("#"):
-            lines.pop()
-        at = sum(map(len, lines))
-        return text[:at] + textwrap.indent(guard, first.group(1)) + text[at:]
+    def written(marker: re.Match[str]) -> str:
+        return marker.group(0) + "\n" + textwrap.indent(guard, marker.group(1)).rstrip("\n")
 
-    return {name: guarded(text) for name, text in files.items()}
+    return {name: _ENVOY_GUARD_MARKER.sub(written, text) for name, text in files.items()}
 
 
 def _host_port(host: str, port: int) -> str:
