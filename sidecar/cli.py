@@ -353,6 +353,11 @@ def serve(config: str | None, host: str, port: int, uds: str | None, hook_udp: s
         # thousands that arrive at once, so that none waits out the proxy's
         # connect timeout (the kernel caps it at net.core.somaxconn).
         backlog=LISTEN_BACKLOG,
+        # The proxies close idle connections to Sluice first (Envoy's
+        # idle_timeout and nginx's keepalive_timeout are 60 s): a check sent
+        # on a connection that Sluice is closing at that moment would fail,
+        # and the proxy would let it in unchecked.
+        timeout_keep_alive=KEEP_ALIVE_SECONDS,
         # The client address is Sluice's business: uvicorn must
         # not rewrite the peer from X-Forwarded-For by itself.
         proxy_headers=False,
@@ -382,6 +387,7 @@ def _open_files_as_allowed() -> None:
 
 SERVE_SETTINGS = "SLUICE_SERVE_SETTINGS"
 LISTEN_BACKLOG = 16_384
+KEEP_ALIVE_SECONDS = 75
 
 
 def _http_protocol(max_header_bytes: int, max_headers: int) -> Any:

@@ -31,6 +31,7 @@ from sidecar.asgi import Message, Receive, Scope, Send
 MAX_TRACKED_PATHS = 10_000
 _STATUSES_WITHOUT_BODY = frozenset({204, 304})
 MAX_SLEEP_SECONDS = 10.0
+KEEP_ALIVE_SECONDS = 75
 _SECONDS = re.compile(r"[0-9]{1,2}(?:\.[0-9]{1,6})?")
 
 
@@ -155,7 +156,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=9000)
     args = parser.parse_args(argv)
-    uvicorn.run(DemoUpstream(), host=args.host, port=args.port, lifespan="off", access_log=False, log_level="warning")
+    uvicorn.run(DemoUpstream(), host=args.host, port=args.port, lifespan="off", access_log=False, log_level="warning",
+                # Longer than the proxies keep an idle connection (Envoy's
+                # idle_timeout, nginx's upstream keepalive_timeout: 60 s), so
+                # that the proxy, never the application, closes it.
+                timeout_keep_alive=KEEP_ALIVE_SECONDS)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar import launcher
+from sidecar.cli import KEEP_ALIVE_SECONDS
+from sidecar.demo_upstream import KEEP_ALIVE_SECONDS as DEMO_KEEP_ALIVE_SECONDS
 from sidecar.launcher import (
     DEFAULT_ENVOY_GRPC_TEMPLATE,
+    DEFAULT_ENVOY_RLS_TEMPLATE,
     DEFAULT_ENVOY_TEMPLATE,
     DEFAULT_TEMPLATE,
     PACKAGE_TEMPLATES,
@@ -165,6 +168,37 @@ def test_the_grpc_bootstrap_is_the_http_one_with_the_grpc_filters_and_cluster() 
         http_connection_manager(bootstrap).pop("http_filters")
         bootstrap["static_resources"].pop("clusters")
     assert grpc == http
+
+
+def seconds(duration: str) -> float:
+    assert duration.endswith("s"), duration
+    return float(duration[:-1])
+
+
+@pytest.mark.parametrize("template", [DEFAULT_ENVOY_TEMPLATE, DEFAULT_ENVOY_GRPC_TEMPLATE, DEFAULT_ENVOY_RLS_TEMPLATE])
+def test_envoy_closes_an_idle_http1_connection_before_sluice_or_the_demo_application_would(template: Path) -> None:
+    """A request sent on a kept connection as the server closes it fails:
+    Envoy does not retry it (a 503, or a check let in unchecked)."""
+    clusters = {cluster["name"]: cluster for cluster in rendered_yaml(template)["static_resources"]["clusters"]}
+    http1 = [name for name, cluster in clusters.items() if "sluice_grpc" not in name and "rls" not in name]
+
+    assert "protected_app" in http1
+    for name in http1:
+        options = clusters[name]["typed_extension_protocol_options"][
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+        assert seconds(options["common_http_protocol_options"]["idle_timeout"]) < KEEP_ALIVE_SECONDS, name
+        assert seconds(options["common_http_protocol_options"]["idle_timeout"]) < DEMO_KEEP_ALIVE_SECONDS, name
+
+
+def test_nginx_closes_an_idle_connection_before_sluice_or_the_demo_application_would() -> None:
+    upstreams = [(block, directive) for block, directive in
+                 nginx_blocks(DEFAULT_TEMPLATE.read_text() + (SNIPPETS / "sluice-http.conf.template").read_text())
+                 if block.startswith("upstream ")]
+    timeouts = {block: seconds(directive.split()[1].rstrip(";")) for block, directive in upstreams
+                if directive.startswith("keepalive_timeout ")}
+
+    assert timeouts.keys() == {"upstream sluice", "upstream sluice_protected_app"}
+    assert max(timeouts.values()) < min(KEEP_ALIVE_SECONDS, DEMO_KEEP_ALIVE_SECONDS)
 
 
 @pytest.mark.parametrize("marker", [
