@@ -24,8 +24,12 @@ RUN pip install --require-hashes --only-binary=:all: -r /tmp/requirements.lock \
  && rm /tmp/requirements.lock
 
 # Sluice itself, without dependencies (all installed above). What it is
-# built from, and nothing else (see .dockerignore).
-COPY pyproject.toml README.md /src/
+# built from, and nothing else (see .dockerignore): the nginx and Envoy
+# templates are the top-level nginx/ and envoy/ folders, which
+# sidecar/templates links to (COPY keeps the links; the build follows them).
+COPY pyproject.toml README.md LICENSE /src/
+COPY nginx /src/nginx
+COPY envoy /src/envoy
 COPY sidecar /src/sidecar
 RUN pip install --no-deps /src && rm -rf /src
 

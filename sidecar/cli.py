@@ -109,15 +109,17 @@ def check(file: str) -> None:
                    "cache off (`sluice config --rules` renders both)")
 
 
-# What `sluice config` renders: the package's template folders, and where
-# each one's files go (the full nginx site includes conf.d/snippets/...).
+# What `sluice config` renders: the package's template folders (each
+# template directly in it) or single templates (an Envoy bootstrap, without
+# its neighbours), and where each one's files go (the full nginx site
+# includes conf.d/snippets/...).
 CONFIG_TARGETS = {
     "nginx": (("nginx", ""), ("nginx/snippets", "snippets")),
     "nginx-snippets": (("nginx/snippets", ""),),
-    "envoy": (("envoy", ""),),
+    "envoy": (("envoy/envoy.yaml.template", ""),),
     "envoy-fragments": (("envoy/fragments", ""),),
-    "envoy-grpc": (("envoy-grpc", ""),),
-    "envoy-rls": (("envoy-rls", ""),),
+    "envoy-grpc": (("envoy/envoy-grpc.yaml.template", ""),),
+    "envoy-rls": (("envoy/envoy-rls.yaml.template", ""),),
 }
 
 
@@ -158,8 +160,8 @@ def config_command(target: str, listen: str, sluice: str, hook_udp: str, upstrea
     fragments to add to an existing one."""
     from pathlib import Path
 
-    from sidecar.launcher import PACKAGE_TEMPLATES, StackError, guard_rate as derived_guard_rate
-    from sidecar.launcher import proxy_variables, render_folder, with_envoy_guard, with_nginx_guard
+    from sidecar.launcher import StackError, guard_rate as derived_guard_rate
+    from sidecar.launcher import proxy_variables, render_package_templates, with_envoy_guard, with_nginx_guard
 
     ruleset = _load(rules) if rules else None
     guarded = guard or guard_rate is not None
@@ -179,9 +181,8 @@ def config_command(target: str, listen: str, sluice: str, hook_udp: str, upstrea
         variables = proxy_variables(listen_at, listen_at, sluice_at, hook_at, upstream_at, envoy_admin_port, ruleset,
                                     sluice_grpc_port, unchecked_rate)
         variables["SLUICE_CACHE_DIR"] = cache_dir
-        for folder, into in CONFIG_TARGETS[target]:
-            source = PACKAGE_TEMPLATES.joinpath(*folder.split("/"))
-            for name, text in render_folder(source, variables).items():
+        for source, into in CONFIG_TARGETS[target]:
+            for name, text in render_package_templates(source, variables).items():
                 files[f"{into}/{name}" if into else name] = text
         if guarded:
             with_guard = with_nginx_guard if target.startswith("nginx") else with_envoy_guard

@@ -11,10 +11,11 @@ asks Sluice's Rate Limit Service with the descriptors of its `rate_limits`
 (`--rls-config`, by default the package's `default_rls.yaml`). It does not restart a
 component that dies: with Sluice gone, all fail open.
 
-`python -m sidecar.launcher --render FOLDER DIR` only renders the package's
-templates of one folder (`nginx/snippets`, `envoy/fragments`, `nginx`,
-`envoy`, `envoy-grpc`, `envoy-rls`) into DIR, for an nginx or Envoy of your own, and
-starts nothing.
+`python -m sidecar.launcher --render PATH DIR` only renders the package's
+templates of one folder (`nginx/snippets`, `envoy/fragments`, `nginx`: the
+site, `envoy`: the three bootstraps) or one template
+(`envoy/envoy-grpc.yaml.template`) into DIR, for an nginx or Envoy of your
+own, and starts nothing.
 
 The integration tests use `Stack` directly, with ports of their choosing.
 """
@@ -49,17 +50,19 @@ from sidecar.limiters.bucket import Bucket
 from sidecar.limiters.window import WindowCounter
 from sidecar.rules import Ruleset, default_ruleset, load_ruleset
 
-# Package data, so that they are found wherever the package is installed,
-# not only in a source checkout. A Traversable rather than a Path: the
-# package need not be files on disk. One folder a proxy, as the official
+# The repository's nginx/ and envoy/ folders, the one copy of the templates:
+# sidecar/templates/nginx and sidecar/templates/envoy are links to them, which
+# the wheel and the sdist carry as files (package data), so that they are
+# found wherever the package is installed. A Traversable rather than a Path:
+# the package need not be files on disk. One folder a proxy, as the official
 # images render every *.template of the folder they are given (compose.yaml).
 PACKAGE_TEMPLATES = files("sidecar") / "templates"
 DEFAULT_TEMPLATE = PACKAGE_TEMPLATES / "nginx" / "sluice.conf.template"
 DEFAULT_ENVOY_TEMPLATE = PACKAGE_TEMPLATES / "envoy" / "envoy.yaml.template"
 # The same bootstrap with gRPC ext_authz: the third front door.
-DEFAULT_ENVOY_GRPC_TEMPLATE = PACKAGE_TEMPLATES / "envoy-grpc" / "envoy-grpc.yaml.template"
+DEFAULT_ENVOY_GRPC_TEMPLATE = PACKAGE_TEMPLATES / "envoy" / "envoy-grpc.yaml.template"
 # Envoy's ratelimit filter asking Sluice's Rate Limit Service: the fourth.
-DEFAULT_ENVOY_RLS_TEMPLATE = PACKAGE_TEMPLATES / "envoy-rls" / "envoy-rls.yaml.template"
+DEFAULT_ENVOY_RLS_TEMPLATE = PACKAGE_TEMPLATES / "envoy" / "envoy-rls.yaml.template"
 # The Rate Limit Service configuration of `make run` (envoyproxy/ratelimit's format).
 DEFAULT_RLS_CONFIG = files("sidecar") / "default_rls.yaml"
 # The domain of that file, which the envoy-rls filter asks about.
@@ -724,14 +727,24 @@ def write_envoy_config(run_dir: Path, template: Traversable, variables: Mapping[
     return config
 
 
+def render_package_templates(path: str, variables: Mapping[str, str]) -> dict[str, str]:
+    """The package's templates at `path`, rendered, by the name each is
+    rendered to: every template directly in a folder (`nginx/snippets`,
+    `envoy/fragments`, ...), or one template (`envoy/envoy.yaml.template`)."""
+    source = _descendant(PACKAGE_TEMPLATES, path)
+    if source.is_dir():
+        return render_folder(source, variables)
+    if source.is_file() and source.name.endswith(TEMPLATE_SUFFIX):
+        return {source.name.removesuffix(TEMPLATE_SUFFIX): render_template_file(source, variables, "package")}
+    raise StackError(f"{path}: no such folder of templates or template; a folder is one of "
+                     f"{', '.join(template_folders())}")
+
+
 def render_package_folder(folder: str, destination: Path, variables: Mapping[str, str]) -> list[Path]:
-    """Render the templates of one folder of the package (`nginx/snippets`,
-    `envoy/fragments`, ...) into `destination`; nothing is written unless
-    every template has all its values."""
-    source = _descendant(PACKAGE_TEMPLATES, folder)
-    if not source.is_dir():
-        raise StackError(f"{folder}: no such folder of templates; one of {', '.join(template_folders())}")
-    return write_rendered(destination, render_folder(source, variables))
+    """Render the package's templates at `folder` (a folder or one template,
+    see ``render_package_templates``) into `destination`; nothing is written
+    unless every template has all its values."""
+    return write_rendered(destination, render_package_templates(folder, variables))
 
 
 def template_folders() -> list[str]:
@@ -922,10 +935,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="nginx template to render (default: the one shipped in the package)")
     parser.add_argument("--envoy-template", type=Path, default=DEFAULT_ENVOY_TEMPLATE, metavar="FILE",
                         help="Envoy bootstrap template to render (default: the one shipped in the package)")
-    parser.add_argument("--render", nargs=2, metavar=("FOLDER", "DIR"),
-                        help="only render the package's templates of FOLDER (nginx/snippets, envoy/fragments, "
-                             "nginx, envoy, envoy-grpc, envoy-rls) into DIR, with the values of this stack or, for each one set, the "
-                             "environment variable's, and exit")
+    parser.add_argument("--render", nargs=2, metavar=("PATH", "DIR"),
+                        help="only render the package's templates of the folder PATH (nginx/snippets, "
+                             "envoy/fragments, nginx, envoy) or the one template PATH "
+                             "(envoy/envoy-grpc.yaml.template) into DIR, with the values of this stack or, for "
+                             "each one set, the environment variable's, and exit")
     args = parser.parse_args(argv)
     ports = StackPorts(
         nginx=args.nginx_port,

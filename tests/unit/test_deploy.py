@@ -9,8 +9,10 @@ resolves it (their installed metadata).
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import re
 import tomllib
+from pathlib import Path
 
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
@@ -92,11 +94,34 @@ def test_the_dependencies_come_from_the_lock_in_a_layer_before_the_source() -> N
     assert "--only-binary=:all:" in INSTRUCTIONS[install_lock][1]
 
 
+def context_rules() -> list[str]:
+    return [line for line in (REPO / ".dockerignore").read_text().splitlines() if line and not line.startswith("#")]
+
+
 def test_the_build_context_lets_in_the_lock_and_what_the_package_is_built_from() -> None:
-    rules = [line for line in (REPO / ".dockerignore").read_text().splitlines() if line and not line.startswith("#")]
+    rules = context_rules()
 
     assert rules[0] == "*"
-    assert {"!requirements.lock", "!pyproject.toml", "!README.md", "!sidecar/"} <= set(rules)
+    assert {"!requirements.lock", "!pyproject.toml", "!README.md", "!LICENSE", "!sidecar/"} <= set(rules)
+
+
+def test_the_image_copies_what_the_package_s_links_point_to_where_they_point() -> None:
+    # sidecar/templates/nginx -> ../../nginx: COPY keeps a link as a link, so
+    # the folder it names must be in the context and copied beside /src/sidecar.
+    copies = {}
+    for keyword, arguments in INSTRUCTIONS:
+        if keyword == "COPY":
+            *sources, destination = arguments.split()
+            copies.update({source: destination for source in sources})
+    links = [Path(folder) / name for folder, names, _ in os.walk(REPO / "sidecar") for name in names
+             if (Path(folder) / name).is_symlink()]
+
+    assert links
+    for link in links:
+        target = (link.parent / os.readlink(link)).resolve().relative_to(REPO)
+        assert f"!{target.parts[0]}/" in context_rules(), target
+        assert copies.get(target.parts[0]) == f"/src/{target.parts[0]}", target
+    assert copies["sidecar"] == "/src/sidecar"
 
 
 def test_the_image_exposes_the_check_port_and_the_report_port_over_udp() -> None:

@@ -42,19 +42,37 @@ REPO = Path(__file__).resolve().parents[2]
 PACKAGE = Path(sidecar.__file__).resolve().parent
 
 
+def package_files() -> list[Path]:
+    """Every file of the package folder, through the links to the templates
+    (Path.rglob does not follow links to folders before Python 3.13)."""
+    return sorted(Path(folder) / name for folder, _, names in os.walk(PACKAGE, followlinks=True)
+                  if "__pycache__" not in Path(folder).parts for name in names)
+
+
+def test_the_package_s_templates_are_the_repository_s_nginx_and_envoy_folders() -> None:
+    for proxy in ("nginx", "envoy"):
+        linked = PACKAGE / "templates" / proxy
+        # A relative link inside the checkout, which git keeps and the build follows.
+        assert linked.is_symlink() and not os.readlink(linked).startswith("/")
+        assert linked.resolve() == REPO / proxy
+
+
 def test_default_templates_are_package_data_the_wheel_ships() -> None:
     package_data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
-    # What setuptools puts in the wheel: the globs, relative to the package folder.
+    # What setuptools puts in the wheel: the globs, relative to the package
+    # folder (glob, as setuptools', follows the links).
     shipped = {path for pattern in package_data["sidecar"] for path in PACKAGE.glob(pattern)}
 
-    for template in (DEFAULT_TEMPLATE, DEFAULT_ENVOY_TEMPLATE):
+    for template in (DEFAULT_TEMPLATE, DEFAULT_ENVOY_TEMPLATE, DEFAULT_ENVOY_GRPC_TEMPLATE):
         # In a source checkout the package is a folder, its data files on disk.
         assert isinstance(template, Path) and template.is_file()
-        assert template.resolve() in shipped
+        assert template in shipped
     assert files("sidecar") / "templates" / "nginx" / "sluice.conf.template" == DEFAULT_TEMPLATE
-    # The snippets and fragments too: every template of the folder.
-    templates = set((PACKAGE / "templates").rglob("*.template"))
-    assert len(templates) >= 8
+    # The snippets, fragments and includes too: every template of both folders.
+    templates = {path for path in package_files() if path.name.endswith(".template")}
+    assert {path.resolve() for path in templates} == {*(REPO / "nginx").rglob("*.template"),
+                                                      *(REPO / "envoy").rglob("*.template")}
+    assert len(templates) >= 18
     assert templates <= shipped
 
 
@@ -76,9 +94,8 @@ print(json.dumps([sidecar.__file__, isinstance(DEFAULT_TEMPLATE, Path)]))
 def test_the_launcher_renders_its_templates_from_a_zipped_package(tmp_path: Path) -> None:
     archive = tmp_path / "sluice.zip"
     with zipfile.ZipFile(archive, "w") as zipped:
-        for path in sorted(PACKAGE.rglob("*")):
-            if path.is_file() and "__pycache__" not in path.parts:
-                zipped.write(path, path.relative_to(PACKAGE.parent).as_posix())
+        for path in package_files():
+            zipped.write(path, path.relative_to(PACKAGE.parent).as_posix())
     run_dir = tmp_path / "run"
 
     result = subprocess.run(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from http import HTTPStatus
 
+import os
 import re
 import subprocess
 import tempfile
@@ -13,10 +14,11 @@ from typing import Any
 
 import pytest
 import yaml
+from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar import launcher
+from sidecar import cli, launcher
 from sidecar.cli import KEEP_ALIVE_SECONDS
 from sidecar.demo_upstream import KEEP_ALIVE_SECONDS as DEMO_KEEP_ALIVE_SECONDS
 from sidecar.launcher import (
@@ -316,14 +318,49 @@ def test_render_waits_past_the_longest_hold_of_the_rules(tmp_path: Path) -> None
     assert "proxy_read_timeout 3s;" in (tmp_path / "out" / "sluice-server.conf").read_text()
 
 
-@pytest.mark.parametrize("folder", ["nginx/nope", "..", "lua"])
+@pytest.mark.parametrize("folder", ["nginx/nope", "..", "lua", "envoy/envoy.yaml", "envoy-grpc"])
 def test_render_of_an_unknown_folder_names_the_folders(folder: str, tmp_path: Path,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     assert launcher.main(["--render", folder, str(tmp_path / "out")]) == 1
 
     error = capsys.readouterr().err
     assert error.startswith(f"sluice render: {folder}")
+    # The folders that exist, unless the path leaves the templates.
+    assert ("envoy/fragments" in error) == (folder != "..")
     assert not (tmp_path / "out").exists()
+
+
+def test_render_of_the_envoy_folder_writes_the_three_bootstraps_and_not_their_includes(tmp_path: Path) -> None:
+    assert launcher.main(["--render", "envoy", str(tmp_path)]) == 0
+
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["envoy-grpc.yaml", "envoy-rls.yaml", "envoy.yaml"]
+    for path in tmp_path.iterdir():
+        assert {"admin", "static_resources"} <= set(yaml.safe_load(path.read_text())), path.name
+
+
+def test_render_of_one_template_writes_that_file_only(tmp_path: Path) -> None:
+    assert launcher.main(["--render", "envoy/envoy-grpc.yaml.template", str(tmp_path)]) == 0
+
+    [written] = tmp_path.iterdir()
+    assert written.name == "envoy-grpc.yaml"
+    variables = launcher.rendering_variables(StackPorts(), launcher.ruleset_of(None), os.environ)
+    assert written.read_text() == render_template_file(DEFAULT_ENVOY_GRPC_TEMPLATE, variables, "test")
+
+
+@pytest.mark.parametrize("target, template", [("envoy", DEFAULT_ENVOY_TEMPLATE),
+                                              ("envoy-grpc", DEFAULT_ENVOY_GRPC_TEMPLATE),
+                                              ("envoy-rls", DEFAULT_ENVOY_RLS_TEMPLATE)])
+def test_sluice_config_of_an_envoy_bootstrap_prints_that_bootstrap_alone(target: str, template: Path,
+                                                                         tmp_path: Path) -> None:
+    result = CliRunner().invoke(cli.main, ["config", target, "--out", str(tmp_path)])
+
+    assert result.exit_code == 0, result.output
+    [written] = tmp_path.iterdir()
+    assert written.name == template.name.removesuffix(launcher.TEMPLATE_SUFFIX)
+    bootstrap = yaml.safe_load(written.read_text())
+    clusters = [cluster["name"] for cluster in bootstrap["static_resources"]["clusters"]]
+    # The include-only template is in the bootstrap, not a file of its own.
+    assert "protected_app" in clusters
 
 
 # -- the README's examples, with the snippets and fragments rendered --------
