@@ -666,14 +666,28 @@ def _descendant(root: Traversable, path: str) -> Traversable:
     return root
 
 
+# A line of a template that starts with "##" (after its indentation) is a
+# note for whoever edits the template: how it is rendered, what each
+# ${NAME} stands for. Rendering drops it: the rendered file keeps the
+# comments that help whoever runs it. The nginx image's envsubst keeps
+# them, as comments.
+_MAINTAINER_NOTE = re.compile(r"^[ \t]*##.*(?:\n|\Z)", re.MULTILINE)
+
+
+def without_maintainer_notes(text: str) -> str:
+    """The template text without its "##" lines."""
+    return _MAINTAINER_NOTE.sub("", text)
+
+
 def render_template_file(template: Traversable, variables: Mapping[str, str], what: str) -> str:
-    """The rendered text of a template file, its `@include` lines expanded;
-    every `${NAME}` in it must have a value."""
+    """The rendered text of a template file, its `@include` lines expanded
+    and its maintainers' notes dropped; every `${NAME}` left in it must have
+    a value."""
     try:
         template_text = template.read_text()
     except OSError as error:
         raise StackError(f"cannot read the {what} template: {error}") from error
-    rendered = render_template(expand_includes(template_text), variables)
+    rendered = render_template(without_maintainer_notes(expand_includes(template_text)), variables)
     left = sorted(set(re.findall(r"\$\{(\w+)\}", rendered)))
     if left:
         raise StackError(f"{template}: no value for {', '.join(left)}")

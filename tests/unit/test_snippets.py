@@ -283,6 +283,70 @@ def test_an_included_fragment_loads_where_its_line_stands(data: list[dict[str, A
     assert yaml.safe_load(expanded) == {"outer": {"inner": data, "after": 1}}
 
 
+# -- maintainers' notes: in the templates, not in what users get -----------
+
+ALL_TEMPLATES = sorted(path for proxy in ("nginx", "envoy") for path in (TEMPLATES / proxy).rglob("*.template"))
+PLACEHOLDERS = sorted({name for template in ALL_TEMPLATES for name in re.findall(r"\$\{(\w+)\}", template.read_text())})
+CONFIG_RUNS = [[target] for target in sorted(cli.CONFIG_TARGETS)] + [
+    [target, "--guard"] for target in sorted(cli.CONFIG_TARGETS) if target != "envoy-rls"]
+
+
+def configured(args: list[str]) -> str:
+    result = CliRunner().invoke(cli.main, ["config", *args])
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_rendering_drops_the_lines_that_start_with_two_hashes() -> None:
+    text = ('# for users\n## for maintainers\nlisten 80; # ## a comment\n    ## an indented note\n'
+            '  key: "a ## b"\n\t## after a tab\n## the last line')
+
+    assert launcher.without_maintainer_notes(text) == '# for users\nlisten 80; # ## a comment\n  key: "a ## b"\n'
+
+
+@given(st.lists(st.text(alphabet=st.sampled_from(" \t#ab${}"), max_size=8), max_size=12))
+def test_rendering_keeps_every_line_but_the_notes_in_order(lines: list[str]) -> None:
+    kept = launcher.without_maintainer_notes("".join(f"{line}\n" for line in lines))
+
+    assert kept.splitlines() == [line for line in lines if not line.lstrip(" \t").startswith("##")]
+
+
+def test_a_note_names_a_setting_that_has_no_value_without_failing_the_rendering(tmp_path: Path) -> None:
+    template = tmp_path / "site.conf.template"
+    template.write_text("## NEW_SETTING: say what ${NEW_SETTING} is for\nlisten ${SLUICE_LISTEN};\n")
+
+    assert render_template_file(template, {"SLUICE_LISTEN": "8080"}, "test") == "listen 8080;\n"
+
+
+def test_every_setting_of_the_templates_is_explained_in_a_maintainers_note() -> None:
+    notes = "\n".join(line for template in ALL_TEMPLATES for line in template.read_text().splitlines()
+                      if line.lstrip().startswith("##"))
+
+    assert len(PLACEHOLDERS) >= 20
+    assert [name for name in PLACEHOLDERS if not re.search(rf"\b{name}\b", notes)] == []
+
+
+@pytest.mark.parametrize("args", CONFIG_RUNS, ids=" ".join)
+def test_sluice_config_prints_no_maintainers_note_and_no_placeholder(args: list[str]) -> None:
+    output = configured(args)
+
+    assert "${" not in output
+    assert [line for line in output.splitlines() if line.lstrip().startswith("##")] == []
+    # What a setting stands for is a maintainers' note: rendered, its value stands there instead.
+    assert [name for name in PLACEHOLDERS if re.search(rf"\b{name}\b", output)] == []
+    assert "Template notes" not in output and "upper-case names in braces" not in output
+
+
+@pytest.mark.parametrize("args", CONFIG_RUNS, ids=" ".join)
+def test_the_notes_leave_no_empty_comment_line_at_the_edge_of_a_comment(args: list[str]) -> None:
+    lines = configured(args).splitlines()
+    stray = [(lines[i - 1], lines[i + 1]) for i in range(1, len(lines) - 1) if lines[i].strip() == "#"
+             and not (lines[i - 1].strip().startswith("#") and lines[i + 1].strip().startswith("#")
+                      and "#" not in (lines[i - 1].strip(), lines[i + 1].strip()))]
+
+    assert stray == []
+
+
 # -- rendering for a proxy of one's own: --render --------------------------
 
 
