@@ -1,12 +1,14 @@
-"""deploy/kubernetes: nginx, Sluice and the application in one pod, and the
-Redis variant with three replicas.
+"""deploy/kubernetes: nginx, Sluice and the application in one pod (Sluice
+a native sidecar), and the Redis variant with three replicas.
 
 No cluster is needed: the kustomizations are built here as ``kubectl apply
 -k`` builds them (tests/unit/deploy_files.py), and the objects are checked
 for what a cluster would refuse or silently get wrong: references between
-objects, ports and probes against the commands, the security settings, the
-rules Sluice reads, and the nginx configuration, which must be the shipped
-template rendered for the pod and accepted by ``nginx -t``.
+objects, ports and probes against the commands, the order the pod starts in,
+the rules Sluice reads and how a change reaches it, and the nginx
+configuration, which must be the shipped template rendered for the pod and
+accepted by ``nginx -t``. What every manifest of deploy/ must be (valid for
+the API server, hardened) is checked in test_gateway_manifests.py.
 
 After a change to the nginx template, write the pod's configuration again:
 ``python -m tests.unit.test_kubernetes``.
@@ -29,7 +31,8 @@ from sidecar import launcher
 from sidecar.launcher import StackPorts, render_template, template_variables
 from sidecar.rules import Ruleset, load_ruleset
 from tests.unit.deploy_files import (
-    KUBERNETES, Build, build, container, dockerfile_user, nginx_test, option, pod_spec, port_number,
+    KUBERNETES, Build, all_containers, build, container, dockerfile_user, is_sidecar, nginx_test, option, pod_spec,
+    port_number, service_target_ports,
 )
 
 BASE = KUBERNETES / "base"
@@ -117,7 +120,7 @@ def test_every_volume_names_a_config_map_the_kustomization_makes_and_every_mount
         for volume in volumes.values():
             if "configMap" in volume:
                 assert volume["configMap"]["name"] in variant.config_maps, volume
-        for item in spec["containers"]:
+        for item in all_containers(spec):
             for mount in item.get("volumeMounts", []):
                 assert mount["name"] in volumes, (item["name"], mount)
 
@@ -131,10 +134,8 @@ def test_each_deployment_selects_its_own_pods_and_each_service_selects_a_deploym
         selector = service["spec"]["selector"].items()
         [selected] = [item for item in deployments
                       if selector <= item["spec"]["template"]["metadata"]["labels"].items()]
-        ports = {reference for item in pod_spec(selected)["containers"] for port in item.get("ports", [])
-                 for reference in (port["name"], port["containerPort"])}
         for port in service["spec"]["ports"]:
-            assert port["targetPort"] in ports, (service["metadata"]["name"], port)
+            assert port["targetPort"] in service_target_ports(selected), (service["metadata"]["name"], port)
 
 
 def test_the_service_sends_clients_to_nginx() -> None:
@@ -146,6 +147,21 @@ def test_the_service_sends_clients_to_nginx() -> None:
 
 
 # -- Sluice's container -----------------------------------------------------
+
+
+def test_sluice_is_a_native_sidecar_that_nginx_and_the_app_wait_for(variant: Build) -> None:
+    spec = pod_spec(sluice_deployment(variant))
+    sluice = container(sluice_deployment(variant), "sluice")
+    startup = sluice["startupProbe"]["httpGet"]
+
+    # The kubelet starts the containers once every init container before them
+    # has started and passed its startupProbe; a sidecar keeps running.
+    assert [item["name"] for item in spec["initContainers"]] == ["sluice"]
+    assert is_sidecar(sluice)
+    assert {item["name"] for item in spec["containers"]} == {"nginx", "app"}
+    # Ready means answering where nginx asks: the check port, not the health listener.
+    assert startup["path"] == "/readyz"
+    assert port_number(sluice, startup["port"]) == int(option(sluice["args"], "--port"))
 
 
 def test_sluice_listens_where_its_ports_probes_and_scrape_annotations_say(variant: Build) -> None:
@@ -174,27 +190,22 @@ def test_sluice_reads_a_valid_rules_file_from_its_config_map(variant: Build) -> 
 
 def test_sluice_runs_as_the_images_numeric_user() -> None:
     uid, gid = dockerfile_user()
-    for item in pod_spec(sluice_deployment(build(KUBERNETES)))["containers"]:
-        if item["image"].startswith("sluice-ratelimit:"):
-            context = item["securityContext"]
-            assert (context["runAsUser"], context["runAsGroup"]) == (uid, gid), item["name"]
+    images = [item for item in all_containers(pod_spec(sluice_deployment(build(KUBERNETES))))
+              if item["image"].startswith("sluice-ratelimit:")]
+
+    assert {item["name"] for item in images} == {"sluice", "app"}
+    for item in images:
+        context = item["securityContext"]
+        assert (context["runAsUser"], context["runAsGroup"]) == (uid, gid), item["name"]
 
 
-def test_every_container_is_non_root_on_a_read_only_root_without_privileges_and_with_memory_bounds(
+def test_a_changed_rules_file_reaches_the_running_pods_and_a_changed_nginx_configuration_new_ones(
         variant: Build) -> None:
-    for deployment in variant.of_kind("Deployment"):
-        spec = pod_spec(deployment)
-        assert spec["securityContext"]["runAsNonRoot"] is True
-        assert spec["automountServiceAccountToken"] is False
-        for item in spec["containers"]:
-            context = item["securityContext"]
-            assert isinstance(context["runAsUser"], int) and context["runAsUser"] > 0, item["name"]
-            assert context["readOnlyRootFilesystem"] is True, item["name"]
-            assert context["allowPrivilegeEscalation"] is False, item["name"]
-            assert context["capabilities"]["drop"] == ["ALL"], item["name"]
-            resources = item["resources"]
-            assert resources["requests"]["memory"] and resources["requests"]["cpu"], item["name"]
-            assert resources["limits"]["memory"], item["name"]
+    # The rules ConfigMap keeps its name: kubectl apply changes it in place,
+    # the kubelet swaps the mounted folder's files and Sluice reloads them.
+    # nginx reads its configuration only at start: a new name, new pods.
+    assert variant.renamed_on_change("sluice-rules") is False
+    assert variant.renamed_on_change("sluice-nginx") is True
 
 
 # -- nginx in the pod ---------------------------------------------------------

@@ -1,6 +1,10 @@
 """deploy/prometheus/alerts.yaml and deploy/grafana/sluice.json: valid for
 Prometheus, firing on what they are meant for and not otherwise, and naming
-only metrics and labels Sluice's /metrics has.
+only metrics and labels Sluice's /metrics has. deploy/prometheus/operator:
+the same alerts in a PrometheusRule (generated: after a change to
+alerts.yaml, ``python -m tests.unit.test_monitoring`` writes it again) and a
+ServiceMonitor that scrapes every Sluice of deploy/ under the job the alerts
+name.
 
 `promtool` (Debian's prometheus package, which `make test` installs) checks
 the rules and runs their unit tests; the dashboard's queries are checked by
@@ -24,11 +28,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from sidecar.app import SluiceApp
 from sidecar.engine import Engine
 from tests.unit.conftest import Harness, ruleset_from
-from tests.unit.deploy_files import REPO
+from tests.unit.deploy_files import (
+    ALERT_RULES, PROMETHEUS_RULE, REPO, container, deploy_objects_by_source, option, prometheus_rule_text,
+    service_target_ports,
+)
 from tests.unit.test_app import call, envoy, forward, nginx
 from tests.unit.test_metrics import RULES
 
-ALERTS = REPO / "deploy" / "prometheus" / "alerts.yaml"
+ALERTS = ALERT_RULES
+SERVICE_MONITOR = REPO / "deploy" / "prometheus" / "operator" / "servicemonitor.yaml"
 DASHBOARD = REPO / "deploy" / "grafana" / "sluice.json"
 
 # Prometheus's own series, which Sluice does not export.
@@ -240,6 +248,44 @@ def test_each_alert_fires_for_the_process_in_trouble_and_for_no_other(tmp_path: 
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+# -- the Prometheus Operator --------------------------------------------------
+
+
+def test_the_prometheus_rule_is_alerts_yaml_as_generated() -> None:
+    assert PROMETHEUS_RULE.read_text() == prometheus_rule_text(), \
+        "deploy/prometheus/operator/prometheusrule.yaml is stale: python -m tests.unit.test_monitoring writes it"
+    assert yaml.safe_load(PROMETHEUS_RULE.read_text())["spec"] == yaml.safe_load(ALERTS.read_text())
+
+
+def test_the_service_monitor_scrapes_the_metrics_of_every_sluice_of_deploy_as_the_job_the_alerts_watch() -> None:
+    monitor = yaml.safe_load(SERVICE_MONITOR.read_text())["spec"]
+    [endpoint] = monitor["endpoints"]
+    [down] = [rule for rule in alert_rules() if rule["alert"] == "SluiceDown"]
+    [job] = re.findall(r'job="([^"]+)"', down["expr"])
+    scraped = set()
+    for source, objects in deploy_objects_by_source().items():
+        services = [item for item in objects if item["kind"] == "Service"
+                    and monitor["selector"]["matchLabels"].items() <= item["metadata"].get("labels", {}).items()]
+        if not services:
+            continue
+        [service] = services
+        [port] = [port for port in service["spec"]["ports"] if port["name"] == endpoint["port"]]
+        [deployment] = [item for item in objects if item["kind"] == "Deployment"
+                        and service["spec"]["selector"].items() <= item["spec"]["template"]["metadata"]["labels"].items()]
+        sluice = container(deployment, "sluice")
+        ports = {port_["name"]: port_["containerPort"] for port_ in sluice["ports"]}
+        target = ports.get(port["targetPort"], port["targetPort"])
+
+        assert port["targetPort"] in service_target_ports(deployment), source
+        assert target == int(option(sluice["args"], "--port")), source
+        # The series' job is the Service's label that jobLabel names.
+        assert service["metadata"]["labels"][monitor["jobLabel"]] == job, source
+        scraped.add(source)
+
+    assert endpoint["path"] == "/metrics"
+    assert {"sluice-service/sluice.yaml", "kubernetes/ (kustomize build)", "kubernetes/redis/ (kustomize build)"} <= scraped
+
+
 # -- the README ---------------------------------------------------------------
 
 README = (REPO / "README.md").read_text()
@@ -255,3 +301,7 @@ def test_the_readme_lists_every_metric_sluice_exports_and_names_no_other() -> No
 
     assert set(re.findall(r"`(sluice_[a-z_]+)", section)) == families
     assert everywhere <= families, everywhere - families
+
+
+if __name__ == "__main__":
+    PROMETHEUS_RULE.write_text(prometheus_rule_text())
