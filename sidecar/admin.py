@@ -34,7 +34,8 @@ from sidecar.counters import CounterState, KeySelection, dimension_values, key_f
 from sidecar.engine import Engine
 from sidecar.keys import CountingKey, key_dimensions, key_rule_id, key_values
 from sidecar.networkbans import BanTarget, ban_target, client_key
-from sidecar.rules import Ruleset, default_ruleset, describe_key, load_ruleset
+from sidecar.plurals import plural
+from sidecar.rules import Ruleset, describe_key, load_ruleset, no_ruleset
 from sidecar.state import AutoBan, BanRecord, Limiter
 
 if TYPE_CHECKING:
@@ -76,7 +77,7 @@ class Admin:
     # -- reload --------------------------------------------------------------
 
     def load(self) -> Ruleset:
-        return load_ruleset(self.config_path, self.shadow) if self.config_path else default_ruleset(self.shadow)
+        return load_ruleset(self.config_path, self.shadow) if self.config_path else no_ruleset(self.shadow)
 
     def reload(self, who: str = "signal") -> list[str]:
         """Reload the rules file; the errors, or [] when the new rules run.
@@ -100,9 +101,9 @@ class Admin:
         self.engine.reload(ruleset)
         if self.rls is not None and rls_config is not None:
             self.rls.config = rls_config
-            log.info("reloaded %d Rate Limit Service limits from %s", rls_config.limits, self.rls.path)
+            log.info("reloaded %s from %s", plural(rls_config.limits, "Rate Limit Service limit"), self.rls.path)
         self.engine.metrics.reloaded(succeeded=True)
-        log.info("reloaded %d rules from %s", len(ruleset.rules), ruleset.source)
+        log.info("reloaded %s from %s", plural(len(ruleset.rules), "rule"), ruleset.source)
         for warning in ruleset.warnings:
             log.warning("%s", warning)
         self.engine.log.audit("reload", who, "reloaded", rules=len(ruleset.rules))

@@ -7,38 +7,50 @@ import json
 import logging
 import os
 import re
-import sys
-from typing import TYPE_CHECKING, Any
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
 from sidecar import version
+from sidecar.addresses import Address
 from sidecar.cli_admin import admin as admin_commands
 from sidecar.config import ConfigError
-from sidecar.rules import Ruleset, default_ruleset, load_ruleset
+from sidecar.plurals import plural
+from sidecar.rules import Ruleset, load_ruleset, no_ruleset
 
 if TYPE_CHECKING:
     from sidecar.rls import RlsConfig
 
 
+def _fail(message: str, status: int = 1) -> NoReturn:
+    """One line on stderr, and the exit status."""
+    click.echo(f"error: {message}", err=True)
+    raise SystemExit(status)
+
+
+def _echo_issues(exc: ConfigError) -> None:
+    for issue in exc.issues:
+        click.echo(str(issue), err=True)
+
+
 def _load(config: str | None, shadow: bool = False) -> Ruleset:
+    """The rules of ``config`` (None: no rules, a Rate Limit Service
+    alone), or exit 1 with every error as FILE:LINE."""
     try:
-        return load_ruleset(config, shadow) if config else default_ruleset(shadow)
+        return load_ruleset(config, shadow) if config else no_ruleset(shadow)
     except ConfigError as exc:
-        for issue in exc.issues:
-            click.echo(str(issue), err=True)
+        _echo_issues(exc)
         raise SystemExit(1) from None
 
 
-def _is_rls(path: str) -> bool:
-    """A directory, or a file with a top-level domain: Rate Limit Service configurations."""
+def _is_rls(path: Path) -> bool:
+    """A file with a top-level domain: a Rate Limit Service configuration."""
     from sidecar.rls import is_rls_text
 
-    if os.path.isdir(path):
-        return True
     try:
-        with open(path, encoding="utf-8") as file:
-            return is_rls_text(file.read())
+        return is_rls_text(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError):
         return False  # the rules loader says what is wrong with it
 
@@ -49,25 +61,8 @@ def _load_rls(path: str) -> RlsConfig:
     try:
         return load_rls(path)
     except ConfigError as exc:
-        for issue in exc.issues:
-            click.echo(str(issue), err=True)
+        _echo_issues(exc)
         raise SystemExit(1) from None
-
-
-def _host_port(value: str, option: str = "--hook-udp") -> tuple[str, int] | None:
-    if value == "off":
-        return None
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit():
-        raise click.BadParameter(f"expected HOST:PORT or 'off', got {value!r}", param_hint=option)
-    return host.strip("[]") or "127.0.0.1", int(port)
-
-
-def _address(value: str, option: str) -> tuple[str, int]:
-    address = _host_port(value, option)
-    if address is None:
-        raise click.BadParameter(f"expected HOST:PORT, got {value!r}", param_hint=option)
-    return address
 
 
 def _is_loopback(host: str) -> bool:
@@ -88,25 +83,70 @@ def main() -> None:
 
 
 @main.command()
-@click.argument("file", type=click.Path())
-def check(file: str) -> None:
-    """Validate a rules file, or Rate Limit Service configurations (a file
-    with a top-level domain, or a directory of them): exit 0, or 1 with
-    every error as FILE:LINE: field: message."""
-    if _is_rls(file):
-        config = _load_rls(file)
-        domains = ", ".join(sorted(config.domains))
-        click.echo(f"{file}: OK, Rate Limit Service: {len(config.domains)} domains ({domains}), "
-                   f"{config.limits} limits")
-        return
-    ruleset = _load(file)
-    click.echo(f"{file}: OK, {len(ruleset.rules)} rules")
+@click.argument("path", type=click.Path())
+def check(path: str) -> None:
+    """Validate a rules file, a Rate Limit Service configuration (a file
+    with a top-level domain), or a folder of them: exit 0, or 1 with every
+    error as FILE:LINE: field: message.
+
+    A folder whose YAML files (subfolders included) are all Rate Limit
+    Service configurations is checked as one, as `sluice serve --rls-config
+    FOLDER` reads it. Any other folder: each .yaml and .yml file directly
+    in it, a rules file or a Rate Limit Service configuration by its
+    content."""
+    from sidecar.rls import rls_files
+
+    if not os.path.isdir(path):
+        ok = _check_file(path)
+    elif (every := rls_files(path)) and all(map(_is_rls, every)):
+        ok = _check_rls(path)
+    else:
+        files = sorted(file for file in Path(path).iterdir()
+                       if file.suffix in (".yaml", ".yml") and file.is_file() and not file.name.startswith("."))
+        if not files:
+            _fail(f"{path}: no .yaml or .yml file in this folder")
+        failed = [file for file in files if not _check_file(str(file))]
+        if failed:
+            click.echo(f"{path}: {len(failed):,} of {plural(len(files), 'file')} with errors", err=True)
+        ok = not failed
+    if not ok:
+        raise SystemExit(1)
+
+
+def _check_file(path: str) -> bool:
+    """Check one file, a rules file or a Rate Limit Service configuration
+    by its content; whether it is valid (its errors printed if not)."""
+    return _check_rls(path) if _is_rls(Path(path)) else _check_rules(path)
+
+
+def _check_rules(path: str) -> bool:
+    try:
+        ruleset = load_ruleset(path)
+    except ConfigError as exc:
+        _echo_issues(exc)
+        return False
+    click.echo(f"{path}: OK, {plural(len(ruleset.rules), 'rule')}")
     for warning in ruleset.warnings:
         click.echo(f"warning: {warning}", err=True)
     if ruleset.longest_hold:
         click.echo(f"leaky buckets hold requests up to {ruleset.longest_hold:g} s: the proxy's "
                    "timeout for Sluice must be longer, or held requests fail open, and nginx's refusal "
                    "cache off (`sluice config --rules` renders both)")
+    return True
+
+
+def _check_rls(path: str) -> bool:
+    from sidecar.rls import load_rls
+
+    try:
+        config = load_rls(path)
+    except ConfigError as exc:
+        _echo_issues(exc)
+        return False
+    domains = ", ".join(sorted(config.domains))
+    click.echo(f"{path}: OK, Rate Limit Service: {plural(len(config.domains), 'domain')} ({domains}), "
+               f"{plural(config.limits, 'limit')}")
+    return True
 
 
 # What `sluice config` renders: the package's template folders (each
@@ -125,12 +165,14 @@ CONFIG_TARGETS = {
 
 @main.command("config")
 @click.argument("target", type=click.Choice(sorted(CONFIG_TARGETS)))
-@click.option("--listen", default="127.0.0.1:8080",
+@click.option("--listen", "listen_at", default="127.0.0.1:8080", type=Address(bare_port=True),
               help="HOST:PORT (or PORT: every address) the proxy listens on (nginx's listen, Envoy's listener).")
-@click.option("--sluice", default="127.0.0.1:8181", help="HOST:PORT of sluice serve.")
-@click.option("--hook-udp", default="127.0.0.1:8182", help="HOST:PORT of sluice serve --hook-udp (nginx's reports).")
-@click.option("--upstream", default="127.0.0.1:9000", help="HOST:PORT of the application.")
-@click.option("--envoy-admin-port", default=9901, type=click.IntRange(1, 65535))
+@click.option("--sluice", "sluice_at", default="127.0.0.1:8181", type=Address(), help="HOST:PORT of sluice serve.")
+@click.option("--hook-udp", "hook_at", default="127.0.0.1:8182", type=Address(),
+              help="HOST:PORT of sluice serve --hook-udp (nginx's reports).")
+@click.option("--upstream", "upstream_at", default="127.0.0.1:9000", type=Address(), help="HOST:PORT of the application.")
+@click.option("--envoy-admin-port", default=9901, type=click.IntRange(1, 65535),
+              help="Port of Envoy's admin interface, on loopback (envoy, envoy-grpc, envoy-rls).")
 @click.option("--sluice-grpc-port", default=8183, show_default=True, type=click.IntRange(1, 65535),
               help="Port of sluice serve --grpc-port on the --sluice host (envoy-grpc, envoy-fragments).")
 @click.option("--rules", type=click.Path(dir_okay=False, exists=True),
@@ -151,15 +193,16 @@ CONFIG_TARGETS = {
               help="nginx: where it keeps the refusals it answers itself (proxy_cache_path); relative to "
                    "nginx's prefix. nginx creates the folder, not its parents.")
 @click.option("--out", type=click.Path(file_okay=False),
-              help="Write the files into this folder (as nginx's conf.d, say) instead of printing them.")
-def config_command(target: str, listen: str, sluice: str, hook_udp: str, upstream: str, envoy_admin_port: int,
-                   sluice_grpc_port: int, rules: str | None, guard: bool, guard_rate: float | None,
-                   unchecked_rate: float | None, cache_dir: str, out: str | None) -> None:
+              help="Write the files into this folder (as nginx's conf.d, say) instead of printing them; "
+                   "files already there are left alone unless --force.")
+@click.option("--force", is_flag=True, help="With --out: replace the files that are already there.")
+def config_command(target: str, listen_at: tuple[str, int], sluice_at: tuple[str, int], hook_at: tuple[str, int],
+                   upstream_at: tuple[str, int], envoy_admin_port: int, sluice_grpc_port: int, rules: str | None,
+                   guard: bool, guard_rate: float | None, unchecked_rate: float | None, cache_dir: str,
+                   out: str | None, force: bool) -> None:
     """Print (or write) the nginx or Envoy configuration for Sluice, rendered
     for the given addresses: the full site or bootstrap, or the snippets and
     fragments to add to an existing one."""
-    from pathlib import Path
-
     from sidecar.launcher import StackError, guard_rate as derived_guard_rate
     from sidecar.launcher import proxy_variables, render_package_templates, with_envoy_guard, with_nginx_guard
 
@@ -169,10 +212,6 @@ def config_command(target: str, listen: str, sluice: str, hook_udp: str, upstrea
         raise click.BadParameter("the guard goes ahead of Sluice's check, and envoy-rls has none (its Envoy asks "
                                  "Sluice's Rate Limit Service): give it with nginx, nginx-snippets, envoy, "
                                  "envoy-grpc or envoy-fragments", param_hint="--guard")
-    # A bare port listens on every address, as nginx's `listen 80` does.
-    listen_at = ("0.0.0.0", int(listen)) if listen.isdigit() else _address(listen, "--listen")
-    sluice_at, hook_at, upstream_at = (_address(sluice, "--sluice"), _address(hook_udp, "--hook-udp"),
-                                       _address(upstream, "--upstream"))
     if not re.fullmatch(r"[^\s;{}'\"$#\\]+", cache_dir):
         raise click.BadParameter("a path without spaces, quotes or any of ;{}$#\\ (nginx would read them)",
                                  param_hint="--cache-dir")
@@ -188,19 +227,31 @@ def config_command(target: str, listen: str, sluice: str, hook_udp: str, upstrea
             with_guard = with_nginx_guard if target.startswith("nginx") else with_envoy_guard
             files = with_guard(files, guard_rate if guard_rate is not None else derived_guard_rate(ruleset))
     except StackError as exc:
-        click.echo(f"error: {exc}", err=True)
-        raise SystemExit(1) from None
+        _fail(str(exc))
     if out is not None:
-        for name, text in files.items():
-            path = Path(out) / name
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
-            click.echo(f"wrote {path}", err=True)
+        _write_files(Path(out), files, force)
         return
     for name, text in files.items():
         if len(files) > 1:
             click.echo(f"# ==> {name} <==")
         click.echo(text, nl=not text.endswith("\n"))
+
+
+def _write_files(folder: Path, files: dict[str, str], force: bool) -> None:
+    """Write the rendered files into ``folder``; none of them, and exit 1,
+    when some are there already and ``force`` is not given."""
+    there = [str(folder / name) for name in files if (folder / name).exists()]
+    if there and not force:
+        _fail(f"--out: {plural(len(there), 'file')} already there, left as they are: {', '.join(there)} "
+              "(--force replaces them)")
+    for name, text in files.items():
+        path = folder / name
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        except OSError as exc:
+            _fail(f"--out: cannot write {path}: {exc.strerror or exc}")
+        click.echo(f"wrote {path}", err=True)
 
 
 def _sweep_option(ctx: click.Context, param: click.Parameter,
@@ -214,7 +265,8 @@ def _sweep_option(ctx: click.Context, param: click.Parameter,
 
 
 @main.command()
-@click.option("--config", "config", required=True, type=click.Path(dir_okay=False), help="Rules file.")
+@click.option("--config", "config", required=True, type=click.Path(dir_okay=False),
+              help="The rules file to replay the logs through.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--top", default=5, show_default=True, type=click.IntRange(min=0), help="Keys listed per rule.")
 @click.option("--host", default="", help="Host for log lines that do not record one (the combined format).")
@@ -232,9 +284,16 @@ def _sweep_option(ctx: click.Context, param: click.Parameter,
 def replay(config: str, as_json: bool, top: int, host: str, exclude_top: int,
            sweeps: list[tuple[str, tuple[int, ...]]], html: str | None, logs: tuple[str, ...]) -> None:
     """Replay nginx access logs (combined or JSON lines; .gz; - for stdin) through the
-    rules in virtual time, and report what each rule would have done."""
+    rules in virtual time, and report what each rule would have done.
+
+    Exit status: 0 when some lines were replayed; 1 when the rules file has
+    errors; 2 for a bad option, or a log or --html file that cannot be read
+    or written; 3 when no line of the logs was a request (the report is
+    printed all the same: its first skipped lines say why).
+    """
     from sidecar.accesslog import LogError
-    from sidecar.replay import SweepError, prepare_sweeps, render_json, render_text, replay_logs
+    from sidecar.replay import NOTHING_REPLAYED, SweepError, nothing_replayed, prepare_sweeps, render_json
+    from sidecar.replay import render_text, replay_logs
 
     ruleset = _load(config)
     try:
@@ -259,22 +318,30 @@ def replay(config: str, as_json: bool, top: int, host: str, exclude_top: int,
             click.echo(f"error: cannot write {html}: {exc.strerror or exc}", err=True)
             raise SystemExit(2) from None
     click.echo(render_json(report) if as_json else render_text(report), nl=False)
+    if not report["requests"]:
+        _fail(nothing_replayed(report), NOTHING_REPLAYED)
 
 
 @main.command()
 @click.option("--config", "config", type=click.Path(dir_okay=False), envvar="SLUICE_CONFIG", show_envvar=True,
-              help="Rules file (default: the embedded default rules).")
-@click.option("--host", default="127.0.0.1", show_default=True, envvar="SLUICE_HOST", show_envvar=True)
+              help="The rules file. Required, unless --demo-rules, or --rls-config to serve the Rate Limit "
+                   "Service alone (then no check rules: every check is allowed).")
+@click.option("--demo-rules", is_flag=True,
+              help="Run the demo rules of `make run` (examples/default.yaml: 5 requests per 10 s per client "
+                   "address on /api/), to try Sluice out; never for real traffic.")
+@click.option("--host", default="127.0.0.1", show_default=True, envvar="SLUICE_HOST", show_envvar=True,
+              help="Address of the check port (0.0.0.0: every IPv4 address); --grpc-port listens there too.")
 @click.option("--port", default=8181, show_default=True, type=click.IntRange(1, 65535), envvar="SLUICE_PORT",
-              show_envvar=True)
+              show_envvar=True,
+              help="The check port: the proxies' checks over HTTP, /healthz, /readyz, /metrics and the admin API.")
 @click.option("--uds", type=click.Path(), help="Listen on a Unix socket instead of host:port.")
-@click.option("--hook-udp", default="127.0.0.1:8182", show_default=True,
+@click.option("--hook-udp", "hook_at", default="127.0.0.1:8182", show_default=True, type=Address(off=True),
               help="HOST:PORT where nginx's response reports arrive (syslog over UDP), or 'off'.")
 @click.option("--admin-token-file", type=click.Path(dir_okay=False, exists=True),
               envvar="SLUICE_ADMIN_TOKEN_FILE", show_envvar=True,
               help="File holding the bearer token of the admin API (at least 16 characters). "
                    "Without it the admin API answers only loopback peers of a loopback listener.")
-@click.option("--health", default="off", show_default=True,
+@click.option("--health", default="off", show_default=True, type=Address(off=True),
               help="HOST:PORT of a listener of its own for /healthz and /readyz, answered "
                    "even while the main port is flooded (point liveness probes here), or 'off'.")
 @click.option("--grpc-port", type=click.IntRange(1, 65535), envvar="SLUICE_GRPC_PORT", show_envvar=True,
@@ -289,28 +356,32 @@ def replay(config: str, as_json: bool, top: int, host: str, exclude_top: int,
 @click.option("--shadow", is_flag=True, envvar="SLUICE_SHADOW", show_envvar=True,
               help="Every rule in shadow mode: evaluated and counted as when enforcing, but no request is "
                    "refused, banned or challenged; what would have been is logged and counted.")
-@click.option("--workers", default=1, show_default=True, type=click.IntRange(min=1))
+@click.option("--workers", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Processes sharing the ports. More than one needs the Redis backend (state.backend: "
+                   "redis), where they share one count.")
 @click.option("--log-level", default="info", show_default=True, envvar="SLUICE_LOG_LEVEL", show_envvar=True,
-              type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False))
+              type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
+              help="The least severe log lines written (JSON lines on stderr).")
 @click.option("--max-header-bytes", default=128 * 1024, show_default=True, type=click.IntRange(min=1024),
               help="Longest request head (request line and header fields) Sluice reads; a longer one "
-                   "gets 431. Keep it above what the proxy forwards (sidecar/server.py).")
+                   "gets 431. Keep it above what the proxy forwards.")
 @click.option("--max-headers", default=16_384, show_default=True, type=click.IntRange(min=1),
               help="Most header fields of one request; more get 431. Keep it above what the proxy forwards.")
 @click.option("--loop", "event_loop", default="asyncio", show_default=True, envvar="SLUICE_LOOP", show_envvar=True,
               type=click.Choice(["asyncio", "uvloop"]),
               help="The event loop. uvloop under a flood of thousands of connections left new "
-                   "connections unaccepted for seconds, past the proxies' timeouts (README, Floods).")
-def serve(config: str | None, host: str, port: int, uds: str | None, hook_udp: str,
-          admin_token_file: str | None, health: str, grpc_port: int | None, rls_config: str | None,
-          rls_shadow: bool, shadow: bool, workers: int, log_level: str, max_header_bytes: int,
-          max_headers: int, event_loop: str) -> None:
-    """Run the check service."""
+                   "connections unaccepted for seconds, past the proxies' timeouts.")
+def serve(config: str | None, demo_rules: bool, host: str, port: int, uds: str | None,
+          hook_at: tuple[str, int] | None, admin_token_file: str | None, health: tuple[str, int] | None,
+          grpc_port: int | None, rls_config: str | None, rls_shadow: bool, shadow: bool, workers: int,
+          log_level: str, max_header_bytes: int, max_headers: int, event_loop: str) -> None:
+    """Run the check service, with the rules of --config (or SLUICE_CONFIG)."""
     import uvicorn
 
     log_level = log_level.lower()
     from sidecar.admin import read_token
 
+    config = _rules_to_serve(config, demo_rules, rls_config)
     ruleset = _load(config, shadow)
     _open_files_as_allowed()
     if rls_config is not None:
@@ -319,17 +390,16 @@ def serve(config: str | None, host: str, port: int, uds: str | None, hook_udp: s
                                      param_hint="--rls-config")
         _load_rls(rls_config)  # every error at start, as for the rules file
     if workers > 1 and ruleset.backend == "memory":
-        click.echo("error: --workers > 1 needs a shared state backend (state.backend: redis): "
-                   "with the memory backend each worker would keep its own counters and "
-                   "silently multiply every limit", err=True)
-        raise SystemExit(2)
+        _fail("--workers > 1 needs a shared state backend (state.backend: redis): with the memory backend "
+              "each worker would keep its own counters and silently multiply every limit", 2)
     try:
         read_token(admin_token_file)
     except (OSError, ValueError) as exc:
         raise click.BadParameter(str(exc), param_hint="--admin-token-file") from None
-    settings = {"config": config, "admin_token_file": admin_token_file, "hook_udp": _host_port(hook_udp),
+    _listen_or_exit(host, None if uds else port, hook_at, health, grpc_port)
+    settings = {"config": config, "admin_token_file": admin_token_file, "hook_udp": hook_at,
                 "loopback": uds is not None or _is_loopback(host), "log_level": log_level,
-                "workers": workers, "health": _host_port(health, "--health"),
+                "workers": workers, "health": health,
                 "grpc": None if grpc_port is None else (host, grpc_port),
                 "rls_config": rls_config, "rls_shadow": rls_shadow, "shadow": shadow,
                 # Workers must sign and verify pending-count tokens and
@@ -340,7 +410,7 @@ def serve(config: str | None, host: str, port: int, uds: str | None, hook_udp: s
 
     configure_logging(log_level)
     log = logging.getLogger("sluice")
-    log.info("%d rules from %s, node %s%s", len(ruleset.rules), ruleset.source, ruleset.node,
+    log.info("%s from %s, node %s%s", plural(len(ruleset.rules), "rule"), ruleset.source, ruleset.node,
              f", {workers} workers" if workers > 1 else "")
     for warning in ruleset.warnings:
         log.warning("%s", warning)
@@ -373,6 +443,41 @@ def serve(config: str | None, host: str, port: int, uds: str | None, hook_udp: s
     uvicorn.run("sidecar.cli:worker_service", factory=True, workers=workers, **options)
 
 
+def _rules_to_serve(config: str | None, demo_rules: bool, rls_config: str | None) -> str | None:
+    """The rules file ``serve`` runs: --config, or the demo rules' file;
+    None for a Rate Limit Service alone. Never a default: a Sluice started
+    without its rules must not enforce someone else's."""
+    from click.core import ParameterSource
+
+    if demo_rules:
+        given = click.get_current_context().get_parameter_source("config")
+        if config is not None and given is not ParameterSource.ENVIRONMENT:
+            _fail("give --config FILE or --demo-rules, not both", 2)
+        return str(resources.files("sidecar") / DEMO_RULES)
+    if config is None and rls_config is None:
+        _fail("no rules: give the rules file with --config FILE (or SLUICE_CONFIG=FILE); the demo rules "
+              "that `make run` uses are --demo-rules (examples/default.yaml)", 2)
+    return config
+
+
+def _listen_or_exit(host: str, port: int | None, hook_at: tuple[str, int] | None,
+                    health: tuple[str, int] | None, grpc_port: int | None) -> None:
+    """Exit 1 with one line naming the option when one of serve's addresses
+    cannot be listened on (another Sluice on it, say)."""
+    from sidecar.addresses import AddressBusy, Listener, check_listeners
+
+    free_or_off = "give a free HOST:PORT, or off"
+    listeners = [Listener("--port", (host, port), remedy="give a free --port")] if port is not None else []
+    listeners += [Listener("--hook-udp", hook_at, udp=True, remedy=free_or_off)] if hook_at is not None else []
+    listeners += [Listener("--health", health, remedy=free_or_off)] if health is not None else []
+    listeners += [Listener("--grpc-port", (host, grpc_port), remedy="give a free --grpc-port")] \
+        if grpc_port is not None else []
+    try:
+        check_listeners(listeners)
+    except AddressBusy as exc:
+        _fail(str(exc))
+
+
 def _open_files_as_allowed() -> None:
     """Raise the soft limit of open files to the hard one: under a flood
     each check in flight holds a connection (Go's runtime does the same)."""
@@ -387,6 +492,8 @@ def _open_files_as_allowed() -> None:
 
 
 SERVE_SETTINGS = "SLUICE_SERVE_SETTINGS"
+# The package's copy of examples/default.yaml: `sluice serve --demo-rules`.
+DEMO_RULES = "default_rules.yaml"
 LISTEN_BACKLOG = 16_384
 KEEP_ALIVE_SECONDS = 75
 

@@ -21,6 +21,8 @@ from urllib.parse import urlencode, urlsplit
 
 import click
 
+from sidecar.plurals import plural
+
 DEFAULT_URL = "http://127.0.0.1:8181"
 TIMEOUT = 10.0
 # A table cell shows at most this much of a value (--json shows it whole).
@@ -353,7 +355,7 @@ def reset(client: AdminClient, as_json: bool, ip: str | None, rule: str | None, 
         _print_json(answer)
         return
     of = f"of {ip}" if ip is not None else f"of rule {rule}" + (f" ({' '.join(keys)})" if keys else "")
-    click.echo(f"reset {answer['reset']} counter{'' if answer['reset'] == 1 else 's'} {of}")
+    click.echo(f"reset {plural(answer['reset'], 'counter')} {of}")
     if answer.get("ban"):
         click.echo(_ban_line(answer["ban"]) + f": sluice admin unban {answer['ban']['address']}")
 
@@ -367,4 +369,4 @@ def reload(client: AdminClient, as_json: bool) -> None:
     if as_json:
         _print_json(answer)
     else:
-        click.echo(f"reloaded: {answer['rules']} rules")
+        click.echo(f"reloaded: {plural(answer['rules'], 'rule')}")

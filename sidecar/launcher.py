@@ -622,8 +622,7 @@ class Stack:
             "--hook-udp", _host_port(self.host, self.ports.sluice_hook),
             "--grpc-port", str(self.ports.sluice_grpc),
         ]
-        if self.rules is not None:
-            argv += ["--config", str(self.rules)]
+        argv += ["--config", str(self.rules)] if self.rules is not None else ["--demo-rules"]
         if self.rls_config is not None:
             argv += ["--rls-config", str(self.rls_config)]
         return argv

@@ -49,6 +49,7 @@ from sidecar.config import ConfigError, LoadedRules, format_duration
 from sidecar.engine import ALLOW, DENY, Decision, Engine
 from sidecar.keys import CountingKey, key_rule_id
 from sidecar.limiters import Hit
+from sidecar.plurals import plural
 from sidecar.request import CheckRequest
 from sidecar.rules import CompiledRule, Ruleset, compile_rules, describe_key
 from sidecar.state import Check, Evaluation, ResponseCount
@@ -672,9 +673,8 @@ def _printable(text: str) -> str:
 
 
 def summary_text(report: dict[str, Any]) -> str:
-    logs = report["logs"]
-    text = (f"replayed {report['requests']:,} requests from {report['lines']:,} lines of "
-            f"{len(logs)} log{'s' if len(logs) != 1 else ''}")
+    text = (f"replayed {plural(report['requests'], 'request')} from {plural(report['lines'], 'line')} of "
+            f"{plural(len(report['logs']), 'log')}")
     if report["start"] is not None:
         hours, rest = divmod(round(report["seconds"]), 3600)
         text += f", {report['start']} to {report['end']} ({hours}:{rest // 60:02}:{rest % 60:02} of log time)"
@@ -682,14 +682,30 @@ def summary_text(report: dict[str, Any]) -> str:
 
 
 def skipped_text(report: dict[str, Any]) -> str:
-    return f"skipped {report['skipped']['count']:,} lines that are not requests; the first:"
+    count = report["skipped"]["count"]
+    return f"skipped {plural(count, 'line')} that {'is' if count == 1 else 'are'} not requests; the first:"
+
+
+# `sluice replay`'s exit status when no line of the logs was a request.
+NOTHING_REPLAYED = 3
+
+
+def nothing_replayed(report: dict[str, Any]) -> str:
+    """Why a replay that replayed nothing is an error, in one line."""
+    lines = report["lines"]
+    if not lines:
+        return "the logs have no lines: nothing was replayed"
+    return (f"none of the {plural(lines, 'line')} of the logs is a request in nginx's combined format or "
+            "a JSON line with the request's fields: nothing was replayed")
 
 
 def late_text(report: dict[str, Any]) -> str:
     if not report["late"]:
         return ""
-    return (f"{report['late']:,} lines were more than {report['reorder_window_seconds']:g} s out "
-            "of time order and were replayed at the time already reached")
+    late = report["late"]
+    were = "was" if late == 1 else "were"
+    return (f"{plural(late, 'line')} {were} more than {report['reorder_window_seconds']:g} s out "
+            f"of time order and {were} replayed at the time already reached")
 
 
 def answers_text(report: dict[str, Any]) -> str:
@@ -730,7 +746,7 @@ def not_reached_text(rule: dict[str, Any]) -> list[str]:
         them = "them" if count != 1 else "it"
         what = (f"`{cause['rule']}` refused {them} first" if cause["by"] == "refused"
                 else f"a ban by `{cause['rule']}` closed {them} first")
-        lines.append(f"`{rule['id']}` was not reached for {_count(count, 'request')} because {what}")
+        lines.append(f"`{rule['id']}` was not reached for {plural(count, 'request')} because {what}")
     return lines
 
 
@@ -739,7 +755,7 @@ def rule_heading(rule: dict[str, Any]) -> str:
 
 
 def peak_text(rule: dict[str, Any]) -> str:
-    return (f"peak {rule['peak_unit']} per key, over {_count(rule['keys'], 'key')}: "
+    return (f"peak {rule['peak_unit']} per key, over {plural(rule['keys'], 'key')}: "
             + _percentiles(rule["peak"]))
 
 
@@ -748,7 +764,7 @@ def without_top_text(rule: dict[str, Any], excluded: int) -> str:
     none were to be left out)."""
     if not excluded or rule["peak"] is None:
         return ""
-    text = f"without the {excluded:,} heaviest key{'s' if excluded != 1 else ''}: "
+    text = f"without the {plural(excluded, 'heaviest key')}: "
     rest = rule["peak_without_top"]
     return text + (_percentiles(rest) if rest is not None else "no key left")
 
@@ -764,8 +780,8 @@ def refusal_text(rule: dict[str, Any], shared_agents: int) -> str:
         f"over the limit, let through (action {rule['action']})"
     if not rule["refused_requests"] and not rule["refused_keys"]:
         return f"{what}: none"
-    return (f"{what}: {_count(rule['refused_requests'], 'request')} from {rule['refused_keys']:,} of "
-            f"{_count(rule['keys'], 'key')} ({rule['refused_keys_share']:.1%}), "
+    return (f"{what}: {plural(rule['refused_requests'], 'request')} from {rule['refused_keys']:,} of "
+            f"{plural(rule['keys'], 'key')} ({rule['refused_keys_share']:.1%}), "
             f"{rule['refused_shared_keys']:,} of them with {shared_agents}+ user agents (a shared NAT?)")
 
 
@@ -822,11 +838,6 @@ def _rule_text(rule: dict[str, Any], report: dict[str, Any]) -> list[str]:
     for title, header, rows in key_tables(rule):
         lines += [f"  {title}:"] + ["    " + line for line in _table(header, rows)]
     return lines
-
-
-def _count(number: int, noun: str) -> str:
-    """``1 request``, ``1,528 requests``."""
-    return f"{number:,} {noun}{'s' if number != 1 else ''}"
 
 
 def cell_text(value: Any) -> str:

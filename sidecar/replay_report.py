@@ -18,6 +18,7 @@ import math
 import re
 from typing import Any, Sequence
 
+from sidecar.plurals import plural
 from sidecar.replay import (Row, answers_text, bucket_bounds, cell_text, key_tables, late_text, not_reached_text,
                             notes_text, peak_bucket, peak_text, refusal_text, rule_heading, rule_table,
                             skipped_text, summary_text, sweep_table, sweep_title, without_top_text)
@@ -176,7 +177,7 @@ def histogram_svg(buckets: Sequence[dict[str, int]], thresholds: Sequence[int], 
         if keys:
             height = max(2.0, (base - TOP - 14) * math.log10(1 + keys) / tallest)
             parts.append(f'<rect class="bar" x="{left + 1:.1f}" y="{base - height:.1f}" width="{width - 2:.1f}" '
-                         f'height="{height:.1f}"><title>{span}: {keys:,} key{"s" if keys != 1 else ""}</title></rect>')
+                         f'height="{height:.1f}"><title>{span}: {plural(keys, "key")}</title></rect>')
             parts.append(f'<text class="count" x="{left + width / 2:.1f}" y="{base - height - 3:.1f}" '
                          f'text-anchor="middle">{keys:,}</text>')
         if (bucket - first) % every == 0:

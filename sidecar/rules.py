@@ -578,7 +578,13 @@ def load_ruleset(path: str, shadow: bool = False) -> Ruleset:
 
 
 def default_ruleset(shadow: bool = False) -> Ruleset:
-    """The embedded default rules, used when ``serve`` gets no ``--config``."""
+    """The embedded demo rules (``sluice serve --demo-rules``, ``make run``)."""
     text = resources.files("sidecar").joinpath("default_rules.yaml").read_text(encoding="utf-8")
     return compile_rules(config.parse_rules_text(text, "<default rules>", Path.cwd()), shadow)
+
+
+def no_ruleset(shadow: bool = False) -> Ruleset:
+    """No rules: ``sluice serve --rls-config`` without ``--config`` serves
+    the Rate Limit Service alone, and its checks allow every request."""
+    return compile_rules(config.parse_rules_text("rules: []\n", "<no --config>", Path.cwd()), shadow)
 

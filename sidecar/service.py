@@ -18,6 +18,7 @@ from sidecar.store import StoreUnavailable
 from sidecar.engine import Engine
 from sidecar.health import HealthListener, Heartbeat
 from sidecar.hook import listen_for_reports
+from sidecar.plurals import plural
 
 
 class Listener(Protocol):
@@ -32,7 +33,7 @@ def build_api(engine: Engine, report_udp: tuple[str, int] | None = None,
               admin: Admin | None = None, share_report_port: bool = False,
               health: tuple[str, int] | None = None, grpc: Listener | None = None) -> FastAPI:
     def readiness() -> str:
-        return f"ok: {len(engine.ruleset.rules)} rules from {engine.ruleset.source}\n"
+        return f"ok: {plural(len(engine.ruleset.rules), 'rule')} from {engine.ruleset.source}\n"
 
     @contextlib.asynccontextmanager
     async def lifespan(_api: FastAPI) -> AsyncIterator[None]:

@@ -8,6 +8,7 @@ from typing import Any
 from sidecar import config
 from sidecar.limiters import NO_PENALTY, Hit, RuleLimit, lua_number, register
 from sidecar.limiters.bucket import Bucket, in_penalty
+from sidecar.plurals import plural
 
 
 @dataclass(slots=True)
@@ -71,7 +72,7 @@ class TokenBucket(Bucket):
         return max(full_at, state.penalty_until)
 
     def describe(self) -> str:
-        text = f"{self.capacity} tokens, refill {self.refill:g}/s"
+        text = f"{plural(self.capacity, 'token')}, refill {self.refill:g}/s"
         if self.cost != 1:
             text += f", cost {self.cost}"
         return self.with_penalty(text)

@@ -4,18 +4,23 @@ environment (for containers), where a flag wins."""
 from __future__ import annotations
 
 import difflib
+import logging
+import re
+import socket
 import subprocess
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
+import click
 import pytest
 import uvicorn
 import yaml
 from click.testing import CliRunner
 
-from sidecar import DISTRIBUTION, cli
+from sidecar import DISTRIBUTION, addresses, cli
 from sidecar.launcher import ENVOY_GUARD_ADDRESSES, ENVOY_MAX_TOKENS
+from sidecar.rules import Ruleset, load_ruleset
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,12 +45,21 @@ def test_serve_help_names_the_environment_variables() -> None:
 
 
 @pytest.fixture
-def served(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
-    """What serve would run uvicorn with (nothing is started)."""
+def started(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """What serve would run uvicorn with (nothing is started): the options,
+    and as "app" the settings, with the rules as "ruleset"."""
     calls: list[dict[str, Any]] = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **options: calls.append({"app": app, **options}))
-    monkeypatch.setattr(cli, "service", lambda settings, ruleset=None: settings)
+    monkeypatch.setattr(cli, "service", lambda settings, ruleset=None: {**settings, "ruleset": ruleset})
     return calls
+
+
+@pytest.fixture
+def served(started: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """As ``started``, without trying the addresses serve listens on (a
+    port of this machine in use does not matter)."""
+    monkeypatch.setattr(addresses, "check_listeners", lambda listeners: None)
+    return started
 
 
 RULES = "rules:\n  - id: r\n    key: [ip]\n    limit: {requests: 5, per: 1m}\n    action: block\n"
@@ -110,10 +124,11 @@ def test_sluice_and_uvicorn_log_json_lines(capfd: pytest.CaptureFixture[str]) ->
 
 
 def test_serve_takes_a_grpc_port_on_its_host(served: list) -> None:
-    result = CliRunner().invoke(cli.main, ["serve", "--host", "127.0.0.3"], env={"SLUICE_GRPC_PORT": "9393"})
+    result = CliRunner().invoke(cli.main, ["serve", "--demo-rules", "--host", "127.0.0.3"],
+                                env={"SLUICE_GRPC_PORT": "9393"})
     assert result.exit_code == 0, result.output
     assert served[0]["app"]["grpc"] == ("127.0.0.3", 9393)
-    assert CliRunner().invoke(cli.main, ["serve"]).exit_code == 0
+    assert CliRunner().invoke(cli.main, ["serve", "--demo-rules"]).exit_code == 0
     assert served[1]["app"]["grpc"] is None  # off by default
 
 
@@ -332,3 +347,382 @@ def test_nginx_answers_refusals_from_its_cache_unless_the_rules_hold_requests(tm
     for argv in (["--rules", str(plain)], []):
         output = CliRunner().invoke(cli.main, ["config", "nginx-snippets", *argv]).output
         assert "proxy_cache sluice_refusals;" in output
+
+
+# --------------------------------------------------------------------------
+# serve: the rules are always given
+# --------------------------------------------------------------------------
+
+
+def test_serve_without_rules_refuses_to_start_and_says_how_to_give_them(served: list) -> None:
+    result = CliRunner().invoke(cli.main, ["serve"], env={"SLUICE_CONFIG": None})
+    assert result.exit_code == 2 and not served
+    [line] = result.output.splitlines()
+    assert line.startswith("error: ")
+    for hint in ("--config FILE", "SLUICE_CONFIG", "--demo-rules", "make run"):
+        assert hint in line
+
+
+def test_serve_demo_rules_are_the_example_rules_make_run_uses(served: list) -> None:
+    result = CliRunner().invoke(cli.main, ["serve", "--demo-rules"], env={"SLUICE_CONFIG": None})
+    assert result.exit_code == 0, result.output
+    [run] = served
+    # A file, so that a reload reads them again as it reads any rules file.
+    demo = load_ruleset(run["app"]["config"])
+    assert described(demo) == described(load_ruleset(str(ROOT / "examples" / "default.yaml")))
+    assert described(run["app"]["ruleset"]) == described(demo) and len(demo.rules) == 2
+    assert "2 rules from " in result.output
+
+
+def described(ruleset: Ruleset) -> list[tuple[str, str, str]]:
+    return [(rule.id, rule.action, rule.limiter.describe()) for rule in ruleset.rules]
+
+
+def test_serve_takes_a_rules_file_or_the_demo_rules_not_both(tmp_path: Path, served: list) -> None:
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(RULES)
+    both = CliRunner().invoke(cli.main, ["serve", "--config", str(rules), "--demo-rules"])
+    assert both.exit_code == 2 and not served
+    assert both.output == "error: give --config FILE or --demo-rules, not both\n"
+    # The flag wins over the environment, as every flag does.
+    flag = CliRunner().invoke(cli.main, ["serve", "--demo-rules"], env={"SLUICE_CONFIG": str(rules)})
+    assert flag.exit_code == 0, flag.output
+    assert [rule.id for rule in served[0]["app"]["ruleset"].rules] == ["api", "per-ip"]
+
+
+def test_serve_with_a_rate_limit_service_alone_runs_no_check_rules(served: list) -> None:
+    rls = ROOT / "examples" / "ratelimit" / "config"
+    result = CliRunner().invoke(cli.main, ["serve", "--grpc-port", "9393", "--rls-config", str(rls)],
+                                env={"SLUICE_CONFIG": None})
+    assert result.exit_code == 0, result.output
+    [run] = served
+    assert run["app"]["config"] is None and run["app"]["ruleset"].rules == ()
+    assert "0 rules from <no --config>" in result.output
+
+
+def test_the_service_of_a_rate_limit_service_alone_reloads_no_rules(tmp_path: Path) -> None:
+    from sidecar.admin import Admin
+
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(RULES)
+    settings = {"config": None, "admin_token_file": None, "hook_udp": None, "loopback": True,
+                "log_level": "warning", "workers": 1, "secret": None}
+    app = cli.service(settings)
+    assert app.engine.ruleset.rules == ()
+    assert Admin(app.engine, None).reload() == [] and app.engine.ruleset.rules == ()
+
+
+# --------------------------------------------------------------------------
+# serve: an address already taken
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def taken() -> Iterator[Callable[[bool], int]]:
+    """Take a free loopback port (TCP, listening; or UDP) for the test: its number."""
+    held: list[socket.socket] = []
+
+    def take(udp: bool = False) -> int:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM if udp else socket.SOCK_STREAM)
+        held.append(sock)
+        sock.bind(("127.0.0.1", 0))
+        if not udp:
+            sock.listen()
+        port: int = sock.getsockname()[1]
+        return port
+
+    yield take
+    for sock in held:
+        sock.close()
+
+
+def free_port(udp: bool = False) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM if udp else socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@pytest.mark.parametrize("option, udp", [("--port", False), ("--hook-udp", True), ("--grpc-port", False),
+                                         ("--health", False)])
+def test_serve_on_an_address_in_use_says_which_option_in_one_line(
+        taken: Callable[[bool], int], started: list, option: str, udp: bool) -> None:
+    busy = taken(udp)
+    value = str(busy) if option.endswith("port") else f"127.0.0.1:{busy}"
+    argv = {"--port": str(free_port()), "--hook-udp": f"127.0.0.1:{free_port(udp=True)}", option: value}
+    result = CliRunner().invoke(cli.main, ["serve", "--demo-rules", *[part for item in argv.items() for part in item]])
+    assert result.exit_code == 1 and not started
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    [line] = result.output.splitlines()
+    assert line.startswith(f"error: {option}: cannot listen on 127.0.0.1:{busy}")
+    assert "address already in use" in line and "Traceback" not in result.output
+
+
+def test_serve_refuses_one_tcp_port_for_two_of_its_listeners(started: list) -> None:
+    port = free_port()
+    result = CliRunner().invoke(cli.main, ["serve", "--demo-rules", "--port", str(port), "--grpc-port", str(port),
+                                           "--hook-udp", "off"])
+    assert result.exit_code == 1 and not started
+    assert result.output.startswith(f"error: --grpc-port: cannot listen on 127.0.0.1:{port}: address already in use")
+
+
+def test_serve_listens_where_its_addresses_are_free(started: list) -> None:
+    port, hook, health = free_port(), free_port(udp=True), free_port()
+    result = CliRunner().invoke(cli.main, ["serve", "--demo-rules", "--port", str(port), "--hook-udp",
+                                           f"127.0.0.1:{hook}", "--health", f"127.0.0.1:{health}"])
+    assert result.exit_code == 0, result.output
+    [run] = started
+    assert run["port"] == port and run["app"]["hook_udp"] == ("127.0.0.1", hook)
+    assert run["app"]["health"] == ("127.0.0.1", health)
+
+
+# --------------------------------------------------------------------------
+# HOST:PORT options say what they accept
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, accepted", [
+    (["config", "envoy", "--listen"], "expected HOST:PORT or PORT, got"),
+    (["config", "envoy", "--sluice"], "expected HOST:PORT, got"),
+    (["config", "envoy", "--hook-udp"], "expected HOST:PORT, got"),
+    (["config", "envoy", "--upstream"], "expected HOST:PORT, got"),
+    (["serve", "--demo-rules", "--hook-udp"], "expected HOST:PORT or 'off', got"),
+    (["serve", "--demo-rules", "--health"], "expected HOST:PORT or 'off', got"),
+])
+@pytest.mark.parametrize("value", ["nonsense", "off", "host:", "127.0.0.1:http"])
+def test_every_host_port_option_says_exactly_what_it_accepts(served: list, argv: list[str], accepted: str,
+                                                            value: str) -> None:
+    result = CliRunner().invoke(cli.main, [*argv, value])
+    if value == "off" and "or 'off'" in accepted:
+        assert result.exit_code == 0, result.output
+        return
+    assert result.exit_code == 2 and not served
+    assert f"Invalid value for '{argv[-1]}': {accepted} {value!r}" in result.output
+
+
+@pytest.mark.parametrize("value", ["127.0.0.1:0", "127.0.0.1:65536", "99999"])
+def test_a_port_out_of_range_is_named(value: str) -> None:
+    result = CliRunner().invoke(cli.main, ["config", "envoy", "--listen", value])
+    assert result.exit_code == 2 and f"the port of {value!r} is not from 1 to 65535" in result.output
+
+
+def test_host_port_values_as_the_proxies_get_them() -> None:
+    either = addresses.Address(off=True, bare_port=True)
+    assert [either.convert(value, None, None) for value in ("off", "80", "[::1]:8182", ":8182", "example.org:9")] \
+        == [None, ("0.0.0.0", 80), ("::1", 8182), ("127.0.0.1", 8182), ("example.org", 9)]
+    assert either.accepts == "HOST:PORT, PORT or 'off'"
+
+
+# --------------------------------------------------------------------------
+# check: a file, or a folder
+# --------------------------------------------------------------------------
+
+
+RLS = "domain: {domain}\ndescriptors:\n  - key: k\n    rate_limit: {{unit: second, requests_per_unit: 1}}\n"
+
+
+def test_check_a_folder_checks_each_rules_file_in_it(tmp_path: Path) -> None:
+    (tmp_path / "one.yaml").write_text("rules:\n  - {id: a, key: [ip], limit: {requests: 1, per: 1s}, action: block}\n")
+    (tmp_path / "two.yml").write_text(RULES + "  - {id: b, key: [ip], limit: {requests: 1, per: 1s}, action: log}\n")
+    (tmp_path / "notes.txt").write_text("not YAML, not read")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "broken.yaml").write_text("not: rules\n")  # subfolders are not read
+    result = CliRunner().invoke(cli.main, ["check", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert result.output == f"{tmp_path / 'one.yaml'}: OK, 1 rule\n{tmp_path / 'two.yml'}: OK, 2 rules\n"
+
+
+def test_check_a_folder_gives_each_files_errors_as_file_line_and_checks_the_others(tmp_path: Path) -> None:
+    (tmp_path / "a.yaml").write_text(RULES)
+    (tmp_path / "b.yaml").write_text("rules:\n  - id: r\n    key: [ip]\n    limit: {requests: many, per: 1m}\n"
+                                     "    action: block\n")
+    (tmp_path / "c.yaml").write_text(RLS.format(domain="c"))
+    result = CliRunner().invoke(cli.main, ["check", str(tmp_path)])
+    assert result.exit_code == 1
+    lines = result.output.splitlines()
+    assert lines[0] == f"{tmp_path / 'a.yaml'}: OK, 1 rule"
+    assert lines[1].startswith(f"{tmp_path / 'b.yaml'}:4: rules[0](r).limit.requests")
+    assert f"{tmp_path / 'c.yaml'}: OK, Rate Limit Service: 1 domain (c), 1 limit" in lines
+    assert lines[-1] == f"{tmp_path}: 1 of 3 files with errors"
+    assert "domain: field required" not in result.output
+
+
+def test_check_a_folder_of_rate_limit_service_files_checks_them_as_one_configuration(tmp_path: Path) -> None:
+    (tmp_path / "nested").mkdir()
+    (tmp_path / "a.yaml").write_text(RLS.format(domain="a"))
+    (tmp_path / "nested" / "b.yaml").write_text(RLS.format(domain="b"))
+    result = CliRunner().invoke(cli.main, ["check", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert result.output == f"{tmp_path}: OK, Rate Limit Service: 2 domains (a, b), 2 limits\n"
+    # As one configuration: a domain given by two files is an error.
+    (tmp_path / "nested" / "b.yaml").write_text(RLS.format(domain="a"))
+    again = CliRunner().invoke(cli.main, ["check", str(tmp_path)])
+    assert again.exit_code == 1 and "domain 'a' is already configured in" in again.output
+
+
+def test_check_the_examples_folder_checks_its_rules_files() -> None:
+    result = CliRunner().invoke(cli.main, ["check", str(ROOT / "examples")])
+    assert result.exit_code == 0, result.output
+    checked = {Path(line.split(": OK, ")[0]).name for line in result.output.splitlines()}
+    assert checked == {path.name for path in (ROOT / "examples").glob("*.yaml")}
+
+
+def test_check_an_empty_folder_is_an_error(tmp_path: Path) -> None:
+    result = CliRunner().invoke(cli.main, ["check", str(tmp_path)])
+    assert result.exit_code == 1 and result.output == f"error: {tmp_path}: no .yaml or .yml file in this folder\n"
+
+
+# --------------------------------------------------------------------------
+# config --out writes no file over another
+# --------------------------------------------------------------------------
+
+
+def test_config_out_leaves_files_already_there_unless_forced(tmp_path: Path) -> None:
+    first = CliRunner().invoke(cli.main, ["config", "nginx-snippets", "--out", str(tmp_path)])
+    assert first.exit_code == 0, first.output
+    written = sorted(tmp_path.iterdir())
+    assert written
+    for path in written:
+        path.write_text("# mine\n")
+    again = CliRunner().invoke(cli.main, ["config", "nginx-snippets", "--out", str(tmp_path)])
+    assert again.exit_code == 1
+    [line] = again.output.splitlines()
+    assert line.startswith(f"error: --out: {len(written)} files already there") and "--force" in line
+    assert all(str(path) in line for path in written)
+    assert all(path.read_text() == "# mine\n" for path in written)
+    forced = CliRunner().invoke(cli.main, ["config", "nginx-snippets", "--out", str(tmp_path), "--force"])
+    assert forced.exit_code == 0, forced.output
+    assert all(path.read_text() != "# mine\n" for path in written)
+
+
+def test_config_out_writes_nothing_when_one_file_is_there(tmp_path: Path) -> None:
+    out = tmp_path / "site"
+    first = CliRunner().invoke(cli.main, ["config", "nginx", "--out", str(out)])
+    assert first.exit_code == 0, first.output
+    files = sorted(path for path in out.rglob("*") if path.is_file())
+    keep, *others = files
+    for path in others:
+        path.unlink()
+    again = CliRunner().invoke(cli.main, ["config", "nginx", "--out", str(out)])
+    assert again.exit_code == 1 and f"1 file already there, left as they are: {keep}" in again.output
+    assert sorted(path for path in out.rglob("*") if path.is_file()) == [keep]
+
+
+# --------------------------------------------------------------------------
+# replay: nothing replayed is an error
+# --------------------------------------------------------------------------
+
+
+def invoke_replay(*args: str) -> Any:
+    """``sluice replay`` in this process (the command quiets the "sluice"
+    logger for its run; other tests need it back)."""
+    logger = logging.getLogger("sluice")
+    level = logger.level
+    try:
+        return CliRunner().invoke(cli.main, ["replay", *args])
+    finally:
+        logger.setLevel(level)
+
+
+LOG_LINE = ('203.0.113.7 - - [01/Mar/2024:10:00:00 +0000] "GET /api/x HTTP/1.1" 200 12 "-" "curl/8"\n')
+
+
+def test_replay_of_logs_without_a_request_exits_3_and_says_why(tmp_path: Path) -> None:
+    rules, log = tmp_path / "rules.yaml", tmp_path / "access.log"
+    rules.write_text(RULES)
+    log.write_text("not a request\nnor this\n")
+    result = invoke_replay("--config", str(rules), str(log))
+    assert result.exit_code == 3
+    assert result.output.startswith("replayed 0 requests from 2 lines of 1 log")
+    assert "error: none of the 2 lines of the logs is a request" in result.output.splitlines()[-1]
+    log.write_text("")
+    empty = invoke_replay("--config", str(rules), str(log))
+    assert empty.exit_code == 3 and "error: the logs have no lines" in empty.output
+
+
+def test_replay_with_some_requests_exits_0_and_counts_in_words(tmp_path: Path) -> None:
+    rules, log = tmp_path / "rules.yaml", tmp_path / "access.log"
+    rules.write_text(RULES)
+    log.write_text(LOG_LINE + "not a request\n")
+    result = invoke_replay("--config", str(rules), str(log))
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("replayed 1 request from 2 lines of 1 log")
+    assert "skipped 1 line that is not requests" in result.output
+
+
+def test_replay_help_gives_its_exit_statuses() -> None:
+    output = " ".join(CliRunner().invoke(cli.main, ["replay", "-h"]).output.split())
+    assert "3 when no line of the logs was a request" in output
+
+
+# --------------------------------------------------------------------------
+# Help for every option; the environment variables' page
+# --------------------------------------------------------------------------
+
+
+def every_option() -> Iterator[tuple[str, click.Option]]:
+    from sidecar.cli_reference import commands
+
+    for name, command in commands(cli.main):
+        for param in command.params:
+            if isinstance(param, click.Option):
+                yield name, param
+
+
+@pytest.mark.parametrize("name, option", list(every_option()), ids=lambda item: getattr(item, "name", item))
+def test_every_option_of_every_command_has_help_for_users(name: str, option: click.Option) -> None:
+    text = option.help or ""
+    assert text.strip(), f"{name} {option.opts[0]} has no help"
+    assert not re.search(r"\b(sidecar|tests)/|\.py\b", text), f"{name} {option.opts[0]} cites a source file: {text}"
+
+
+def test_the_environment_page_is_the_one_the_command_line_generates() -> None:
+    from sidecar.cli_reference import ENVIRONMENT_PAGE, REGENERATE, environment_page
+
+    committed = ROOT / ENVIRONMENT_PAGE
+    assert committed.is_file() and committed.read_text(encoding="utf-8") == environment_page(), (
+        f"{ENVIRONMENT_PAGE} is not what the options of `sluice` say: run `.venv/bin/{REGENERATE}` "
+        "and commit the page")
+
+
+def test_the_environment_page_lists_every_option_an_environment_variable_sets() -> None:
+    from sidecar.cli_reference import environment_page
+
+    @click.group()
+    def tool() -> None:
+        """A command line."""
+
+    @tool.command()
+    @click.option("--colour", default="blue", envvar="TOOL_COLOUR", help="The colour | of it.")
+    @click.option("--loud", is_flag=True, envvar="TOOL_LOUD", help="Shout.")
+    @click.option("--quiet", is_flag=True, help="No variable.")
+    def paint(colour: str, loud: bool, quiet: bool) -> None:
+        """Paint."""
+
+    page = environment_page(tool)
+    assert "| `TOOL_COLOUR` | `--colour` | `sluice paint` | `blue` | The colour \\| of it. |" in page
+    assert "| `TOOL_LOUD` | `--loud` | `sluice paint` | off | Shout. |" in page
+    assert "--quiet" not in page
+    sluice_page = environment_page()
+    for variable in ("SLUICE_CONFIG", "SLUICE_HOST", "SLUICE_PORT", "SLUICE_LOG_LEVEL", "SLUICE_ADMIN_TOKEN_FILE",
+                     "SLUICE_GRPC_PORT", "SLUICE_RLS_CONFIG", "SLUICE_SHADOW", "SLUICE_LOOP", "SLUICE_ADMIN_URL"):
+        assert f"| `{variable}` |" in sluice_page
+
+
+# --------------------------------------------------------------------------
+# Counts in words
+# --------------------------------------------------------------------------
+
+
+def test_counts_take_the_noun_in_their_number() -> None:
+    from sidecar.plurals import plural
+
+    assert [plural(count, "rule") for count in (0, 1, 2, 1528)] == ["0 rules", "1 rule", "2 rules", "1,528 rules"]
+    assert plural(1, "entry", "entries") == "1 entry" and plural(3, "entry", "entries") == "3 entries"
+
+
+def test_check_says_one_rule(tmp_path: Path) -> None:
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(RULES)
+    result = CliRunner().invoke(cli.main, ["check", str(rules)])
+    assert result.exit_code == 0 and result.output == f"{rules}: OK, 1 rule\n"

@@ -1,8 +1,13 @@
-"""What `sluice serve` hands each worker process."""
+"""What `sluice serve` hands each worker process, and how it fails to start."""
 
 import gc
 import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from sidecar.cli import service
 from sidecar.server import YOUNG_GENERATION_THRESHOLD
@@ -38,3 +43,30 @@ def test_each_process_collects_young_objects_in_large_batches(tmp_path: Path) ->
         assert gc.get_threshold()[0] == YOUNG_GENERATION_THRESHOLD > 700
     finally:
         gc.set_threshold(*before)
+
+
+@pytest.mark.parametrize("udp", [False, True], ids=["port", "hook-udp"])
+def test_a_second_sluice_on_the_same_addresses_exits_with_one_line_naming_the_option(
+        tmp_path: Path, udp: bool) -> None:
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("rules: []\n")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM if udp else socket.SOCK_STREAM) as first:
+        first.bind(("127.0.0.1", 0))
+        if not udp:
+            first.listen()
+        busy = first.getsockname()[1]
+        with socket.socket() as other:  # a free check port, for the hook-udp case
+            other.bind(("127.0.0.1", 0))
+            free = other.getsockname()[1]
+        argv = ["--port", str(free), "--hook-udp", f"127.0.0.1:{busy}"] if udp else \
+            ["--port", str(busy), "--hook-udp", "off"]
+        try:
+            second = subprocess.run([sys.executable, "-m", "sidecar", "serve", "--config", str(rules), *argv],
+                                    capture_output=True, text=True, timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the second sluice serve started on an address in use")
+    option = "--hook-udp" if udp else "--port"
+    assert second.returncode == 1 and second.stdout == ""
+    [line] = second.stderr.splitlines()
+    assert line.startswith(f"error: {option}: cannot listen on 127.0.0.1:{busy}")
+    assert "address already in use" in line
