@@ -96,7 +96,7 @@ def rendered_for_the_pod() -> str:
     """The shipped site rendered for the pod, its three snippets written in
     place of their include lines: one file, one ConfigMap key."""
     variables = pod_nginx_variables(build(KUBERNETES))
-    snippets = launcher.DEFAULT_TEMPLATE.parent / launcher.SNIPPETS_DIR
+    snippets = Path(str(launcher.DEFAULT_TEMPLATE)).parent / launcher.SNIPPETS_DIR
     lines = []
     for line in render_template(launcher.DEFAULT_TEMPLATE.read_text(), variables).splitlines(keepends=True):
         match = re.fullmatch(r"(\s*)include conf\.d/snippets/([\w-]+\.conf);\n", line)
