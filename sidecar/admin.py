@@ -1,11 +1,11 @@
 """Reload and the admin API.
 
-A reload (``SIGHUP`` or ``POST /v1/admin/reload``) reads the rules file
-again, and the Rate Limit Service configurations when Sluice serves them:
-valid files replace the rules at once, keeping counters (a rule keeps its
-counters under the same id and dimensions, a descriptor under the same
-entries); an invalid one is refused with its errors and the old rules and
-configurations keep running.
+A reload (``SIGHUP``, ``POST /v1/admin/reload``, or the rules file changing:
+``sidecar.watch``) reads the rules file again, and the Rate Limit Service
+configurations when Sluice serves them: valid files replace the rules at
+once, keeping counters (a rule keeps its counters under the same id and
+dimensions, a descriptor under the same entries); an invalid one is
+refused with its errors and the old rules and configurations keep running.
 
 The admin API answers only with a bearer token (``--admin-token-file``,
 compared in constant time), or — with no token configured — only to
@@ -37,6 +37,7 @@ from sidecar.networkbans import BanTarget, ban_target, client_key
 from sidecar.plurals import plural
 from sidecar.rules import Ruleset, describe_key, load_ruleset, no_ruleset
 from sidecar.state import AutoBan, BanRecord, Limiter
+from sidecar.watch import RulesFileWatch
 
 if TYPE_CHECKING:
     from sidecar.frontdoors.rls import RateLimitService
@@ -66,11 +67,15 @@ class Refused(Exception):
 class Admin:
     def __init__(self, engine: Engine, config_path: str | None, token: bytes | None = None,
                  loopback_listener: bool = False, rls: RateLimitService | None = None,
-                 shadow: bool = False) -> None:
+                 shadow: bool = False, watch_interval: float = 0.0) -> None:
         self.engine = engine
         self.config_path = config_path
         self.rls = rls
         self.shadow = shadow  # sluice serve --shadow: every rule reloaded in shadow mode
+        # Reloads when the rules file changes (sluice serve --watch-interval;
+        # 0: off), from the file as it is now, when its rules were loaded.
+        self.file_watch = RulesFileWatch(config_path, watch_interval, lambda: self.reload("file")) \
+            if config_path and watch_interval > 0 else None
         self._token = token
         self.loopback_listener = loopback_listener
 
@@ -81,7 +86,8 @@ class Admin:
 
     def reload(self, who: str = "signal") -> list[str]:
         """Reload the rules file; the errors, or [] when the new rules run.
-        ``who`` asked (``signal``, ``token`` or ``loopback``): the audit line says."""
+        ``who`` asked (``signal``, ``file`` (it changed), ``token`` or
+        ``loopback``): the audit line says."""
         errors: list[str] = []
         try:
             ruleset = self.load()

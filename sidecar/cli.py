@@ -19,6 +19,7 @@ from sidecar.cli_admin import admin as admin_commands
 from sidecar.config import ConfigError
 from sidecar.plurals import plural
 from sidecar.rules import Ruleset, load_ruleset, no_ruleset
+from sidecar.watch import DEFAULT_INTERVAL, SHORTEST_INTERVAL
 
 if TYPE_CHECKING:
     from sidecar.rls import RlsConfig
@@ -322,6 +323,12 @@ def replay(config: str, as_json: bool, top: int, host: str, exclude_top: int,
         _fail(nothing_replayed(report), NOTHING_REPLAYED)
 
 
+def _watch_interval(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    if value == 0 or SHORTEST_INTERVAL <= value < float("inf"):
+        return value
+    raise click.BadParameter(f"expected 0 (off) or at least {SHORTEST_INTERVAL:g} seconds, got {value:g}", ctx, param)
+
+
 @main.command()
 @click.option("--config", "config", type=click.Path(dir_okay=False), envvar="SLUICE_CONFIG", show_envvar=True,
               help="The rules file. Required, unless --demo-rules, or --rls-config to serve the Rate Limit "
@@ -356,6 +363,13 @@ def replay(config: str, as_json: bool, top: int, host: str, exclude_top: int,
 @click.option("--shadow", is_flag=True, envvar="SLUICE_SHADOW", show_envvar=True,
               help="Every rule in shadow mode: evaluated and counted as when enforcing, but no request is "
                    "refused, banned or challenged; what would have been is logged and counted.")
+@click.option("--watch-interval", default=DEFAULT_INTERVAL, show_default=True, type=float, metavar="SECONDS",
+              callback=_watch_interval, envvar="SLUICE_WATCH_INTERVAL", show_envvar=True,
+              help="How often the rules file is looked at: once changed (written, renamed over, a Kubernetes "
+                   "ConfigMap update) and steady for one more interval, it is reloaded as on SIGHUP, counters "
+                   "kept; an invalid file keeps the old rules. 0: off.")
+@click.option("--no-watch", is_flag=True, help="Reload the rules file only on SIGHUP or the admin API "
+                                                "(as --watch-interval 0).")
 @click.option("--workers", default=1, show_default=True, type=click.IntRange(min=1),
               help="Processes sharing the ports. More than one needs the Redis backend (state.backend: "
                    "redis), where they share one count.")
@@ -374,7 +388,8 @@ def replay(config: str, as_json: bool, top: int, host: str, exclude_top: int,
 def serve(config: str | None, demo_rules: bool, host: str, port: int, uds: str | None,
           hook_at: tuple[str, int] | None, admin_token_file: str | None, health: tuple[str, int] | None,
           grpc_port: int | None, rls_config: str | None, rls_shadow: bool, shadow: bool, workers: int,
-          log_level: str, max_header_bytes: int, max_headers: int, event_loop: str) -> None:
+          log_level: str, max_header_bytes: int, max_headers: int, event_loop: str, watch_interval: float,
+          no_watch: bool) -> None:
     """Run the check service, with the rules of --config (or SLUICE_CONFIG)."""
     import uvicorn
 
@@ -402,6 +417,7 @@ def serve(config: str | None, demo_rules: bool, host: str, port: int, uds: str |
                 "workers": workers, "health": health,
                 "grpc": None if grpc_port is None else (host, grpc_port),
                 "rls_config": rls_config, "rls_shadow": rls_shadow, "shadow": shadow,
+                "watch_interval": 0.0 if no_watch else watch_interval,
                 # Workers must sign and verify pending-count tokens and
                 # challenge credentials alike: without challenge.secret_file,
                 # one random key for all of them.
@@ -524,7 +540,8 @@ def service(settings: dict[str, Any], ruleset: Ruleset | None = None) -> Any:
 
         rls = RateLimitService(engine, settings["rls_config"], shadow=settings.get("rls_shadow", False))
     admin = Admin(engine, settings["config"], read_token(settings["admin_token_file"]),
-                  loopback_listener=settings["loopback"], rls=rls, shadow=settings.get("shadow", False))
+                  loopback_listener=settings["loopback"], rls=rls, shadow=settings.get("shadow", False),
+                  watch_interval=settings.get("watch_interval", 0.0))
     hook_udp = settings["hook_udp"]
     # Several workers share the report port: the kernel spreads datagrams
     # over them (SO_REUSEPORT).

@@ -1,6 +1,6 @@
 """The FastAPI service beside the front doors: health, readiness, metrics,
-the admin API, and the lifespan (the UDP report listener, SIGHUP, the
-``--health`` probe listener)."""
+the admin API, and the lifespan (the UDP report listener, SIGHUP and the
+watch of the rules file, the ``--health`` probe listener)."""
 
 from __future__ import annotations
 
@@ -44,8 +44,11 @@ def build_api(engine: Engine, report_udp: tuple[str, int] | None = None,
         transport = await listen_for_reports(engine, *report_udp, reuse_port=share_report_port) \
             if report_udp else None
         loop = asyncio.get_running_loop()
+        watch = None
         if admin is not None:
             loop.add_signal_handler(signal.SIGHUP, admin.reload)
+            if admin.file_watch is not None:
+                watch = loop.create_task(admin.file_watch.run())
         probes = None
         if health is not None:
             heartbeat = Heartbeat()
@@ -62,6 +65,10 @@ def build_api(engine: Engine, report_udp: tuple[str, int] | None = None,
             if probes is not None:
                 probes.heartbeat.stop()
                 await asyncio.to_thread(probes.stop)
+            if watch is not None:
+                watch.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watch
             if admin is not None:
                 loop.remove_signal_handler(signal.SIGHUP)
             if transport is not None:
