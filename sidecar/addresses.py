@@ -4,6 +4,7 @@ whether ``sluice serve`` can listen on them before it starts."""
 from __future__ import annotations
 
 import contextlib
+import re
 import socket
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -14,6 +15,10 @@ import click
 DEFAULT_HOST = "127.0.0.1"
 # A bare PORT, where an option takes one: every address (nginx's `listen 80`).
 EVERY_ADDRESS = "0.0.0.0"
+# A host name, an IPv4 address or an IPv6 one (its brackets removed): what
+# the proxies' configurations can carry as it is, nothing they would read
+# as syntax.
+_HOST = re.compile(r"[A-Za-z0-9._:-]{1,253}")
 
 
 class Address(click.ParamType):
@@ -40,11 +45,12 @@ class Address(click.ParamType):
         if self.off and text == "off":
             return None
         host, sep, port = (EVERY_ADDRESS, ":", text) if self.bare_port and text.isdigit() else text.rpartition(":")
-        if not sep or not port.isdigit():
+        host = host.removeprefix("[").removesuffix("]") if host.startswith("[") else host
+        if not sep or not port.isascii() or not port.isdigit() or not _HOST.fullmatch(host or DEFAULT_HOST):
             self.fail(f"expected {self.accepts}, got {value!r}", param, ctx)
         if not 1 <= int(port) <= 65535:
             self.fail(f"the port of {value!r} is not from 1 to 65535", param, ctx)
-        return host.strip("[]") or DEFAULT_HOST, int(port)
+        return host or DEFAULT_HOST, int(port)
 
 
 def shown(address: tuple[str, int]) -> str:

@@ -81,7 +81,7 @@ def test_check_and_replay_work_from_outside_the_checkout(installed: Installed) -
     (installed.work / "rules.yaml").write_text(RULES)
     (installed.work / "bad.yaml").write_text(RULES.replace("per: 60s", "per: soon"))
     (installed.work / "access.log").write_text(LOG)
-    assert installed.sluice("check", "rules.yaml").stdout == "rules.yaml: OK, 1 rules\n"
+    assert installed.sluice("check", "rules.yaml").stdout == "rules.yaml: OK, 1 rule\n"
     bad = installed.sluice("check", "bad.yaml", check=False)
     assert bad.returncode == 1 and bad.stderr.startswith("bad.yaml:4: rules[0](per-ip).limit.per: ")
     report = installed.sluice("replay", "--config", "rules.yaml", "access.log").stdout

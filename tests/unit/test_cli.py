@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator
 
 import click
 import pytest
+from hypothesis import given, settings, strategies as st
 import uvicorn
 import yaml
 from click.testing import CliRunner
@@ -489,7 +490,7 @@ def test_serve_listens_where_its_addresses_are_free(started: list) -> None:
     (["serve", "--demo-rules", "--hook-udp"], "expected HOST:PORT or 'off', got"),
     (["serve", "--demo-rules", "--health"], "expected HOST:PORT or 'off', got"),
 ])
-@pytest.mark.parametrize("value", ["nonsense", "off", "host:", "127.0.0.1:http"])
+@pytest.mark.parametrize("value", ["nonsense", "off", "host:", "127.0.0.1:http", "a b:80", "x;y:80"])
 def test_every_host_port_option_says_exactly_what_it_accepts(served: list, argv: list[str], accepted: str,
                                                             value: str) -> None:
     result = CliRunner().invoke(cli.main, [*argv, value])
@@ -504,6 +505,28 @@ def test_every_host_port_option_says_exactly_what_it_accepts(served: list, argv:
 def test_a_port_out_of_range_is_named(value: str) -> None:
     result = CliRunner().invoke(cli.main, ["config", "envoy", "--listen", value])
     assert result.exit_code == 2 and f"the port of {value!r} is not from 1 to 65535" in result.output
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(max_size=30) | st.builds(lambda host, port: f"{host}:{port}", st.text(max_size=12),
+                                              st.integers(-10, 70_000)),
+       off=st.booleans(), bare_port=st.booleans())
+def test_any_host_port_text_is_an_address_in_range_or_one_line_saying_what_is_accepted(
+        text: str, off: bool, bare_port: bool) -> None:
+    kind = addresses.Address(off=off, bare_port=bare_port)
+    try:
+        address = kind.convert(text, None, None)
+    except click.BadParameter as exc:
+        message = exc.message
+        assert "\n" not in message and (message.startswith(f"expected {kind.accepts}, got ")
+                                        or "is not from 1 to 65535" in message)
+    else:
+        if address is None:
+            assert off and text.strip() == "off"
+        else:
+            host, port = address
+            assert 1 <= port <= 65535 and str(port) in text
+            assert re.fullmatch(r"[A-Za-z0-9._:-]+", host), host
 
 
 def test_host_port_values_as_the_proxies_get_them() -> None:
