@@ -1,16 +1,26 @@
-"""What a decision looks like to the client: pages and headers."""
+"""What a decision looks like to the client: pages and headers.
+
+A refusal's page is its rule's template (the built-in HTML page, or a body
+of the rules file's, sent as the type it declares), or the built-in JSON
+body, for clients that prefer JSON to HTML or for rules that always send it
+(``block: {content_type: ...}``).
+"""
 
 from __future__ import annotations
 
+import functools
 import html
+import json
 import math
 import re
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from importlib import resources
 from pathlib import Path
+from typing import Callable, Literal
 
 from sidecar import config
+from sidecar.challenge import SOLUTION_PATH, IssuedChallenge
 
 _VARIABLE = re.compile(r"\$\{\{\s*(remote_addr|http_host|request_id)\s*\}\}")
 # The challenge page has two variables more; block pages do not know them.
@@ -22,16 +32,28 @@ _CHALLENGE_VARIABLE = re.compile(
 _BUILTIN_PAGE = (resources.files("sidecar") / "pages" / "blocked.html").read_text(encoding="utf-8")
 
 
+def escape_html(value: str) -> str:
+    return html.escape(value, quote=True)
+
+
+def escape_json(value: str) -> str:
+    """A value inside a JSON string: the template writes the quotes."""
+    return json.dumps(value)[1:-1]
+
+
 class PageTemplate:
     """A page with ``${{remote_addr}}``, ``${{http_host}}``, ``${{request_id}}``.
 
     The template is split once at load; rendering joins literal parts with
-    HTML-escaped values (``& < > " '``).
+    escaped values: HTML-escaped (``& < > " '``), or escaped for a JSON
+    string in a JSON page.
     """
 
-    __slots__ = ("_parts",)
+    __slots__ = ("_parts", "_escape")
 
-    def __init__(self, text: str, variables: re.Pattern[str] = _VARIABLE) -> None:
+    def __init__(self, text: str, variables: re.Pattern[str] = _VARIABLE,
+                 escape: Callable[[str], str] = escape_html) -> None:
+        self._escape = escape
         parts: list[str] = []
         position = 0
         for match in variables.finditer(text):
@@ -48,7 +70,7 @@ class PageTemplate:
             # Odd positions hold variable names, even ones literal text.
             # A variable without a value (a challenge page asked for
             # without its challenge) renders empty, never a KeyError.
-            out.append(html.escape(values.get(part, ""), quote=True) if index % 2 else part)
+            out.append(self._escape(values.get(part, "")) if index % 2 else part)
         return "".join(out).encode("utf-8")
 
     def one_line(self) -> "PageTemplate | None":
@@ -59,7 +81,7 @@ class PageTemplate:
         literal = "".join(self._parts[::2])
         if _NOT_ONE_LINE.search(literal):
             return None
-        one_line = PageTemplate("")
+        one_line = PageTemplate("", escape=self._escape)
         one_line._parts = tuple(_LINE_BREAK.sub(" ", part) if index % 2 == 0 else part
                                 for index, part in enumerate(self._parts))
         return one_line
@@ -72,13 +94,26 @@ _NOT_ONE_LINE = re.compile(r"<(?:script|pre|textarea|listing|xmp|plaintext)\b|[\
 _LINE_BREAK = re.compile(r"\r\n|[\r\n]")
 
 
-def _builtin_template(status: int) -> PageTemplate:
+def _reason(status: int) -> str:
     try:
-        reason = HTTPStatus(status).phrase
+        return HTTPStatus(status).phrase
     except ValueError:
-        reason = "Request refused"
-    text = _BUILTIN_PAGE.replace("${{status}}", str(status)).replace("${{reason}}", html.escape(reason))
+        return "Request refused"
+
+
+def _builtin_template(status: int) -> PageTemplate:
+    text = _BUILTIN_PAGE.replace("${{status}}", str(status)).replace("${{reason}}", html.escape(_reason(status)))
     return PageTemplate(text)
+
+
+CONTENT_TYPE_HTML = "text/html; charset=utf-8"
+CONTENT_TYPE_JSON = "application/json"
+
+# When a page is sent as the built-in JSON body instead of its template:
+# never, always, or when the client's Accept header prefers JSON to HTML.
+JsonChoice = Literal["never", "always", "if_preferred"]
+# The built-in page's content_type in the rules file, as a JsonChoice.
+_BUILTIN_JSON: dict[str, JsonChoice] = {"auto": "if_preferred", "text/html": "never", "application/json": "always"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,30 +123,157 @@ class BlockPage:
     status: int
     template: PageTemplate
     close: bool
-    # The page on one line, for nginx's one-call refusals (None: fetched).
+    content_type: str = CONTENT_TYPE_HTML  # the template's
+    json: JsonChoice = "if_preferred"
+    # The page on one line, for nginx's one-call refusals, which nginx sends
+    # as HTML (None: fetched, with its own type).
     one_line: PageTemplate | None = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "one_line", self.template.one_line())
+        html_page = self.content_type == CONTENT_TYPE_HTML and self.json != "always"
+        object.__setattr__(self, "one_line", self.template.one_line() if html_page else None)
 
     @classmethod
     def from_config(cls, block: config.BlockAction, base_dir: Path) -> "BlockPage":
         if block.body is not None:
-            template = PageTemplate(block.body)
+            own = block.body
         elif block.body_file is not None:
-            template = PageTemplate(config.resolve_file(block.body_file, base_dir)
-                                    .read_text(encoding="utf-8"))
+            own = config.resolve_file(block.body_file, base_dir).read_text(encoding="utf-8")
         else:
-            template = _builtin_template(block.status)
-        return cls(block.status, template, block.close)
+            return cls.builtin(block.status, _BUILTIN_JSON[block.content_type or "auto"], block.close)
+        content_type = media_type(block.content_type or "text/html")
+        escape = escape_json if is_json(content_type) else escape_html
+        return cls(block.status, PageTemplate(own, escape=escape), block.close, content_type, "never")
 
     @classmethod
-    def builtin(cls, status: int) -> "BlockPage":
-        return cls(status, _builtin_template(status), False)
+    def builtin(cls, status: int, json: JsonChoice = "if_preferred", close: bool = False) -> "BlockPage":
+        return cls(status, _builtin_template(status), close, CONTENT_TYPE_HTML, json)
+
+    def sends_json(self, client_prefers_json: bool) -> bool:
+        """Whether this page goes as the built-in JSON body to a client
+        that does (or does not) prefer JSON."""
+        return self.json == "always" or (self.json == "if_preferred" and client_prefers_json)
 
 
+def media_type(declared: str) -> str:
+    """A page's Content-Type: UTF-8 said for text, as pages are sent."""
+    base = declared.split(";", 1)[0].strip().lower()
+    if re.sub(r"\s", "", declared.lower()) in ("text/html", "text/html;charset=utf-8"):
+        return CONTENT_TYPE_HTML
+    if base.startswith("text/") and "charset=" not in declared.lower():
+        return f"{declared.strip()}; charset=utf-8"
+    return declared.strip()
 
-CONTENT_TYPE_HTML = "text/html; charset=utf-8"
+
+def is_json(content_type: str) -> bool:
+    """application/json, or a +json type (application/problem+json)."""
+    base = content_type.split(";", 1)[0].strip().lower()
+    return base == CONTENT_TYPE_JSON or base.endswith("+json")
+
+
+# An Accept header longer than any a client sends is not read (HTML).
+MAX_ACCEPT = 1024
+_MEDIA_RANGE = re.compile(r"\s*([A-Za-z0-9!#$%&'*+.^_`|~-]+)/([A-Za-z0-9!#$%&'*+.^_`|~-]+)\s*((?:;[^;]*)*)")
+_QVALUE = re.compile(r"\s*[qQ]\s*=\s*(0(?:\.\d{0,3})?|1(?:\.0{0,3})?)\s*")
+
+
+@functools.lru_cache(maxsize=256)
+def prefers_json(accept: str) -> bool:
+    """Whether an Accept header (RFC 9110, section 12.5.1) prefers
+    application/json to text/html. Each type's weight is the q of the most
+    specific range that matches it (type/subtype, type/*, */*), 0 for none.
+    At equal weights, a type the header names outright wins over one it
+    matches by a wildcard (``application/json, */*``, as HTTP libraries
+    send, is JSON; a browser names text/html); a full tie, no header and a
+    malformed one are HTML."""
+    if not accept or len(accept) > MAX_ACCEPT:
+        return False
+    json_weight = (-1, 0.0)  # (specificity, q) of the best range so far
+    html_weight = (-1, 0.0)
+    for element in accept.split(","):
+        if not element.strip():
+            continue  # an empty list element (RFC 9110, section 5.6.1)
+        range_ = _media_range(element)
+        if range_ is None:
+            return False
+        kind, subtype, q = range_
+        json_weight = max(json_weight, _matches(kind, subtype, q, "application", "json"))
+        html_weight = max(html_weight, _matches(kind, subtype, q, "text", "html"))
+    return json_weight[1] > 0 and json_weight[::-1] > html_weight[::-1]
+
+
+def _media_range(element: str) -> tuple[str, str, float] | None:
+    """type, subtype and q of one media range; None when malformed.
+    Parameters other than q are not compared: text/html;level=1 is text/html."""
+    match = _MEDIA_RANGE.fullmatch(element)
+    if match is None:
+        return None
+    kind, subtype = match.group(1).lower(), match.group(2).lower()
+    if kind == "*" and subtype != "*":
+        return None
+    q = 1.0
+    for parameter in match.group(3).split(";")[1:]:
+        name = parameter.split("=", 1)[0].strip().lower()
+        if name == "q":
+            weight = _QVALUE.fullmatch(parameter)
+            if weight is None:
+                return None
+            q = float(weight.group(1))
+    return kind, subtype, q
+
+
+def _matches(kind: str, subtype: str, q: float, wanted_kind: str, wanted_subtype: str) -> tuple[int, float]:
+    """(specificity, q) of a media range for a type; (-1, 0) when it does not match."""
+    if kind == wanted_kind and subtype == wanted_subtype:
+        return 2, q
+    if kind == wanted_kind and subtype == "*":
+        return 1, q
+    if kind == "*":
+        return 0, q
+    return -1, 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """What a refusal's page may show, whichever page it is."""
+
+    status: int
+    retry_after: int
+    rule_id: str | None  # None: no rule refused (the shared store is unavailable)
+    request_id: str
+    remote_addr: str = ""
+    host: str = ""
+    challenge: IssuedChallenge | None = None
+
+
+def page_body(page: BlockPage, refusal: Refusal, as_json: bool) -> tuple[str, bytes]:
+    """A refusal's Content-Type and body: the built-in JSON body, the
+    challenge page, or the page's template."""
+    if as_json:
+        return CONTENT_TYPE_JSON, json_body(refusal)
+    challenge = refusal.challenge
+    if challenge is not None:
+        return CONTENT_TYPE_HTML, CHALLENGE_PAGE.template.render(
+            refusal.remote_addr, refusal.host, refusal.request_id, challenge=challenge.text,
+            difficulty=str(challenge.difficulty), solution_path=SOLUTION_PATH)
+    return page.content_type, page.template.render(refusal.remote_addr, refusal.host, refusal.request_id)
+
+
+def json_body(refusal: Refusal) -> bytes:
+    """The built-in JSON body: what the built-in HTML page says (status,
+    reason, request id), and what a program acts on: a stable error code,
+    the wait, the rule (a name from the rules file) and, for a challenge,
+    what the challenge page's script solves. Never the client's address,
+    host or keys."""
+    status = refusal.status
+    challenge = refusal.challenge
+    error = "challenge_required" if challenge is not None else "unavailable" if status == 503 else "rate_limited"
+    body: dict[str, object] = {"error": error, "status": status, "message": _reason(status),
+                               "retry_after": refusal.retry_after, "rule": refusal.rule_id,
+                               "request_id": refusal.request_id}
+    if challenge is not None:
+        body.update(challenge=challenge.text, difficulty=challenge.difficulty, solution_path=SOLUTION_PATH)
+    return json.dumps(body).encode("utf-8") + b"\n"
 
 # The human-verification page. The challenge and its difficulty are
 # data attributes of one element, so a script (or a test) reads them without
@@ -123,7 +285,8 @@ CONTENT_TYPE_HTML = "text/html; charset=utf-8"
 _CHALLENGE_PAGE = (resources.files("sidecar") / "pages" / "challenge.html").read_text(encoding="utf-8")
 
 # Status 403, as in the seeds: a challenge is not a "too many requests" refusal.
-CHALLENGE_PAGE = BlockPage(403, PageTemplate(_CHALLENGE_PAGE, _CHALLENGE_VARIABLE), False)
+CHALLENGE_PAGE = BlockPage(403, PageTemplate(_CHALLENGE_PAGE, _CHALLENGE_VARIABLE), False, CONTENT_TYPE_HTML,
+                           "if_preferred")
 
 
 def over_limit_headers(limit: int, reset: int) -> list[tuple[str, str]]:
@@ -141,15 +304,20 @@ def retry_after_seconds(wait: float) -> int:
 _UNSENDABLE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
-def deny_headers(limit: int, reset: int, retry_after: int, request_id: str) -> list[tuple[str, str]]:
+def deny_headers(limit: int, reset: int, retry_after: int, request_id: str,
+                 content_type: str = CONTENT_TYPE_HTML, negotiated: bool = False) -> list[tuple[str, str]]:
     """Headers of a deny page: over-limit headers and Sluice's additions.
-    The request id is the proxy's: control characters in it are dropped."""
-    return over_limit_headers(limit, reset) + [
+    The request id is the proxy's: control characters in it are dropped.
+    A page chosen by the request's Accept header says so (Vary)."""
+    headers = over_limit_headers(limit, reset) + [
         ("Retry-After", str(retry_after)),
         ("Cache-Control", "no-store"),
         ("X-Request-Id", _UNSENDABLE.sub("", request_id)),
-        ("Content-Type", CONTENT_TYPE_HTML),
+        ("Content-Type", content_type),
     ]
+    if negotiated:
+        headers.append(("Vary", "Accept"))
+    return headers
 
 
 def draft_fields(quotas: list[tuple[str, float, tuple[int, float, float]]]) -> tuple[str, str]:

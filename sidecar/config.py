@@ -14,6 +14,8 @@ import ipaddress
 import math
 import re
 from dataclasses import dataclass
+from decimal import Decimal
+from fractions import Fraction
 from pathlib import Path
 from typing import Annotated, Any, Callable, ClassVar, Literal, Mapping
 
@@ -38,36 +40,103 @@ Loc = tuple[str | int, ...]
 # Scalars with units
 # --------------------------------------------------------------------------
 
-_DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "y": 365 * 86400}
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|y)\s*$")
+# A duration is one or more terms from the largest unit to the smallest, each
+# unit at most once: 10s, 1h30m, 1d12h, 2m30s, 1.5h. Computed as fractions,
+# so that a written value is read to the nearest float (1s1ms is 1.001).
+_DURATION_UNITS: dict[str, Fraction] = {
+    "y": Fraction(365 * 86400), "w": Fraction(7 * 86400), "d": Fraction(86400), "h": Fraction(3600),
+    "m": Fraction(60), "s": Fraction(1), "ms": Fraction(1, 1000)}
+_UNIT_ORDER = tuple(_DURATION_UNITS)
+_DURATION_TERM = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w|y)(?![a-z])", re.ASCII)
+_DURATION_EXAMPLE = "expected a duration like '10s'"
+# format_duration's units: no weeks or years, so that a week stays 7d as
+# it always was written.
+_FORMAT_UNITS = (("d", 86400), ("h", 3600), ("m", 60), ("s", 1))
 _RATE_RE = re.compile(r"^\s*(\d+)\s*r/(s|m)\s*$")
 _REFILL_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*/(s|m)\s*$")
 
 
 def parse_duration(value: Any) -> float:
-    """Integer seconds or a string with a unit: 500ms, 10s, 15m, 1h, 1d, 1y."""
-    if isinstance(value, bool):
-        raise ValueError(f"expected a duration like '10s', got {value!r}")
-    if isinstance(value, (int, float)):
-        seconds = float(value)
-    else:
-        match = _DURATION_RE.match(str(value))
-        if match is None:
-            raise ValueError(f"expected a duration like '10s', got {value!r}")
-        seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2)]
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(f"a duration must be positive, got {value!r}")
+    """Seconds as a number, or a string with units: 500ms, 10s, 15m, 1h30m,
+    1d12h, 2w, 1y. ValueError, with what to write instead, for anything else."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"{_DURATION_EXAMPLE}, got {_shown(value)}")
+    try:
+        seconds = _duration_text(value) if isinstance(value, str) else float(value)
+    except OverflowError:  # beyond a float: a huge int, or digits that make one
+        seconds = math.inf
+    if math.isnan(seconds) or seconds <= 0:
+        raise ValueError(f"a duration must be positive, got {_shown(value)}")
+    if math.isinf(seconds):
+        raise ValueError(f"a duration must be positive and finite, got {_shown(value)}")
     return seconds
 
 
+def _shown(value: Any, longest: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= longest else text[:longest] + "..."
+
+
+# More digits than this make a number beyond any float (and Fraction's int
+# refuses 4,300 of them).
+_MOST_DIGITS = 400
+
+
+def _duration_text(text: str) -> float:
+    total = Fraction(0)
+    position = 0
+    previous = -1
+    stripped = text.rstrip()
+    while position < len(stripped) or position == 0:
+        match = _DURATION_TERM.match(stripped, position)
+        if match is None:
+            raise ValueError(f"{_DURATION_EXAMPLE}, got {_shown(text)}{_duration_hint(text)}")
+        order = _UNIT_ORDER.index(match.group(2))
+        if order <= previous:
+            raise ValueError(f"units go from the largest to the smallest, each once (1h30m, 2m30s), "
+                             f"got {_shown(text)}")
+        previous = order
+        number = match.group(1)
+        total += Fraction(number) * _DURATION_UNITS[match.group(2)] if len(number) <= _MOST_DIGITS \
+            else Fraction(10) ** _MOST_DIGITS
+        position = match.end()
+    return float(total)  # OverflowError beyond a float
+
+
+def _duration_hint(text: str) -> str:
+    """A did-you-mean for a near miss: a bare number, or an upper-case unit."""
+    stripped = text.strip()
+    if stripped.startswith("-"):
+        return " (a duration is positive)"
+    if re.fullmatch(r"\d+(?:\.\d+)?", stripped, re.ASCII):
+        return f" (did you mean '{stripped}s'?)"
+    # M is left alone: a month or a minute?
+    lower = stripped.lower()
+    if lower != stripped and "M" not in stripped:
+        try:
+            _duration_text(lower)
+        except ValueError:
+            return ""
+        return f" (did you mean {lower!r}?)"
+    return ""
+
+
 def format_duration(seconds: float) -> str:
-    """A period as the rules file would write it: 500ms, 10s, 15m, 1h, 1d."""
-    if seconds < 1:
-        return f"{seconds * 1000:g}ms"
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds % size == 0:
-            return f"{seconds // size:g}{unit}"
-    return f"{seconds:g}s"
+    """A period as the rules file would write it, which parse_duration reads
+    back as the same number: 500ms, 10s, 15m, 1h30m, 7d."""
+    milliseconds = round(seconds * 1000) if 0 < seconds * 1000 < math.inf else 0
+    if not milliseconds or float(Fraction(milliseconds, 1000)) != seconds:
+        # Finer than a millisecond: the number of seconds, in full.
+        return f"{format(Decimal(repr(seconds)), 'f')}s"
+    whole, rest = divmod(milliseconds, 1000)
+    terms = []
+    for unit, size in _FORMAT_UNITS:
+        count, whole = divmod(whole, size)
+        if count:
+            terms.append(f"{count}{unit}")
+    if rest:
+        terms.append(f"{rest}ms")
+    return "".join(terms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,7 +349,8 @@ class TokenLimit(Strict):
     @model_validator(mode="after")
     def _cost_fits(self) -> "TokenLimit":
         if self.cost > self.tokens:
-            raise ValueError(f"cost {self.cost} can never be admitted by a bucket of {self.tokens} tokens")
+            raise ValueError(f"cost {self.cost} can never be admitted by a bucket of "
+                             f"{plural(self.tokens, 'token')}")
         return self
 
 
@@ -352,11 +422,64 @@ Limit = Annotated[
 ]
 
 
+# What the built-in page can be sent as: HTML or JSON as the client's Accept
+# header prefers (auto), or always one of them.
+BUILTIN_PAGE_TYPES = ("auto", "text/html", "application/json")
+# The media types of a page of one's own: a registered top-level type, a
+# subtype, parameters (RFC 9110, section 8.3.1).
+_TOKEN = r"[A-Za-z0-9!#$%&'*+.^_`|~-]+"
+_MEDIA_TYPE = re.compile(rf"(?:application|audio|font|image|message|model|multipart|text|video)/{_TOKEN}"
+                         rf"(?:\s*;\s*{_TOKEN}=(?:{_TOKEN}|\"[^\"\\]*\"))*", re.IGNORECASE)
+# What a misspelt type is most likely meant to be.
+_COMMON_TYPES = (*BUILTIN_PAGE_TYPES, "text/plain", "application/problem+json", "application/xml", "text/xml")
+_TYPE_ALIASES = {"json": "application/json", "html": "text/html", "text/json": "application/json",
+                 "application/html": "text/html", "xml": "application/xml", "text": "text/plain",
+                 "plain": "text/plain", "txt": "text/plain"}
+
+
+def _did_you_mean_type(value: str, known: tuple[str, ...]) -> str:
+    """The known type a misspelt one is closest to, by its full name or
+    its short one (jsno: json: application/json)."""
+    names = {**{name: name for name in known},
+             **{alias: name for alias, name in _TYPE_ALIASES.items() if name in known}}
+    close = difflib.get_close_matches(value.strip().lower(), list(names), n=1, cutoff=0.7)
+    return f" (did you mean {names[close[0]]!r}?)" if close else ""
+
+
 class BlockAction(Strict):
     status: int = Field(429, ge=400, le=599)
     body: str | None = None
     body_file: str | None = None
     close: bool = False
+    # The built-in page: auto (the default), text/html or application/json;
+    # a body of one's own: its media type (text/html unless given).
+    content_type: str | None = None
+
+    @field_validator("content_type")
+    @classmethod
+    def _media_type(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None:
+            return None
+        if info.data.get("close"):
+            raise ValueError("close: true sends no page; remove content_type")
+        if info.data.get("body") is None and info.data.get("body_file") is None:
+            if value.strip().lower() not in BUILTIN_PAGE_TYPES:
+                raise ValueError(f"the built-in page is sent as auto (HTML or JSON, as the client's Accept "
+                                 f"header prefers), text/html or application/json, got {value!r}"
+                                 f"{_did_you_mean_type(value, BUILTIN_PAGE_TYPES)}; another type needs "
+                                 "a body or body_file of its own")
+            return value.strip().lower()
+        if value.strip().lower() == "auto":
+            raise ValueError("auto chooses between the built-in HTML and JSON pages; a body of your own "
+                             "is sent as the one type you give it, e.g. application/json")
+        if not _MEDIA_TYPE.fullmatch(value.strip()):
+            raise ValueError(f"expected a media type like 'application/json' or 'text/plain', got {value!r}"
+                             f"{_did_you_mean_type(value, _COMMON_TYPES)}")
+        charset = re.search(r";\s*charset\s*=\s*\"?([^\s;\"]*)", value, re.IGNORECASE)
+        if charset is not None and charset.group(1).lower() not in ("utf-8", "utf8"):
+            raise ValueError(f"pages are sent as UTF-8, got charset {charset.group(1)!r}; "
+                             "remove the charset or give charset=utf-8")
+        return value.strip()
 
     @field_validator("body_file")
     @classmethod
@@ -719,6 +842,11 @@ def read_text_file(name: str, info: ValidationInfo, what: str) -> str:
         raise ValueError(f"the {what} {name!r} is not UTF-8 text") from None
 
 
+def plural(count: int, noun: str) -> str:
+    """``1 token``, ``2 tokens``."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
 def _exactly_one(model: BaseModel, fields: tuple[str, ...]) -> None:
     given = [f for f in fields if getattr(model, f) is not None]
     if len(given) != 1:
@@ -759,11 +887,14 @@ class ConfigError(Exception):
 
 
 class _Document:
-    """Plain Python data from YAML plus the line of every field and item."""
+    """Plain Python data from YAML plus the line of every field and item,
+    and what was written for the unquoted values YAML read as booleans or
+    numbers (``yes``, ``off``, ``1_000``), to say so where text was due."""
 
     def __init__(self, file: str, text: str) -> None:
         self.file = file
         self.lines: dict[Loc, int] = {(): 1}
+        self.written: dict[Loc, str] = {}
         self.issues: list[ConfigIssue] = []
         self._constructor = yaml.constructor.SafeConstructor()
         try:
@@ -784,8 +915,10 @@ class _Document:
                 key = self._scalar(key_node, loc)
                 line = key_node.start_mark.line + 1
                 if not isinstance(key, str):
-                    self.issues.append(ConfigIssue(self.file, line, format_loc(loc),
-                                                   f"field names must be text, got {key!r}"))
+                    read = yaml_read(key_node.value, key) if isinstance(key_node, yaml.ScalarNode) else None
+                    message = (f"field names must be text; {read}; quote it: \"{key_node.value}\":" if read
+                               else f"field names must be text, got {key!r}")
+                    self.issues.append(ConfigIssue(self.file, line, format_loc(loc), message))
                     continue
                 if key in result:
                     self.issues.append(ConfigIssue(self.file, line, format_loc(loc + (key,)),
@@ -800,7 +933,10 @@ class _Document:
                 self.lines[loc + (index,)] = item.start_mark.line + 1
                 items.append(self._convert(item, loc + (index,)))
             return items
-        return self._scalar(node, loc)
+        value = self._scalar(node, loc)
+        if isinstance(value, (bool, int, float)) and isinstance(node, yaml.ScalarNode) and node.style is None:
+            self.written[loc] = node.value
+        return value
 
     def _scalar(self, node: yaml.Node, loc: Loc) -> Any:
         try:
@@ -813,6 +949,11 @@ class _Document:
 
     def issue(self, loc: Loc, message: str, missing: bool = False) -> ConfigIssue:
         """An issue at ``loc`` (a pydantic location, possibly with union tags)."""
+        return _locate(self.file, self.lines, self.path(loc, missing), message)
+
+    def path(self, loc: Loc, missing: bool = False) -> Loc:
+        """Where a pydantic location is in the document: without union tags
+        or list indexes pydantic invented (the missing field's name kept)."""
         path: list[str | int] = []
         current = self.data
         for index, part in enumerate(loc):
@@ -826,7 +967,32 @@ class _Document:
             else:
                 continue  # a union tag or a list index pydantic invented
             path.append(part)
-        return _locate(self.file, self.lines, tuple(path), message)
+        return tuple(path)
+
+    def read_as_text(self, loc: Loc, expected_text: bool) -> str | None:
+        """What to say about a value written unquoted that YAML read as a
+        boolean or number, where ``expected_text`` says text was due."""
+        path = self.path(loc)
+        written = self.written.get(path)
+        if written is None:
+            return None
+        value = self.data
+        for part in path:
+            value = value[part]
+        read = yaml_read(written, value)
+        if not expected_text:
+            return read
+        field = f"{path[-1]}: " if path and isinstance(path[-1], str) else ""
+        return f"{read}; quote it: {field}\"{written}\""
+
+
+def yaml_read(written: str, value: Any) -> str:
+    """YAML 1.1 reads yes/no/on/off as booleans and 1_000, 0x1f, 1:30 as numbers."""
+    if isinstance(value, bool):
+        return f"YAML read {written} as {str(value).lower()}"
+    if written == str(value):
+        return f"YAML read {written} as a number"
+    return f"YAML read {written} as the number {value!r}"
 
 
 def format_loc(loc: Loc) -> str:
@@ -921,6 +1087,10 @@ def validation_issues(document: _Document, exc: ValidationError,
         message = _message(error)
         if error["type"] == "extra_forbidden" and error["loc"]:
             message += hint(str(error["loc"][-1]))
+        elif error["type"] in ("string_type", "literal_error") and isinstance(error["input"], (bool, int, float)):
+            read = document.read_as_text(tuple(error["loc"]), error["type"] == "string_type")
+            if read is not None:
+                message = read if error["type"] == "string_type" else f"{message} ({read})"
         issues.append(document.issue(tuple(error["loc"]), message, missing=error["type"] == "missing"))
     return issues
 

@@ -156,9 +156,10 @@ def proxy_expires(until: float, now: float) -> int:
 
 # What a stored refusal is found by: the front door, the check's method, and
 # the header fields that name the client and shape the answer (the peer, its
-# X-Forwarded-For, and the host the page names), as received.
-StoredKey = tuple[str, str, str | None, str | None, str | None, str | None]
-STORED_KEY_FIELDS = ("x-sluice-client-addr", "x-forwarded-for", "x-original-host", "host")
+# X-Forwarded-For, the host the page names, and the Accept header that
+# chooses between an HTML and a JSON page), as received.
+StoredKey = tuple[str, str, str | None, str | None, str | None, str | None, str | None]
+STORED_KEY_FIELDS = ("x-sluice-client-addr", "x-forwarded-for", "x-original-host", "host", "accept")
 # The front doors whose client and page come from those fields alone
 # (forward-auth's client is the connection's peer).
 STORED_FRONT_DOORS = frozenset({"nginx", "envoy"})
@@ -166,8 +167,8 @@ STORED_FRONT_DOORS = frozenset({"nginx", "envoy"})
 
 def stored_key(front_door: str, method: str, headers: dict[str, str]) -> StoredKey:
     """The ``StoredKey`` of a check, from its header map."""
-    peer, forwarded, original_host, host = (headers.get(name) for name in STORED_KEY_FIELDS)
-    return front_door, method, peer, forwarded, original_host, host
+    peer, forwarded, original_host, host, accept = (headers.get(name) for name in STORED_KEY_FIELDS)
+    return front_door, method, peer, forwarded, original_host, host, accept
 
 
 @dataclass(frozen=True, slots=True)

@@ -260,8 +260,9 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             return False
         # As request_id_of: the proxy's, or a new one.
         request_id = fields.get(b"x-request-id") or new_request_id().encode("ascii")
-        peer, forwarded, original_host, host = (fields.get(name) for name in _STORED_KEY_FIELDS)
-        key = (check.front_door, scope["method"], _text(peer), _text(forwarded), _text(original_host), _text(host))
+        peer, forwarded, original_host, host, accept = (fields.get(name) for name in _STORED_KEY_FIELDS)
+        key = (check.front_door, scope["method"], _text(peer), _text(forwarded), _text(original_host), _text(host),
+               _text(accept))
         answer = self.app.refused_at_once(check, key, request_id)
         if answer is None:
             return False

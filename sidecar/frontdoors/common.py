@@ -9,9 +9,9 @@ import os
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Iterable, Protocol
 
-from sidecar.actions import CHALLENGE_PAGE, BlockPage, deny_headers, over_limit_headers
+from sidecar.actions import BlockPage, Refusal, deny_headers, over_limit_headers, page_body, prefers_json
 from sidecar.asgi import Receive, Scope, Send
-from sidecar.challenge import FINGERPRINT_HEADER, SOLUTION_PATH, IssuedChallenge
+from sidecar.challenge import FINGERPRINT_HEADER, IssuedChallenge
 from sidecar.clientip import ClientAddress
 from sidecar.engine import Decision, Engine
 from sidecar.overload import SENT_HEADER, parse_sent
@@ -169,22 +169,28 @@ async def wait_unless_disconnected(receive: Receive, seconds: float) -> bool:
     return True
 
 
+def client_prefers_json(request: CheckRequest) -> bool:
+    """Whether the original request's Accept header prefers JSON to HTML."""
+    return prefers_json(request.headers.get("accept", ""))
+
+
 def render_deny(request: CheckRequest, decision: Decision) -> Reply:
-    """A deny's status, headers and page."""
-    assert decision.page is not None
-    body = render_page(decision.page, request.client.text, request.host, request.request_id,
-                       decision.challenge)
-    headers = deny_headers(decision.limit, decision.reset, decision.retry_after, request.request_id)
-    return decision.page.status, headers, body
+    """A deny's status, headers and page (HTML or JSON, see
+    sidecar.actions)."""
+    page = decision.page
+    assert page is not None
+    refusal = Refusal(page.status, decision.retry_after, decision.rule.id if decision.rule is not None else None,
+                      request.request_id, request.client.text, request.host, decision.challenge)
+    content_type, body = page_body(page, refusal, page.sends_json(client_prefers_json(request)))
+    headers = deny_headers(decision.limit, decision.reset, decision.retry_after, request.request_id,
+                           content_type, page.json == "if_preferred")
+    return page.status, headers, body
 
 
 def render_page(page: BlockPage, remote_addr: str, host: str, request_id: str,
                 challenge: IssuedChallenge | None) -> bytes:
-    if challenge is None:
-        return page.template.render(remote_addr, host, request_id)
-    return CHALLENGE_PAGE.template.render(remote_addr, host, request_id, challenge=challenge.text,
-                                          difficulty=str(challenge.difficulty),
-                                          solution_path=SOLUTION_PATH)
+    """A page as HTML (or its template's own type), never the JSON body."""
+    return page_body(page, Refusal(page.status, 0, None, request_id, remote_addr, host, challenge), False)[1]
 
 
 async def read_body(receive: Receive, limit: int) -> bytes:

@@ -9,22 +9,29 @@ nginx sends with ``return`` (sluice-server.conf's ``@sluice_deny``). A page
 that cannot travel as one header field (a challenge's, which runs a script,
 or one over MAX_INLINE_PAGE) is fetched in a second call from
 NGINX_DENY_PATH, which answers with the real status; so is any page whose
-status the shipped ``@sluice_deny`` does not list.
+status the shipped ``@sluice_deny`` does not list, and any page that is not
+HTML (``@sluice_deny`` sends what it holds as HTML; the second call's answer
+keeps its Content-Type). That call carries none of the client's headers, so
+the check's answer says in the token whether the client's Accept header
+prefers JSON, and, when the page depends on it, ``Vary: Accept`` for
+nginx's cache of refusals.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from typing import NamedTuple
 
-from sidecar.actions import BlockPage, deny_headers, over_limit_headers
+from sidecar.actions import BlockPage, Refusal, deny_headers, over_limit_headers, page_body
 from sidecar.asgi import Receive, Scope, Send
 from sidecar.challenge import MAX_CHALLENGE_LENGTH, IssuedChallenge
 from sidecar.clientip import parse_address
 from sidecar.config import RULE_ID_RE
 from sidecar.engine import ALLOW, CLOSE, Decision, Engine
 from sidecar.frontdoors.common import (
-    Check, Reply, Route, Service, allow_headers, check_request, header_map, render_page, request_id_of, respond,
+    Check, Reply, Route, Service, allow_headers, check_request, client_prefers_json, header_map, request_id_of,
+    respond,
 )
 from sidecar.ratelog import RateLimitedLog
 from sidecar.request import CheckRequest, strip_port
@@ -57,33 +64,50 @@ def inline_page(page: BlockPage, request: CheckRequest) -> str | None:
     return body.decode("latin-1") if len(body) <= MAX_INLINE_PAGE else None
 
 
+class DenyFields(NamedTuple):
+    status: int
+    limit: int
+    reset: int
+    retry_after: int
+    rule_id: str  # "-": no rule
+    client: str  # "": none
+    challenge: IssuedChallenge | None
+    prefers_json: bool  # the client's Accept header prefers JSON to HTML
+
+
 class DenyToken:
     """What nginx carries from the auth answer to the page request.
 
-    Plain text ``status limit reset retry-after rule-id client``, and for a
-    challenge page ``difficulty challenge`` after them: rule ids, addresses
-    and challenges contain no spaces (rule ids are checked at load).
+    Plain text ``status limit reset retry-after rule-id client``, then
+    ``json`` when the client's Accept header prefers JSON, then for a
+    challenge page ``difficulty challenge``: rule ids, addresses and
+    challenges contain no spaces (rule ids are checked at load).
     """
 
     @staticmethod
-    def encode(decision: Decision, client_text: str) -> str:
+    def encode(decision: Decision, client_text: str, prefers_json: bool = False) -> str:
         rule = decision.rule
         assert decision.page is not None
         # No rule: refused because the shared store is unavailable (fail:
         # closed); the page request then gets the built-in page.
         token = (f"{decision.page.status} {decision.limit} {decision.reset} {decision.retry_after} "
                  f"{rule.id if rule is not None else '-'} {client_text or '-'}")
+        if prefers_json:
+            token += " json"
         if decision.challenge is not None:
             token += f" {decision.challenge.difficulty} {decision.challenge.text}"
         return token
 
     @staticmethod
-    def decode(token: str) -> tuple[int, int, int, int, str, str, IssuedChallenge | None]:
+    def decode(token: str) -> DenyFields:
         """The token's fields; ValueError for anything ``encode`` does not
         write (a token is checked field by field, never trusted)."""
         if len(token) > MAX_DENY_TOKEN:
             raise ValueError("token too long")
         fields = token.split(" ")
+        prefers_json = len(fields) in (7, 9)
+        if prefers_json and fields.pop(6) != "json":
+            raise ValueError("not the json mark")
         if len(fields) not in (6, 8):
             raise ValueError(f"{len(fields)} fields")
         status, limit, reset, retry_after, rule_id, client = fields[:6]
@@ -100,8 +124,8 @@ class DenyToken:
             if not (0 < len(fields[7]) <= MAX_CHALLENGE_LENGTH and _CHALLENGE_TEXT.fullmatch(fields[7])):
                 raise ValueError("not a challenge")
             challenge = IssuedChallenge(fields[7], _token_number(fields[6], 3))
-        return status_code, _token_number(limit), _token_number(reset), _token_number(retry_after), \
-            rule_id, "" if address is None else str(address), challenge
+        return DenyFields(status_code, _token_number(limit), _token_number(reset), _token_number(retry_after),
+                          rule_id, "" if address is None else str(address), challenge, prefers_json)
 
 
 # Longer than any token encode writes (a challenge is at most
@@ -143,13 +167,18 @@ def answer_nginx(request: CheckRequest, decision: Decision) -> Reply:
         return NGINX_CLOSE_STATUS, cached, b""
     # The token lets nginx fetch the page when it cannot send it itself;
     # the over-limit fields and Retry-After are added by @sluice_deny.
-    headers = [("X-Sluice-Deny", DenyToken.encode(decision, request.client.text)),
+    page = decision.page
+    assert page is not None
+    prefers_json = client_prefers_json(request)
+    headers = [("X-Sluice-Deny", DenyToken.encode(decision, request.client.text, prefers_json)),
                *over_limit_headers(decision.limit, decision.reset),
                ("Retry-After", str(decision.retry_after)), *cached]
-    assert decision.page is not None
-    page = inline_page(decision.page, request) if decision.challenge is None else None
-    if page is not None:
-        headers += [(PAGE_STATUS_HEADER, str(decision.page.status)), (PAGE_HEADER, page)]
+    if page.json == "if_preferred":
+        headers.append(("Vary", "Accept"))  # for nginx's cache of refusals
+    inline = inline_page(page, request) if decision.challenge is None and not page.sends_json(prefers_json) \
+        else None
+    if inline is not None:
+        headers += [(PAGE_STATUS_HEADER, str(page.status)), (PAGE_HEADER, inline)]
     return NGINX_DENY_STATUS, headers, b""
 
 
@@ -165,7 +194,7 @@ def _deny_page(rule: CompiledRule | None, status: int, challenge: IssuedChalleng
         return BlockPage.builtin(status), None
     if rule.challenge is not None:
         return (rule.page, challenge) if challenge is not None else (BlockPage.builtin(status), None)
-    return (rule.page if rule.page.status == status else BlockPage.builtin(status)), None
+    return (rule.page if rule.page.status == status else BlockPage.builtin(status, rule.page.json)), None
 
 
 async def deny_page(service: Service, scope: Scope, receive: Receive, send: Send) -> None:
@@ -178,19 +207,23 @@ async def deny_page(service: Service, scope: Scope, receive: Receive, send: Send
     request_id = request_id_of(headers)
     token = headers.get("x-sluice-deny", "")
     try:
-        status, limit, reset, retry_after, rule_id, client, challenge = DenyToken.decode(token)
+        fields = DenyToken.decode(token)
     except ValueError as exc:
         _bad_token_log.warning("deny page asked for with an invalid token %r (%s; reported once "
                                "per minute)", token[:200], exc)
-        status, limit, reset, retry_after, rule_id, client, challenge = 429, 1, 1, 1, "", "", None
+        fields = DenyFields(429, 1, 1, 1, "-", "", None, False)
+    status, limit, reset, retry_after = fields.status, fields.limit, fields.reset, fields.retry_after
     try:
-        page, challenge = _deny_page(service.engine.ruleset.by_id.get(rule_id), status, challenge)
-        body = render_page(page, client, headers.get("x-original-host", ""), request_id, challenge)
+        page, challenge = _deny_page(service.engine.ruleset.by_id.get(fields.rule_id), status, fields.challenge)
+        refusal = Refusal(status, retry_after, None if fields.rule_id == "-" else fields.rule_id, request_id,
+                          fields.client, headers.get("x-original-host", ""), challenge)
+        content_type, body = page_body(page, refusal, page.sends_json(fields.prefers_json))
     except Exception:  # a bug: still a refusal, never a 500 for nginx to show
         service.internal_error()
         status, limit, reset, retry_after = 429, 1, 1, 1
-        body = BlockPage.builtin(status).template.render(client, "", request_id)
-    await respond(send, status, deny_headers(limit, reset, retry_after, request_id), body)
+        page = BlockPage.builtin(status)
+        content_type, body = page_body(page, Refusal(status, retry_after, None, request_id), False)
+    await respond(send, status, deny_headers(limit, reset, retry_after, request_id, content_type), body)
 
 
 ROUTES = (

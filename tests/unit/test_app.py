@@ -113,11 +113,20 @@ def test_invalid_deny_token_still_answers_a_refusal(app):
 def test_deny_token_round_trips_and_rejects_bad_status():
     with pytest.raises(ValueError):
         DenyToken.decode("200 1 1 1 rule -")
-    assert DenyToken.decode("429 5 10 3 rule -") == (429, 5, 10, 3, "rule", "", None)
+    assert DenyToken.decode("429 5 10 3 rule -") == (429, 5, 10, 3, "rule", "", None, False)
     assert DenyToken.decode("403 5 10 3 rule 192.0.2.1 4 abc.def") == \
-        (403, 5, 10, 3, "rule", "192.0.2.1", IssuedChallenge("abc.def", 4))
+        (403, 5, 10, 3, "rule", "192.0.2.1", IssuedChallenge("abc.def", 4), False)
     with pytest.raises(ValueError):
         DenyToken.decode("403 5 10 3 rule 192.0.2.1 4")
+
+
+def test_deny_token_carries_whether_the_client_prefers_json():
+    assert DenyToken.decode("429 5 10 3 rule - json").prefers_json
+    assert DenyToken.decode("403 5 10 3 rule 192.0.2.1 json 4 abc.def") == \
+        (403, 5, 10, 3, "rule", "192.0.2.1", IssuedChallenge("abc.def", 4), True)
+    for bad in ("429 5 10 3 rule - jsn", "429 5 10 3 rule - 4 abc json", "429 5 10 3 rule - json json"):
+        with pytest.raises(ValueError):
+            DenyToken.decode(bad)
 
 
 def test_internal_failure_fails_open(app):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -240,6 +241,14 @@ def test_wrong_type_or_value_is_an_error_at_its_line(text: str, fragment: str, f
     assert (issue.line, issue.field) == (line_of(text, fragment), field)
 
 
+def test_compound_durations_and_weeks_are_accepted_wherever_a_duration_is() -> None:
+    text = rule_file("limit: {requests: 1, per: 1h30m}\naction: ban\npenalty: 2m30s\n"
+                     "ban: {duration: 1w, increment: {max: 2w, remember: 1d12h}}\n")
+    rule = parse(text).model.rules[1]
+    assert (rule.limit.per, rule.penalty, rule.ban.duration) == (5400, 150, 7 * 86400)
+    assert (rule.ban.increment.max_, rule.ban.increment.remember) == (14 * 86400, 129600)
+
+
 def test_bad_duration_message_shows_what_was_written() -> None:
     text = rule_file("limit: {requests: 1, per: 10 seconds}\naction: log\n")
     issue = only_issue(text)
@@ -395,6 +404,65 @@ def test_close_with_a_page_is_an_error(page: str, pages: Path) -> None:
     assert (issue.line, issue.field) == (line_of(text, "close: true"), "rules[1].block")
 
 
+@pytest.mark.parametrize(("block", "json"), [
+    ("{}", "if_preferred"), ("{content_type: auto}", "if_preferred"), ("{content_type: text/html}", "never"),
+    ("{content_type: application/json}", "always"), ("{content_type: Application/JSON}", "always"),
+    ("{status: 503, content_type: application/json}", "always"),
+])
+def test_the_built_in_page_is_sent_as_html_json_or_as_the_client_prefers(block: str, json: str) -> None:
+    ruleset = compile_rules(parse(rule_file(f"limit: {{requests: 1, per: 1s}}\naction: block\nblock: {block}\n")))
+    assert ruleset.rules[1].page.json == json
+
+
+@pytest.mark.parametrize(("block", "content_type"), [
+    ("{body: hi}", "text/html; charset=utf-8"),
+    ("{body: '{}', content_type: application/json}", "application/json"),
+    ("{body: hi, content_type: text/plain}", "text/plain; charset=utf-8"),
+    ("{body: hi, content_type: 'text/plain; charset=UTF-8'}", "text/plain; charset=UTF-8"),
+    ("{body: '{}', content_type: application/problem+json}", "application/problem+json"),
+    ("{body_file: page.html, content_type: text/html}", "text/html; charset=utf-8"),
+])
+def test_a_page_of_ones_own_keeps_its_declared_type(block: str, content_type: str, pages: Path) -> None:
+    text = rule_file(f"limit: {{requests: 1, per: 1s}}\naction: block\nblock: {block}\n")
+    page = compile_rules(parse(text, base_dir=pages)).rules[1].page
+    assert (page.content_type, page.json) == (content_type, "never")
+
+
+@pytest.mark.parametrize(("block", "message"), [
+    ("{content_type: json}", "the built-in page is sent as auto (HTML or JSON, as the client's Accept header "
+     "prefers), text/html or application/json, got 'json' (did you mean 'application/json'?); another type "
+     "needs a body or body_file of its own"),
+    ("{content_type: application/jsn}", "(did you mean 'application/json'?)"),
+    ("{content_type: htm}", "(did you mean 'text/html'?)"),
+    ("{content_type: text/plain}", "got 'text/plain'; another type needs a body or body_file of its own"),
+    ("{body: hi, content_type: aplication/json}",
+     "expected a media type like 'application/json' or 'text/plain', got 'aplication/json' "
+     "(did you mean 'application/json'?)"),
+    ("{body: hi, content_type: plain}", "got 'plain' (did you mean 'text/plain'?)"),
+    ("{body: hi, content_type: auto}", "auto chooses between the built-in HTML and JSON pages; a body of "
+     "your own is sent as the one type you give it, e.g. application/json"),
+    ("{body: hi, content_type: 'text/plain; charset=latin-1'}", "pages are sent as UTF-8, got charset 'latin-1'"),
+    ("{close: true, content_type: application/json}", "close: true sends no page; remove content_type"),
+    ("{content_type: 1}", 'YAML read 1 as a number; quote it: content_type: "1"'),
+])
+def test_a_bad_content_type_is_an_error_at_its_line_with_a_hint(block: str, message: str) -> None:
+    text = rule_file(f"limit: {{requests: 1, per: 1s}}\naction: block\nblock: {block}\n")
+    issue = only_issue(text)
+    assert (issue.line, issue.field) == (line_of(text, "content_type"), "rules[1].block.content_type")
+    assert message in issue.message, issue.message
+
+
+def test_sluice_check_names_file_line_and_field_of_a_bad_content_type(tmp_path: Path) -> None:
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(rule_file("limit: {requests: 1, per: 1s}\naction: block\nblock:\n"
+                               "  status: 429\n  content_type: jsno\n"), encoding="utf-8")
+    result = subprocess.run([sys.executable, "-m", "sidecar", "check", str(rules)], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 1
+    assert result.stderr.splitlines()[0].startswith(f"{rules}:11: rules[1](r).block.content_type: ")
+    assert "(did you mean 'application/json'?)" in result.stderr
+
+
 @pytest.mark.parametrize("duration", ["500ms", "0.5", "2y", "366d", "31536001", "0s", 0])
 def test_ban_duration_outside_1s_to_1y_is_an_error(duration: object) -> None:
     text = rule_file(f"limit: {{requests: 1, per: 1s}}\naction: ban\nban: {{duration: {duration}}}\n")
@@ -511,6 +579,54 @@ def test_token_cost_above_the_bucket_is_an_error() -> None:
     assert (issue.line, issue.field) == (line_of(text, "cost"), "rules[1].limit")
 
 
+@pytest.mark.parametrize(("tokens", "words"), [(1, "a bucket of 1 token"), (2, "a bucket of 2 tokens")])
+def test_counts_in_messages_agree_with_their_nouns(tokens: int, words: str) -> None:
+    issue = only_issue(rule_file(f"limit: {{tokens: {tokens}, refill: 1/s, cost: 3}}\naction: log\n"))
+    assert issue.message == f"cost 3 can never be admitted by {words}"
+
+
+# YAML 1.1 reads yes/no/on/off/true/false as booleans and 1_000, 0x1f, 1:30,
+# 1.5e+3 as numbers: where text is due, the message says so and how to quote.
+@pytest.mark.parametrize(("rule", "fragment", "field", "message"), [
+    ("id: yes", "id: yes", "rules[1].id", 'YAML read yes as true; quote it: id: "yes"'),
+    ("id: Off", "id: Off", "rules[1].id", 'YAML read Off as false; quote it: id: "Off"'),
+    ("id: 404", "id: 404", "rules[1].id", 'YAML read 404 as a number; quote it: id: "404"'),
+    ("id: 1_000", "id: 1_000", "rules[1].id", 'YAML read 1_000 as the number 1000; quote it: id: "1_000"'),
+    ("id: 1:30", "id: 1:30", "rules[1].id", 'YAML read 1:30 as the number 90; quote it: id: "1:30"'),
+    ("id: 1.5e+3", "id: 1.5e+3", "rules[1].id", 'YAML read 1.5e+3 as the number 1500.0; quote it: id: "1.5e+3"'),
+    ("id: r\nmatch: {header: {name: x-country, in: [SE, NO]}}", "NO]", "rules[1].match.header.in[1]",
+     'YAML read NO as false; quote it: "NO"'),
+    ("id: r\nmatch: {header: {name: on, present: true}}", "name: on", "rules[1].match.header.name",
+     'YAML read on as true; quote it: name: "on"'),
+    ("id: r\naction: block\nblock: {body: 404}", "body: 404", "rules[1].block.body",
+     'YAML read 404 as a number; quote it: body: "404"'),
+])
+def test_a_word_yaml_reads_as_a_boolean_or_number_where_text_is_due_says_so(
+        rule: str, fragment: str, field: str, message: str) -> None:
+    body = rule + "\n" + ("" if "action:" in rule else "action: log\n") + "key: [ip]\nlimit: {requests: 1, per: 1s}\n"
+    text = VALID_RULE + "  - " + textwrap.indent(body, "    ")[4:]
+    issue = only_issue(text)
+    assert (issue.line, issue.field, issue.message) == (line_of(text, fragment), field, message)
+
+
+def test_a_quoted_yes_is_text() -> None:
+    assert parse(VALID_RULE.replace("id: ok", 'id: "yes"')).model.rules[0].id == "yes"
+
+
+def test_a_boolean_for_a_word_from_a_list_says_what_yaml_read() -> None:
+    text = rule_file("limit: {requests: 1, per: 1s, window: on}\naction: log\n")
+    issue = only_issue(text)
+    assert (issue.field, issue.message) == (
+        "rules[1].limit.window", "should be 'sliding' or 'fixed', got True (YAML read on as true)")
+
+
+def test_a_field_name_yaml_reads_as_a_boolean_says_so() -> None:
+    text = rule_file("limit: {requests: 1, per: 1s}\naction: log\non: 1\n")
+    issue = only_issue(text)
+    assert (issue.line, issue.message) == (
+        line_of(text, "on: 1"), 'field names must be text; YAML read on as true; quote it: "on":')
+
+
 def test_limit_of_no_known_kind_is_an_error() -> None:
     text = rule_file("limit: {per: 1s, amount: 3}\naction: log\n")
     issue = only_issue(text)
@@ -596,6 +712,9 @@ def parse_issues(text: str) -> list[ConfigIssue]:
 @pytest.mark.parametrize(("written", "seconds"), [
     ("500ms", 0.5), ("10s", 10), ("15m", 900), ("1h", 3600), ("1d", 86400), ("1y", 365 * 86400),
     (10, 10), (1, 1), ("90s", 90),
+    # Weeks, and several units from the largest to the smallest.
+    ("1w", 7 * 86400), ("2w", 14 * 86400), ("1h30m", 5400), ("2m30s", 150), ("1d12h", 129600),
+    ("1w2d", 9 * 86400), ("1s500ms", 1.5), ("1h 30m", 5400), ("1.5h", 5400), ("1y1d", 366 * 86400),
 ])
 def test_durations_parse(written: object, seconds: float) -> None:
     assert parse_duration(written) == seconds
@@ -604,13 +723,73 @@ def test_durations_parse(written: object, seconds: float) -> None:
 
 
 @pytest.mark.parametrize("written", [0, -1, -10, "0s", "0ms", "-5s", True, False, "10 seconds", "10",
-                                     "ten", "", None, "1w", "10S", "1.h", [10]])
+                                     "ten", "", None, "1x", "10S", "1.h", [10], "1h1h", "30m1h", "1ms1s",
+                                     "10min", "h", "1h30", "1h,30m", "0h0m", "1e3s", float("nan"),
+                                     float("inf"), 10**400, "9" * 5000 + "s"])
 def test_invalid_durations_are_rejected(written: object) -> None:
     with pytest.raises(ValueError):
         parse_duration(written)
 
 
-@pytest.mark.parametrize("written", ["0", "-1", "true", "false", "'10 seconds'", "'10'", "1w", "null"])
+@pytest.mark.parametrize(("written", "message"), [
+    ("10 seconds", "expected a duration like '10s', got '10 seconds'"),
+    ("10", "expected a duration like '10s', got '10' (did you mean '10s'?)"),
+    ("10S", "expected a duration like '10s', got '10S' (did you mean '10s'?)"),
+    ("1H30", "expected a duration like '10s', got '1H30'"),
+    ("-5s", "expected a duration like '10s', got '-5s' (a duration is positive)"),
+    ("1h1h", "units go from the largest to the smallest, each once (1h30m, 2m30s), got '1h1h'"),
+    ("30m1h", "units go from the largest to the smallest, each once (1h30m, 2m30s), got '30m1h'"),
+    ("0s", "a duration must be positive, got '0s'"),
+    (10**400, "a duration must be positive and finite, got 1000000000"),
+])
+def test_a_bad_duration_says_what_to_write(written: object, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        parse_duration(written)
+    assert str(info.value).startswith(message)
+
+
+@pytest.mark.parametrize(("seconds", "written"), [
+    (0.5, "500ms"), (10, "10s"), (90, "1m30s"), (900, "15m"), (3600, "1h"), (5400, "1h30m"),
+    (86400, "1d"), (7 * 86400, "7d"), (1.5, "1s500ms"), (1234567, "14d6h56m7s"), (0.0004, "0.0004s"),
+])
+def test_durations_are_formatted_as_a_rules_file_writes_them(seconds: float, written: str) -> None:
+    assert config.format_duration(seconds) == written
+
+
+positive_durations = st.one_of(
+    st.integers(1, 10**12),
+    st.integers(1, 10**12).map(lambda milliseconds: milliseconds / 1000),
+    st.floats(min_value=0, exclude_min=True, allow_infinity=False, allow_nan=False),
+)
+
+
+@given(positive_durations)
+def test_a_formatted_duration_reads_back_as_the_same_number(seconds: float) -> None:
+    assert parse_duration(config.format_duration(seconds)) == seconds
+
+
+@given(st.one_of(st.text(), st.text(alphabet="0123456789.msdhwy -+eE:_", max_size=20),
+                 st.integers(), st.floats(), st.booleans(), st.none(), st.lists(st.integers(), max_size=2)))
+def test_any_value_is_a_positive_duration_or_a_value_error(value: object) -> None:
+    try:
+        seconds = parse_duration(value)
+    except ValueError:
+        return
+    assert 0 < seconds < float("inf")
+
+
+@given(st.one_of(st.text(max_size=30), st.text(alphabet="0123456789.msdhwy -:_", max_size=20),
+                 st.integers(), st.floats(), st.booleans()))
+def test_any_per_in_a_file_loads_or_is_a_config_error_at_its_field(value: object) -> None:
+    # JSON is YAML: the value as it is, strings quoted.
+    text = rule_file(f"limit: {{requests: 1, per: {json.dumps(value)}}}\naction: log\n")
+    try:
+        parse(text)
+    except ConfigError as error:
+        assert [issue.field for issue in error.issues] == ["rules[1].limit.per"], error
+
+
+@pytest.mark.parametrize("written", ["0", "-1", "true", "false", "'10 seconds'", "'10'", "1x", "null", "1h1h"])
 def test_invalid_duration_in_a_file_is_an_error_at_its_field(written: str) -> None:
     text = rule_file(f"limit: {{requests: 1, per: {written}}}\naction: log\n")
     issue = only_issue(text)
