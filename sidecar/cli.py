@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+import shutil
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -454,9 +455,28 @@ def serve(config: str | None, demo_rules: bool, host: str, port: int, uds: str |
         uvicorn.run(service(settings, ruleset), **options)
         return
     # Worker processes build their own application from an import string;
-    # the settings travel in the environment.
+    # the settings travel in the environment, and so does the directory of
+    # this run's own where the workers' metrics add up (sidecar.nodemetrics).
+    from sidecar.nodemetrics import MULTIPROC_DIR
+
     os.environ[SERVE_SETTINGS] = json.dumps(settings)
-    uvicorn.run("sidecar.cli:worker_service", factory=True, workers=workers, **options)
+    os.environ[MULTIPROC_DIR] = _metrics_directory()
+    try:
+        uvicorn.run("sidecar.cli:worker_service", factory=True, workers=workers, **options)
+    finally:
+        shutil.rmtree(os.environ[MULTIPROC_DIR], ignore_errors=True)
+
+
+def _metrics_directory() -> str:
+    """A new private directory (mode 0700) under TMPDIR, for this run only."""
+    import tempfile
+
+    try:
+        return tempfile.mkdtemp(prefix="sluice-metrics-")
+    except OSError as exc:
+        click.echo(f"error: --workers: no directory for the workers' metrics ({exc}); "
+                   "set TMPDIR to a writable directory", err=True)
+        raise SystemExit(2) from None
 
 
 def _rules_to_serve(config: str | None, demo_rules: bool, rls_config: str | None) -> str | None:
@@ -555,8 +575,13 @@ def service(settings: dict[str, Any], ruleset: Ruleset | None = None) -> Any:
 
 
 def worker_service() -> Any:
-    """The factory uvicorn's worker processes call."""
-    return service(json.loads(os.environ[SERVE_SETTINGS]))
+    """The factory uvicorn's worker processes call; a scrape of any worker
+    answers for all of them."""
+    from sidecar.nodemetrics import MULTIPROC_DIR
+
+    app = service(json.loads(os.environ[SERVE_SETTINGS]))
+    app.engine.metrics.share(os.environ[MULTIPROC_DIR])
+    return app
 
 
 main.add_command(admin_commands)

@@ -9,6 +9,9 @@ Names: ``sluice_`` and what is counted, in the plural, with ``_total`` for
 counters (``sluice_challenges_issued_total``); a gauge says what it holds
 (``sluice_active_bans``). The registry also carries prometheus_client's
 process, garbage collector and platform collectors.
+
+With several workers, a scrape answers for all of them
+(sidecar.nodemetrics); the request path is the same.
 """
 
 from __future__ import annotations
@@ -16,14 +19,17 @@ from __future__ import annotations
 import bisect
 import collections
 import time
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
-from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
+from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from sidecar import version
 from sidecar.config import Action
+
+if TYPE_CHECKING:
+    from sidecar.nodemetrics import NodeMetrics
 
 LATENCY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
 
@@ -68,7 +74,7 @@ COUNTERS = {
                         "Response reports with a missing, forged or expired token."),
     "unreportable": ("sluice_pending_too_long",
                      "Requests whose pending counts were too long to carry (their responses go uncounted)."),
-    "resets": ("sluice_counter_resets", "Counting keys cleared by a reported response (reset_on)."),
+    "resets": ("sluice_keys_reset", "Counting keys cleared by a reported response (reset_on)."),
     "released": ("sluice_concurrency_released",
                  "Concurrency slots given back by response reports (a slot without one ends with its lease)."),
     "delayed": ("sluice_delayed", "Requests held by a leaky bucket before being allowed."),
@@ -80,6 +86,8 @@ COUNTERS = {
     "credentials": ("sluice_challenge_credentials_accepted",
                     "Requests that passed a challenge rule with a valid credential."),
 }
+# Old names still exported beside the new, for one release: old name, attribute.
+DEPRECATED = {"sluice_counter_resets": "resets"}
 
 
 class Metrics(Collector):
@@ -124,6 +132,20 @@ class Metrics(Collector):
         ProcessCollector(registry=self.registry)
         GCCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
+        # This worker's part of a node of several (``share``).
+        self.node: NodeMetrics | None = None
+
+    def share(self, directory: str) -> None:
+        """Scrapes answer for every worker writing into ``directory``."""
+        from sidecar.nodemetrics import NodeMetrics
+
+        self.node = NodeMetrics(self.registry, directory)
+
+    async def exposition(self) -> bytes:
+        """What /metrics answers: this process's metrics, or the node's."""
+        if self.node is None:
+            return generate_latest(self.registry)
+        return await self.node.exposition()
 
     def hit(self, rule_id: str) -> None:
         self.rule_hits[rule_id] += 1
@@ -160,6 +182,9 @@ class Metrics(Collector):
         yield info
         for attribute, (name, documentation) in COUNTERS.items():
             yield CounterMetricFamily(name, documentation, value=getattr(self, attribute).value)
+        for name, attribute in DEPRECATED.items():
+            yield CounterMetricFamily(name, f"Deprecated: use {COUNTERS[attribute][0]}_total; removed in the "
+                                      "next release.", value=getattr(self, attribute).value)
         decisions = CounterMetricFamily("sluice_decisions", "Checks answered, by front door and what the "
                                         "proxy was told (a check that failed inside Sluice: allow).",
                                         labels=["front_door", "outcome"])

@@ -11,7 +11,7 @@ from typing import AsyncIterator, Awaitable, Protocol, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from sidecar.admin import MAX_LISTED, Admin, Refused, parse_ban
 from sidecar.store import StoreUnavailable
@@ -37,6 +37,9 @@ def build_api(engine: Engine, report_udp: tuple[str, int] | None = None,
 
     @contextlib.asynccontextmanager
     async def lifespan(_api: FastAPI) -> AsyncIterator[None]:
+        node = engine.metrics.node  # a worker's part of the node's metrics
+        if node is not None:
+            node.start(asyncio.get_running_loop())
         try:
             await engine.store.open()
         except StoreUnavailable as exc:
@@ -73,6 +76,8 @@ def build_api(engine: Engine, report_udp: tuple[str, int] | None = None,
                 loop.remove_signal_handler(signal.SIGHUP)
             if transport is not None:
                 transport.close()
+            if node is not None:
+                node.stop()
 
     api = FastAPI(title="Sluice", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     for name, (documentation, read) in engine.store.gauges().items():
@@ -96,7 +101,7 @@ def build_api(engine: Engine, report_udp: tuple[str, int] | None = None,
 
     @api.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics() -> Response:
-        return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(await engine.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     if admin is not None:
         api.include_router(admin_routes(admin))

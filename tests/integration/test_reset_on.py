@@ -40,7 +40,7 @@ def metric(stack: Stack, name: str) -> float:
 def attempt(stack: Stack, client: Client, status: int) -> int:
     """One login answered with ``status`` by the application; returns the
     status the client got, once Sluice has the response's report."""
-    resets = metric(stack, "sluice_counter_resets_total")
+    resets = metric(stack, "sluice_keys_reset_total")
     hits = sluice_metric(stack, "sluice_rule_hits_total", 'rule="login"')
     reply = client.request(f"/login?status={status}")
     if reply.status == 429:
@@ -49,7 +49,7 @@ def attempt(stack: Stack, client: Client, status: int) -> int:
         wait_until(lambda: sluice_metric(stack, "sluice_rule_hits_total", 'rule="login"') > hits,
                    "the failed login counted", REPORT_DEADLINE_SECONDS)
     else:
-        wait_until(lambda: metric(stack, "sluice_counter_resets_total") > resets, "the success reset the count",
+        wait_until(lambda: metric(stack, "sluice_keys_reset_total") > resets, "the success reset the count",
                    REPORT_DEADLINE_SECONDS)
     return reply.status
 
