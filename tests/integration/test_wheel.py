@@ -1,7 +1,9 @@
-"""The wheel works on its own: built from this checkout, installed into a
-fresh virtualenv, and run from a folder outside the checkout with nothing of
-the repository on the path — `sluice serve`, `check`, `replay` and
-`config` (whose nginx and Envoy output the real nginx and Envoy accept)."""
+"""The distributions `make dist` builds (python -m build: the sdist, then the
+wheel from that sdist) carry the repository's nginx/ and envoy/ templates,
+and the wheel works on its own: installed into a fresh virtualenv, and run
+from a folder outside the checkout with nothing of the repository on the
+path — `sluice serve`, `check`, `replay` and `config` (whose nginx and Envoy
+output the real nginx and Envoy accept)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,9 @@ import http.client
 import os
 import subprocess
 import sys
+import tarfile
 import time
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,18 +39,32 @@ LOG = "\n".join(f'198.51.100.7 - - [01/Mar/2024:10:00:0{i} +0000] "GET /items HT
                 for i in range(5)) + "\n"
 
 
+class Dist:
+    """The sdist and the wheel, built as `make dist` builds them."""
+
+    def __init__(self, out: Path) -> None:
+        result = subprocess.run([sys.executable, "-m", "build", "--outdir", str(out), str(REPO)],
+                                capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        self.log = result.stdout + result.stderr
+        [self.sdist] = out.glob("sluice_ratelimit-*.tar.gz")
+        [self.wheel] = out.glob("sluice_ratelimit-*.whl")
+
+
+def repository_templates() -> dict[str, bytes]:
+    """Every file of the repository's nginx/ and envoy/ folders, by its path there."""
+    return {path.relative_to(REPO).as_posix(): path.read_bytes()
+            for proxy in ("nginx", "envoy") for path in sorted((REPO / proxy).rglob("*")) if path.is_file()}
+
+
 class Installed:
     """A fresh virtualenv with the wheel installed, and a working folder
     outside the checkout."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, wheel: Path) -> None:
         self.root = root
         self.work = root / "work"
         self.work.mkdir()
-        wheels = root / "dist"
-        subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(wheels), str(REPO)],
-                       check=True, capture_output=True, timeout=300)
-        [wheel] = wheels.glob("sluice_ratelimit-*.whl")
         self.venv = root / "venv"
         subprocess.run([sys.executable, "-m", "venv", str(self.venv)], check=True, timeout=120)
         subprocess.run([str(self.venv / "bin" / "pip"), "install", "--quiet", str(wheel)],
@@ -65,8 +83,46 @@ class Installed:
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
-    return Installed(tmp_path_factory.mktemp("wheel"))
+def dist(tmp_path_factory: pytest.TempPathFactory) -> Dist:
+    return Dist(tmp_path_factory.mktemp("dist"))
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory, dist: Dist) -> Installed:
+    return Installed(tmp_path_factory.mktemp("wheel"), dist.wheel)
+
+
+def test_the_sdist_carries_the_nginx_and_envoy_folders_and_the_package_s_copy_of_them(dist: Dist) -> None:
+    templates = repository_templates()
+    with tarfile.open(dist.sdist) as sdist:
+        top = sdist.getnames()[0].split("/")[0]
+        members = {member.name.removeprefix(f"{top}/"): member for member in sdist.getmembers()}
+        # The package's links to them become files: the sdist builds a wheel without the checkout.
+        for prefix in ("", "sidecar/templates/"):
+            carried = {name.removeprefix(prefix): member for name, member in members.items()
+                       if member.isfile() and name.removeprefix(prefix).startswith(("nginx/", "envoy/"))
+                       and name.startswith(prefix)}
+            assert sorted(carried) == sorted(templates), prefix
+            for name, member in carried.items():
+                extracted = sdist.extractfile(member)
+                assert extracted is not None and extracted.read() == templates[name], f"{prefix}{name}"
+    assert len(templates) >= 18
+
+
+def test_the_wheel_built_from_the_sdist_carries_the_templates_and_the_license(dist: Dist) -> None:
+    templates = repository_templates()
+    with zipfile.ZipFile(dist.wheel) as wheel:
+        carried = {name.removeprefix("sidecar/templates/"): wheel.read(name) for name in wheel.namelist()
+                   if name.startswith("sidecar/templates/")}
+        [metadata] = [name for name in wheel.namelist() if name.endswith(".dist-info/METADATA")]
+        headers = wheel.read(metadata).decode().partition("\n\n")[0].splitlines()
+        licenses = [name for name in wheel.namelist() if ".dist-info/licenses/" in name]
+
+    assert carried == templates
+    assert "License-Expression: MIT" in headers and "License-File: LICENSE" in headers
+    assert [name.rpartition("/")[2] for name in licenses] == ["LICENSE"]
+    # pyproject.toml as the backend reads it: no deprecated license table or classifier.
+    assert "deprecated" not in dist.log.lower()
 
 
 def test_the_installed_package_is_the_wheel_s_not_the_checkout_s(installed: Installed) -> None:
