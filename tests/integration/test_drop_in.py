@@ -1,14 +1,16 @@
-"""Sluice added to an nginx and an Envoy of one's own, as the README says.
+"""Sluice added to an nginx and an Envoy of one's own, as docs/nginx.md and
+docs/envoy.md say.
 
-The nginx snippets and the Envoy fragments are rendered with the README's
-command (`python -m sidecar.launcher --render`). The nginx site is the
-test's own: two applications ("shop" for every path, "reports" for
-/reports/), each location protected with the three includes and its own
-`$sluice_upstream`, and /public/ left unchecked. The Envoy bootstrap is the
-test's own too, with the same routes (/public/ with ext_authz disabled),
-into which the fragments are pasted: the YAML merge a user does by hand.
-Both are checked by nginx and `envoy --mode validate`, then run against a
-real Sluice with rules/drop_in.yaml.
+The nginx snippets and the Envoy fragments are rendered from the package's
+templates (`python -m sidecar.launcher --render`, as `sluice config
+nginx-snippets` and `sluice config envoy-fragments` render them). The
+nginx site is the test's own: two applications ("shop" for every path,
+"reports" for /reports/), each location protected with the three includes
+and its own `$sluice_upstream`, and /public/ left unchecked. The Envoy
+bootstrap is the test's own too, with the same routes (/public/ with
+ext_authz disabled), into which the fragments are pasted: the YAML merge a
+user does by hand. Both are checked by nginx and `envoy --mode validate`,
+then run against a real Sluice with rules/drop_in.yaml.
 """
 
 from __future__ import annotations
@@ -159,7 +161,7 @@ def envoy_bootstrap(ports: StackPorts, reports_port: int, listen_port: int, admi
 
 
 def paste_fragments(bootstrap: dict[str, Any], fragments: Path, grpc: bool = False) -> None:
-    """What the README tells a user to paste, and where (with gRPC
+    """What docs/envoy.md tells a user to paste, and where (with gRPC
     ext_authz: the gRPC filters, and the gRPC cluster too)."""
     def load(name: str) -> Any:
         return yaml.safe_load((fragments / name).read_text())
@@ -179,7 +181,7 @@ def child_environment(**values: str) -> dict[str, str]:
 
 
 def render(folder: str, destination: Path, **values: str) -> None:
-    """The README's command: the package's templates of `folder`, rendered."""
+    """The package's templates of `folder`, rendered as the docs' commands render them."""
     result = subprocess.run(
         [sys.executable, "-m", "sidecar.launcher", "--render", folder, str(destination)],
         capture_output=True, text=True, env=child_environment(**values), timeout=60,

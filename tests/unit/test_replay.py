@@ -902,20 +902,42 @@ def test_no_markup_from_any_log_line_reaches_the_page(lines):
     page.encode("utf-8")  # writable as it is
 
 
-def test_the_readme_sweep_example_is_the_commands_real_output(tmp_path):
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    block = readme[readme.index("$ .venv/bin/sluice replay --config examples/replay.yaml"):]
-    block = block[:block.index("```")]
-    command, shown = block.split("\n", 2)[:2], block.split("\n", 2)[2]
-    args = " ".join(line.rstrip("\\ ") for line in command).split()[2:]  # after "$ .venv/bin/sluice"
-    args[args.index("--html") + 1] = str(tmp_path / "report.html")
-    result = sluice_replay(*args[1:])
+def replay_examples() -> list[tuple[str, list[str], list[str]]]:
+    """Each `sluice replay` session of the docs' replay page: (its first
+    line, the command's arguments, the output lines it shows)."""
+    page = (REPO / "docs" / "replay.md").read_text(encoding="utf-8")
+    examples = []
+    for block in re.findall(r"```console\n(.*?)```", page, re.DOTALL):
+        lines = block.splitlines()
+        if not re.match(r"\$ (\.venv/bin/)?sluice replay ", lines[0]):
+            continue
+        command = [lines.pop(0)]
+        while command[-1].endswith("\\"):
+            command.append(lines.pop(0))
+        words = " ".join(line.rstrip("\\ ") for line in command).split()
+        examples.append((command[0], words[3:], lines))  # after "$ sluice replay"
+    return examples
+
+
+REPLAY_EXAMPLES = replay_examples()
+
+
+def test_the_docs_show_replay_examples():
+    assert len(REPLAY_EXAMPLES) >= 3
+
+
+@pytest.mark.parametrize("first, args, shown", REPLAY_EXAMPLES, ids=[first for first, _, _ in REPLAY_EXAMPLES])
+def test_every_replay_example_of_the_docs_is_the_commands_real_output(first, args, shown, tmp_path):
+    if "--html" in args:
+        args[args.index("--html") + 1] = str(tmp_path / "report.html")
+    result = sluice_replay(*args)
     assert result.returncode == 0, result.stderr
     real = result.stdout.splitlines()
     at = 0
-    for line in shown.splitlines():
+    for line in shown:
         if line.strip() == "...":
             continue
+        assert line in real[at:], f"{first}: not in the output where shown: {line!r}"
         at = real.index(line, at) + 1  # each shown line, in the order shown
 
 

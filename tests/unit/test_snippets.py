@@ -7,7 +7,6 @@ from http import HTTPStatus
 
 import os
 import re
-import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -427,51 +426,6 @@ def test_sluice_config_of_an_envoy_bootstrap_prints_that_bootstrap_alone(target:
     assert "protected_app" in clusters
 
 
-# -- the README's examples, with the snippets and fragments rendered --------
-
-README = Path(__file__).resolve().parents[2] / "README.md"
-
-
-def readme_block(section: str, language: str) -> str:
-    text = README.read_text()
-    start = text.index(f"\n## {section}\n")
-    body = text[start:text.index("\n## ", start + 1)]
-    (block,) = re.findall(rf"```{language}\n(.*?)```", body, re.DOTALL)
-    return block
-
-
-def test_the_readmes_nginx_server_with_three_includes_is_valid(tmp_path: Path) -> None:
-    assert launcher.main(["--render", "nginx/snippets", str(tmp_path / "snippets")]) == 0
-    config = tmp_path / "nginx.conf"
-    config.write_text(f"events {{}}\n{readme_block('Add Sluice to an existing nginx', 'nginx')}")
-
-    result = subprocess.run(
-        [launcher.find_nginx(), "-t", "-q", "-e", "stderr", "-p", str(tmp_path), "-c", str(config),
-         "-g", f"pid {tmp_path / 'nginx.pid'};"],
-        capture_output=True, text=True, timeout=30,
-    )
-
-    assert result.returncode == 0, result.stderr
-
-
-def test_the_readmes_envoy_bootstrap_with_the_fragments_pasted_is_valid(tmp_path: Path) -> None:
-    assert launcher.main(["--render", "envoy/fragments", str(tmp_path)]) == 0
-    text = readme_block("Add Sluice to an existing Envoy", "yaml")
-    # Paste each fragment where the README's comment says, indented alike.
-    for name in ("sluice-routes.yaml", "sluice-http-filters.yaml", "sluice-clusters.yaml"):
-        fragment = (tmp_path / name).read_text()
-        text = re.sub(rf"^( *)# {re.escape(name)}:.*$",
-                      lambda match: "\n".join(match.group(1) + line if line else line
-                                              for line in fragment.splitlines()),
-                      text, count=1, flags=re.MULTILINE)
-        assert fragment.splitlines()[-1] in text, name
-    bootstrap = tmp_path / "envoy.yaml"
-    bootstrap.write_text(text)
-
-    result = subprocess.run(
-        [launcher.find_envoy(), "--mode", "validate", "-c", str(bootstrap), "--disable-hot-restart",
-         "--log-level", "error"],
-        capture_output=True, text=True, timeout=60,
-    )
-
-    assert result.returncode == 0, result.stdout + result.stderr
+# The docs' nginx server with the three includes and their Envoy bootstrap with
+# the fragments pasted are checked with every other block of the docs, by
+# tests/unit/test_docs.py (nginx -t, envoy --mode validate).
