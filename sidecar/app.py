@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from sidecar.admin import Admin
 from sidecar.asgi import Receive, Scope, Send
+from sidecar.chain import NGINX_CHAINED_CHECK, ThenAuth, asks_next, routes_with_then_auth
 from sidecar.engine import ALLOW, Decision, Engine
 from sidecar.frontdoors import ROUTES
 from sidecar.frontdoors.common import (
@@ -45,6 +46,9 @@ FAIL_OPEN: Reply = (200, [], b"")
 # Where the HTTP protocol leaves a check it decided at once but that a leaky
 # bucket holds: the ASGI path then waits and answers (see check_at_once).
 HELD = "sluice.held"
+# Where it leaves a check it admitted that the next auth service is to be
+# asked about (sidecar.chain): the ASGI path asks and answers.
+THEN_AUTH = "sluice.then_auth"
 
 
 class SluiceApp:
@@ -53,8 +57,9 @@ class SluiceApp:
     def __init__(self, engine: Engine, report_udp: tuple[str, int] | None = None,
                  admin: Admin | None = None, share_report_port: bool = False,
                  health: tuple[str, int] | None = None, grpc: tuple[str, int] | None = None,
-                 rls: RateLimitService | None = None) -> None:
+                 rls: RateLimitService | None = None, then_auth: ThenAuth | None = None) -> None:
         self.engine = engine
+        self.then_auth = then_auth
         listener = None
         if grpc is not None:
             # grpcio is loaded only by a Sluice that serves gRPC.
@@ -63,7 +68,7 @@ class SluiceApp:
             listener = GrpcListener(self, *grpc, reuse_port=share_report_port, rls=rls)
         self.api = build_api(engine, report_udp, admin, share_report_port, health, listener)
         self._error_log = RateLimitedLog(log, 10)
-        self._routes = RouteTable(ROUTES)
+        self._routes = RouteTable(ROUTES if then_auth is None else routes_with_then_auth(ROUTES))
         self._decisions = engine.metrics.decisions
         # How far the serving loop is behind, for late checks
         # (sidecar.overload); the HTTP protocol starts it on its loop.
@@ -75,6 +80,10 @@ class SluiceApp:
             held = scope.get(HELD)
             if held is not None:
                 await self._answer_after_hold(receive, send, *held)
+                return
+            chained = scope.get(THEN_AUTH)
+            if chained is not None:
+                await respond(send, *await self._then_auth(NGINX_CHAINED_CHECK, *chained))
                 return
             handler = self._routes.find(scope["path"])
             if handler is not None:
@@ -140,22 +149,44 @@ class SluiceApp:
     def check_at_once(self, check: Check, scope: Scope, headers: dict[str, str]) -> Reply | None:
         """The reply to a check, decided and answered without awaiting (see
         ``check_for``); None when a leaky bucket holds the request, which
-        ``scope[HELD]`` then carries to the ASGI path to wait and answer."""
+        ``scope[HELD]`` then carries to the ASGI path to wait and answer, or
+        when the next auth service is to be asked (``scope[THEN_AUTH]``)."""
         decided = run_at_once(self._decide(check, scope, headers))
         if decided is None:
-            return self._fail_open(check)
+            return self._unless_chained(check, scope, headers, self._fail_open(check))
         request, decision = decided
         if decision.delay > 0:
             scope[HELD] = (check, request, decision)
             return None
-        return self._answer(check, request, decision, scope.get("method"))
+        reply = self._answer(check, request, decision, scope.get("method"))
+        return self._unless_chained(check, scope, headers, reply)
+
+    def _unless_chained(self, check: Check, scope: Scope, headers: dict[str, str], reply: Reply) -> Reply | None:
+        """``reply``, or None when the next auth service is to be asked about it first."""
+        if not self._chains(check, headers, reply):
+            return reply
+        scope[THEN_AUTH] = (headers, reply)
+        return None
+
+    def _chains(self, check: Check, headers: dict[str, str], reply: Reply) -> bool:
+        """Whether ``reply`` admits a check that the next auth service is
+        asked about (``sluice serve --then-auth``): nginx's, from a location
+        that asks it, and only when Sluice let it in (a failure inside
+        Sluice included: it lets the request in, never past authentication)."""
+        return check is NGINX_CHAINED_CHECK and 200 <= reply[0] < 300 and asks_next(headers)
+
+    async def _then_auth(self, check: Check, headers: dict[str, str], reply: Reply) -> Reply:
+        """``reply``, or the next auth service's answer when it is asked (``_chains``)."""
+        if self.then_auth is None or not self._chains(check, headers, reply):
+            return reply
+        return await self.then_auth.answer(headers, reply)
 
     async def check_later(self, check: Check, scope: Scope, headers: dict[str, str]) -> Reply:
         """The reply to a check over a store that is awaited (see
         ``check_for``)."""
         decided = await self._decide(check, scope, headers)
         if decided is None:
-            return self._fail_open(check)
+            return await self._then_auth(check, headers, self._fail_open(check))
         request, decision = decided
         if decision.delay > 0:
             # Only after a reload made a rule hold while this check was
@@ -164,16 +195,18 @@ class SluiceApp:
                 await asyncio.sleep(decision.delay)
             finally:
                 self.engine.release_hold()
-        return self._answer(check, request, decision, scope.get("method"))
+        return await self._then_auth(check, headers, self._answer(check, request, decision, scope.get("method")))
 
     async def _check(self, scope: Scope, receive: Receive, send: Send, check: Check) -> None:
-        decided = await self._decide(check, scope, header_map(scope))
+        headers = header_map(scope)
+        decided = await self._decide(check, scope, headers)
         if decided is None:
-            await respond(send, *self._fail_open(check))
+            await respond(send, *await self._then_auth(check, headers, self._fail_open(check)))
         elif decided[1].delay > 0:
             await self._answer_after_hold(receive, send, check, *decided)
         else:
-            await respond(send, *self._answer(check, *decided, scope.get("method")))
+            reply = self._answer(check, *decided, scope.get("method"))
+            await respond(send, *await self._then_auth(check, headers, reply))
 
     async def _decide(self, check: Check, scope: Scope, headers: dict[str, str]
                       ) -> tuple[CheckRequest, Decision] | None:
@@ -200,7 +233,7 @@ class SluiceApp:
                 return
         finally:
             self.engine.release_hold()
-        await respond(send, *self._answer(check, request, decision))
+        await respond(send, *await self._then_auth(check, request.headers, self._answer(check, request, decision)))
 
     def _answer(self, check: Check, request: CheckRequest, decision: Decision, method: str | None = None) -> Reply:
         """The front door's reply; a refusal that holds for the client's
@@ -230,12 +263,13 @@ class SluiceApp:
 def create_app(engine: Engine, report_udp: tuple[str, int] | None = None,
                admin: Admin | None = None, share_report_port: bool = False,
                health: tuple[str, int] | None = None, grpc: tuple[str, int] | None = None,
-               rls: RateLimitService | None = None) -> SluiceApp:
+               rls: RateLimitService | None = None, then_auth: ThenAuth | None = None) -> SluiceApp:
     """``report_udp``: where to receive nginx's response reports (syslog/UDP),
     a port several worker processes share with ``share_report_port`` (the
     health listener's too); ``admin``: reload on SIGHUP and serve the admin
     API; ``health``: where the probe listener answers (see sidecar.health);
     ``grpc``: where Envoy's gRPC ext_authz is served (see
     sidecar.frontdoors.grpc_authz), and with it ``rls``, the Rate Limit
-    Service (sidecar.frontdoors.rls)."""
-    return SluiceApp(engine, report_udp, admin, share_report_port, health, grpc, rls)
+    Service (sidecar.frontdoors.rls); ``then_auth``: the auth service
+    nginx's admitted checks are asked of next (sidecar.chain)."""
+    return SluiceApp(engine, report_udp, admin, share_report_port, health, grpc, rls, then_auth)

@@ -330,6 +330,18 @@ def _watch_interval(ctx: click.Context, param: click.Parameter, value: float) ->
     raise click.BadParameter(f"expected 0 (off) or at least {SHORTEST_INTERVAL:g} seconds, got {value:g}", ctx, param)
 
 
+def _then_auth_url(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    from sidecar.chain import NextAuthAddress
+
+    if value is None:
+        return None
+    try:
+        NextAuthAddress.parse(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from None
+    return value
+
+
 @main.command()
 @click.option("--config", "config", type=click.Path(dir_okay=False), envvar="SLUICE_CONFIG", show_envvar=True,
               help="The rules file. Required, unless --demo-rules, or --rls-config to serve the Rate Limit "
@@ -386,11 +398,19 @@ def _watch_interval(ctx: click.Context, param: click.Parameter, value: float) ->
               type=click.Choice(["asyncio", "uvloop"]),
               help="The event loop. uvloop under a flood of thousands of connections left new "
                    "connections unaccepted for seconds, past the proxies' timeouts.")
+@click.option("--then-auth", metavar="URL", callback=_then_auth_url, envvar="SLUICE_THEN_AUTH", show_envvar=True,
+              help="An auth service nginx's checks are asked of after Sluice admits them (oauth2-proxy's "
+                   "http://127.0.0.1:4180/oauth2/auth): its 2xx, 401 and 403 and their header fields are "
+                   "nginx's answer; no answer in time is a refusal (503). Default: off.")
+@click.option("--then-auth-timeout", default=0.5, show_default=True, metavar="SECONDS",
+              type=click.FloatRange(0.01, 30), envvar="SLUICE_THEN_AUTH_TIMEOUT", show_envvar=True,
+              help="How long the --then-auth service may take to answer; keep it under nginx's "
+                   "SLUICE_READ_TIMEOUT.")
 def serve(config: str | None, demo_rules: bool, host: str, port: int, uds: str | None,
           hook_at: tuple[str, int] | None, admin_token_file: str | None, health: tuple[str, int] | None,
           grpc_port: int | None, rls_config: str | None, rls_shadow: bool, shadow: bool, workers: int,
           log_level: str, max_header_bytes: int, max_headers: int, event_loop: str, watch_interval: float,
-          no_watch: bool) -> None:
+          no_watch: bool, then_auth: str | None, then_auth_timeout: float) -> None:
     """Run the check service, with the rules of --config (or SLUICE_CONFIG)."""
     import uvicorn
 
@@ -419,6 +439,7 @@ def serve(config: str | None, demo_rules: bool, host: str, port: int, uds: str |
                 "grpc": None if grpc_port is None else (host, grpc_port),
                 "rls_config": rls_config, "rls_shadow": rls_shadow, "shadow": shadow,
                 "watch_interval": 0.0 if no_watch else watch_interval,
+                "then_auth": then_auth, "then_auth_timeout": then_auth_timeout,
                 # Workers must sign and verify pending-count tokens and
                 # challenge credentials alike: without challenge.secret_file,
                 # one random key for all of them.
@@ -567,9 +588,15 @@ def service(settings: dict[str, Any], ruleset: Ruleset | None = None) -> Any:
     # over them (SO_REUSEPORT).
     health = settings.get("health")
     grpc = settings.get("grpc")
+    then_auth = None
+    if settings.get("then_auth"):
+        from sidecar.chain import NextAuthAddress, ThenAuth
+
+        then_auth = ThenAuth(NextAuthAddress.parse(settings["then_auth"]), settings["then_auth_timeout"],
+                             engine.metrics.registry)
     app = create_app(engine, tuple(hook_udp) if hook_udp else None, admin,
                      share_report_port=settings["workers"] > 1, health=tuple(health) if health else None,
-                     grpc=tuple(grpc) if grpc else None, rls=rls)
+                     grpc=tuple(grpc) if grpc else None, rls=rls, then_auth=then_auth)
     freeze_loaded_objects()
     return app
 
