@@ -47,6 +47,10 @@ class WatchingSluice:
              "--hook-udp", "off", "--watch-interval", "0.2", "--workers", str(workers)],
             stdout=subprocess.DEVNULL, stderr=log.open("wb"))
         wait_until(self.up, "sluice answers /healthz", 20)
+        # Every worker has loaded the rules (a worker still starting would
+        # load a change as its first rules, with nothing to reload).
+        wait_until(lambda: self.log.read_text().count('"Application startup complete."') == workers,
+                   "every worker has started", 20)
 
     def get(self, path: str, headers: dict[str, str] | None = None) -> tuple[int, str]:
         request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", headers=headers or {})
