@@ -28,7 +28,7 @@ import pytest
 import yaml
 
 from sidecar import launcher
-from sidecar.launcher import StackPorts, render_template, template_variables
+from sidecar.launcher import StackPorts, template_variables
 from sidecar.rules import Ruleset, load_ruleset
 from tests.unit.deploy_files import (
     KUBERNETES, Build, all_containers, build, container, dockerfile_user, is_sidecar, nginx_test, option, pod_spec,
@@ -98,13 +98,13 @@ def rendered_for_the_pod() -> str:
     variables = pod_nginx_variables(build(KUBERNETES))
     snippets = Path(str(launcher.DEFAULT_TEMPLATE)).parent / launcher.SNIPPETS_DIR
     lines = []
-    for line in render_template(launcher.DEFAULT_TEMPLATE.read_text(), variables).splitlines(keepends=True):
+    for line in launcher.render_template_file(launcher.DEFAULT_TEMPLATE, variables, "nginx").splitlines(keepends=True):
         match = re.fullmatch(r"(\s*)include conf\.d/snippets/([\w-]+\.conf);\n", line)
         if match is None:
             lines.append(line)
             continue
         indent, name = match.groups()
-        snippet = render_template((snippets / f"{name}{launcher.TEMPLATE_SUFFIX}").read_text(), variables)
+        snippet = launcher.render_template_file(snippets / f"{name}{launcher.TEMPLATE_SUFFIX}", variables, "nginx")
         lines.append(f"{indent}# ---- {name}, the shipped snippet ----\n")
         lines += [f"{indent}{text}" if text.strip() else text for text in snippet.splitlines(keepends=True)]
     return "".join(lines)
