@@ -44,6 +44,7 @@ EXPOSE 8181 8182/udp 8183
 # that runs another command from this image sets its own healthcheck.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
   CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('SLUICE_PORT', '8181') + '/healthz', timeout=2)"]
-# By itself the image runs Sluice with its embedded default rules;
-# --config FILE (or SLUICE_CONFIG) gives it yours.
+# Sluice needs its rules: mount a rules file and give --config FILE (or
+# SLUICE_CONFIG); without them it exits at once, saying so. --demo-rules
+# runs the demo rules of `make run`, to try the image.
 CMD ["sluice", "serve", "--hook-udp", "0.0.0.0:8182"]
