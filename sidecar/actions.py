@@ -147,12 +147,26 @@ class BlockPage:
 
     @classmethod
     def builtin(cls, status: int, json: JsonChoice = "if_preferred", close: bool = False) -> "BlockPage":
-        return cls(status, _builtin_template(status), close, CONTENT_TYPE_HTML, json)
+        return _builtin_page(status, json, close)
+
+    def for_status(self, status: int) -> "BlockPage":
+        """The page of this page's refusals with another status (a late
+        check's 503, a stale nginx token): the built-in page, sent as JSON
+        as this one is (always, when this one is a JSON page of its own)."""
+        if status == self.status and not self.close:
+            return self
+        return _builtin_page(status, "always" if is_json(self.content_type) else self.json, False)
 
     def sends_json(self, client_prefers_json: bool) -> bool:
         """Whether this page goes as the built-in JSON body to a client
         that does (or does not) prefer JSON."""
         return self.json == "always" or (self.json == "if_preferred" and client_prefers_json)
+
+
+@functools.lru_cache(maxsize=None)
+def _builtin_page(status: int, json: JsonChoice, close: bool) -> BlockPage:
+    """Built once per status and kind: pages are immutable."""
+    return BlockPage(status, _builtin_template(status), close, CONTENT_TYPE_HTML, json)
 
 
 def media_type(declared: str) -> str:

@@ -259,7 +259,7 @@ class Engine:
             if rule.overload_closed:
                 tally[rule.id, "closed"] += 1
                 return Decision(outcome=DENY, rule=rule, limit=math.ceil(check.threshold), reset=1,
-                                retry_after=1, page=OVERLOADED_PAGE)
+                                retry_after=1, page=OVERLOADED_PAGE if rule.page is None else rule.page.for_status(503))
         refused = self._count_here(now, matched, checks)
         if refused is not None:
             # Over its limit by this node's own count: refused as a decision

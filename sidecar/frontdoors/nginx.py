@@ -194,7 +194,7 @@ def _deny_page(rule: CompiledRule | None, status: int, challenge: IssuedChalleng
         return BlockPage.builtin(status), None
     if rule.challenge is not None:
         return (rule.page, challenge) if challenge is not None else (BlockPage.builtin(status), None)
-    return (rule.page if rule.page.status == status else BlockPage.builtin(status, rule.page.json)), None
+    return rule.page.for_status(status), None
 
 
 async def deny_page(service: Service, scope: Scope, receive: Receive, send: Send) -> None:

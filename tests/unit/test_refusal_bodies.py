@@ -302,3 +302,23 @@ def test_a_stored_refusal_is_sent_again_only_to_a_client_of_the_same_accept_head
             assert len(stored.engine.address_refusals) > 0  # answers were stored, and kept apart
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize(("block", "json_choice"), [
+    ("{}", "if_preferred"), ("{content_type: application/json}", "always"), ("{content_type: text/html}", "never"),
+    ("{body: '{\"a\": 1}', content_type: application/json}", "always"), ("{body: '<p>no</p>'}", "never"),
+])
+def test_a_late_checks_503_is_sent_as_its_rules_page_would_be(block: str, json_choice: str) -> None:
+    from .test_overload import Overloaded
+
+    h = Overloaded(f"""
+rules:
+  - id: login
+    key: [ip]
+    limit: {{requests: 5, per: 60s}}
+    action: block
+    block: {block}
+    overload: closed
+""")
+    page = h.check(late=1.0).page
+    assert (page.status, page.json, page.content_type) == (503, json_choice, CONTENT_TYPE_HTML)
