@@ -151,6 +151,27 @@ def _check_rls(path: str) -> bool:
     return True
 
 
+@main.command()
+@click.option("--out", type=click.Path(dir_okay=False, writable=True), metavar="FILE",
+              help="Write the schema to FILE instead of printing it.")
+def schema(out: str | None) -> None:
+    """Print the JSON Schema of the rules file, for editors: a rules file
+    whose first line is `# yaml-language-server: $schema=PATH-OR-URL` gets
+    completion, descriptions and errors as it is typed. `sluice check`
+    still has the last word (ids, files, settings that exclude each other)."""
+    from sidecar.schema import rules_schema_text
+
+    text = rules_schema_text()
+    if out is None:
+        click.echo(text, nl=False)
+        return
+    try:
+        Path(out).write_text(text, encoding="utf-8")
+    except OSError as exc:
+        _fail(f"cannot write {out}: {exc.strerror or exc}", 2)
+    click.echo(f"wrote {out}", err=True)
+
+
 # What `sluice config` renders: the package's template folders (each
 # template directly in it) or single templates (an Envoy bootstrap, without
 # its neighbours), and where each one's files go (the full nginx site
