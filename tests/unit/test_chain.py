@@ -28,6 +28,7 @@ from sidecar.chain import (
 from sidecar.engine import CLOSED, Engine, Outcome
 from sidecar.frontdoors.nginx import DenyToken, answer_nginx
 from sidecar.server import LimitedHttpProtocol
+from sidecar.store.memory import MemoryStore
 from tests.unit.conftest import Harness, ruleset_from
 
 RULES = """
@@ -150,9 +151,18 @@ class Answer:
         return values[0] if values else None
 
 
+class AwaitedMemoryStore(MemoryStore):
+    """This node's memory, taken for a store that is awaited (as Redis is):
+    checks then take the protocol's task path (``check_later``)."""
+
+    answers_at_once = False
+
+
 @contextlib.asynccontextmanager
-async def sluice(address: NextAuthAddress, timeout: float = TIMEOUT) -> AsyncIterator[tuple[SluiceApp, int]]:
-    engine = Engine(ruleset_from(RULES))
+async def sluice(address: NextAuthAddress, timeout: float = TIMEOUT,
+                 awaited: bool = False) -> AsyncIterator[tuple[SluiceApp, int]]:
+    ruleset = ruleset_from(RULES)
+    engine = Engine(ruleset, store=AwaitedMemoryStore(ruleset.max_keys, ruleset.node) if awaited else None)
     app = SluiceApp(engine, then_auth=ThenAuth(address, timeout, engine.metrics.registry))
     config = Config(app=app, lifespan="off", log_level="warning", proxy_headers=False)
     config.load()
@@ -504,9 +514,10 @@ def test_a_service_that_is_down_refuses_with_503_and_is_counted() -> None:
     assert (errors, internal) == (1, 0)
 
 
-def test_sluices_refusals_never_reach_the_next_service() -> None:
+@pytest.mark.parametrize("awaited", [False, True], ids=["decided at once", "store awaited"])
+def test_sluices_refusals_never_reach_the_next_service(awaited: bool) -> None:
     async def scenario() -> tuple[list[int], list[str | None], int]:
-        async with next_service(ok()) as service, sluice(service.address) as (_, port):
+        async with next_service(ok()) as service, sluice(service.address, awaited=awaited) as (_, port):
             statuses, page_statuses = [], []
             for _ in range(4):
                 got = await check(port, check_request("/limited/", client="192.0.2.50"))
@@ -522,6 +533,26 @@ def test_sluices_refusals_never_reach_the_next_service() -> None:
     assert statuses == [200, 200, 403, 403, 200, 403]
     assert page_statuses == [None, None, "429", "429", None, str(CLOSE_PAGE_STATUS)]
     assert asked == 3  # the admitted ones only
+
+
+def test_checks_sent_one_behind_the_other_on_a_connection_are_each_asked_in_order() -> None:
+    async def scenario() -> tuple[list[bytes], int]:
+        fields = [ok("X-Auth-Request-User: first"), ok(status="401 Unauthorized")]
+        async with next_service(*fields) as service, sluice(service.address) as (_, port):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            # Pipelined: the second waits behind the first, on the ASGI path.
+            writer.write(check_request("/a") + check_request("/b"))
+            lines = []
+            while len([line for line in lines if line.startswith(b"HTTP/1.1")]) < 2 or lines[-1] != b"\r\n":
+                lines.append(await asyncio.wait_for(reader.readline(), 5))
+            writer.close()
+            return lines, len(service.requests)
+
+    lines, asked = run(scenario())
+
+    assert [line.split()[1] for line in lines if line.startswith(b"HTTP/1.1")] == [b"200", b"401"]
+    assert b"x-auth-request-user: first\r\n" in [line.lower() for line in lines]
+    assert asked == 2
 
 
 def test_a_location_whose_then_auth_is_off_is_never_asked_of_the_next_service() -> None:
