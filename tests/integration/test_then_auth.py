@@ -9,11 +9,6 @@ in ``$sluice_then_auth``. Its ``auth_request`` is Sluice's; Sluice asks the
 auth service (tests/integration/auth_service.py) after admitting a request.
 /open/ is checked by Sluice without authentication. Every component runs on
 loopback.
-
-The tests marked ``NEEDS_TEMPLATE`` need lines the shipped snippets do not
-have yet (sluice-http.conf's default of ``$sluice_then_auth``, the check
-sending it, and nginx asking the auth location itself when Sluice cannot
-answer): they fail closed only with them, and are expected to fail until then.
 """
 
 from __future__ import annotations
@@ -43,7 +38,6 @@ BURST_BUDGET = 50
 # Sluice's limit on a request head, lowered so that a client can make
 # Sluice give nginx an answer a check should never get (431).
 SLUICE_MAX_HEADER_BYTES = 16384
-NEEDS_TEMPLATE = pytest.mark.xfail(strict=True, reason="the snippets' --then-auth lines are not shipped yet")
 
 RULES = f"""\
 rules:
@@ -295,7 +289,7 @@ def test_past_the_limit_sluices_429_comes_back_without_asking_the_auth_service(s
     assert site.reached(path) == 3
 
 
-@NEEDS_TEMPLATE  # @sluice_deny: if ($sluice_page_status = 444) { return 444; }
+# @sluice_deny: if ($sluice_page_status = 444) { return 444; }
 def test_sluices_close_closes_the_connection_and_is_never_the_sign_in_page(site: ThenAuthSite) -> None:
     client = site.client()
     path = unique_path("/close/")
@@ -309,7 +303,7 @@ def test_sluices_close_closes_the_connection_and_is_never_the_sign_in_page(site:
     assert site.reached(path) == 1
 
 
-@NEEDS_TEMPLATE  # the check sends X-Sluice-Then-Auth $sluice_then_auth (default off)
+# the check sends X-Sluice-Then-Auth $sluice_then_auth (default off)
 def test_a_location_without_then_auth_is_rate_limited_without_signing_in(site: ThenAuthSite) -> None:
     client = site.client()
     path = unique_path("/open/")
@@ -350,7 +344,7 @@ def test_with_the_auth_service_down_requests_are_refused_with_503(site: ThenAuth
                "a signed-in request admitted after the auth service came back", 10)
 
 
-@NEEDS_TEMPLATE  # @sluice_fail_open: if ($sluice_then_auth != off) { return 503; }
+# @sluice_fail_open: if ($sluice_then_auth != off) { return 503; }
 def test_an_answer_a_check_never_gets_is_refused_never_let_in_unauthenticated(site: ThenAuthSite) -> None:
     # A request head larger than Sluice's limit gets Sluice's 431, which
     # auth_request takes for a failure (500).
@@ -363,7 +357,7 @@ def test_an_answer_a_check_never_gets_is_refused_never_let_in_unauthenticated(si
     assert site.reached(path) == 0
 
 
-@NEEDS_TEMPLATE  # @sluice_unreachable: if ($sluice_then_auth != off) { rewrite ^ $sluice_then_auth last; }
+# @sluice_unreachable: if ($sluice_then_auth != off) { rewrite ^ $sluice_then_auth last; }
 def test_with_sluice_stopped_nginx_asks_the_auth_service_itself(site: ThenAuthSite) -> None:
     signed_in, signed_out = unique_path("/account/"), unique_path("/account/")
     site.kill_sluice()
