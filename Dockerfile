@@ -5,7 +5,7 @@
 # The dependencies are installed from requirements.lock, pinned with their
 # hashes, in a layer of their own: a change to Sluice's code rebuilds only
 # the last layers. Regenerate the lock after changing pyproject.toml's
-# dependencies (see its header, and the README's "Container image").
+# dependencies (see its header, and docs/architecture.md, "The lock file").
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \

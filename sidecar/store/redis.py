@@ -292,7 +292,7 @@ class RedisStore:
 
         On a Redis Cluster the checks are split by hash slot, one call each,
         all at once: the checks that count per client share the address's
-        slot with its ban record and are one atomic step; see the README
+        slot with its ban record and are one atomic step; see docs/redis.md
         for what holds across slots."""
         known = self.penalties.answer(now, checks)
         if known is not None:

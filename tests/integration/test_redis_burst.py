@@ -160,7 +160,7 @@ def test_two_processes_of_two_workers_admit_exactly_the_budget(two_processes: li
                                                                busy: bool) -> None:
     if kind == "window":
         # The burst within one window: across a boundary the sliding
-        # estimate weighs the previous window (see README), which is not
+        # estimate weighs the previous window (see docs/rules.md), which is not
         # what is tested here.
         wait_until(lambda: time.time() % 60 < 55, "a window with 5 s left", 10)
     # Forward-auth answers a refusal with 429, and a store that failed

@@ -120,7 +120,7 @@ rules:
 # several slots at once, placed where a cluster decides as one script does:
 # before every rule that refuses, and no bans. (A rule of another slot is
 # counted on a cluster after a refusal, or for a banned address, and not on
-# one Redis: see the README.)
+# one Redis: see docs/redis.md.)
 ACROSS_SLOTS = """\
 rules:
   - id: watch

@@ -34,7 +34,7 @@ CHECK_CLIENTS = 16
 DOOR_CLIENTS = 2
 # Beyond the store's timeout, what a check may take on the 2-core test
 # machine running five Redis processes, nginx, Envoy, Sluice and the
-# clients (see README, Shared state).
+# clients (see docs/redis.md).
 LATENCY_SLACK = 0.25
 # From the failover (or the kill) until the new master decides: Sentinel's
 # own time to notice (down-after-milliseconds 400) and to agree, then
