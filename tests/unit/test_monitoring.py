@@ -26,6 +26,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.app import SluiceApp
+from sidecar.chain import NextAuthAddress, ThenAuth
 from sidecar.engine import Engine
 from tests.unit.conftest import Harness, ruleset_from
 from tests.unit.deploy_files import (
@@ -72,7 +73,12 @@ def scrapes() -> list[Metric]:
     envoy(app, "/api/x", addr="198.51.100.8")
     forward(app, "/api/x", peer="198.51.100.9")
     shared = SluiceApp(Engine(ruleset_from('state: {backend: redis, url: "redis://127.0.0.1:1/0"}\nrules: []\n')))
-    return [family for text in (scrape(app), scrape(shared)) for family in text_string_to_metric_families(text)]
+    # With --then-auth (nothing asked yet: its families are there, empty).
+    chained_engine = Harness(RULES).engine
+    chained = SluiceApp(chained_engine, then_auth=ThenAuth(NextAuthAddress.parse("http://127.0.0.1:1/auth"), 0.5,
+                                                           chained_engine.metrics.registry))
+    return [family for text in (scrape(app), scrape(shared), scrape(chained))
+            for family in text_string_to_metric_families(text)]
 
 
 def exported(families: list[Metric]) -> dict[str, set[str]]:
