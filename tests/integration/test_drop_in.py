@@ -26,7 +26,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import pytest
 import yaml
@@ -301,11 +301,23 @@ class DropIn:
         return "".join(log.read_text(errors="replace") for log in sorted(self.run_dir.glob("logs/sluice-*.log")))
 
 
-@pytest.fixture(scope="module")
-def drop_in(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DropIn]:
-    # A port found free can be taken before its server binds it (see start_stack).
+class Site(Protocol):
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+    def metric(self, name: str, labels: str = "") -> float: ...
+    def sluice_logs(self) -> str: ...
+
+
+SiteT = TypeVar("SiteT", bound=Site)
+
+
+def started(make: Callable[[], SiteT]) -> Iterator[SiteT]:
+    """A module fixture's site: started (a port found free can be taken
+    before its server binds it, see start_stack: three tries), then, once
+    the tests are done, checked that Sluice never failed inside whatever
+    they sent, and stopped."""
     for attempt in range(3):
-        setup = DropIn(tmp_path_factory.mktemp("drop-in"))
+        setup = make()
         try:
             setup.start()
             break
@@ -314,11 +326,15 @@ def drop_in(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DropIn]:
                 raise
     yield setup
     try:
-        # Whatever the tests sent, Sluice never failed inside.
         assert setup.metric("sluice_internal_errors_total") == 0
         assert "Traceback" not in setup.sluice_logs()
     finally:
         setup.stop()
+
+
+@pytest.fixture(scope="module")
+def drop_in(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DropIn]:
+    yield from started(lambda: DropIn(tmp_path_factory.mktemp("drop-in")))
 
 
 def client_of(drop_in: DropIn, front_door: str) -> Client:

@@ -24,12 +24,12 @@ from typing import Any
 
 import pytest
 
-from sidecar.launcher import Component, StackError, find_nginx, nginx_main_config
+from sidecar.launcher import Component, find_nginx, nginx_main_config
 from tests.integration.auth_service import SIGN_IN_PAGE, USER
 from tests.integration.burst import burst
 from tests.integration.clients import CONNECTION_CLOSED, LOOPBACK, Client
 from tests.integration.conftest import free_port, fresh_client_address, metric_at, unique_path, wait_until
-from tests.integration.test_drop_in import accepts_connections, answers_200, child_environment, render
+from tests.integration.test_drop_in import accepts_connections, answers_200, child_environment, render, started
 
 pytestmark = pytest.mark.integration
 
@@ -206,21 +206,7 @@ class ThenAuthSite:
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThenAuthSite]:
-    # A port found free can be taken before its server binds it (see start_stack).
-    for attempt in range(3):
-        setup = ThenAuthSite(tmp_path_factory.mktemp("then-auth"))
-        try:
-            setup.start()
-            break
-        except StackError:
-            if attempt == 2:
-                raise
-    yield setup
-    try:
-        assert setup.metric("sluice_internal_errors_total") == 0
-        assert "Traceback" not in setup.sluice_logs()
-    finally:
-        setup.stop()
+    yield from started(lambda: ThenAuthSite(tmp_path_factory.mktemp("then-auth")))
 
 
 SIGNED_IN = {"Cookie": "session=ok"}

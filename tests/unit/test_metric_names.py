@@ -15,31 +15,10 @@ from sidecar.frontdoors.rls import RateLimitService
 from sidecar.metrics import DEPRECATED
 from tests.unit.conftest import Harness, ruleset_from
 from tests.unit.test_app import call, envoy, forward, nginx
+from tests.unit.test_metrics import RULES as METRICS_RULES
 
 # Every action, a shadow rule and a leaky bucket that holds.
-RULES = """
-rules:
-  - id: api
-    match: {path: {prefix: /api/}}
-    key: [ip]
-    limit: {requests: 1, per: 10s}
-    action: block
-  - id: quiet
-    match: {path: {prefix: /quiet}}
-    key: [ip]
-    limit: {requests: 1, per: 10s}
-    action: block
-    block: {close: true}
-  - id: scrapers
-    match: {path: {prefix: /scrape}}
-    key: [ip]
-    limit: {requests: 1, per: 10s}
-    action: ban
-  - id: pages
-    match: {path: {prefix: /page}}
-    key: [ip]
-    limit: {requests: 1, per: 10s}
-    action: log
+RULES = METRICS_RULES + """\
   - id: puzzles
     match: {path: {prefix: /puzzle}}
     key: [ip]
