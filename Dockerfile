@@ -1,4 +1,5 @@
-# Sluice's image; also the demo upstream of compose.yaml (one Python package).
+# Sluice's image; also the demo upstream of compose.yaml and of the
+# Kubernetes example (a file beside the package, see below).
 #
 #   docker build -t sluice-ratelimit:0.2.0 .
 #
@@ -32,6 +33,11 @@ COPY nginx /src/nginx
 COPY envoy /src/envoy
 COPY sidecar /src/sidecar
 RUN pip install --no-deps /src && rm -rf /src
+# The demo application of compose.yaml and of deploy/kubernetes (`python
+# /opt/sluice/demo_upstream.py --port 9000`): a development tool of the
+# repository (devstack/), which the package and its wheel do not carry;
+# here a file beside them, which Sluice never imports.
+COPY devstack/demo_upstream.py /opt/sluice/demo_upstream.py
 
 USER 10001:10001
 # The check port (HTTP: checks, /healthz, /readyz, /metrics, the admin API),

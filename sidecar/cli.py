@@ -226,8 +226,8 @@ def config_command(target: str, listen_at: tuple[str, int], sluice_at: tuple[str
     """Print (or write) the nginx or Envoy configuration for Sluice, rendered
     for the given addresses: the full site or bootstrap, or the snippets and
     fragments to add to an existing one."""
-    from sidecar.launcher import StackError, guard_rate as derived_guard_rate
-    from sidecar.launcher import proxy_variables, render_package_templates, with_envoy_guard, with_nginx_guard
+    from sidecar.rendering import RenderError, guard_rate as derived_guard_rate
+    from sidecar.rendering import proxy_variables, render_package_templates, with_envoy_guard, with_nginx_guard
 
     ruleset = _load(rules) if rules else None
     guarded = guard or guard_rate is not None
@@ -249,7 +249,7 @@ def config_command(target: str, listen_at: tuple[str, int], sluice_at: tuple[str
         if guarded:
             with_guard = with_nginx_guard if target.startswith("nginx") else with_envoy_guard
             files = with_guard(files, guard_rate if guard_rate is not None else derived_guard_rate(ruleset))
-    except StackError as exc:
+    except RenderError as exc:
         _fail(str(exc))
     if out is not None:
         _write_files(Path(out), files, force)

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.launcher import FRONT_DOORS, Stack, StackError, StackPorts
+from devstack.launcher import FRONT_DOORS, Stack, StackError
+from sidecar.rendering import StackPorts
 from tests.integration.clients import LOOPBACK, Client
 
 RULES = Path(__file__).parent / "rules"

@@ -21,7 +21,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sidecar.launcher import find_envoy, find_nginx, nginx_main_config
+from devstack.launcher import find_envoy, find_nginx
+from sidecar.rendering import nginx_main_config
 from tests.integration.clients import LOOPBACK
 from tests.integration.conftest import free_port, metric_at
 

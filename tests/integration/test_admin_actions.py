@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.launcher import Stack
+from devstack.launcher import Stack
 from sidecar.overload import PROXY_SECONDS
 from tests.integration.clients import CONNECTION_CLOSED, LOOPBACK, Client, assert_refused_by_closing
 from tests.integration.conftest import fresh_client_address, front_door_port, start_stack, wait_until

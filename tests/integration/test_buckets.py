@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from sidecar.launcher import Stack
+from devstack.launcher import Stack
 from tests.integration.clients import LOOPBACK, Client, TimedReply, send_at_once
 from tests.integration.conftest import (
     RULES,

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.launcher import START_TIMEOUT_SECONDS, Component, StackError, accepts_connections
+from devstack.launcher import START_TIMEOUT_SECONDS, Component, StackError, accepts_connections
 from tests.integration.clients import LOOPBACK, Client, Reply, assert_default_block, assert_observed
 from tests.integration.test_challenge import pass_challenge
 
@@ -89,7 +89,7 @@ class CaddyStack:
         try:
             self._start(
                 "upstream",
-                [sys.executable, "-m", "sidecar.demo_upstream", "--host", LOOPBACK, "--port", str(upstream_port)],
+                [sys.executable, "-m", "devstack.demo_upstream", "--host", LOOPBACK, "--port", str(upstream_port)],
                 env,
                 lambda: _answers(upstream_port, "/"),
             )

@@ -15,8 +15,8 @@ from urllib.parse import urlencode
 
 import pytest
 
+from devstack.launcher import Stack
 from sidecar.challenge import solve, solves
-from sidecar.launcher import Stack
 from tests.integration.clients import Client, Reply
 from tests.integration.conftest import sluice_metric, unique_path
 

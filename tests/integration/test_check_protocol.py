@@ -15,7 +15,7 @@ from typing import BinaryIO
 
 import pytest
 
-from sidecar.launcher import Stack
+from devstack.launcher import Stack
 from tests.integration.clients import LOOPBACK
 from tests.integration.conftest import fresh_client_address, start_stack
 from tests.integration.redis_server import RedisServer

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.launcher import Stack
+from devstack.launcher import Stack
 from tests.integration.burst import burst, burst_over
 from tests.integration.clients import LOOPBACK, Client
 from tests.integration.conftest import (

@@ -2,7 +2,7 @@
 docs/envoy.md say.
 
 The nginx snippets and the Envoy fragments are rendered from the package's
-templates (`python -m sidecar.launcher --render`, as `sluice config
+templates (`python -m sidecar.rendering --render`, as `sluice config
 nginx-snippets` and `sluice config envoy-fragments` render them). The
 nginx site is the test's own: two applications ("shop" for every path,
 "reports" for /reports/), each location protected with the three includes
@@ -33,16 +33,15 @@ import yaml
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from sidecar.launcher import (
+from devstack.launcher import (
     FRONT_DOORS,
     PACKAGE_PARENT,
     Component,
     StackError,
-    StackPorts,
     find_envoy,
     find_nginx,
-    nginx_main_config,
 )
+from sidecar.rendering import StackPorts, nginx_main_config
 from tests.integration.burst import burst
 from tests.integration.clients import (
     CONNECTION_CLOSED,
@@ -183,7 +182,7 @@ def child_environment(**values: str) -> dict[str, str]:
 def render(folder: str, destination: Path, **values: str) -> None:
     """The package's templates of `folder`, rendered as the docs' commands render them."""
     result = subprocess.run(
-        [sys.executable, "-m", "sidecar.launcher", "--render", folder, str(destination)],
+        [sys.executable, "-m", "sidecar.rendering", "--render", folder, str(destination)],
         capture_output=True, text=True, env=child_environment(**values), timeout=60,
     )
     assert result.returncode == 0, result.stderr
@@ -246,7 +245,7 @@ class DropIn:
     def start(self) -> None:
         try:
             for name, port in (("shop", self.ports.upstream), ("reports", self.reports_port)):
-                self._start(name, [sys.executable, "-m", "sidecar.demo_upstream", "--port", str(port)],
+                self._start(name, [sys.executable, "-m", "devstack.demo_upstream", "--port", str(port)],
                             lambda port=port: accepts_connections(port))
             self.start_sluice()
             self._start("nginx", [find_nginx(), "-p", str(self.run_dir), "-c", str(self.nginx_config),

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from sidecar.launcher import Stack
+from devstack.launcher import Stack
 from tests.integration.clients import LOOPBACK, Client, Reply
 from tests.integration.conftest import front_door_port
 

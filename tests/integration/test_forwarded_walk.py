@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.launcher import Stack
+from devstack.launcher import Stack
 from tests.integration.clients import LOOPBACK, Client, Reply
 from tests.integration.conftest import RULES, fresh_client_address, front_door_port, start_stack, unique_path
 

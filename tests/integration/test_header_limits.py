@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.launcher import ENVOY_ADMIN_HOST, FRONT_DOORS, Stack
+from devstack.launcher import ENVOY_ADMIN_HOST, FRONT_DOORS, Stack
 from sidecar.server import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS
 from tests.integration.clients import LOOPBACK
 from tests.integration.conftest import fresh_client_address, front_door_port, start_stack

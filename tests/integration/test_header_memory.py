@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.launcher import Stack
+from devstack.launcher import Stack
 from tests.integration.clients import LOOPBACK
 from tests.integration.conftest import fresh_client_address, start_stack
 

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from sidecar.launcher import START_TIMEOUT_SECONDS, Component, Stack, accepts_connections, find_nginx, nginx_main_config
+from devstack.launcher import START_TIMEOUT_SECONDS, Component, Stack, accepts_connections, find_nginx
+from sidecar.rendering import nginx_main_config
 from tests.integration.clients import LOOPBACK, Client, TimedReply, send_at_once
 from tests.integration.conftest import free_port, fresh_client_address
 

@@ -12,7 +12,7 @@ import sys
 
 import yaml
 
-from sidecar.launcher import Stack
+from devstack.launcher import Stack
 from tests.integration.burst import burst
 from tests.integration.clients import LOOPBACK
 from tests.integration.conftest import fresh_client_address, front_door_port, free_port, sluice_metric, unique_path

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.launcher import FRONT_DOORS, Stack
+from devstack.launcher import FRONT_DOORS, Stack
 from tests.integration.burst import burst, burst_over
 from tests.integration.conftest import (fresh_client_address, front_door_port, metric_at, sluice_metric, start_stack,
                                         wait_until)

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from sidecar.launcher import Stack
+from devstack.launcher import Stack
 from tests.integration.clients import Client
 from tests.integration.conftest import fresh_client_address, front_door_port, sluice_metric, stack_on_backend, wait_until
 

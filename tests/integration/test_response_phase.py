@@ -19,7 +19,7 @@ from collections.abc import Iterator, Mapping
 
 import pytest
 
-from sidecar.launcher import Stack
+from devstack.launcher import Stack
 from tests.integration.clients import LOOPBACK, Client, Reply
 from tests.integration.conftest import (
     RULES,

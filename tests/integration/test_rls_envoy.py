@@ -37,9 +37,10 @@ from typing import TypeVar
 import grpc
 import pytest
 
+from devstack.launcher import (START_TIMEOUT_SECONDS, Component, StackError, accepts_connections, find_envoy,
+                                http_status)
 from sidecar.frontdoors.messages import SERVING, HealthCheckRequest, HealthCheckResponse
-from sidecar.launcher import (START_TIMEOUT_SECONDS, Component, StackError, accepts_connections, find_envoy,
-                              http_status, render_template)
+from sidecar.rendering import render_template
 from tests.integration.clients import LOOPBACK, Client, Reply
 from tests.integration.conftest import free_port, metric_at, wait_until
 
@@ -93,7 +94,7 @@ class RlsStack:
         }))
         env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
         try:
-            self._start("upstream", [sys.executable, "-m", "sidecar.demo_upstream", "--host", LOOPBACK,
+            self._start("upstream", [sys.executable, "-m", "devstack.demo_upstream", "--host", LOOPBACK,
                                      "--port", str(self.upstream_port)],
                         env, lambda: http_status(LOOPBACK, self.upstream_port, "/") is not None)
             # --log-level info: the decision log (one line per descriptor
@@ -103,7 +104,7 @@ class RlsStack:
                                    "--grpc-port", str(self.sluice_grpc_port), "--rls-config", str(CONFIG),
                                    "--log-level", "info"],
                         env, lambda: http_status(LOOPBACK, self.sluice_port, "/healthz") == 200)
-            # As sidecar.launcher starts Envoy: no hot restart, so no shared
+            # As devstack.launcher starts Envoy: no hot restart, so no shared
             # memory of a fixed name (stacks of other tests run beside it).
             self._start("envoy", [find_envoy(), "-c", str(envoy_config), "--disable-hot-restart",
                                   "--log-level", "warning", "--concurrency", "2"],

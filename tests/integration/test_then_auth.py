@@ -24,7 +24,8 @@ from typing import Any
 
 import pytest
 
-from sidecar.launcher import Component, find_nginx, nginx_main_config
+from devstack.launcher import Component, find_nginx
+from sidecar.rendering import nginx_main_config
 from tests.integration.auth_service import SIGN_IN_PAGE, USER
 from tests.integration.burst import burst
 from tests.integration.clients import CONNECTION_CLOSED, LOOPBACK, Client
@@ -145,7 +146,7 @@ class ThenAuthSite:
 
     def start(self) -> None:
         try:
-            self._start("app", [sys.executable, "-m", "sidecar.demo_upstream", "--port", str(self.app_port)],
+            self._start("app", [sys.executable, "-m", "devstack.demo_upstream", "--port", str(self.app_port)],
                         lambda: accepts_connections(self.app_port))
             self.start_auth()
             self.start_sluice()

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.launcher import find_envoy, find_nginx, nginx_main_config
+from devstack.launcher import find_envoy, find_nginx
+from sidecar.rendering import nginx_main_config
 from tests.integration.clients import LOOPBACK
 from tests.integration.conftest import free_port
 
@@ -142,6 +143,31 @@ def test_check_and_replay_work_from_outside_the_checkout(installed: Installed) -
     assert bad.returncode == 1 and bad.stderr.startswith("bad.yaml:4: rules[0](per-ip).limit.per: ")
     report = installed.sluice("replay", "--config", "rules.yaml", "access.log").stdout
     assert "replayed 5 requests" in report and "2 allowed" in report and "3 denied" in report
+
+
+def test_the_wheel_carries_the_runtime_package_and_not_the_development_stack(dist: Dist) -> None:
+    with zipfile.ZipFile(dist.wheel) as wheel:
+        names = wheel.namelist()
+    top_level = {name.partition("/")[0] for name in names if ".dist-info/" not in name}
+
+    assert top_level == {"sidecar"}
+    # make run's launcher and the demo upstream live in devstack/, beside the package.
+    assert [name for name in names if name.rpartition("/")[2] in ("launcher.py", "demo_upstream.py")] == []
+    assert "sidecar/rendering.py" in names
+
+
+def test_the_shipped_renderer_writes_the_envoy_bootstraps_without_the_checkout(installed: Installed) -> None:
+    # What compose.yaml's envoy-config service runs in Sluice's image, the
+    # values from the environment.
+    result = subprocess.run([str(installed.venv / "bin" / "python"), "-m", "sidecar.rendering", "--render", "envoy",
+                             "rendered"], cwd=installed.work, env={**installed.env, "SLUICE_HOST": "sluice"},
+                            capture_output=True, text=True, timeout=60)
+
+    assert result.returncode == 0, result.stderr
+    rendered = installed.work / "rendered"
+    assert sorted(path.name for path in rendered.iterdir()) == ["envoy-grpc.yaml", "envoy-rls.yaml", "envoy.yaml"]
+    bootstrap = (rendered / "envoy.yaml").read_text()
+    assert "${" not in bootstrap and 'address: "sluice"' in bootstrap
 
 
 def test_config_renders_an_nginx_site_nginx_accepts(installed: Installed) -> None:

@@ -17,7 +17,8 @@ import jsonschema
 import kubernetes_validate
 import yaml
 
-from sidecar.launcher import find_nginx, nginx_main_config
+from devstack.launcher import find_nginx
+from sidecar.rendering import nginx_main_config
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"

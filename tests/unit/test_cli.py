@@ -20,7 +20,7 @@ import yaml
 from click.testing import CliRunner
 
 from sidecar import DISTRIBUTION, addresses, cli
-from sidecar.launcher import ENVOY_GUARD_ADDRESSES, ENVOY_MAX_TOKENS
+from sidecar.rendering import ENVOY_GUARD_ADDRESSES, ENVOY_MAX_TOKENS
 from sidecar.rules import Ruleset, load_ruleset
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -297,7 +297,7 @@ def test_the_envoy_guard_only_adds_lines_to_the_bootstrap() -> None:
 @pytest.mark.parametrize("options", [["--guard-rate", "7.5"], ["--unchecked-rate", "7.5"], []],
                          ids=["guard", "unchecked-rate", "plain"])
 def test_envoy_accepts_the_rendered_bootstraps(tmp_path: Path, options: list[str]) -> None:
-    from sidecar.launcher import find_envoy
+    from devstack.launcher import find_envoy
 
     for target in ("envoy", "envoy-grpc"):
         out = tmp_path / target

@@ -25,8 +25,9 @@ from typing import Any
 import pytest
 import yaml
 
-from sidecar import launcher
-from sidecar.launcher import PACKAGE_PARENT, expand_includes, find_envoy, find_nginx, nginx_main_config, render_template
+from devstack.launcher import PACKAGE_PARENT, find_envoy, find_nginx
+from sidecar import rendering as launcher
+from sidecar.rendering import expand_includes, nginx_main_config, render_template
 from sidecar.rules import load_ruleset
 from tests.unit.deploy_files import REPO, dockerfile_instructions, exec_form, nginx_test
 
@@ -106,7 +107,7 @@ def _envoy_renderer() -> tuple[str, list[str]]:
     --render, and the command it runs."""
     for name, service in SERVICES.items():
         command = service.get("command", [])
-        if "sidecar.launcher" in command and "--render" in command:
+        if "sidecar.rendering" in command and "--render" in command:
             return name, command
     raise AssertionError("no service of compose.yaml renders the Envoy bootstrap")
 

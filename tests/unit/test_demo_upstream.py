@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar import demo_upstream
-from sidecar.demo_upstream import DemoUpstream, parse_sleep
+from devstack import demo_upstream
+from devstack.demo_upstream import DemoUpstream, parse_sleep
 
 from .test_app import call
 

@@ -38,7 +38,8 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from sidecar import cli, launcher
+from devstack import launcher
+from sidecar import cli
 from tests.unit.deploy_files import validate_manifest
 
 REPO = Path(__file__).resolve().parents[2]

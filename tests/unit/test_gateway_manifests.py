@@ -26,7 +26,7 @@ from sidecar.actions import over_limit_headers
 from sidecar.challenge import SOLUTION_PATH
 from sidecar.frontdoors.challenge_solution import CHALLENGE_PATH
 from sidecar.frontdoors.envoy import ENVOY_AUTH_PREFIX
-from sidecar.launcher import PACKAGE_TEMPLATES, expand_includes
+from sidecar.rendering import PACKAGE_TEMPLATES, expand_includes
 from sidecar.rules import load_ruleset
 from tests.unit.deploy_files import (
     KUBERNETES, all_containers, build, deploy_manifests, deploy_objects_by_source, hardening_problems, pod_spec,

@@ -27,8 +27,8 @@ from typing import Any
 import pytest
 import yaml
 
-from sidecar import launcher
-from sidecar.launcher import StackPorts, template_variables
+from sidecar import rendering as launcher
+from sidecar.rendering import StackPorts, template_variables
 from sidecar.rules import Ruleset, load_ruleset
 from tests.unit.deploy_files import (
     KUBERNETES, Build, all_containers, build, container, dockerfile_user, is_sidecar, nginx_test, option, pod_spec,

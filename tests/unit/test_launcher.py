@@ -17,19 +17,19 @@ from pathlib import Path
 import pytest
 from hypothesis import given, strategies as st
 
-from sidecar import launcher
+from devstack import launcher
 import yaml
 
 import sidecar
-from sidecar.launcher import (
+from devstack.launcher import find_envoy
+from sidecar.rendering import (
     DEFAULT_ENVOY_GRPC_TEMPLATE,
     DEFAULT_ENVOY_TEMPLATE,
     DEFAULT_TEMPLATE,
-    StackError,
+    RenderError as StackError,
     StackPorts,
     check_timeout_seconds,
     envoy_token_bucket,
-    find_envoy,
     nginx_rate,
     render_template,
     ruleset_of,
@@ -82,8 +82,8 @@ RENDER_FROM_ZIP = """
 import json, sys
 from pathlib import Path
 import sidecar
-from sidecar.launcher import DEFAULT_ENVOY_TEMPLATE, DEFAULT_TEMPLATE, StackPorts, template_variables
-from sidecar.launcher import write_envoy_config, write_nginx_config
+from sidecar.rendering import DEFAULT_ENVOY_TEMPLATE, DEFAULT_TEMPLATE, StackPorts, template_variables
+from sidecar.rendering import write_envoy_config, write_nginx_config
 variables = template_variables(StackPorts(nginx=18080), "127.0.0.1")
 write_nginx_config(Path(sys.argv[1]), DEFAULT_TEMPLATE, variables)
 write_envoy_config(Path(sys.argv[1]), DEFAULT_ENVOY_TEMPLATE, variables)

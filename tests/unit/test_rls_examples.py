@@ -11,8 +11,9 @@ from typing import Any
 
 import yaml
 
-from sidecar.launcher import DEFAULT_ENVOY_RLS_TEMPLATE, DEFAULT_RLS_CONFIG, DEFAULT_RLS_DOMAIN, StackPorts, \
-    render_template_file, template_variables
+from devstack.launcher import DEFAULT_RLS_CONFIG
+from sidecar.rendering import DEFAULT_ENVOY_RLS_TEMPLATE, DEFAULT_RLS_DOMAIN, StackPorts, render_template_file, \
+    template_variables
 from sidecar.rls import load_rls
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "ratelimit"

@@ -17,16 +17,16 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar import cli, launcher
+from devstack.demo_upstream import KEEP_ALIVE_SECONDS as DEMO_KEEP_ALIVE_SECONDS
+from sidecar import cli, rendering as launcher
 from sidecar.cli import KEEP_ALIVE_SECONDS
-from sidecar.demo_upstream import KEEP_ALIVE_SECONDS as DEMO_KEEP_ALIVE_SECONDS
-from sidecar.launcher import (
+from sidecar.rendering import (
     DEFAULT_ENVOY_GRPC_TEMPLATE,
     DEFAULT_ENVOY_RLS_TEMPLATE,
     DEFAULT_ENVOY_TEMPLATE,
     DEFAULT_TEMPLATE,
     PACKAGE_TEMPLATES,
-    StackError,
+    RenderError as StackError,
     StackPorts,
     expand_includes,
     render_template_file,

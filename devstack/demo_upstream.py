@@ -152,7 +152,7 @@ async def _respond(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m sidecar.demo_upstream", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m devstack.demo_upstream", description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=9000)
     args = parser.parse_args(argv)
