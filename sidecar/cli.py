@@ -86,7 +86,10 @@ def main() -> None:
 
 @main.command()
 @click.argument("path", type=click.Path())
-def check(path: str) -> None:
+@click.option("--explain", is_flag=True,
+              help="For a rules file: also print its rules as Sluice runs them, what each tests and in "
+                   "what order (the compiled matcher's source, as tracebacks and debuggers show it).")
+def check(path: str, explain: bool) -> None:
     """Validate a rules file, a Rate Limit Service configuration (a file
     with a top-level domain), or a folder of them: exit 0, or 1 with every
     error as FILE:LINE: field: message.
@@ -98,7 +101,9 @@ def check(path: str) -> None:
     content."""
     from sidecar.rls import rls_files
 
-    if not os.path.isdir(path):
+    if explain:
+        ok = _explain_rules(path)
+    elif not os.path.isdir(path):
         ok = _check_file(path)
     elif (every := rls_files(path)) and all(map(_is_rls, every)):
         ok = _check_rls(path)
@@ -113,6 +118,17 @@ def check(path: str) -> None:
         ok = not failed
     if not ok:
         raise SystemExit(1)
+
+
+def _explain_rules(path: str) -> bool:
+    """`sluice check --explain`: a rules file checked, then its matcher."""
+    if os.path.isdir(path) or _is_rls(Path(path)):
+        _fail(f"--explain: {path}: explains one rules file, not a folder or a Rate Limit Service configuration")
+    if not _check_rules(path):
+        return False
+    click.echo()
+    click.echo(load_ruleset(path).match_source.text, nl=False)
+    return True
 
 
 def _check_file(path: str) -> bool:

@@ -9,19 +9,21 @@ limiter objects; evaluating a request is then lookups and arithmetic only
 from __future__ import annotations
 
 
-import math
-import socket
 import dataclasses
+import linecache
+import math
+import re
+import socket
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Callable, Sequence, cast
+from typing import Callable, Literal, Sequence, cast
 
 from sidecar import config
 from sidecar.actions import CHALLENGE_PAGE, BlockPage
 from sidecar.challenge import cookie_name
 from sidecar.clientip import ClientAddress, ClientIPResolver, NetworkSet
-from sidecar.config import ConfigError, ConfigIssue, LoadedRules
+from sidecar.config import ConfigError, ConfigIssue, LoadedRules, Loc
 from sidecar.keys import CountingKey, KeyPrefix, key_dimensions, key_values
 from sidecar.limiters import build_limiter
 from sidecar.state import AutoBan, BanIncrement, Check, CheckSpec, Limiter, PenaltyBan, make_check
@@ -37,8 +39,34 @@ Matcher = Callable[[CheckRequest, "list[CompiledRule]", "list[Check]", str,
                     Callable[["CompiledRule", CheckRequest], bool]], bool]
 
 # --------------------------------------------------------------------------
-# Conditions
+# Generated source
 # --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class GeneratedSource:
+    """Python source that Sluice wrote and runs, as tracebacks, pdb and
+    ``inspect`` show it: registered with ``linecache`` under ``filename``
+    (nothing is written to disk), and given again by ``get_source`` (the
+    loader protocol linecache asks a frame's globals for) if the cache is
+    cleared."""
+
+    filename: str
+    text: str
+
+    def get_source(self, _module: str) -> str:
+        return self.text
+
+    def run(self, namespace: dict[str, object]) -> None:
+        """Register the text, and run it in ``namespace``."""
+        lines = self.text.splitlines(keepends=True)
+        # A line is printable ASCII (comments show values through _shown), so
+        # linecache's lines are the compiler's: a traceback's line is its own.
+        assert all(line.rstrip("\n").isascii() and line.rstrip("\n").isprintable() for line in lines)
+        linecache.cache[self.filename] = (len(self.text), None, lines, self.filename)
+        # A module name that is not imported, or inspect would read that module.
+        namespace.update(__name__="sidecar.rules.generated", __loader__=self)
+        exec(compile(self.text, self.filename, "exec"), namespace)  # noqa: S102 - our fragments only
 
 
 class _Expression:
@@ -46,19 +74,24 @@ class _Expression:
     one function when the rules load: a request then costs one call, not a
     call per leaf and per dimension.
 
-    Nothing from the rules file is ever written into the source: every value
-    (a header name, a string to compare, a compiled regex, networks) is a
-    constant the expression names (``c0``, ``c1``, ...), bound in the
-    function's namespace. The source is built from the fixed fragments below
-    alone.
+    Nothing from the rules file is ever written into the source as code:
+    every value (a header name, a string to compare, a compiled regex,
+    networks) is a constant the expression names (``c1``, ``c2``, ...),
+    bound in the function's namespace. The source is built from the fixed
+    fragments below, identifiers made of a rule id's letters, digits and
+    underscores, and comments (``_shown``, which cannot end a line).
     """
 
     def __init__(self) -> None:
         self.namespace: dict[str, object] = {"__builtins__": {}}
+        self._constants = 0
         self._values = 0
 
-    def constant(self, value: object) -> str:
-        name = f"c{len(self.namespace)}"
+    def constant(self, value: object, name: str | None = None) -> str:
+        """The name ``value`` is bound to: ``name``, or the next ``cN``."""
+        if name is None:
+            self._constants += 1
+            name = f"c{self._constants}"
         self.namespace[name] = value
         return name
 
@@ -68,7 +101,15 @@ class _Expression:
         return f"v{self._values}"
 
     def function(self, expression: str) -> Callable[[CheckRequest], object]:
-        return eval(f"lambda request: {expression}", self.namespace)  # noqa: S307 - our fragments only
+        function = eval(f"lambda request: {expression}", self.namespace)  # noqa: S307 - our fragments only
+        return cast(Callable[[CheckRequest], object], function)
+
+
+def _shown(value: object, limit: int = 80) -> str:
+    """A value from the rules file as a comment shows it: ``ascii`` escapes
+    every line break and control character, so a comment stays one line."""
+    text = ascii(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 # --------------------------------------------------------------------------
@@ -76,63 +117,135 @@ class _Expression:
 # --------------------------------------------------------------------------
 
 
-def _string_test(test: config.StringTest | config.NamedTest, value: str, source: _Expression) -> str:
-    """The test of ``value`` (an expression of a string)."""
+@dataclass(frozen=True, slots=True)
+class _Test:
+    """A condition's leaf: its expression, what it tests in the rules
+    file's words, and where the rules file says it."""
+
+    code: str
+    says: str
+    loc: Loc
+
+
+@dataclass(frozen=True, slots=True)
+class _Group:
+    """Parts joined by ``and`` (several leaves, ``all``) or ``or`` (``any``);
+    evaluated in the file's order, stopping at the first that decides."""
+
+    joins: Literal["and", "or"]
+    parts: tuple[_Node, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _Not:
+    part: _Node
+
+
+_Node = _Test | _Group | _Not
+
+
+def _string_test(test: config.StringTest | config.NamedTest, value: str,
+                 source: _Expression) -> tuple[str, str]:
+    """The test of ``value`` (an expression of a string), and what it tests."""
     if test.equals is not None:
-        return f"{value} == {source.constant(test.equals)}"
+        return f"{value} == {source.constant(test.equals)}", f"equals {_shown(test.equals)}"
     if test.in_ is not None:
-        return f"{value} in {source.constant(frozenset(test.in_))}"
+        return f"{value} in {source.constant(frozenset(test.in_))}", f"in {_shown(test.in_)}"
     if test.prefix is not None:
-        return f"{value}.startswith({source.constant(test.prefix)})"
+        return f"{value}.startswith({source.constant(test.prefix)})", f"prefix {_shown(test.prefix)}"
     assert test.regex is not None  # the model requires one test of the four
-    return f"{source.constant(test.regex.search)}({value}) is not None"
+    return f"{source.constant(test.regex.search)}({value}) is not None", f"regex {_shown(test.regex.pattern)}"
 
 
-def _named_test(mapping: str, test: config.NamedTest, name: str, source: _Expression) -> str:
+def _named_test(mapping: str, test: config.NamedTest, name: str, source: _Expression) -> tuple[str, str]:
     """A header's, cookie's or query parameter's test; ``mapping`` is the
     request's mapping of them."""
     key = source.constant(name)
     if test.present is not None:
-        return f"({key} {'in' if test.present else 'not in'} {mapping})"
+        return (f"({key} {'in' if test.present else 'not in'} {mapping})",
+                f"{_shown(name)} {'present' if test.present else 'absent'}")
     value = source.value()
-    return f"(({value} := {mapping}.get({key})) is not None and {_string_test(test, value, source)})"
+    code, says = _string_test(test, value, source)
+    return f"(({value} := {mapping}.get({key})) is not None and {code})", f"{_shown(name)} {says}"
 
 
-def _condition(condition: config.Condition, source: _Expression) -> str:
-    """The expression of a ``match:`` mapping: several leaves mean all."""
-    parts: list[str] = []
+def _condition(condition: config.Condition, source: _Expression, loc: Loc) -> _Node:
+    """A ``match:`` mapping (at ``loc`` in the file): several leaves mean all,
+    tested in this order."""
+    parts: list[_Node] = []
     if condition.all is not None:
-        parts.append(_all([_condition(c, source) for c in condition.all]))
+        parts.append(_joined("and", [_condition(c, source, loc + ("all", i)) for i, c in enumerate(condition.all)]))
     if condition.any is not None:
-        alternatives = [_condition(c, source) for c in condition.any]
-        parts.append("(" + " or ".join(alternatives) + ")" if alternatives else "False")
+        parts.append(_joined("or", [_condition(c, source, loc + ("any", i)) for i, c in enumerate(condition.any)]))
     if condition.not_ is not None:
-        parts.append(f"(not {_condition(condition.not_, source)})")
+        parts.append(_Not(_condition(condition.not_, source, loc + ("not",))))
     if condition.path is not None:
-        parts.append(f"({_string_test(condition.path, 'request.path', source)})")
+        code, says = _string_test(condition.path, "request.path", source)
+        parts.append(_Test(code, f"path {says}", loc + ("path",)))
     if condition.host is not None:
-        parts.append(f"({_string_test(condition.host, 'request.host', source)})")
+        code, says = _string_test(condition.host, "request.host", source)
+        parts.append(_Test(code, f"host {says}", loc + ("host",)))
     if condition.method is not None:
-        parts.append(f"(request.method in {source.constant(frozenset(m.upper() for m in condition.method))})")
-    for tests, mapping, fold in ((condition.header, "request.headers", True),
-                                 (condition.cookie, "request.cookies", False),
-                                 (condition.query, "request.query", False)):
-        for test in tests or ():
-            parts.append(_named_test(mapping, test, test.name.lower() if fold else test.name, source))
+        methods = [m.upper() for m in condition.method]
+        parts.append(_Test(f"request.method in {source.constant(frozenset(methods))}",
+                           f"method in {_shown(methods)}", loc + ("method",)))
+    for field_name, tests, mapping, fold in (("header", condition.header, "request.headers", True),
+                                             ("cookie", condition.cookie, "request.cookies", False),
+                                             ("query", condition.query, "request.query", False)):
+        for index, test in enumerate(tests or ()):
+            code, says = _named_test(mapping, test, test.name.lower() if fold else test.name, source)
+            parts.append(_Test(code, f"{field_name} {says}", loc + (field_name, index)))
     if condition.ip is not None:
-        parts.append(f"{source.constant(NetworkSet(condition.ip.in_))}.holds(request.client)")
-    return _all(parts)
+        networks = NetworkSet(condition.ip.in_)
+        parts.append(_Test(f"{source.constant(networks)}.holds(request.client)",
+                           f"ip in {_shown([str(network) for network in networks])}", loc + ("ip",)))
+    return _joined("and", parts)
 
 
-def _all(parts: list[str]) -> str:
-    return "(" + " and ".join(parts) + ")" if parts else "True"
+def _joined(joins: Literal["and", "or"], parts: list[_Node]) -> _Node:
+    """``parts`` joined, a group of the same kind spliced in (``a and (b and
+    c)`` is ``a and b and c``, evaluated in the same order), one part alone."""
+    flat: list[_Node] = []
+    for part in parts:
+        flat.extend(part.parts if isinstance(part, _Group) and part.joins == joins else (part,))
+    return flat[0] if len(flat) == 1 else _Group(joins, tuple(flat))
+
+
+def _inline(node: _Node) -> str:
+    """A condition as one expression."""
+    if isinstance(node, _Test):
+        return f"({node.code})"
+    if isinstance(node, _Not):
+        return f"(not {_inline(node.part)})"
+    if not node.parts:
+        return "True" if node.joins == "and" else "False"
+    return "(" + f" {node.joins} ".join(_inline(part) for part in node.parts) + ")"
+
+
+def _condition_lines(node: _Node, indent: str, comment: Callable[[_Test], str]) -> list[str]:
+    """A condition as lines of source, one leaf a line with ``comment``'s
+    comment: a traceback from a leaf shows that leaf's line."""
+    if isinstance(node, _Test):
+        return [f"{indent}{node.code}  # {comment(node)}"]
+    if isinstance(node, _Not):
+        return [f"{indent}not (", *_condition_lines(node.part, indent + "    ", comment), f"{indent})"]
+    if not node.parts:
+        return [f"{indent}{'True' if node.joins == 'and' else 'False'}"]
+    inner = indent + "    "
+    lines = [f"{indent}("]
+    for index, part in enumerate(node.parts):
+        part_lines = _condition_lines(part, inner, comment)
+        if index:
+            part_lines[0] = f"{inner}{node.joins} {part_lines[0][len(inner):]}"
+        lines += part_lines
+    return lines + [f"{indent})"]
 
 
 def compile_condition(condition: config.Condition) -> Predicate:
     """A ``match:`` mapping as one predicate."""
     source = _Expression()
     # Every leaf is a comparison, so the expression's value is a bool.
-    return cast(Predicate, source.function(_condition(condition, source)))
+    return cast(Predicate, source.function(_inline(_condition(condition, source, ()))))
 
 
 # --------------------------------------------------------------------------
@@ -175,10 +288,11 @@ def compile_key(rule_id: str, dimensions: list[str]) -> tuple[KeyPrefix, KeyBuil
     return prefix, cast(KeyBuilder, source.function(_key(prefix, source)))
 
 
-def _key(prefix: KeyPrefix, source: _Expression) -> str:
-    """The expression of a key with ``prefix``, from the request."""
-    values = ", ".join(_dimension_value(name, source) for name in prefix[1])
-    return f"({source.constant(prefix)}, {values})"
+def _key(prefix: KeyPrefix, source: _Expression, name: str | None = None) -> str:
+    """The expression of a key with ``prefix`` (bound to ``name``, if given),
+    from the request."""
+    values = ", ".join(_dimension_value(dimension, source) for dimension in prefix[1])
+    return f"({source.constant(prefix, name)}, {values})"
 
 
 def describe_key(key: CountingKey) -> str:
@@ -376,6 +490,7 @@ class Ruleset:
     difficulty: int  # proof-of-work zero bits of a challenge
     auto_ban: AutoBan  # challenges per address before it is banned
     match: Matcher  # the rules for one request, in order (compile_matcher)
+    match_source: GeneratedSource  # match's source: what tracebacks show, and `sluice check --explain`
     overload_after: float = 0.25  # a check this late is answered by the overload policy
     # Whose refusals hold for every request of the client (sidecar.overload.AddressRefusals):
     # the id of the file's first rule when it qualifies, and bans.
@@ -401,48 +516,121 @@ class Ruleset:
         return max((rule.limiter.longest_hold() for rule in self.rules), default=0.0)
 
 
-def compile_matcher(rules: Sequence[tuple[CompiledRule, config.Rule]],
-                    verified_bots: Sequence[VerifiedBot]) -> Matcher:
+_MATCHER_HEAD = """\
+# The rules of {source} as Sluice runs them, written when the file
+# loaded (sidecar.rules.compile_matcher). Nothing is written to disk:
+# tracebacks and debuggers show this text as {filename},
+# and `sluice check --explain FILE` prints it.
+#
+# Every rule, in the file's order: its condition, leaf by leaf, stopping
+# at the first that decides; for a challenge, the challenge's credential,
+# which passes the request and ends the evaluation; then the rule is
+# matched, and its check (its limit, as a spec, and the request's counting
+# key) goes to the state store, which decides every check of the request
+# at once. Values from the file are the constants c1, c2, ...: each line's
+# comment gives its rule, its line in the file and what it tests.
+def match(request, matched, checks, lease, has_credential):
+    add_rule, add_check = matched.append, checks.append
+    verified = None  # whether the request is a verified bot's, once asked
+"""
+
+
+def compile_matcher(rules: Sequence[tuple[CompiledRule, config.Rule]], verified_bots: Sequence[VerifiedBot],
+                    loaded: LoadedRules) -> tuple[Matcher, GeneratedSource]:
     """The ruleset's rules, in order, as one function: what the engine did
     for each rule of each request (its condition, a challenge credential,
     a verified bot's spec, an override's, its key) written out, with every
-    rule's condition and key inline instead of a call each.
+    rule's condition and key inline instead of a call each; and its source,
+    which tracebacks show and ``sluice check --explain`` prints.
 
-    As in ``_Expression``, the source is made of fixed fragments only: every
-    rule, spec and value is a bound constant (``c0``, ``c1``, ...).
+    As in ``_Expression``, no value from the file is written as code: every
+    rule, spec and value is a bound constant (``rule_ID``, ``spec_ID``,
+    ``c1``, ...), and comments show the values.
     """
     source = _Expression()
-    make, check = source.constant(make_check), source.constant(Check)
-    bots = source.constant(lambda request: any(bot.matches(request) for bot in verified_bots))
-    lines = ["def match(request, matched, checks, lease, has_credential):",
-             "    add_rule, add_check = matched.append, checks.append",
-             "    verified = None  # whether the request is a verified bot's, once asked"]
+    filename = f"{loaded.source}.matcher.py"
+    lines = _MATCHER_HEAD.format(source=_shown(loaded.source, 200), filename=_shown(filename, 200)).splitlines()
+    source.constant(make_check, "make_check")
+    source.constant(Check, "Check")
+    source.constant(lambda request: any(bot.matches(request) for bot in verified_bots), "is_verified_bot")
+    def line_of(loc: Loc) -> int:
+        return loaded.issue(loc, "").line
+
+    positions = {id(model): index for index, model in enumerate(loaded.model.rules)}
     for rule, model in rules:
-        name = source.constant(rule)
-        indent = "    "
-        if model.match is not None:
-            lines.append(f"    if {_condition(model.match, source)}:")
-            indent = "        "
-        if rule.challenge is not None:
-            # A credential passes this rule, and evaluation ends.
-            lines += [f"{indent}if has_credential({name}, request):", f"{indent}    return True"]
-        spec = source.constant(rule.spec)
-        # Verified bots are never banned, not even for challenges; the
-        # challenge itself applies to them as block does.
-        for_bots = bool(verified_bots) and rule.bot_spec is not rule.spec
-        if for_bots or rule.overrides:
-            lines.append(f"{indent}spec = {spec}")
-            spec = "spec"
-        if for_bots:
-            lines += [f"{indent}if verified is None:", f"{indent}    verified = {bots}(request)",
-                      f"{indent}if verified:", f"{indent}    spec = {source.constant(rule.bot_spec)}"]
-        if rule.overrides:
-            lines.append(f"{indent}spec = {name}.spec_for(request.client, spec)")
-        lines += [f"{indent}add_rule({name})",
-                  f"{indent}add_check({make}({check}, ({spec}, {_key(rule.key_prefix, source)}, lease)))"]
+        overrides = [line_of(("overrides", index)) for index, override in enumerate(loaded.model.overrides)
+                     if rule.id in override.rules]
+        lines += ["", *_rule_lines(rule, model, ("rules", positions[id(model)]), bool(verified_bots),
+                                   overrides, source, line_of)]
     lines.append("    return False")
-    exec("\n".join(lines), source.namespace)  # noqa: S102 - our fragments only
-    return cast(Matcher, source.namespace["match"])
+    generated = GeneratedSource(filename, "\n".join(lines) + "\n")
+    generated.run(source.namespace)
+    return cast(Matcher, source.namespace["match"]), generated
+
+
+def _rule_lines(rule: CompiledRule, model: config.Rule, loc: Loc, verified_bots: bool, override_lines: list[int],
+                source: _Expression, line_of: Callable[[Loc], int]) -> list[str]:
+    """One rule's part of the matcher: its lines, with comments saying
+    which rule and which line of the file each comes from (``line_of`` a
+    location; ``override_lines``, the overrides that list the rule)."""
+    names = _rule_names(rule.id, source)
+    name = source.constant(rule, names.format("rule"))
+    lines = [f"    # rules[{loc[1]}]: {rule.id} (line {line_of(loc)}), {rule.action}"
+             + (", in shadow mode" if rule.shadow else "")]
+    indent = "    "
+    if model.match is not None:
+        condition = _condition(model.match, source, loc + ("match",))
+        condition_lines = _condition_lines(condition, indent,
+                                           lambda test: f"{rule.id} (line {line_of(test.loc)}): {test.says}")
+        condition_lines[0] = f"{indent}if {condition_lines[0][len(indent):]}"
+        if isinstance(condition, _Test):  # one line: the colon before its comment
+            code, _, comment = condition_lines[0].partition("  # ")
+            condition_lines[0] = f"{code}:  # {comment}"
+        else:
+            condition_lines[-1] += ":"
+        lines += condition_lines
+        indent = "        "
+    if rule.challenge is not None:
+        lines += [f"{indent}if has_credential({name}, request):  # {rule.id}: its challenge solved",
+                  f"{indent}    return True  # the request passes, and no later rule is evaluated"]
+    spec = source.constant(rule.spec, names.format("spec"))
+    # Verified bots are never banned, not even for challenges; the
+    # challenge itself applies to them as block does.
+    for_bots = verified_bots and rule.bot_spec is not rule.spec
+    if for_bots or rule.overrides:
+        lines.append(f"{indent}spec = {spec}")
+        spec = "spec"
+    if for_bots:
+        lines += [f"{indent}if verified is None:",
+                  f"{indent}    verified = is_verified_bot(request)  # verified_bots: networks and user agent",
+                  f"{indent}if verified:",
+                  f"{indent}    spec = {source.constant(rule.bot_spec, names.format('bot_spec'))}"
+                  f"  # {rule.id}: a verified bot is never banned"]
+    if rule.overrides:
+        lines.append(f"{indent}spec = {name}.spec_for(request.client, spec)  # {rule.id}: the threshold of the "
+                     f"first override holding the client ({_lines_said(override_lines)})")
+    key = _key(rule.key_prefix, source, names.format("key"))
+    lines += [f"{indent}add_rule({name})",
+              f"{indent}add_check(make_check(Check, ({spec}, {key}, lease)))"
+              f"  # {rule.id} (line {line_of(loc + ('key',))}): key {', '.join(rule.key_prefix[1])}"
+              + ("" if model.key else " (the default)")]
+    return lines
+
+
+def _lines_said(lines: Sequence[int]) -> str:
+    return ("line " if len(lines) == 1 else "lines ") + ", ".join(map(str, lines))
+
+
+def _rule_names(rule_id: str, source: _Expression) -> str:
+    """The pattern of a rule's constants' names (``rule_login``,
+    ``spec_login``, ...): its id's letters, digits and underscores, made
+    unique in the matcher."""
+    base = re.sub(r"[^A-Za-z0-9_]", "_", rule_id)
+    suffix, number = "", 1
+    while f"rule_{base}{suffix}" in source.namespace:
+        number += 1
+        suffix = f"_{number}"
+    return f"{{}}_{base}{suffix}"
 
 
 def compile_rules(loaded: LoadedRules, shadow: bool = False) -> Ruleset:
@@ -515,6 +703,7 @@ def compile_rules(loaded: LoadedRules, shadow: bool = False) -> Ruleset:
         raise ConfigError(issues)
     client_ip = model.client_ip
     verified_bots = tuple(VerifiedBot(NetworkSet(b.cidrs), b.user_agent) for b in model.verified_bots)
+    match, match_source = compile_matcher(compiled_from, verified_bots, loaded)
     return Ruleset(
         rules=tuple(rules),
         by_id={rule.id: rule for rule in rules},
@@ -536,7 +725,8 @@ def compile_rules(loaded: LoadedRules, shadow: bool = False) -> Ruleset:
         log_keys=model.decision_log.keys,
         difficulty=model.challenge.difficulty,
         auto_ban=auto_ban,
-        match=compile_matcher(compiled_from, verified_bots),
+        match=match,
+        match_source=match_source,
         overload_after=model.overload.after,
         address_wide_rule=_address_wide_rule(compiled_from, verified_bots),
         address_wide_bans=not verified_bots and not any(rule.challenge is not None for rule in rules),
