@@ -313,7 +313,8 @@ class FailingHeaders(dict[str, str]):
 
 
 def failing_request() -> CheckRequest:
-    """A request that reaches the search rule's header test, which fails."""
+    """A request that passes the search rule's tests, and whose header read
+    for the rule's key fails."""
     made = request("/?q=shoes", host="example.com", headers={"x-api-key": "k"})
     made.headers = FailingHeaders(made.headers)
     return made
