@@ -33,7 +33,7 @@ from sidecar.server import encode_reply
 from sidecar.ratelog import RateLimitedLog
 from sidecar.request import CheckRequest
 from sidecar.service import build_api
-from sidecar.store.memory import run_at_once
+from sidecar.at_once import run_at_once
 
 if TYPE_CHECKING:
     from sidecar.frontdoors.rls import RateLimitService

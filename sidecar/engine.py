@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from sidecar.actions import BlockPage, draft_fields, retry_after_seconds
+from sidecar.at_once import run_at_once
 from sidecar.challenge import Challenges, IssuedChallenge
 from sidecar.clientip import UNKNOWN_CLIENT, ClientAddress
 from sidecar.decisionlog import DecisionLog
@@ -25,13 +26,13 @@ from sidecar.overload import (BEHIND_SHARE, PROXY_SECONDS, SHARED_STORED_SECONDS
                               AddressRefusals, RefusalMemory, proxy_expires,
                               StoredRefusal)
 from sidecar.pending import PendingEntry, PendingTokens, SlotEntry
+from sidecar.policy import Policy
 from sidecar.ratelog import RateLimitedLog
 from sidecar.request import CheckRequest
 from sidecar.responses import ResponsePhase
 from sidecar.rules import CompiledRule, Ruleset
 from sidecar.state import BanRecord, Check, Evaluation, epoch_clock
-from sidecar.store import StateStore, StoreUnavailable, open_store
-from sidecar.store.memory import MemoryStore, run_at_once
+from sidecar.store import StateStore, StoreUnavailable, open_local_counts, open_store
 from sidecar.tokens import Tokens
 
 Clock = Callable[[], float]
@@ -153,10 +154,10 @@ class Engine:
         self.address_refusals.clear()
         self.late_counts = self._late_counts(self.ruleset)
 
-    def _late_counts(self, ruleset: Ruleset) -> MemoryStore:
+    def _late_counts(self, ruleset: Ruleset) -> Policy:
         """Where late checks that an `overload: open` rule lets in are
         counted: this node's memory, bounded like the store."""
-        return MemoryStore(ruleset.max_keys, ruleset.node, self.clock, self.wall_clock)
+        return open_local_counts(ruleset.max_keys, ruleset.node, self.clock, self.wall_clock)
 
     def refused_again(self, stored: StoredRefusal) -> None:
         """Count a stored refusal sent again as its decision was counted."""
@@ -281,7 +282,7 @@ class Engine:
         it let in over a shared store (``admitted`` by the store, or late
         and let in by `overload: open`), for each enforcing rule in order;
         the first one over its limit here, if any, which ends the count."""
-        count_now = self.late_counts.count_now
+        count_now = self.late_counts.count
         for rule, check in zip(matched, checks):
             spec = check.spec
             if not rule.stops or not spec.count or not spec.amount:
@@ -417,7 +418,7 @@ class Engine:
                 if rule.plain:
                     rule_hits[rule.id] += 1
                     continue
-                spec, key, _ = check
+                spec, key = check.spec, check.key
                 if rule.counts:
                     rule_hits[rule.id] += 1
                     if rule.reset_on is not None:

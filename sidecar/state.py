@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence, TypeGuard
+from typing import Callable
 
 from sidecar.config import AutoBan as AutoBanConfig
 from sidecar.config import BanIncrement as BanIncrementConfig
 from sidecar.keys import CountingKey
-from sidecar.limiters import ALLOWED, Hit, lua_number
+from sidecar.limiters import Hit, lua_number
+from sidecar.limiters.base import Limiter
 from sidecar.limiters.window import WindowCounter
 
 Clock = Callable[[], float]
@@ -31,54 +32,6 @@ _EPOCH_OFFSET = time.time() - time.monotonic()
 
 def epoch_clock() -> float:
     return time.monotonic() + _EPOCH_OFFSET
-
-
-class Limiter(Protocol):
-    """What every algorithm answers (``sidecar.limiters``). Window counters
-    ``hit`` at once; buckets and concurrency slots are ``deferred`` (see
-    ``DeferredLimiter``)."""
-
-    deferred: bool
-    holds: bool  # may ask to hold an admitted request (a leaky bucket's delay)
-    scalable: bool  # the check's threshold is the limit, which overrides may scale
-    # Takes a slot under the request's lease id, which the response report
-    # gives back (a concurrency limit); its refusals can end at any moment.
-    leases: bool
-
-    def new_state(self) -> Any: ...
-    def peek(self, state: Any, now: float) -> Hit: ...
-    def hit(self, state: Any, now: float, threshold: float, amount: int = 1) -> Hit: ...
-    def expires_at(self, state: Any) -> float: ...
-    def quota(self, state: Any, now: float, threshold: float) -> tuple[int, float, float]: ...
-
-    def longest_hold(self) -> float:
-        """Seconds the longest-held request may wait (0: never holds)."""
-
-    def redis_args(self, threshold: float, lease: str = "") -> tuple[str, ...]:
-        """The check's arguments for the Redis scripts: a kind ('W', 'L',
-        'T', 'C') and five values, made at construction but for a threshold
-        that differs from the limiter's own, and for the request's lease id
-        (which only a concurrency limit reads)."""
-
-    def peak_period(self) -> float:
-        """The span over which replay measures a key's peak traffic."""
-
-    def describe(self) -> str:
-        """The limit in words, as replay reports it."""
-
-
-class DeferredLimiter(Limiter, Protocol):
-    """A bucket or a concurrency limit: ``assess`` a request, and ``commit``
-    it only when the whole request is admitted (no bucket is
-    charged when one refuses). ``lease`` is the request's lease id, under
-    which a concurrency limit takes its slot."""
-
-    def assess(self, state: Any, now: float, lease: str = "", amount: int = 1) -> Hit: ...
-    def commit(self, state: Any, hit: Hit) -> None: ...
-
-
-def is_deferred(limiter: Limiter) -> TypeGuard[DeferredLimiter]:
-    return limiter.deferred
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,82 +135,88 @@ class CheckSpec:
     penalty_ban: PenaltyBan | None = None  # over limit counts a penalty towards a ban (then_ban_after)
 
 
-class Check(tuple[CheckSpec, CountingKey, str]):
+class Check:
     """One matching rule of one request, ready for the store: the rule's
     ``CheckSpec``, the request's counting key, and the request's lease id
     (in a ruleset with a concurrency limit, else "").
 
-    A triple, so that the ruleset's matcher (``rules.compile_matcher``)
-    makes one for every matching rule of every request as
-    ``make_check(Check, (spec, key, lease))`` (a tuple: a tenth of a
-    twelve-field object's cost) and the stores read it as ``spec, key,
-    lease = check``. ``Check(rule_id, key, limiter, ...)`` spells every
-    field, for the front doors that make a spec per request (the Rate Limit
-    Service) and for tests; the spec's fields are also properties, but
-    ``count`` (which is tuple.count): read ``check.spec.count``.
+    The ruleset's matcher (``rules.compile_matcher``) makes one for every
+    matching rule of every request, from the three parts; a slotted object
+    of three fields costs what a tuple does. ``Check.of(rule_id, key,
+    limiter, ...)`` spells every field of the spec, for the front doors that
+    make a spec per request (the Rate Limit Service) and for tests; the
+    spec's fields are also properties of the check.
     """
 
-    __slots__ = ()
+    __slots__ = ("spec", "key", "lease")
 
-    def __new__(cls, rule_id: str, key: CountingKey, limiter: Limiter, threshold: float, stops: bool,
-                ban_duration: float | None = None, count: bool = True, auto_ban: AutoBan | None = None,
-                lease: str = "", amount: int = 1, ban_increment: BanIncrement | None = None,
-                penalty_ban: PenaltyBan | None = None) -> "Check":
-        return tuple.__new__(cls, (CheckSpec(rule_id, limiter, threshold, stops, ban_duration, count, auto_ban,
-                                             amount, ban_increment, penalty_ban), key, lease))
+    def __init__(self, spec: CheckSpec, key: CountingKey, lease: str = "") -> None:
+        self.spec = spec
+        self.key = key
+        self.lease = lease
 
-    @property
-    def spec(self) -> CheckSpec:
-        return self[0]
+    @classmethod
+    def of(cls, rule_id: str, key: CountingKey, limiter: Limiter, threshold: float, stops: bool,
+           ban_duration: float | None = None, count: bool = True, auto_ban: AutoBan | None = None,
+           lease: str = "", amount: int = 1, ban_increment: BanIncrement | None = None,
+           penalty_ban: PenaltyBan | None = None) -> "Check":
+        return cls(CheckSpec(rule_id, limiter, threshold, stops, ban_duration, count, auto_ban, amount,
+                             ban_increment, penalty_ban), key, lease)
 
-    @property
-    def key(self) -> CountingKey:
-        return self[1]
+    def __repr__(self) -> str:
+        return f"Check({self.spec!r}, {self.key!r}, {self.lease!r})"
 
     @property
     def rule_id(self) -> str:
-        return self[0].rule_id
+        return self.spec.rule_id
 
     @property
     def limiter(self) -> Limiter:
-        return self[0].limiter
+        return self.spec.limiter
 
     @property
     def threshold(self) -> float:
-        return self[0].threshold
+        return self.spec.threshold
 
     @property
     def stops(self) -> bool:
-        return self[0].stops
+        return self.spec.stops
 
     @property
     def ban_duration(self) -> float | None:
-        return self[0].ban_duration
+        return self.spec.ban_duration
+
+    @property
+    def count(self) -> bool:
+        return self.spec.count
 
     @property
     def auto_ban(self) -> AutoBan | None:
-        return self[0].auto_ban
-
-    @property
-    def lease(self) -> str:
-        return self[2]
+        return self.spec.auto_ban
 
     @property
     def amount(self) -> int:
-        return self[0].amount
+        return self.spec.amount
 
     @property
     def ban_increment(self) -> BanIncrement | None:
-        return self[0].ban_increment
+        return self.spec.ban_increment
 
     @property
     def penalty_ban(self) -> PenaltyBan | None:
-        return self[0].penalty_ban
+        return self.spec.penalty_ban
 
 
-# A Check from its three parts, without a call of Check's own: tuple.__new__
-# called with the class.
-make_check = tuple.__new__
+_new_check = object.__new__
+
+
+def make_check(cls: type[Check], parts: tuple[CheckSpec, CountingKey, str]) -> Check:
+    """A Check from its three parts, as the ruleset's matcher makes one
+    (``make_check(Check, (spec, key, lease))``): without the call of
+    ``__init__``, which ``Check(spec, key, lease)`` makes instead."""
+    check: Check = _new_check(cls)
+    check.spec, check.key, check.lease = parts
+    return check
 
 
 @dataclass(frozen=True, slots=True)

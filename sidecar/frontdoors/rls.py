@@ -255,7 +255,7 @@ class RateLimitService:
                 address = next((value for name, value in zip(keys, values)
                                 if name == "remote_address" and value != ""), "")
             descriptor.check = len(checks)
-            checks.append(Check(limit.rule_id, key, limit.limiter, limit.threshold, ban is not None, ban,
+            checks.append(Check.of(limit.rule_id, key, limit.limiter, limit.threshold, ban is not None, ban,
                                 amount=hits))
         return descriptors + [_Descriptor(None)] * (len(messages) - len(descriptors)), checks, address
 

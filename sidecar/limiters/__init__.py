@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from sidecar import config
-    from sidecar.state import Limiter
+    from sidecar.limiters.base import Limiter
 
 # One shared float for every state never penalized: -math.inf would make one
 # per state, 24 bytes of each tracked key.

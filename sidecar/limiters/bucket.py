@@ -15,7 +15,7 @@ from sidecar.config import format_duration
 from sidecar.limiters import ALLOWED, Hit, lua_number
 
 if TYPE_CHECKING:
-    from sidecar.state import DeferredLimiter
+    from sidecar.limiters.base import DeferredLimiter
 
 
 def in_penalty(state: Any, now: float) -> Hit | None:

@@ -22,7 +22,7 @@ from typing import Sequence
 from sidecar.keys import CountingKey
 from sidecar.limiters import Hit
 from sidecar.state import Check, Clock, Evaluation
-from sidecar.store.memory import BoundedMap
+from sidecar.bounded import BoundedMap
 
 
 def _cacheable(check: Check) -> bool:

@@ -40,7 +40,7 @@ from sidecar.keys import CountingKey, key_dimensions
 from sidecar.limiters import ALLOWED, Hit, lua_libraries
 from sidecar.networkbans import NetworkBans
 from sidecar.store import Described, StoreUnavailable
-from sidecar.store.memory import BoundedMap
+from sidecar.bounded import BoundedMap
 from sidecar.store.penalties import PenaltyCache
 from sidecar.store.redis_admin import (ADMIN_VERSION, COUNT_INFIX, NETWORK_HEAD, NETWORK_INDEX, VERSION_KEPT_MS,
                                        AdminCopy, glob_escape, key_of_name, network_record, new_version, scan)

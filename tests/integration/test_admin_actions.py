@@ -222,7 +222,7 @@ def over_limit_check():
     from sidecar.limiters.window import WindowCounter
     from sidecar.state import Check
 
-    return Check("w", (("w", ("ip",)), ADDRESS), WindowCounter(1, 60.0, 30.0), 1.0, True)
+    return Check.of("w", (("w", ("ip",)), ADDRESS), WindowCounter(1, 60.0, 30.0), 1.0, True)
 
 
 def test_a_node_copies_what_another_changed_when_it_asks_and_empties_its_cache_of_penalties(two_nodes) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -19,10 +19,12 @@ from sidecar.limiters.token import TokenBucket
 from sidecar.limiters.window import WindowCounter
 from sidecar.state import AutoBan, BanIncrement, BanRecord, Check, Evaluation, PenaltyBan, ResponseCount
 from sidecar.store import StateStore
+from sidecar.store.local import LocalStore
 from sidecar.store.memory import MemoryStore
 from sidecar.store.redis import RedisStore
 from sidecar.store.redis_cluster import parse_node
 from tests.integration.redis_server import RedisCluster, RedisServer
+from tests.unit.dict_table import DictTable
 
 pytestmark = pytest.mark.integration
 
@@ -31,11 +33,30 @@ ADDRESS = "192.0.2.7"
 
 
 
-@pytest.fixture(params=["memory", "redis", "cluster"])
+def beyond_deciding(test: Callable[..., None]) -> Callable[..., None]:
+    """Mark a test that needs a role beyond deciding (bans and admin,
+    inspection): it runs on the whole backends only."""
+    test.beyond_deciding = True  # type: ignore[attr-defined]
+    return test
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Every test on every backend; a deciding test also on the smallest
+    in-process table (``tests.unit.dict_table``) under the policy."""
+    if "open_store" in metafunc.fixturenames:
+        backends = ["memory", "redis", "cluster"]
+        if not getattr(metafunc.function, "beyond_deciding", False):
+            backends.append("table")
+        metafunc.parametrize("open_store", backends, indirect=True)
+
+
+@pytest.fixture
 def open_store(request: pytest.FixtureRequest, redis_server: RedisServer) -> Callable[[], StateStore]:
     """Makes the backend under test (inside the test's event loop)."""
     if request.param == "memory":
         return lambda: MemoryStore(1000, "node-a", clock=lambda: NOW)
+    if request.param == "table":
+        return lambda: cast(StateStore, TableStore(DictTable(), "node-a"))
     if request.param == "cluster":
         cluster: RedisCluster = request.getfixturevalue("redis_cluster")
         cluster.flush()
@@ -43,6 +64,13 @@ def open_store(request: pytest.FixtureRequest, redis_server: RedisServer) -> Cal
         return lambda: RedisStore.from_url("redis://", "node-a", server_time=False, cluster=nodes)
     redis_server.client().flushdb()
     return lambda: RedisStore.from_url(redis_server.url, "node-a", server_time=False)
+
+
+class TableStore(LocalStore):
+    """The deciding role over a table, and nothing to close."""
+
+    async def close(self) -> None:
+        """Nothing to close."""
 
 
 def run(open_store: Callable[[], StateStore], test: Callable[[StateStore], Awaitable[Any]]) -> Any:
@@ -57,7 +85,7 @@ def run(open_store: Callable[[], StateStore], test: Callable[[StateStore], Await
 
 def window(rule: str = "w", threshold: int = 3, per: float = 60.0, penalty: float = 30.0,
            **options: Any) -> Check:
-    return Check(rule, ((rule, ("ip",)), ADDRESS), WindowCounter(threshold, per, penalty), float(threshold),
+    return Check.of(rule, ((rule, ("ip",)), ADDRESS), WindowCounter(threshold, per, penalty), float(threshold),
                  True, **options)
 
 
@@ -86,6 +114,7 @@ def test_a_refusal_ends_evaluation_and_later_checks_are_not_counted(open_store) 
     assert (evaluated, remaining) == (1, 4)
 
 
+@beyond_deciding
 def test_a_ban_is_recorded_listed_and_lifted(open_store) -> None:
     async def test(store: StateStore) -> tuple:
         check = window("scrapers", threshold=1, ban_duration=600.0)
@@ -105,8 +134,8 @@ def test_a_ban_is_recorded_listed_and_lifted(open_store) -> None:
 
 def test_buckets_are_charged_only_when_every_bucket_admits(open_store) -> None:
     async def test(store: StateStore) -> list[tuple[bool, ...]]:
-        roomy = Check("roomy", (("roomy", ("ip",)), ADDRESS), TokenBucket(10, 0.001, 1, None), 10.0, True)
-        tight = Check("tight", (("tight", ("ip",)), ADDRESS), TokenBucket(1, 0.001, 1, None), 1.0, True)
+        roomy = Check.of("roomy", (("roomy", ("ip",)), ADDRESS), TokenBucket(10, 0.001, 1, None), 10.0, True)
+        tight = Check.of("tight", (("tight", ("ip",)), ADDRESS), TokenBucket(1, 0.001, 1, None), 1.0, True)
         outcomes = []
         for i in range(3):
             evaluation = await store.evaluate(NOW + i, ADDRESS, [roomy, tight], quotas=True)
@@ -121,7 +150,7 @@ def test_buckets_are_charged_only_when_every_bucket_admits(open_store) -> None:
 
 def test_a_full_wait_queue_refuses_a_request_a_leaky_bucket_would_hold(open_store) -> None:
     async def test(store: StateStore) -> tuple:
-        check = Check("slow", (("slow", ("ip",)), ADDRESS), LeakyBucket(Rate(1, 1), 5, 0, None), 6.0, True)
+        check = Check.of("slow", (("slow", ("ip",)), ADDRESS), LeakyBucket(Rate(1, 1), 5, 0, None), 6.0, True)
         first = await store.evaluate(NOW, ADDRESS, [check], can_delay=True)
         held = await store.evaluate(NOW, ADDRESS, [check], can_delay=True)
         refused = await store.evaluate(NOW, ADDRESS, [check], can_delay=False)
@@ -138,7 +167,7 @@ def test_reported_responses_count_toward_the_threshold(open_store) -> None:
             [hit] = await store.record(NOW + i, [ResponseCount(key, limiter, 2.0)])
             hits.append(hit.over_limit)
         # At request time the key is only checked for its penalty.
-        peek = Check("login", key, limiter, 2.0, True, count=False)
+        peek = Check.of("login", key, limiter, 2.0, True, count=False)
         hits.append((await store.evaluate(NOW + 3, ADDRESS, [peek])).hits[0].over_limit)
         return hits
     assert run(open_store, test) == [False, False, True, True]
@@ -147,10 +176,11 @@ def test_reported_responses_count_toward_the_threshold(open_store) -> None:
 def by_header(rule: str, value: str, threshold: int, **options: Any) -> Check:
     """A check whose key has no address: on a cluster, in another slot than
     the address's ban record (most likely; every slot is covered below)."""
-    return Check(rule, ((rule, ("header:x-k",)), value), WindowCounter(threshold, 60.0, 30.0),
+    return Check.of(rule, ((rule, ("header:x-k",)), value), WindowCounter(threshold, 60.0, 30.0),
                  float(threshold), True, **options)
 
 
+@beyond_deciding
 def test_a_check_keyed_without_the_address_bans_the_address(open_store) -> None:
     async def test(store: StateStore) -> tuple:
         banning_rule = by_header("shared-key", "k1", 1, ban_duration=600.0)
@@ -203,8 +233,8 @@ def test_a_key_counted_by_another_algorithm_starts_anew(open_store) -> None:
     (and its penalty) does not carry over, either way."""
     async def test(store: StateStore) -> list[bool]:
         key = (("switch", ("ip",)), ADDRESS)
-        as_window = Check("switch", key, WindowCounter(1, 60.0, 60.0), 1.0, True)
-        as_bucket = Check("switch", key, TokenBucket(2, 0.001, 1, None), 2.0, True)
+        as_window = Check.of("switch", key, WindowCounter(1, 60.0, 60.0), 1.0, True)
+        as_bucket = Check.of("switch", key, TokenBucket(2, 0.001, 1, None), 2.0, True)
         over = []
         for check in (as_window, as_window, as_bucket, as_bucket, as_bucket, as_window, as_window):
             over.append((await store.evaluate(NOW, ADDRESS, [check])).hits[0].over_limit)
@@ -215,7 +245,7 @@ def test_a_key_counted_by_another_algorithm_starts_anew(open_store) -> None:
 
 
 def slots(rule: str = "c", limit: int = 2, lease: float = 30.0, request: str = "r1", stops: bool = True) -> Check:
-    return Check(rule, ((rule, ("ip",)), ADDRESS), ConcurrencyLimiter(limit, lease), float(limit), stops,
+    return Check.of(rule, ((rule, ("ip",)), ADDRESS), ConcurrencyLimiter(limit, lease), float(limit), stops,
                  lease=request)
 
 
@@ -284,10 +314,10 @@ def test_concurrency_quotas_are_the_free_slots_after_the_decision(open_store) ->
 def test_a_reload_that_changes_a_keys_kind_starts_it_afresh(open_store) -> None:
     async def test(store: StateStore) -> list:
         key = ((("k", ("ip",)), ADDRESS))
-        as_window = Check("k", key, WindowCounter(2, 60.0, 60.0), 2.0, True)
-        as_slots = Check("k", key, ConcurrencyLimiter(1, 30.0), 1.0, True, lease="r1")
-        as_bucket = Check("k", key, TokenBucket(1, 0.001, 1, None), 1.0, True)
-        peek = Check("k", key, WindowCounter(2, 60.0, 60.0), 2.0, True, count=False)
+        as_window = Check.of("k", key, WindowCounter(2, 60.0, 60.0), 2.0, True)
+        as_slots = Check.of("k", key, ConcurrencyLimiter(1, 30.0), 1.0, True, lease="r1")
+        as_bucket = Check.of("k", key, TokenBucket(1, 0.001, 1, None), 1.0, True)
+        peek = Check.of("k", key, WindowCounter(2, 60.0, 60.0), 2.0, True, count=False)
         seen: list = []
         await store.evaluate(NOW, ADDRESS, [as_window])
         for check in (as_slots, as_window, as_slots, as_bucket):
@@ -302,7 +332,7 @@ def test_a_reload_that_changes_a_keys_kind_starts_it_afresh(open_store) -> None:
 def fitting(rule: str = "f", threshold: int = 10, per: float = 60.0, sliding: bool = False,
             penalty: float = 0.0, amount: int = 1) -> Check:
     """A Rate Limit Service descriptor's counter: admitted only when the request fits whole."""
-    return Check(rule, ((rule, ("k",)), "v"), WindowCounter(threshold, per, penalty, sliding=sliding, fit=True),
+    return Check.of(rule, ((rule, ("k",)), "v"), WindowCounter(threshold, per, penalty, sliding=sliding, fit=True),
                  float(threshold), False, amount=amount)
 
 
@@ -360,7 +390,7 @@ def test_buckets_take_a_requests_amount_at_once_and_a_look_takes_nothing(open_st
         for limiter in (token, leaky):
             key = ((f"b-{limiter.__class__.__name__}", ("k",)), "v")
             for amount in (0, 5, 6, 5, 0):
-                check = Check("b", key, limiter, 10.0, False, amount=amount)
+                check = Check.of("b", key, limiter, 10.0, False, amount=amount)
                 over.append((await store.evaluate(NOW, "", [check])).hits[0].over_limit)
         return over
     # Ten tokens: a look, 5, then 6 does not fit, 5 does, a look still passes.
@@ -381,6 +411,7 @@ async def banned_once(store: StateStore, at: float, check: Check) -> Evaluation:
     return await store.evaluate(at + 0.5, ADDRESS, [check])
 
 
+@beyond_deciding
 def test_each_repeat_ban_lasts_factor_times_the_last_up_to_max(open_store) -> None:
     async def test(store: StateStore) -> list[tuple]:
         check = window("scrapers", threshold=1, ban_duration=300.0, ban_increment=ESCALATING)
@@ -400,6 +431,7 @@ def test_each_repeat_ban_lasts_factor_times_the_last_up_to_max(open_store) -> No
                                      (2, 1000.0, 2, 1000.0, 999.5), (3, 1000.0, 3, 1000.0, 999.5)]
 
 
+@beyond_deciding
 def test_a_lifted_ban_is_remembered_and_the_next_escalates(open_store) -> None:
     async def test(store: StateStore) -> list[tuple[int, float]]:
         check = window("scrapers", threshold=1, ban_duration=300.0, ban_increment=ESCALATING)
@@ -442,6 +474,7 @@ def test_a_ban_without_increment_is_step_zero_every_time(open_store) -> None:
     assert run(open_store, test) == [(0, 300.0), (0, 300.0)]
 
 
+@beyond_deciding
 def test_an_escalating_ban_called_for_from_another_slot_escalates_in_the_addresss_slot(open_store) -> None:
     async def test(store: StateStore) -> list[tuple]:
         check = by_header("shared-key", "k1", 1, ban_duration=300.0, ban_increment=ESCALATING)
@@ -459,10 +492,11 @@ def test_an_escalating_ban_called_for_from_another_slot_escalates_in_the_address
 def challenge(rule: str = "pages", then_ban_after: int = 2, penalty: float = 10.0) -> Check:
     """A challenge rule over 1 request a minute with a 10 s penalty,
     banning for 300 s past ``then_ban_after`` unsolved penalties."""
-    return Check(rule, ((rule, ("ip",)), ADDRESS), WindowCounter(1, 60.0, penalty), 1.0, True,
+    return Check.of(rule, ((rule, ("ip",)), ADDRESS), WindowCounter(1, 60.0, penalty), 1.0, True,
                  penalty_ban=PenaltyBan.after(then_ban_after, 300.0))
 
 
+@beyond_deciding
 def test_unsolved_penalties_past_then_ban_after_ban_the_address(open_store) -> None:
     async def test(store: StateStore) -> list[str]:
         check = challenge()
@@ -514,6 +548,7 @@ def test_penalties_more_than_a_day_apart_do_not_add_up(open_store) -> None:
 OTHER_ADDRESS = "192.0.2.8"
 
 
+@beyond_deciding
 def test_a_ban_by_hand_refuses_is_listed_with_its_reason_and_is_lifted(open_store) -> None:
     async def test(store: StateStore) -> tuple:
         issued = await store.ban(NOW, ADDRESS, 600.0, "credential stuffing")
@@ -532,6 +567,7 @@ def test_a_ban_by_hand_refuses_is_listed_with_its_reason_and_is_lifted(open_stor
         "credential stuffing", True, None, None)
 
 
+@beyond_deciding
 def test_a_ban_by_hand_replaces_an_earned_ban_and_ends_when_its_duration_does(open_store) -> None:
     async def test(store: StateStore) -> tuple:
         check = window("scrapers", threshold=1, ban_duration=600.0)
@@ -545,6 +581,7 @@ def test_a_ban_by_hand_replaces_an_earned_ban_and_ends_when_its_duration_does(op
     assert run(open_store, test) == ("", "shorter", NOW + 12.0, True, None)
 
 
+@beyond_deciding
 def test_a_network_ban_is_held_for_the_node_listed_and_lifted(open_store) -> None:
     import ipaddress
 
@@ -571,21 +608,22 @@ def counted_keys() -> list[Check]:
     """Keys of ADDRESS under every shape that counts it, and keys that do not."""
     return [
         window("per-ip"),
-        Check("per-page", (("per-page", ("ip", "path")), ADDRESS, "/a"), TokenBucket(5, 0.01, 1, None), 5.0,
+        Check.of("per-page", (("per-page", ("ip", "path")), ADDRESS, "/a"), TokenBucket(5, 0.01, 1, None), 5.0,
               True),
         # A session rule's fallback to the address, tagged as such.
-        Check("sess", (("sess", ("session:sid",)), ("ip", ADDRESS)), WindowCounter(10, 60.0, 60.0), 10.0, True),
-        Check("sess", (("sess", ("session:sid",)), ("cookie", ADDRESS)), WindowCounter(10, 60.0, 60.0), 10.0, True),
+        Check.of("sess", (("sess", ("session:sid",)), ("ip", ADDRESS)), WindowCounter(10, 60.0, 60.0), 10.0, True),
+        Check.of("sess", (("sess", ("session:sid",)), ("cookie", ADDRESS)), WindowCounter(10, 60.0, 60.0), 10.0, True),
         by_header("per-key", ADDRESS, 10),
     ]
 
 
+@beyond_deciding
 def test_the_keys_counted_for_an_address_are_found_and_no_others(open_store) -> None:
     from sidecar.counters import KeySelection
 
     async def test(store: StateStore) -> tuple:
         await store.evaluate(NOW, ADDRESS, counted_keys())
-        await store.evaluate(NOW, OTHER_ADDRESS, [Check("per-ip", (("per-ip", ("ip",)), OTHER_ADDRESS),
+        await store.evaluate(NOW, OTHER_ADDRESS, [Check.of("per-ip", (("per-ip", ("ip",)), OTHER_ADDRESS),
                                                         WindowCounter(3, 60.0, 30.0), 3.0, True)])
         of_address = await store.find_keys(NOW + 1, KeySelection(address=ADDRESS))
         of_rule = await store.find_keys(NOW + 1, KeySelection(rule="per-ip"))
@@ -602,11 +640,12 @@ def test_the_keys_counted_for_an_address_are_found_and_no_others(open_store) -> 
     assert exact == [(("per-ip", ("ip",)), OTHER_ADDRESS)] and missing == [] and bounded == 2
 
 
+@beyond_deciding
 def test_keys_are_described_by_the_limiter_given_as_the_draft_fields_describe_them(open_store) -> None:
     async def test(store: StateStore) -> list:
         tight = window("tight", threshold=2)  # 30 s penalty once reached
         # Full again 200 s after two requests: still stored when described.
-        bucket = Check("bucket", (("bucket", ("ip",)), ADDRESS), TokenBucket(5, 0.01, 1, None), 5.0, True)
+        bucket = Check.of("bucket", (("bucket", ("ip",)), ADDRESS), TokenBucket(5, 0.01, 1, None), 5.0, True)
         for request in ("r1", "r2"):
             await store.evaluate(NOW, ADDRESS, [tight, bucket, slots(limit=3, request=request)])
         keys = [(tight.key, tight.limiter, 2.0), (bucket.key, bucket.limiter, 5.0),
@@ -628,6 +667,7 @@ def test_keys_are_described_by_the_limiter_given_as_the_draft_fields_describe_th
     ]
 
 
+@beyond_deciding
 def test_reset_keys_forget_counts_and_penalties_and_say_how_many_were_stored(open_store) -> None:
     from sidecar.counters import KeySelection
 
@@ -642,6 +682,7 @@ def test_reset_keys_forget_counts_and_penalties_and_say_how_many_were_stored(ope
     assert run(open_store, test) == (True, 1, True, 0)
 
 
+@beyond_deciding
 def test_a_ban_by_hand_over_an_escalated_ban_is_listed_as_a_first_ban(open_store) -> None:
     async def test(store: StateStore) -> tuple:
         check = window("scrapers", threshold=1, ban_duration=300.0, ban_increment=ESCALATING)
@@ -653,6 +694,7 @@ def test_a_ban_by_hand_over_an_escalated_ban_is_listed_as_a_first_ban(open_store
     assert run(open_store, test) == (1, ("", "by hand", 0))
 
 
+@beyond_deciding
 def test_a_shadow_ban_is_listed_for_every_node_refuses_nobody_and_can_be_lifted(open_store) -> None:
     async def test(store: StateStore) -> tuple[Any, ...]:
         store.record_shadow_ban(BanRecord(ADDRESS, "scrapers", "node-b", 1.7e9, NOW + 600, 600.0, shadow=True))
@@ -672,6 +714,7 @@ def test_a_shadow_ban_is_listed_for_every_node_refuses_nobody_and_can_be_lifted(
     assert (ban, real, lifted, after) == (None, [], True, [])
 
 
+@beyond_deciding
 def test_forgetting_an_address_history_starts_its_escalation_over(open_store) -> None:
     async def test(store: StateStore) -> tuple[int, int, int]:
         check = window("scrapers", threshold=1, ban_duration=300.0, ban_increment=ESCALATING)

@@ -12,13 +12,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sidecar.at_once import run_at_once
 from sidecar.config import ConfigError, parse_rules_text
 from sidecar.engine import ALLOW, CLOSE, DENY
 from sidecar.limiters.concurrent import ConcurrencyLimiter
 from sidecar.replay import Replay, render_text
 from sidecar.rules import compile_rules
 from sidecar.state import Check
-from sidecar.store.memory import MemoryStore, run_at_once
+from sidecar.store.memory import MemoryStore
 
 from .conftest import FakeClock, Harness
 
@@ -124,7 +125,7 @@ def test_the_memory_store_admits_exactly_as_the_model(limit: int, lease: float, 
         elif action == "acquire":
             clock.advance(value)
             issued += 1
-            check = Check("exports", KEY, limiter, float(limit), True, lease=f"r{issued}")
+            check = Check.of("exports", KEY, limiter, float(limit), True, lease=f"r{issued}")
             evaluation = run_at_once(store.evaluate(clock.now, "192.0.2.1", [check], quotas=True))
             [hit] = evaluation.hits
             assert (hit.over_limit, hit.retry_after) == model.acquire(clock.now, f"r{issued}")
@@ -138,7 +139,7 @@ def test_the_memory_store_admits_exactly_as_the_model(limit: int, lease: float, 
             # the store has not dropped it yet; nothing else.
             live, taken = model.release(lease_id, clock.now)
             assert live <= released <= taken
-        state = store._states.get(KEY)
+        state = store.table.state(KEY)
         # At most N leases per key, whatever happens.
         assert state is None or len(state.held) <= limit
 
@@ -204,7 +205,7 @@ def test_a_request_refused_by_another_rule_takes_no_slot() -> None:
     first = h.decide_now(path="/export")
     assert h.decide_now(path="/export").outcome == DENY
     assert h.engine.pending.open(first.pending).slots == [("exports", ("192.0.2.1",))]
-    assert len(h.engine.store._states.get((("exports", ("ip",)), "192.0.2.1")).held) == 1
+    assert len(h.engine.store.table.state((("exports", ("ip",)), "192.0.2.1")).held) == 1
 
 
 def test_an_observe_rule_over_its_limit_lets_the_request_through_and_others_take_their_slots() -> None:

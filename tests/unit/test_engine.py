@@ -4,7 +4,7 @@ import json
 import logging
 
 from sidecar.engine import ALLOW, CLOSE, DENY
-from sidecar.store.memory import run_at_once
+from sidecar.at_once import run_at_once
 
 from .conftest import Harness
 
@@ -311,7 +311,7 @@ rules:
 
 
 def test_bounded_map_keeps_recently_read_keys_over_older_ones():
-    from sidecar.store.memory import BoundedMap
+    from sidecar.bounded import BoundedMap
 
     clock = [0.0]
     bounded = BoundedMap(10, lambda value: 1e9, lambda: clock[0])  # nothing ever expires

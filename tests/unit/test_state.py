@@ -1,7 +1,7 @@
 """BoundedMap: expired entries go first, then the least recently used, at
 O(1) cost per insertion."""
 
-from sidecar.store.memory import BoundedMap
+from sidecar.bounded import BoundedMap
 
 
 class Expiring:

@@ -1,0 +1,256 @@
+"""The request-phase policy, written once: what the checks of a request do
+to the state of their keys, and when a refusal bans the client.
+
+The engine hands a store every check of a request at once, in rule order;
+the policy answers with an ``Evaluation``:
+
+- a client banned now is refused, and nothing is counted;
+- each check then looks at its key (a response-phase rule), counts it (a
+  window) or assesses it (a bucket, a concurrency limit), in order, and the
+  first one over its limit that stops ends the evaluation: the rules after
+  it are neither evaluated nor counted;
+- that refusal may ban the client: a ban rule's ban, which escalates with
+  ``ban.increment``; a challenge past the address's ``auto_ban``; or the
+  penalty past a challenge rule's ``then_ban_after``. Issuing a ban clears
+  the key that triggered it;
+- buckets and concurrency slots are charged last, only when the request
+  is admitted by all of them and no check refused it (as nginx does with
+  several ``limit_req`` zones);
+- with ``quotas``, each counting check's (remaining, reset, window) after
+  the decision, for the draft RateLimit fields.
+
+It works over a ``StateTable``: the few primitives an in-process backend
+implements (the memory store's ``MemoryTable``), and nothing of the policy.
+The Redis store runs the same policy in Lua (``sidecar/lua/evaluate.lua``,
+and ``RedisStore._combined`` across the slots of a Redis Cluster) for one
+round trip and one atomic step; the parity tests hold it to this module.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Hashable, Protocol, Sequence, cast
+
+from sidecar.keys import CountingKey
+from sidecar.limiters import ALLOWED, Hit
+from sidecar.limiters.base import DeferredLimiter, Limiter
+from sidecar.state import BanIncrement, BanRecord, Check, CheckSpec, Evaluation, PenaltyBan
+
+# What bans react to, kept as notes beside the bans (``StateTable.note``),
+# named (kind, address, rule id): the step and length of an address's last
+# escalating ban by a rule, and the end of the rule's last penalty counted
+# towards then_ban_after. In Redis, ban_history.lua's keys.
+BAN_STEP = "ban step"
+COUNTED_PENALTY = "counted penalty"
+Note = tuple[str, str, str]
+
+
+class StateTable(Protocol):
+    """The primitives an in-process backend implements: the state of each
+    key, the ban of each address, and the notes that bans react to. The
+    table bounds and expires them as it likes (the memory store's evicts
+    the least recently used), and decides nothing.
+
+    States are the limiters' own objects, changed in place: a state read
+    and counted is not written back."""
+
+    def state(self, key: Hashable) -> Any:
+        """The key's stored state, or None. A read is a use: when the
+        table is full, the least recently used keys go first."""
+
+    def keep(self, key: Hashable, state: Any) -> None:
+        """Store a state the key does not hold yet: a new key's, or one
+        that replaces a state of another algorithm."""
+
+    def forget(self, key: Hashable) -> bool:
+        """Drop the key's state; whether it had one."""
+
+    def ban(self, address: str) -> BanRecord | None:
+        """The address's ban record, in force or ended; None when none is kept."""
+
+    def keep_ban(self, record: BanRecord) -> None:
+        """Keep a ban record, replacing the address's."""
+
+    def note(self, name: Note, now: float) -> Any:
+        """The value of a note kept until after ``now``, else None."""
+
+    def keep_note(self, name: Note, value: Any, until: float) -> None:
+        """Keep a note until ``until``, replacing the one of that name."""
+
+
+def carried_over(state: Any, limiter: Limiter) -> Any:
+    """A state counted by a limiter that a reload replaced: its counts carry
+    over to a limiter of the same algorithm, else it starts anew (None)."""
+    if type(state.limiter) is not type(limiter):
+        return None
+    state.limiter = limiter
+    return state
+
+
+class Policy:
+    """The request-phase policy over one table; bans it issues are signed
+    with ``node`` and stamped with ``wall_clock``."""
+
+    __slots__ = ("table", "node", "wall_clock")
+
+    def __init__(self, table: StateTable, node: str, wall_clock: Callable[[], float] = time.time) -> None:
+        self.table = table
+        self.node = node
+        self.wall_clock = wall_clock
+
+    def evaluate(self, now: float, address: str, checks: Sequence[Check], can_delay: bool = True,
+                 quotas: bool = False) -> Evaluation:
+        """The ban check and every check in order, in one step; see the
+        module's docstring. ``can_delay`` False refuses a request a leaky
+        bucket would hold (the wait queue is full)."""
+        table = self.table
+        ban = table.ban(address)
+        if ban is not None and now < ban.expires:
+            return Evaluation(ban=ban)
+        hits: list[Hit] = []
+        evaluation = Evaluation(None, False, hits)  # positional: made for every request
+        deferred: list[tuple[CountingKey, DeferredLimiter, Any, bool, Hit]] = []
+        refused = False
+        read, keep = table.state, table.keep
+        for check in checks:
+            spec = check.spec
+            key = check.key
+            limiter = spec.limiter
+            state = read(key)
+            if state is not None and state.limiter is not limiter:
+                state = carried_over(state, limiter)
+            if not spec.count:  # a look: a response-phase rule's penalty
+                hit = limiter.peek(state, now) if state is not None else ALLOWED
+            elif not limiter.deferred:
+                if state is None:
+                    # A key never seen (or forgotten): under key rotation, most of them.
+                    state = limiter.new_state()
+                    hit = limiter.hit(state, now, spec.threshold, spec.amount)
+                    keep(key, state)
+                else:
+                    hit = limiter.hit(state, now, spec.threshold, spec.amount)
+            else:  # a bucket or a concurrency limit: assessed now, charged last
+                bucket = cast(DeferredLimiter, limiter)
+                stored = state is not None
+                if not stored:
+                    state = bucket.new_state()
+                hit = bucket.assess(state, now, check.lease, spec.amount)
+                if hit.delay and not can_delay:
+                    hit = Hit(True, hit.delay)  # the wait queue is full: refuse
+                deferred.append((key, bucket, state, stored, hit))
+            hits.append(hit)
+            if hit.over_limit and spec.stops:
+                refused = True
+                if address:
+                    self._refused(evaluation, now, address, spec, key, hit)
+                break
+        if deferred and not refused:
+            # One over its limit that did not refuse (observe mode) is not
+            # charged itself. A refused request leaves no new key (a new key
+            # is never refused by its own bucket, and a ban cleared its key).
+            for key, limiter, state, stored, hit in deferred:
+                if not hit.over_limit:
+                    limiter.commit(state, hit)
+                    evaluation.delay = max(evaluation.delay, hit.delay)
+                    if not stored:
+                        keep(key, state)
+        if quotas and evaluation.ban is None:
+            evaluation.quotas = [check.limiter.quota(self.state_for(check.key, check.limiter), now, check.threshold)
+                                 if check.spec.count else None for check in checks]
+        return evaluation
+
+    def _refused(self, evaluation: Evaluation, now: float, address: str, spec: CheckSpec, key: CountingKey,
+                 hit: Hit) -> None:
+        """What a stopping refusal of the address's request does beyond the
+        refusal: a ban, when the rule, its auto-ban or its then_ban_after
+        calls for one."""
+        ban_key, ban_duration = key, spec.ban_duration
+        auto_ban = spec.auto_ban
+        if auto_ban is not None:
+            # One more challenge for this address: past the auto-ban
+            # threshold, a ban instead.
+            ban_key = auto_ban.key(address)
+            if self.count(ban_key, auto_ban.limiter, now, auto_ban.threshold, 1).over_limit:
+                ban_duration = auto_ban.duration
+        penalty_ban = spec.penalty_ban
+        if penalty_ban is not None and ban_duration is None and \
+                self._unsolved_penalty(now, address, spec.rule_id, hit, penalty_ban):
+            ban_key, ban_duration = penalty_ban.key(spec.rule_id, address), penalty_ban.duration
+        if ban_duration is not None:
+            # Issuing a ban clears the triggering key.
+            self.table.forget(ban_key)
+            evaluation.ban = self.ban(now, address, spec.rule_id, ban_duration,
+                                      spec.ban_increment if ban_duration == spec.ban_duration else None)
+            evaluation.new_ban = True
+
+    def _unsolved_penalty(self, now: float, address: str, rule_id: str, hit: Hit,
+                          penalty_ban: PenaltyBan) -> bool:
+        """Count the penalty this challenged request is in, once (a new
+        penalty can only start after the last counted one ended); True when
+        it is one past ``then_ban_after`` within the day."""
+        name = (COUNTED_PENALTY, address, rule_id)
+        if self.table.note(name, now) is not None:
+            return False
+        self.table.keep_note(name, True, now + hit.retry_after)
+        return self.count(penalty_ban.key(rule_id, address), penalty_ban.limiter, now, penalty_ban.threshold,
+                          1).over_limit
+
+    def ban(self, now: float, address: str, rule_id: str, duration: float,
+            increment: BanIncrement | None = None, reason: str = "") -> BanRecord:
+        """Ban an address (a rule's ban, or one by hand with a ``reason``
+        and no rule id), replacing any ban it has."""
+        step = 0
+        if increment is not None:
+            step, duration = self._escalated(now, address, rule_id, duration, increment)
+        record = BanRecord(address, rule_id, self.node, self.wall_clock(), now + duration, duration, step=step,
+                           reason=reason)
+        self.table.keep_ban(record)
+        return record
+
+    def _escalated(self, now: float, address: str, rule_id: str, duration: float,
+                   increment: BanIncrement) -> tuple[int, float]:
+        """The step and length of an escalating ban, remembered until
+        ``remember`` after it ends (a lifted ban is remembered all the same)."""
+        name = (BAN_STEP, address, rule_id)
+        step, duration = increment.following(duration, self.table.note(name, now))
+        self.table.keep_note(name, (step, duration), now + duration + increment.remember)
+        return step, duration
+
+    def count(self, key: Hashable, limiter: Limiter, now: float, threshold: float, amount: int) -> Hit:
+        """Count at once, whatever the limiter (a bucket is charged when it
+        has room): a reported response, a challenge towards the auto-ban, a
+        penalty towards then_ban_after."""
+        table = self.table
+        state = table.state(key)
+        if state is not None and (state.limiter is limiter or carried_over(state, limiter) is not None):
+            return limiter.hit(state, now, threshold, amount)
+        state = limiter.new_state()  # a new key, or the rule was reloaded as another algorithm
+        hit = limiter.hit(state, now, threshold, amount)
+        table.keep(key, state)
+        return hit
+
+    def state_for(self, key: Hashable, limiter: Limiter) -> Any:
+        """The key's state for this limiter, stored or new (not stored)."""
+        state = self.table.state(key)
+        if state is not None and state.limiter is not limiter:
+            state = carried_over(state, limiter)
+        return state if state is not None else limiter.new_state()
+
+    def release(self, lease: str, keys: Sequence[Hashable]) -> int:
+        """Give back the concurrency slots taken under ``lease``, one per
+        key; how many were held. A key with no slot held is forgotten."""
+        released = 0
+        table = self.table
+        for key in keys:
+            state = table.state(key)
+            # A reload may have made the key another kind's.
+            if state is not None and state.limiter.leases and state.limiter.release(state, lease):
+                released += 1
+                if not state.held:
+                    table.forget(key)
+        return released
+
+    def reset(self, keys: Sequence[Hashable]) -> int:
+        """Clear the keys' counters and penalties; how many were stored."""
+        forget = self.table.forget
+        return sum(forget(key) for key in keys)

@@ -1,0 +1,55 @@
+"""A store in this process: the policy (``sidecar.policy``) over a table of
+primitives, answered at once.
+
+``LocalStore`` is the deciding role (``sidecar.store.Deciding``) of any
+in-process table: a new in-process backend implements the seven members of
+``StateTable`` and gets the whole request phase from here. The memory store
+(``sidecar.store.memory``) is one, with the roles of bans, inspection and
+lifecycle beside it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Hashable, Sequence
+
+from sidecar.keys import CountingKey
+from sidecar.limiters import Hit
+from sidecar.limiters.base import Limiter
+from sidecar.networkbans import NetworkBans
+from sidecar.policy import Policy, StateTable
+from sidecar.state import Check, Evaluation, ResponseCount
+
+
+class LocalStore:
+    """The policy over ``table``; every operation answers at once: its
+    coroutines never wait (see ``sidecar.at_once.run_at_once`` for callers
+    with no event loop)."""
+
+    answers_at_once = True
+
+    def __init__(self, table: StateTable, node: str, wall_clock: Callable[[], float] = time.time) -> None:
+        self.policy = Policy(table, node, wall_clock)
+        self.network_bans = NetworkBans()
+
+    async def evaluate(self, now: float, address: str, checks: Sequence[Check],
+                       can_delay: bool = True, quotas: bool = False) -> Evaluation:
+        return self.policy.evaluate(now, address, checks, can_delay, quotas)
+
+    async def record(self, now: float, counts: Sequence[ResponseCount]) -> list[Hit]:
+        count = self.policy.count
+        return [count(c.key, c.limiter, now, c.threshold, c.amount) for c in counts]
+
+    def count_now(self, key: Hashable, limiter: Limiter, now: float, threshold: float, amount: int) -> Hit:
+        """Count one at once, whatever the limiter (a bucket is charged
+        when it has room), without an event loop."""
+        return self.policy.count(key, limiter, now, threshold, amount)
+
+    async def release(self, lease: str, keys: Sequence[CountingKey]) -> int:
+        return self.policy.release(lease, keys)
+
+    async def reset(self, keys: Sequence[CountingKey]) -> int:
+        return self.policy.reset(keys)
+
+    def may_be_banned(self) -> bool:
+        return True  # the table is asked with every request

@@ -1,0 +1,54 @@
+"""The request-phase policy (sidecar.policy) over its tables: the smallest
+in-process backend is its seven primitives, and the memory store's table
+decides as a plain dict does while nothing is evicted."""
+
+from __future__ import annotations
+
+import inspect
+
+from hypothesis import given, settings
+
+from sidecar.at_once import run_at_once
+from sidecar.policy import StateTable
+from sidecar.store import Deciding
+from sidecar.store.local import LocalStore
+from sidecar.store.memory import MemoryStore, MemoryTable
+from tests.unit.dict_table import DictTable
+from tests.unit.policy_traces import Step, replay, traces
+
+
+def public(cls: type) -> set[str]:
+    return {name for name, _ in inspect.getmembers(cls) if not name.startswith("_")}
+
+
+def test_a_new_in_process_backend_is_the_tables_primitives_and_no_policy() -> None:
+    assert public(DictTable) == public(StateTable)
+    assert len(public(DictTable)) <= 8
+    store: Deciding = LocalStore(DictTable(), "node")  # the deciding role, whole
+    assert store.answers_at_once
+
+
+def test_the_memory_table_has_the_primitives() -> None:
+    table: StateTable = MemoryTable(10, lambda: 0.0)
+    assert all(callable(getattr(table, name)) for name in public(StateTable))
+
+
+@settings(max_examples=300, deadline=None)
+@given(trace=traces)
+def test_the_memory_store_decides_as_the_smallest_table_while_nothing_is_evicted(trace: list[Step]) -> None:
+    memory = MemoryStore(10_000, "node", clock=lambda: 0.0)
+    smallest = LocalStore(DictTable(), "node")
+    assert run_at_once(replay(memory, trace)) == run_at_once(replay(smallest, trace))
+
+
+def test_a_ban_note_and_a_penalty_note_of_one_address_are_kept_apart() -> None:
+    """The notes bans react to are named by kind: an address's escalation
+    step and its counted penalty of the same rule never overwrite each other."""
+    table = MemoryTable(10, lambda: 0.0)
+    table.keep_note(("ban step", "192.0.2.1", "r"), (1, 60.0), 100.0)
+    table.keep_note(("counted penalty", "192.0.2.1", "r"), True, 50.0)
+    assert table.note(("ban step", "192.0.2.1", "r"), 10.0) == (1, 60.0)
+    assert table.note(("counted penalty", "192.0.2.1", "r"), 10.0) is True
+    assert table.note(("counted penalty", "192.0.2.1", "r"), 50.0) is None  # kept until, not at
+    assert table.forget_notes("192.0.2.1") == 2
+    assert table.note(("ban step", "192.0.2.1", "r"), 10.0) is None
