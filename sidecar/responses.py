@@ -10,17 +10,37 @@ kept in Sluice between the two.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Callable, Protocol
 
+from sidecar.decisionlog import DecisionLog
 from sidecar.keys import CountingKey
 from sidecar.limiters import Hit
-from sidecar.pending import KeyValues, Pending
-from sidecar.rules import CompiledRule
+from sidecar.metrics import Metrics
+from sidecar.pending import KeyValues, Pending, PendingTokens
+from sidecar.rules import CompiledRule, Ruleset
 from sidecar.state import ResponseCount
-from sidecar.store import StoreUnavailable
+from sidecar.store import Deciding, StoreUnavailable
 
-if TYPE_CHECKING:
-    from sidecar.engine import Engine
+
+class Engine(Protocol):
+    """What the response phase reads of the engine that runs it
+    (``sidecar.engine.Engine``): its current rules, store and tokens, and
+    where it counts and logs."""
+
+    @property
+    def ruleset(self) -> Ruleset: ...
+    @property
+    def store(self) -> Deciding: ...
+    @property
+    def pending(self) -> PendingTokens: ...
+    @property
+    def metrics(self) -> Metrics: ...
+    @property
+    def log(self) -> DecisionLog: ...
+    @property
+    def clock(self) -> Callable[[], float]: ...
+
+    def store_failed(self, exc: Exception) -> None: ...
 
 
 class ResponsePhase:
