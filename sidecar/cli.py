@@ -507,7 +507,8 @@ def serve(config: str | None, demo_rules: bool, host: str, port: int, uds: str |
         # The client address is Sluice's business: uvicorn must
         # not rewrite the peer from X-Forwarded-For by itself.
         proxy_headers=False,
-        # uvicorn's httptools protocol with a bounded request head (431).
+        # Sluice's own HTTP protocol (sidecar.server): checks answered in it,
+        # request heads bounded (431), the rest through ASGI.
         http=_http_protocol(max_header_bytes, max_headers))
     if workers == 1:
         uvicorn.run(service(settings, ruleset), **options)

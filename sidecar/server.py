@@ -1,13 +1,35 @@
-"""Sluice's HTTP listener: uvicorn's httptools protocol with a bounded request head.
+"""Sluice's HTTP/1.1 listener: a protocol of its own on httptools' parser,
+which answers checks itself and hands every other request to ASGI.
 
-uvicorn and httptools keep a request's head (request line and header fields)
-in memory until its end, however long it gets: a client talking to Sluice's
-port directly could send megabytes of one header field. ``LimitedHttpProtocol``
-counts the bytes of each head as they arrive, before the parser gets them,
-and the header fields as they are parsed. Over either limit, the client gets
-``431 Request Header Fields Too Large`` and the connection is closed: Sluice
-never holds more than ``max_header_bytes`` of one head (plus what came with it
-in the same read), nor builds more than ``max_headers`` header fields.
+uvicorn runs the server (sockets, worker processes, lifespan, signals) and
+builds one ``LimitedHttpProtocol`` per connection, as it builds its own
+protocols (``uvicorn.run(http=...)``). What the protocol reads of uvicorn is
+that seam and nothing else: the keywords it is built with, the ``Config``'s
+``loaded_app`` and ``timeout_keep_alive``, and the ``ServerState``'s
+``connections`` (each is told ``shutdown()`` on the way out), ``tasks``
+(awaited on the way out), ``default_headers`` and ``total_requests``.
+tests/unit/test_server.py runs a real ``uvicorn.Server`` over it, so that
+an upgrade of uvicorn that changes the seam fails there.
+
+A check is answered by the protocol itself when nothing else is in progress
+on the connection: decided and written inside the parser's callback when
+the state store answers at once (the memory store), after awaiting the
+store in a task of its own otherwise; no ASGI messages either way. Every
+other request is an ``AsgiExchange`` (sidecar.exchange): health, metrics,
+the admin API, a check a leaky bucket holds, a check behind an unfinished
+answer on the same connection. Answers go out in the order of the requests
+(pipelining, RFC 9112 section 9.3.2); a connection stays open between
+requests until ``timeout_keep_alive`` seconds pass without one.
+
+Request heads are bounded. httptools would keep a request's head (request
+line and header fields) in memory until its end, however long it gets: a
+client talking to Sluice's port directly could send megabytes of one header
+field. ``LimitedHttpProtocol`` counts the bytes of each head as they arrive,
+before the parser gets them, and the header fields as they are parsed. Over
+either limit, the client gets ``431 Request Header Fields Too Large`` and
+the connection is closed: Sluice never holds more than ``max_header_bytes``
+of one head (plus what came with it in the same read), nor builds more than
+``max_headers`` header fields.
 
 The defaults are above anything the shipped proxy templates can forward in a
 check request, so that no legitimate client ever meets them:
@@ -33,19 +55,24 @@ request through Envoy and, worse, a request let in unchecked through nginx
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import gc
 import logging
 import urllib.parse
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
 import httptools
-from uvicorn.protocols.http.httptools_impl import HEADER_VALUE_RE, STATUS_LINE, HttpToolsProtocol
 
 from sidecar.asgi import Scope
+from sidecar.exchange import HEADER_VALUE_FORBIDDEN, STATUS_LINE, App, AsgiExchange, closing_answer
 from sidecar.frontdoors.common import Check, Reply, encode_headers, header_map, new_request_id
-from sidecar.overload import STORED_KEY_FIELDS
+from sidecar.overload import STORED_KEY_FIELDS, AddressRefusals, LoopWatch, StoredKey
 from sidecar.ratelog import RateLimitedLog
+
+if TYPE_CHECKING:
+    from uvicorn.config import Config
+    from uvicorn.server import ServerState
 
 # 128 KiB: twice the largest head either shipped proxy can forward.
 DEFAULT_MAX_HEADER_BYTES = 128 * 1024
@@ -60,76 +87,161 @@ log = logging.getLogger("sluice")
 _refusal_log = RateLimitedLog(log, 60.0)
 
 
+class CheckService(Protocol):
+    """What the protocol asks of an application that has checks (sidecar.app.SluiceApp)."""
+
+    @property
+    def answers_at_once(self) -> bool: ...
+
+    @property
+    def stored_refusals(self) -> AddressRefusals: ...
+
+    watch: LoopWatch
+
+    def check_for(self, path: str) -> Check | None: ...
+
+    def check_at_once(self, check: Check, scope: Scope, headers: dict[str, str]) -> Reply | None: ...
+
+    async def check_later(self, check: Check, scope: Scope, headers: dict[str, str]) -> Reply: ...
+
+    def refused_at_once(self, check: Check, key: StoredKey, request_id: bytes) -> bytes | None: ...
+
+
+def has_checks(app: object) -> TypeGuard[CheckService]:
+    return hasattr(app, "check_for")
+
+
 class HeadTooLarge(Exception):
     """Raised inside a parser callback to stop the parser at once."""
 
 
-class CheckInFlight:
-    """What uvicorn's protocol reads of its request cycle, for a check the
-    protocol answers after awaiting the store: an unfinished response holds
-    later requests of the connection in uvicorn's pipeline; a lost
-    connection or a shutdown is noted here."""
+class ConnectionEnding(Exception):
+    """Raised inside a parser callback: an answer closed the connection, so
+    no later request on it is read (nor decided)."""
 
-    __slots__ = ("response_complete", "keep_alive", "disconnected", "message_event")
+
+class PendingCheck:
+    """A check the protocol answers after awaiting the store: what follows
+    on the connection waits behind it, as behind any unfinished answer."""
+
+    __slots__ = ("keep_alive", "response_complete")
 
     def __init__(self, keep_alive: bool) -> None:
-        self.response_complete = False
         self.keep_alive = keep_alive  # a shutdown turns it off
-        self.disconnected = False
-        self.message_event = _NoEvent()
+        self.response_complete = False
+
+    def connection_lost(self) -> None:
+        """Nothing to tell: the answer is dropped when the decision comes."""
 
 
-class _NoEvent:
-    """uvicorn sets its cycle's event when the connection is lost; nothing waits on ours."""
+class LimitedHttpProtocol(asyncio.Protocol):
+    """One HTTP/1.1 connection to Sluice: bounded request heads, checks
+    answered by the protocol, everything else through ASGI."""
 
-    __slots__ = ()
+    transport: asyncio.Transport
 
-    def set(self) -> None:
-        pass
-
-
-class LimitedHttpProtocol(HttpToolsProtocol):
-    """HttpToolsProtocol refusing request heads over a byte or field count,
-    and answering checks itself.
-
-    A check the state store answers at once (the memory store) is decided
-    and answered inside the parser's callback: no task, no ASGI messages, no
-    per-request cycle object, which is most of what uvicorn costs per
-    request. A check over a shared store is awaited in a task of its own,
-    still without ASGI. Everything else (other paths, a check behind an
-    unfinished response on the same connection, a check a leaky bucket
-    holds) goes through uvicorn's ASGI machinery unchanged.
-    """
-
-    def __init__(self, *args: Any, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
-                 max_headers: int = DEFAULT_MAX_HEADERS, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, Any],
+                 _loop: asyncio.AbstractEventLoop | None = None, *,
+                 max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES, max_headers: int = DEFAULT_MAX_HEADERS) -> None:
+        if not config.loaded:
+            config.load()
+        self.app: App = config.loaded_app
+        self.loop = _loop or asyncio.get_event_loop()
+        self.server_state = server_state
+        self.app_state = app_state
+        self.keep_alive_seconds: float = config.timeout_keep_alive
         self.max_header_bytes = max_header_bytes
         self.max_headers = max_headers
+        # The application's own check routes, when it has them (sidecar.app).
+        self.checks = self.app if has_checks(self.app) else None
+        self.parser: Any = httptools.HttpRequestParser(self)
+        try:
+            # Answer the first of several pipelined requests even when it
+            # asks to close the connection (httptools 0.6.3 and later).
+            self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
+        except AttributeError:  # pragma: no cover
+            pass
+        self.client: tuple[str, int] | None = None
+        self.server: tuple[str, int | None] | None = None
+        self.scheme = "http"
         # Bytes the current head may still take; None while no head is
         # being read (the body of a request, after its head).
         self._head_budget: int | None = max_header_bytes
         self._header_count = 0
         self._refused = False
         self._linger: asyncio.TimerHandle | None = None
-        # The application's own check routes, when it has them (sidecar.app).
-        self._check_for = getattr(self.app, "check_for", None)
-        # The check front door of the request being read, answered here.
-        self._check: Check | None = None
-        # Reading stopped until the client takes the answers written so far.
+        # The request being read: its head, and what answers it.
+        self._url = b""
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._expect_continue = False
+        self._keep_alive = True
+        self._scope: Scope = {}
+        self._check: Check | None = None  # a check the protocol answers
+        self._exchange: AsgiExchange | None = None  # or the exchange its body goes to
+        # The answer being written, and the exchanges waiting behind it.
+        self._responding: AsgiExchange | PendingCheck | None = None
+        self._waiting: collections.deque[AsgiExchange] = collections.deque()
+        # Flow control: reading paused (a body not taken yet, requests
+        # waiting, a client not taking its answers), writing paused by the
+        # transport.
+        self.read_paused = False
+        self.write_paused = False
         self._reading_paused_for_writes = False
-        watch = getattr(self.app, "watch", None)
-        if watch is not None:
-            watch.watch(self.loop)
-        # Refusals answered again as stored bytes (sidecar.overload.AddressRefusals).
-        self._stored: Any = getattr(self.app, "stored_refusals", None)
+        self._writable: asyncio.Event | None = None
+        # Keep-alive: when the connection fell idle (None while a request
+        # is read or answered), and the one timer that closes it.
+        self._idle_since: float | None = None
+        self._keep_alive_timer: asyncio.TimerHandle | None = None
+
+    @property
+    def default_headers(self) -> list[tuple[bytes, bytes]]:
+        """What uvicorn adds to every answer (Sluice runs without Server and Date)."""
+        return self.server_state.default_headers
+
+    # -- the connection -----------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        # uvicorn types the set with its own protocols; of each it calls
+        # shutdown() only (tests/unit/test_server.py runs its shutdown).
+        self.server_state.connections.add(self)  # type: ignore[arg-type]
+        self.client = _remote_address(transport)
+        self.server = _local_address(transport)
+        if transport.get_extra_info("sslcontext"):
+            self.scheme = "https"
+        if self.checks is not None:
+            self.checks.watch.watch(self.loop)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server_state.connections.discard(self)
+        for timer in (self._linger, self._keep_alive_timer):
+            if timer is not None:
+                timer.cancel()
+        self._linger = self._keep_alive_timer = None
+        if self._responding is not None:
+            self._responding.connection_lost()
+        self._waiting.clear()
+        self.write_paused = False
+        self._wake_writers()  # nothing waits to write any more
+        if exc is None:
+            self.transport.close()
+        self.parser = None  # the parser refers to the protocol: no cycle left behind
+
+    def shutdown(self) -> None:
+        """uvicorn's graceful shutdown: close now when idle, else after the
+        answer being written."""
+        if self._responding is None:
+            self.transport.close()
+        else:
+            self._responding.keep_alive = False
 
     # -- reading ------------------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return  # lingering after a 431: dropped unread
-        self._unset_keepalive_if_required()
+        self._idle_since = None
         rest: Any = data
         while rest:
             budget = self._head_budget
@@ -153,174 +265,238 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         except httptools.HttpParserCallbackError as exc:
             if isinstance(exc.__context__, HeadTooLarge):
                 self._refuse(str(exc.__context__))
-            else:
+            elif not isinstance(exc.__context__, ConnectionEnding):
                 self._bad_request()
             return False
         except httptools.HttpParserError:
             self._bad_request()
             return False
         except httptools.HttpParserUpgrade:
-            # As uvicorn does: the parser stops at an upgrade.
-            if self._should_upgrade():
-                self.handle_websocket_upgrade()
-            else:
-                self._unsupported_upgrade_warning()
+            # The parser stops at an upgrade; Sluice speaks no other protocol.
+            log.warning("Unsupported upgrade request.")
             return False
         return not self.transport.is_closing()
 
     def _bad_request(self) -> None:
-        msg = "Invalid HTTP request received."
-        self.logger.warning(msg)
-        self.send_400_response(msg)
+        message = "Invalid HTTP request received."
+        log.warning(message)
+        self.transport.write(closing_answer(400, message.encode("ascii"), self.default_headers))
+        self.transport.close()
+
+    def pause_reading(self) -> None:
+        if not self.read_paused:
+            self.read_paused = True
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self.read_paused:
+            self.read_paused = False
+            self.transport.resume_reading()
 
     # -- parser callbacks -----------------------------------------------------
 
     def on_message_begin(self) -> None:
-        super().on_message_begin()
+        if self.transport.is_closing():
+            raise ConnectionEnding
+        self._url = b""
+        self._headers = []
         self._header_count = 0
-        self._check = None
+        self._expect_continue = False
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._header_count += 1
         if self._header_count > self.max_headers:
             raise HeadTooLarge(f"more than {self.max_headers} header fields")
-        # What uvicorn's on_header does, without the call: this runs for
-        # every header field of every check.
         name = name.lower()
         if name == b"expect" and value.lower() == b"100-continue":
-            self.expect_100_continue = True
-        self.headers.append((name, value))
+            self._expect_continue = True
+        self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         self._head_budget = None
-        self._check = self._own_check()
-        if self._check is None:
-            super().on_headers_complete()
+        parser = self.parser
+        http_version = parser.get_http_version()
+        self._keep_alive = keep_alive = http_version != "1.0" and parser.should_keep_alive()
+        url = httptools.parse_url(self._url)  # an invalid one stops the parser: 400
+        raw_path = url.path
+        path = raw_path.decode("ascii")
+        if "%" in path:
+            path = urllib.parse.unquote(path)
+        self._scope = scope = {
+            "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": http_version,
+            "server": self.server, "client": self.client, "scheme": self.scheme, "root_path": "",
+            "headers": self._headers, "state": self.app_state.copy(), "method": parser.get_method().decode("ascii"),
+            "path": path, "raw_path": raw_path, "query_string": url.query or b""}
+        if self._responding is None and self.checks is not None and not self._expect_continue \
+                and not parser.should_upgrade():
+            self._check = self.checks.check_for(path)
+            if self._check is not None:
+                return
+        self._exchange = exchange = AsgiExchange(scope, self, keep_alive, self._expect_continue)
+        if self._responding is None:
+            self._start(exchange)
+        else:
+            # Pipelined behind an unfinished answer: served in turn.
+            self.pause_reading()
+            self._waiting.append(exchange)
 
     def on_body(self, body: bytes) -> None:
-        if self._check is None:  # a check's body is never read
-            super().on_body(body)
+        if self._exchange is not None:  # a check's body is never read
+            self._exchange.body_received(body)
 
     def on_message_complete(self) -> None:
         # The next head starts now. (Bytes of it that came in the same read
         # as the end of this request are not counted: at most one read.)
         self._head_budget = self.max_header_bytes
+        exchange, self._exchange = self._exchange, None
+        if exchange is not None:
+            exchange.request_complete()
+            return
         check, self._check = self._check, None
-        if check is None:
-            super().on_message_complete()
-            return
-        scope = cast(Scope, self.scope)
-        if self._stored and self._answer_stored(check, scope):
-            return
-        if not self.app.answers_at_once:
-            self._answer_later(check, scope)
-            return
-        reply = self.app.check_at_once(check, scope, header_map(scope))
-        if reply is None:
-            # Held by a leaky bucket: the ASGI path waits and answers, in order
-            # with what follows on this connection.
-            super().on_headers_complete()
-            super().on_message_complete()
-            return
-        self._write(reply)
+        if check is not None:
+            self._answer(check, self._scope)
 
     # -- checks answered by the protocol ----------------------------------------
 
-    def _own_check(self) -> Check | None:
-        """The check front door of this request when the protocol may answer
-        it itself: nothing else is in progress on the connection."""
-        if self._check_for is None or self.pipeline or self.expect_100_continue or \
-                (self.cycle is not None and not self.cycle.response_complete) or self.parser.should_upgrade():
-            return None
-        try:
-            url = httptools.parse_url(self.url)
-            raw_path = url.path
-            path = raw_path.decode("ascii")
-        except (httptools.HttpParserInvalidURLError, UnicodeDecodeError):
-            return None  # uvicorn's own path answers it as it always has
-        check = self._check_for(urllib.parse.unquote(path) if "%" in path else path)
-        if check is not None:
-            scope = self.scope
-            scope["method"] = self.parser.get_method().decode("ascii")
-            scope["http_version"] = self.parser.get_http_version()
-            scope["path"] = path
-            scope["raw_path"] = raw_path
-            scope["query_string"] = url.query or b""
-        return check
+    def _answer(self, check: Check, scope: Scope) -> None:
+        checks = self.checks
+        assert checks is not None
+        if checks.stored_refusals and self._answer_stored(checks, check, scope):
+            return
+        if not checks.answers_at_once:
+            self._answer_later(checks, check, scope)
+            return
+        reply = checks.check_at_once(check, scope, header_map(scope))
+        if reply is None:
+            # Held by a leaky bucket (or to be asked of the next auth
+            # service): the ASGI path waits and answers, in order with what
+            # follows on this connection.
+            exchange = AsgiExchange(scope, self, self._keep_alive, False)
+            exchange.request_complete()
+            self._start(exchange)
+            return
+        self._send(reply, scope["method"], self._keep_alive)
+        self._answered()
 
-    def _answer_stored(self, check: Check, scope: Scope) -> bool:
+    def _answer_stored(self, checks: CheckService, check: Check, scope: Scope) -> bool:
         """Answer a check from a stored refusal of its client, without a
         decision; False when there is none for it (the check is decided).
         Only on a connection kept alive, when the header fields that make the
         key come once each, as the protocol writes answers itself."""
-        if self.server_state.default_headers or not self._keep_alive(scope):
+        if self.default_headers or not self._keep_alive:
             return False
-        fields = dict(self.headers)
-        if len(fields) != len(self.headers):
+        fields = dict(self._headers)
+        if len(fields) != len(self._headers):
             return False
         # As request_id_of: the proxy's, or a new one.
         request_id = fields.get(b"x-request-id") or new_request_id().encode("ascii")
         peer, forwarded, original_host, host, accept = (fields.get(name) for name in _STORED_KEY_FIELDS)
         key = (check.front_door, scope["method"], _text(peer), _text(forwarded), _text(original_host), _text(host),
                _text(accept))
-        answer = self.app.refused_at_once(check, key, request_id)
+        answer = checks.refused_at_once(check, key, request_id)
         if answer is None:
             return False
         self.transport.write(answer)
         self._answered()
         return True
 
-    def _keep_alive(self, scope: Scope) -> bool:
-        """Whether the connection may carry another request, as uvicorn decides it."""
-        return scope["http_version"] != "1.0" and self.parser.should_keep_alive()
+    def _answer_later(self, checks: CheckService, check: Check, scope: Scope) -> None:
+        """Await the decision in a task; what follows on the connection
+        waits behind it."""
+        pending = PendingCheck(self._keep_alive)
+        self._responding = pending
+        self._track(self.loop.create_task(self._finish(checks, check, scope, pending)))
 
-    def _answer_later(self, check: Check, scope: Scope) -> None:
-        """Await the decision in a task; meanwhile ``CheckInFlight`` stands
-        in for uvicorn's cycle, so what follows on the connection waits in
-        uvicorn's pipeline, as behind any unfinished response."""
-        waiting = CheckInFlight(self._keep_alive(scope))
-        # Not a RequestResponseCycle, but all of one that uvicorn reads here.
-        self.cycle = cast(Any, waiting)
-        task = self.loop.create_task(self._finish(check, scope, header_map(scope), waiting))
-        task.add_done_callback(self.tasks.discard)
-        self.tasks.add(task)
-
-    async def _finish(self, check: Check, scope: Scope, headers: dict[str, str], waiting: CheckInFlight) -> None:
-        reply = await self.app.check_later(check, scope, headers)
-        waiting.response_complete = True
-        if waiting.disconnected or self.transport.is_closing():
+    async def _finish(self, checks: CheckService, check: Check, scope: Scope, pending: PendingCheck) -> None:
+        reply = await checks.check_later(check, scope, header_map(scope))
+        pending.response_complete = True
+        if self.transport.is_closing():
             return  # counted, as on the ASGI path; nobody to tell
-        self._send(reply, scope["method"], waiting.keep_alive)
+        self._send(reply, scope["method"], pending.keep_alive)
         self._answered()
-
-    def _write(self, reply: Reply) -> None:
-        """Write a check's answer as uvicorn would have, at once."""
-        scope = cast(Scope, self.scope)
-        self._send(reply, scope["method"], self._keep_alive(scope))
-        self._answered()
-
-    def _answered(self) -> None:
-        """Carry on as uvicorn does when a response is complete (the next
-        pipelined request, or the keep-alive timer). A client that sends
-        checks without reading the answers is not read from until it takes
-        them, as uvicorn's own responses wait for the client."""
-        self.on_response_complete()  # resumes reading: paused again below while writes are
-        if self.flow.write_paused and not self.transport.is_closing():
-            self._reading_paused_for_writes = True
-            self.flow.pause_reading()
 
     def _send(self, reply: Reply, method: str, keep_alive: bool) -> None:
         """Write the answer, and close the connection when it ends with it."""
-        content, keep_alive = encode_reply(reply, method, keep_alive, self.server_state.default_headers)
+        content, keep_alive = encode_reply(reply, method, keep_alive, self.default_headers)
         self.transport.write(content)
         if not keep_alive:
             self.transport.close()
 
+    def _answered(self) -> None:
+        """A check's answer is written. A client that sends checks without
+        reading the answers is not read from until it takes them, as an
+        ASGI answer waits for the client."""
+        self.response_complete()
+        if self.write_paused and not self.transport.is_closing():
+            self._reading_paused_for_writes = True
+            self.pause_reading()
+
+    # -- answers in order ---------------------------------------------------------
+
+    def _start(self, exchange: AsgiExchange) -> None:
+        self._responding = exchange
+        self._track(self.loop.create_task(exchange.run(self.app)))
+
+    def _track(self, task: asyncio.Task[None]) -> None:
+        """uvicorn's shutdown waits for the server's tasks."""
+        tasks = self.server_state.tasks
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    def response_complete(self) -> None:
+        """The answer in progress is written: serve the next request
+        waiting, or wait for one."""
+        self.server_state.total_requests += 1
+        self._responding = None
+        if self.transport.is_closing():
+            return
+        self.resume_reading()
+        if self._waiting:
+            self._start(self._waiting.popleft())
+        else:
+            self._idle_since = self.loop.time()
+            if self._keep_alive_timer is None:
+                self._keep_alive_timer = self.loop.call_later(self.keep_alive_seconds, self._keep_alive_expired)
+
+    def _keep_alive_expired(self) -> None:
+        """Close the connection when it has been idle long enough. One timer
+        per connection, not one per answer: when it fires early (the
+        connection was busy meanwhile), it waits again for what is left."""
+        self._keep_alive_timer = None
+        idle_since = self._idle_since
+        if idle_since is None or self.transport.is_closing():
+            return  # busy: the next answer arms it again
+        left = idle_since + self.keep_alive_seconds - self.loop.time()
+        if left > 0:
+            self._keep_alive_timer = self.loop.call_later(left, self._keep_alive_expired)
+        else:
+            self.transport.close()
+
+    # -- writing ----------------------------------------------------------------
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
     def resume_writing(self) -> None:
-        super().resume_writing()
+        self.write_paused = False
+        self._wake_writers()
         if self._reading_paused_for_writes:
             self._reading_paused_for_writes = False
-            self.flow.resume_reading()
+            self.resume_reading()
+
+    def _wake_writers(self) -> None:
+        if self._writable is not None:
+            self._writable.set()
+            self._writable = None
+
+    async def drain(self) -> None:
+        if self.write_paused:
+            if self._writable is None:
+                self._writable = asyncio.Event()
+            await self._writable.wait()
 
     # -- refusing -------------------------------------------------------------
 
@@ -328,24 +504,14 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._refused = True
         client = "%s:%d" % self.client if self.client else "a Unix socket peer"
         _refusal_log.warning("431 to %s: %s (sluice serve --max-header-bytes, --max-headers)", client, reason)
-        transport = self.transport
-        if self.cycle is not None and not self.cycle.response_complete:
-            # A response to an earlier request on this connection is still
-            # being sent: it ends the connection, with no 431 after it.
-            self.cycle.keep_alive = False
+        last = self._waiting[-1] if self._waiting else self._responding
+        if last is not None:
+            # Answers to earlier requests on this connection are still to be
+            # sent: the last one ends the connection, with no 431 after it.
+            last.keep_alive = False
             return
-        body = b"Request Header Fields Too Large\n"
-        content = [STATUS_LINE[431]]
-        for name, value in self.server_state.default_headers:
-            content.extend([name, b": ", value, b"\r\n"])
-        content.extend([
-            b"content-type: text/plain; charset=utf-8\r\n",
-            b"content-length: " + str(len(body)).encode("ascii") + b"\r\n",
-            b"connection: close\r\n",
-            b"\r\n",
-            body,
-        ])
-        transport.write(b"".join(content))
+        transport = self.transport
+        transport.write(closing_answer(431, b"Request Header Fields Too Large\n", self.default_headers))
         if transport.can_write_eof():
             # Half-close, read and drop what the client still sends, close
             # when it does or at the deadline.
@@ -353,12 +519,6 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             self._linger = self.loop.call_later(LINGER_SECONDS, transport.close)
         else:
             transport.close()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self._linger is not None:
-            self._linger.cancel()
-            self._linger = None
-        super().connection_lost(exc)
 
 
 _STORED_KEY_FIELDS = tuple(name.encode("ascii") for name in STORED_KEY_FIELDS)
@@ -368,17 +528,39 @@ def _text(value: bytes | None) -> str | None:
     return value.decode("latin-1") if value is not None else None
 
 
+def _remote_address(transport: asyncio.Transport) -> tuple[str, int] | None:
+    """The peer's (host, port); None for a Unix socket's peer."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        try:
+            info = sock.getpeername()
+        except OSError:  # uvloop, now and then, for a Unix socket's peer
+            return None
+    else:
+        info = transport.get_extra_info("peername")
+    return (str(info[0]), int(info[1])) if isinstance(info, (tuple, list)) and len(info) >= 2 else None
+
+
+def _local_address(transport: asyncio.Transport) -> tuple[str, int | None] | None:
+    """The listening end's (host, port), or (path, None) for a Unix socket."""
+    sock = transport.get_extra_info("socket")
+    info = sock.getsockname() if sock is not None else transport.get_extra_info("sockname")
+    if isinstance(info, (tuple, list)) and len(info) >= 2:
+        return (str(info[0]), int(info[1]))
+    return (info, None) if isinstance(info, str) else None
+
+
 def encode_reply(reply: Reply, method: str, keep_alive: bool,
                  default_headers: list[tuple[bytes, bytes]]) -> tuple[bytes, bool]:
-    """A check's answer as uvicorn would have written it, and whether the
-    connection stays open after it."""
+    """A check's answer as HTTP/1.1, and whether the connection stays open
+    after it."""
     status, headers, body = reply
     content = [STATUS_LINE[status]]
     asks_close = False
     for name, value in default_headers:
         content.extend([name, b": ", value, b"\r\n"])
     for name, value in encode_headers(headers):
-        if HEADER_VALUE_RE.search(value):
+        if HEADER_VALUE_FORBIDDEN.search(value):
             value = b""  # never a forged header line; no value of ours has one
         if name == b"connection" and b"close" in value.lower():
             keep_alive, asks_close = False, True
@@ -425,6 +607,6 @@ def freeze_loaded_objects() -> None:
 
 
 def protocol_factory(max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
-                     max_headers: int = DEFAULT_MAX_HEADERS) -> Any:
+                     max_headers: int = DEFAULT_MAX_HEADERS) -> functools.partial[LimitedHttpProtocol]:
     """What to give uvicorn as ``http=``: picklable, for worker processes."""
     return functools.partial(LimitedHttpProtocol, max_header_bytes=max_header_bytes, max_headers=max_headers)
