@@ -71,7 +71,9 @@ class PageTemplate:
             # A variable without a value (a challenge page asked for
             # without its challenge) renders empty, never a KeyError.
             out.append(self._escape(values.get(part, "")) if index % 2 else part)
-        return "".join(out).encode("utf-8")
+        # A lone surrogate (YAML's "\ud800" in a page) cannot be UTF-8:
+        # it is sent as "?", never an error at the moment of a refusal.
+        return "".join(out).encode("utf-8", "replace")
 
     def one_line(self) -> "PageTemplate | None":
         """The same page on one line, to travel in a header field (line

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar.actions import CONTENT_TYPE_HTML, CONTENT_TYPE_JSON, BlockPage, Refusal, json_body, page_body, \
-    prefers_json
+    PageTemplate, prefers_json
 from sidecar.app import SluiceApp
 from sidecar.challenge import SOLUTION_PATH, IssuedChallenge
 from sidecar.engine import STORE_UNAVAILABLE
@@ -322,3 +322,12 @@ rules:
 """)
     page = h.check(late=1.0).page
     assert (page.status, page.json, page.content_type) == (503, json_choice, CONTENT_TYPE_HTML)
+
+
+@given(st.text(max_size=20), st.text(max_size=20))
+def test_a_page_renders_whatever_text_its_rules_file_and_the_request_give(page: str, host: str) -> None:
+    """Even a lone surrogate, which YAML reads from "\\ud800" and UTF-8
+    cannot carry, is sent as a replacement character, never an error."""
+    rendered = PageTemplate(page + "${{http_host}}").render("192.0.2.1", host + "\ud800", "req-1")
+
+    assert rendered.decode("utf-8").endswith("?")
