@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
 from pathlib import Path
-from typing import Annotated, Any, Callable, ClassVar, Literal, Mapping
+from typing import Annotated, Any, Callable, ClassVar, Literal, Mapping, Union
 
 import yaml
 from pydantic import (
@@ -26,6 +26,7 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    GetCoreSchemaHandler,
     PlainValidator,
     Tag,
     ValidationError,
@@ -33,6 +34,9 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import CoreSchema
+
+from sidecar.limiters import registry
 
 Loc = tuple[str | int, ...]
 
@@ -321,105 +325,55 @@ FailMode = Literal["open", "closed"]  # a request while the shared store is unav
 OverloadMode = Literal["open", "closed"]
 
 
-class WindowLimit(Strict):
-    tag: ClassVar[str] = "window-limit"
-    requests: int = Field(ge=0)
-    per: Duration
-    window: Literal["sliding", "fixed"] = "sliding"
+class LimitModel(Strict):
+    """A kind of ``limit:``. Each is declared with its limiter, in its module
+    of ``sidecar.limiters`` (see ``sidecar.limiters.registry``): ``Limit``
+    is every kind registered there, told apart by the field each has."""
 
+    tag: ClassVar[str]
+    # Rule settings this kind of limit does not take, each with the reason,
+    # reported at the setting: fields of the rule, and actions by name.
+    refused_settings: ClassVar[Mapping[str, str]] = {}
+    refused_actions: ClassVar[Mapping[str, str]] = {}
 
-class ScoreLimit(Strict):
-    tag: ClassVar[str] = "score-budget"
-    score: int = Field(ge=1)
-    per: Duration
-    header: str = Field(min_length=1)
+    def check_rule(self, rule: "Rule") -> None:
+        """Raise ValueError for what the rule's other settings cannot do
+        with this limit."""
 
-    @field_validator("header")
-    @classmethod
-    def _lower(cls, value: str) -> str:
-        return value.strip().lower()
-
-
-class TokenLimit(Strict):
-    tag: ClassVar[str] = "token-bucket"
-    tokens: int = Field(ge=1)
-    refill: Annotated[float, PlainValidator(parse_refill)]
-    cost: int = Field(1, ge=1)
-
-    @model_validator(mode="after")
-    def _cost_fits(self) -> "TokenLimit":
-        if self.cost > self.tokens:
-            raise ValueError(f"cost {self.cost} can never be admitted by a bucket of "
-                             f"{plural(self.tokens, 'token')}")
+    def without_holds(self) -> "LimitModel":
+        """The limit of a shadow rule, which admits and refuses as this one
+        but never holds a request (holding it would apply the rule)."""
         return self
 
 
-class LeakyLimit(Strict):
-    tag: ClassVar[str] = "leaky-bucket"
-    rate: Annotated[Rate, PlainValidator(parse_rate)]
-    burst: int = Field(0, ge=0)
-    nodelay: bool = False
-    delay: int | None = Field(None, ge=0)
-
-    @model_validator(mode="after")
-    def _delay_or_nodelay(self) -> "LeakyLimit":
-        if self.nodelay and self.delay is not None:
-            raise ValueError("give either nodelay: true or delay, not both")
-        return self
-
-
-# A slot's lease, unless the rule sets one: longer than a request normally
-# runs behind the shipped proxies (nginx waits up to 60 s between two reads
-# from the application, Envoy 15 s for a whole response), so a running
-# request keeps its slot, while a slot whose report is lost comes back
-# within a minute.
-DEFAULT_LEASE = 60.0
-# The longest lease: a response report comes with a token that is accepted
-# for 10 minutes (sidecar.pending), so a longer lease could only keep a
-# slot whose report is refused.
-MAX_LEASE = 600.0
-
-
-class ConcurrentLimit(Strict):
-    tag: ClassVar[str] = "concurrent-requests"
-    concurrent: int = Field(ge=1)
-    lease: Duration = DEFAULT_LEASE
-
-    @field_validator("lease")
-    @classmethod
-    def _range(cls, value: float) -> float:
-        if not 1 <= value <= MAX_LEASE:
-            raise ValueError("a lease lasts from 1s to 10m (a response report is accepted for 10 minutes)")
-        return value
-
-
-# A limit's kind is told by the field it has; its model's ``tag`` names the
-# kind here and in sidecar.limiters, whose registry builds the limiter.
-_LIMIT_TAGS = {"requests": WindowLimit.tag, "score": ScoreLimit.tag,
-               "tokens": TokenLimit.tag, "rate": LeakyLimit.tag, "concurrent": ConcurrentLimit.tag}
-
-
-def _limit_kind(value: Any) -> str | None:
+def _limit_tag(value: Any) -> str | None:
+    """The kind of a limit as the rules file writes it: the first kind
+    whose field it has."""
     if isinstance(value, dict):
-        for field, tag in _LIMIT_TAGS.items():
-            if field in value:
+        for kind in registry.limit_kinds():
+            if kind.field in value:
+                tag: str = kind.model.tag
                 return tag
     return None
 
 
-Limit = Annotated[
-    Annotated[WindowLimit, Tag(WindowLimit.tag)]
-    | Annotated[ScoreLimit, Tag(ScoreLimit.tag)]
-    | Annotated[TokenLimit, Tag(TokenLimit.tag)]
-    | Annotated[LeakyLimit, Tag(LeakyLimit.tag)]
-    | Annotated[ConcurrentLimit, Tag(ConcurrentLimit.tag)],
-    Discriminator(
-        _limit_kind,
-        custom_error_type="limit_kind",
-        custom_error_message="expected a limit with one of: requests (with per), "
-        "score (with per, header), tokens (with refill), rate (with burst), concurrent",
-    ),
-]
+class _RegisteredLimits:
+    """The schema of ``limit:``: one of the kinds the registry holds when
+    the schema is built (again after each registration; see ``_rebuild``)."""
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
+        kinds = registry.limit_kinds()
+        choices = tuple(Annotated[kind.model, Tag(kind.model.tag)] for kind in kinds)
+        union = Annotated[
+            Union[choices],  # type: ignore[valid-type]
+            Discriminator(_limit_tag, custom_error_type="limit_kind",
+                          custom_error_message="expected a limit with one of: "
+                          + ", ".join(kind.usage for kind in kinds)),
+        ]
+        return handler.generate_schema(union)
+
+
+Limit = Annotated[LimitModel, _RegisteredLimits()]
 
 
 # What the built-in page can be sent as: HTML or JSON as the client's Accept
@@ -585,6 +539,9 @@ class ResetOn(Strict):
 
 
 class Rule(Strict):
+    # Built at first use, and again when a kind of limit is registered.
+    model_config = ConfigDict(defer_build=True)
+
     id: str
     match: Condition | None = None
     key: list[Dimension] = []
@@ -620,9 +577,8 @@ class Rule(Strict):
         return value
 
     @model_validator(mode="after")
-    def _count_on_needs_a_counter(self) -> "Rule":
-        if self.count_on is not None and isinstance(self.limit, (TokenLimit, LeakyLimit)):
-            raise ValueError("count_on works with requests and score limits, not with buckets")
+    def _settings_fit_the_limit(self) -> "Rule":
+        self.limit.check_rule(self)
         return self
 
     @model_validator(mode="after")
@@ -631,9 +587,6 @@ class Rule(Strict):
             both = set(self.reset_on.status) & set(self.count_on.status)
             if both:
                 raise ValueError(f"status {min(both)} both counts (count_on) and resets (reset_on)")
-        if self.reset_on is not None and isinstance(self.limit, ConcurrentLimit):
-            raise ValueError("a concurrent limit is given back by each response already; reset_on "
-                             "needs a requests, score or bucket limit")
         return self
 
     @model_validator(mode="after")
@@ -809,6 +762,8 @@ class OverloadConfig(Strict):
 
 
 class RulesFile(Strict):
+    model_config = ConfigDict(defer_build=True)  # as Rule's
+
     # shadow: every rule as with `shadow: true`.
     mode: Literal["enforce", "shadow"] = "enforce"
     node: str | None = Field(None, min_length=1)
@@ -824,6 +779,15 @@ class RulesFile(Strict):
     overrides: list[Override] = []
     overload: OverloadConfig = OverloadConfig()
     rules: list[Rule] = []
+
+
+def _rebuild() -> None:
+    """The schema of a rules file, for the kinds of limit registered now."""
+    Rule.model_rebuild(force=True)
+    RulesFile.model_rebuild(force=True)
+
+
+registry.on_change(_rebuild)
 
 
 def resolve_file(name: str, base_dir: Path) -> Path:
@@ -1070,7 +1034,7 @@ def parse_rules_text(text: str, source: str, base_dir: Path) -> LoadedRules:
     except ValidationError as exc:
         issues.extend(validation_issues(document, exc, _did_you_mean))
     issues.extend(_cross_checks(document))
-    issues.extend(_concurrency_checks(document))
+    issues.extend(_limit_checks(document))
     issues.extend(_then_ban_checks(document))
     if issues or model is None:
         issues = [_with_rule_id(issue, document.data.get("rules")) for issue in issues]
@@ -1111,13 +1075,16 @@ def _with_rule_id(issue: ConfigIssue, rules: Any) -> ConfigIssue:
 
 
 def _field_names() -> set[str]:
-    """Every field name the rules file knows, at any level."""
+    """Every field name the rules file knows, at any level (of the kinds
+    of limit, those registered now)."""
     names: set[str] = set()
+    kinds = {kind.model for kind in registry.limit_kinds()}
     models: list[type[BaseModel]] = [Strict]
     while models:
         model = models.pop()
         models.extend(model.__subclasses__())
-        names.update(info.alias or name for name, info in model.model_fields.items())
+        if model in kinds or not issubclass(model, LimitModel):
+            names.update(info.alias or name for name, info in model.model_fields.items())
     return names
 
 
@@ -1152,34 +1119,22 @@ def _cross_checks(document: _Document) -> list[ConfigIssue]:
     return issues
 
 
-# What a concurrent limit does not combine with: settings by field, actions
-# by name, each with the reason.
-_NOT_WITH_CONCURRENT = {
-    "count_on": "a concurrent limit counts requests in flight, which their responses end; "
-                "count_on needs a requests or score limit",
-    "penalty": "a concurrent limit has no penalty: it refuses only while its limit is in flight",
-}
-_ACTIONS_NOT_WITH_CONCURRENT = {
-    "ban": "a concurrent limit refuses requests, it bans no one (parallel requests are as often "
-           "a browser or a NAT as abuse); use block, or a requests rule with action: ban",
-    "challenge": "a solved challenge would lift a concurrent limit for its client; use block or log",
-}
-
-
-def _concurrency_checks(document: _Document) -> list[ConfigIssue]:
-    """What a concurrent limit cannot be combined with, at the field that
-    combines it (a rule's own validator could only name the rule)."""
+def _limit_checks(document: _Document) -> list[ConfigIssue]:
+    """What a rule's kind of limit cannot be combined with, at the field
+    that combines it (a rule's own validator could only name the rule)."""
     issues = []
     rules = document.data.get("rules")
     for index, rule in enumerate(rules if isinstance(rules, list) else []):
-        if not isinstance(rule, dict) or _limit_kind(rule.get("limit")) != ConcurrentLimit.tag:
+        tag = _limit_tag(rule.get("limit")) if isinstance(rule, dict) else None
+        if tag is None:
             continue
-        for name, reason in _NOT_WITH_CONCURRENT.items():
+        model = registry.limit_kind(tag).model
+        for name, reason in model.refused_settings.items():
             if name in rule:
                 issues.append(document.issue(("rules", index, name), reason))
         action = rule.get("action")
-        if isinstance(action, str) and action in _ACTIONS_NOT_WITH_CONCURRENT:
-            issues.append(document.issue(("rules", index, "action"), _ACTIONS_NOT_WITH_CONCURRENT[action]))
+        if isinstance(action, str) and action in model.refused_actions:
+            issues.append(document.issue(("rules", index, "action"), model.refused_actions[action]))
     return issues
 
 

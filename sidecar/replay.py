@@ -48,7 +48,7 @@ from sidecar.challenge import FINGERPRINT_HEADER
 from sidecar.config import ConfigError, LoadedRules, format_duration
 from sidecar.engine import ALLOW, DENY, Decision, Engine
 from sidecar.keys import CountingKey, key_rule_id
-from sidecar.limiters import Hit
+from sidecar.limiters import Hit, registry
 from sidecar.plurals import plural
 from sidecar.request import CheckRequest
 from sidecar.rules import CompiledRule, Ruleset, compile_rules, describe_key
@@ -382,10 +382,6 @@ def replay_logs(ruleset: Ruleset, names: Sequence[str], top: int = 5, default_ho
 # Sweeps: candidate thresholds for a rule
 # --------------------------------------------------------------------------
 
-# The field of each kind of limit that holds its threshold.
-THRESHOLD_FIELDS = {config.WindowLimit.tag: "requests", config.ScoreLimit.tag: "score",
-                    config.TokenLimit.tag: "tokens", config.LeakyLimit.tag: "burst",
-                    config.ConcurrentLimit.tag: "concurrent"}
 _SWEEP = re.compile(r"([A-Za-z0-9_.-]{1,64})=(.*)", re.DOTALL)
 _CANDIDATE = re.compile(r"[0-9]{1,9}")
 MAX_CANDIDATES = 20  # per rule: each is one more replay of the whole log
@@ -400,7 +396,7 @@ class Sweep:
     """Candidate thresholds for one rule, each with a ruleset that has it."""
 
     rule_id: str
-    field: str  # the limit's field that holds the threshold (THRESHOLD_FIELDS)
+    field: str  # the limit's field that holds the threshold (its kind's, in the registry)
     current: int  # its value in the rules file
     candidates: tuple[int, ...]
     rulesets: tuple[Ruleset, ...]
@@ -427,13 +423,6 @@ def parse_sweep(text: str) -> tuple[str, tuple[int, ...]]:
     return rule_id, candidates
 
 
-def least_threshold(limit: config.Limit) -> int:
-    """The smallest value the rules file accepts for the limit's threshold."""
-    if isinstance(limit, config.TokenLimit):
-        return limit.cost  # a bucket smaller than the cost admits nothing
-    return 0 if isinstance(limit, (config.WindowLimit, config.LeakyLimit)) else 1
-
-
 def build_sweep(loaded: LoadedRules, rule_id: str, candidates: Sequence[int]) -> Sweep:
     """The rules file compiled once per candidate, with the rule's threshold
     set to it; raises ``SweepError`` for an unknown rule or a value its
@@ -444,8 +433,8 @@ def build_sweep(loaded: LoadedRules, rule_id: str, candidates: Sequence[int]) ->
         close = difflib.get_close_matches(rule_id, [rule.id for rule in rules], n=1)
         raise SweepError(f"no rule {rule_id!r} in {loaded.source}" + (f" (did you mean {close[0]!r}?)" if close else ""))
     limit = rules[index].limit
-    name = THRESHOLD_FIELDS[limit.tag]
-    least = least_threshold(limit)
+    name = registry.limit_kind(limit.tag).threshold
+    least = registry.least_threshold(limit)
     low = [value for value in candidates if value < least]
     if low:
         raise SweepError(f"{rule_id}: limit.{name} is at least {least}, got {low[0]}")

@@ -31,13 +31,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, ValidationError, field_validator, model_validator
+from pydantic import (BeforeValidator, ConfigDict, Field, GetCoreSchemaHandler, ValidationError, field_validator,
+                      model_validator)
+from pydantic_core import CoreSchema
 
-from sidecar import config
 from sidecar.config import ConfigError, ConfigIssue, Duration, Strict, _Document, validation_issues
-from sidecar.limiters import RuleLimit, build_limiter
-from sidecar.limiters.window import WindowCounter
-from sidecar.state import Limiter
+from sidecar.limiters import RuleLimit, registry
+from sidecar.limiters.base import Limiter
 
 # Seconds per unit, and the unit's number in the protocol
 # (RateLimitResponse.RateLimit.Unit).
@@ -46,7 +46,18 @@ UNITS: dict[str, tuple[float, int]] = {
     "month": (30 * 86400.0, 5), "year": (365 * 86400.0, 6), "week": (7 * 86400.0, 7),
 }
 UNIT_NAMES = {number: name for name, (_, number) in UNITS.items()}
-Algorithm = Literal["fixed", "sliding", "token_bucket", "leaky_bucket"]
+
+
+class _RegisteredAlgorithms:
+    """The schema of ``algorithm:``: one of the names the limiter registry
+    holds when the schema is built (again after each registration)."""
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
+        names = tuple(algorithm.name for algorithm in registry.rls_algorithms())
+        return handler.generate_schema(Literal[names])
+
+
+Algorithm = Annotated[str, _RegisteredAlgorithms()]
 
 
 # --------------------------------------------------------------------------
@@ -89,6 +100,9 @@ class RateLimit(Strict):
 class Extension(Strict):
     """What Sluice adds to a descriptor, under its ``sluice:`` key."""
 
+    # Built at first use, and again when an algorithm is registered.
+    model_config = ConfigDict(defer_build=True)
+
     algorithm: Algorithm = "fixed"
     window: Duration | None = None  # the period, instead of the unit's
     burst: int | None = Field(None, ge=0)
@@ -104,8 +118,9 @@ class Extension(Strict):
 
     @model_validator(mode="after")
     def _fits_algorithm(self) -> "Extension":
-        if self.burst is not None and self.algorithm in ("fixed", "sliding"):
-            raise ValueError("burst is a bucket's (algorithm: token_bucket or leaky_bucket)")
+        if self.burst is not None and not registry.rls_algorithm_named(self.algorithm).burst:
+            buckets = [algorithm.name for algorithm in registry.rls_algorithms() if algorithm.burst]
+            raise ValueError(f"burst is a bucket's (algorithm: {' or '.join(buckets)})")
         return self
 
 
@@ -122,6 +137,8 @@ EntryText = Annotated[str, BeforeValidator(_text)]
 
 
 class Descriptor(Strict):
+    model_config = ConfigDict(defer_build=True)  # as Extension's
+
     key: EntryText
     value: EntryText | None = None
     rate_limit: RateLimit | None = None
@@ -153,20 +170,24 @@ class Descriptor(Strict):
             raise ValueError("sluice: shapes a rate_limit: give this descriptor one that is not unlimited")
         assert rate_limit.unit is not None and rate_limit.requests_per_unit is not None
         period = extension.window or UNITS[rate_limit.unit][0]
-        if extension.algorithm == "token_bucket" and rate_limit.requests_per_unit < 1:
-            raise ValueError("a token bucket needs requests_per_unit of at least 1 (its refill)")
-        if extension.algorithm == "leaky_bucket":
-            if period != int(period):
-                raise ValueError("a leaky bucket's window is whole seconds")
-            if rate_limit.requests_per_unit * 1000 // int(period) < 1:
-                raise ValueError("a leaky bucket leaks at least one request per 1000 s: raise "
-                                 "requests_per_unit or shorten the window")
+        registry.rls_algorithm_named(extension.algorithm).check(rate_limit.requests_per_unit, period)
         return self
 
 
 class RlsFile(Strict):
+    model_config = ConfigDict(defer_build=True)  # as Extension's
+
     domain: str = Field(min_length=1)
     descriptors: list[Descriptor] = []
+
+
+def _rebuild() -> None:
+    """The schema of a configuration, for the algorithms registered now."""
+    for model in (Extension, Descriptor, RlsFile):
+        model.model_rebuild(force=True)
+
+
+registry.on_change(_rebuild)
 
 
 # --------------------------------------------------------------------------
@@ -443,20 +464,9 @@ def _limit(domain: str, levels: tuple[str, ...], descriptor: Descriptor) -> Limi
 
 def build_rls_limiter(requests: int, unit: str, extension: Extension) -> RuleLimit:
     """A descriptor's limiter: ``requests`` per unit (or per ``window``)
-    counted by the extension's algorithm. Windows admit what fits whole;
-    a bucket holds ``burst`` (token bucket: ``requests`` when unset) and
-    gives ``requests`` back per period."""
+    counted by the extension's algorithm (see each in ``sidecar.limiters``:
+    windows admit what fits whole; a bucket holds ``burst`` and gives
+    ``requests`` back per period)."""
     period = extension.window or UNITS[unit][0]
-    if extension.algorithm in ("fixed", "sliding"):
-        counter = WindowCounter(requests, period, extension.penalty or 0.0,
-                                sliding=extension.algorithm == "sliding", fit=True)
-        return RuleLimit(counter, requests, extension.penalty)
-    if extension.algorithm == "token_bucket":
-        capacity = extension.burst if extension.burst is not None else requests
-        limit: Any = config.TokenLimit.model_construct(tokens=max(capacity, 1), refill=requests / period, cost=1)
-    else:
-        # nginx's rate: whole requests per second or per minute.
-        rate = config.Rate(requests, int(period))
-        limit = config.LeakyLimit.model_construct(rate=rate, burst=extension.burst or 0, nodelay=True,
-                                                  delay=None)
-    return build_limiter(limit, extension.penalty)
+    algorithm = registry.rls_algorithm_named(extension.algorithm)
+    return algorithm.build(requests, period, extension.burst, extension.penalty)

@@ -25,7 +25,7 @@ from sidecar.challenge import cookie_name
 from sidecar.clientip import ClientAddress, ClientIPResolver, NetworkSet
 from sidecar.config import ConfigError, ConfigIssue, LoadedRules, Loc
 from sidecar.keys import CountingKey, KeyPrefix, key_dimensions, key_values
-from sidecar.limiters import build_limiter
+from sidecar.limiters.registry import build_limiter
 from sidecar.state import AutoBan, BanIncrement, Check, CheckSpec, Limiter, PenaltyBan, make_check
 from sidecar.store.redis_cluster import parse_node
 from sidecar.request import CheckRequest
@@ -669,7 +669,7 @@ def compile_rules(loaded: LoadedRules, shadow: bool = False) -> Ruleset:
         ban = rule.ban or config.BanAction()
         key_prefix, key = compile_key(rule.id, rule.key)
         in_shadow = rule.shadow or shadow or model.mode == "shadow"
-        limit = build_limiter(_without_holds(rule.limit) if in_shadow else rule.limit, rule.penalty)
+        limit = build_limiter(rule.limit.without_holds() if in_shadow else rule.limit, rule.penalty)
         if rule.id in overrides and not limit.limiter.scalable:
             issues.append(loaded.issue(loc + ("limit",), "overrides scale request and score "
                                        "thresholds; a bucket or concurrent rule cannot be listed in "
@@ -753,14 +753,6 @@ def _read_secret(name: str | None, base_dir: Path) -> bytes | None:
     if name is None:
         return None
     return config.resolve_file(name, base_dir).read_bytes().strip() or None
-
-
-def _without_holds(limit: config.Limit) -> config.Limit:
-    """A shadow rule's limit: a leaky bucket admits and refuses exactly as
-    its own, but never holds a request (``nodelay``), which would apply it."""
-    if isinstance(limit, config.LeakyLimit):
-        return limit.model_copy(update={"nodelay": True, "delay": None})
-    return limit
 
 
 def load_ruleset(path: str, shadow: bool = False) -> Ruleset:

@@ -11,11 +11,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from sidecar.config import format_duration
+from sidecar.config import LimitModel, Rule, format_duration
 from sidecar.limiters import ALLOWED, Hit, lua_number
+from sidecar.limiters.registry import LuaKind
 
 if TYPE_CHECKING:
     from sidecar.limiters.base import DeferredLimiter
+
+
+class BucketLimit(LimitModel):
+    """What the buckets' kinds of ``limit:`` share."""
+
+    def check_rule(self, rule: Rule) -> None:
+        if rule.count_on is not None:
+            raise ValueError("count_on works with requests and score limits, not with buckets")
 
 
 def in_penalty(state: Any, now: float) -> Hit | None:
@@ -30,7 +39,7 @@ class Bucket:
     scalable = False
     leases = False
 
-    def __init__(self, penalty: float | None, per_second: float, kind: str,
+    def __init__(self, penalty: float | None, per_second: float, kind: LuaKind,
                  parameters: tuple[str, str, str]) -> None:
         self.penalty = penalty
         self.per_second = per_second  # requests (tokens) given back per second

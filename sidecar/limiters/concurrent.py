@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Mapping
 
-from sidecar import config
-from sidecar.config import format_duration
-from sidecar.limiters import ALLOWED, NO_PENALTY, Hit, RuleLimit, lua_number, register
+from pydantic import Field, field_validator
+
+from sidecar.config import Duration, LimitModel, Rule, format_duration
+from sidecar.limiters import ALLOWED, NO_PENALTY, Hit, RuleLimit, lua_number, registry
+
+CONCURRENT = registry.lua_kind("C", "window", "concurrent")
 
 _anonymous = itertools.count()
 
@@ -100,9 +103,9 @@ class ConcurrencyLimiter:
         return 0.0
 
     def redis_args(self, threshold: float, lease: str = "") -> tuple[str, ...]:
-        """'C', concurrent.lua's {limit, lease}, the request's lease id, and
-        '' for the width of a window's arguments."""
-        return ("C", *self._lua_limit, lease, "", "")
+        """CONCURRENT, concurrent.lua's {limit, lease}, the request's lease
+        id, and '' for the width of a window's arguments."""
+        return (CONCURRENT, *self._lua_limit, lease, "", "")
 
     def peak_period(self) -> float:
         """A request is in flight for its lease at most: after that it counts no more."""
@@ -112,7 +115,47 @@ class ConcurrencyLimiter:
         return f"{self.limit} concurrent, lease {format_duration(self.lease)}"
 
 
-@register(config.ConcurrentLimit, lua=("window", "concurrent"))
-def _concurrent(limit: config.ConcurrentLimit, penalty: float | None) -> RuleLimit:
+# A slot's lease, unless the rule sets one: longer than a request normally
+# runs behind the shipped proxies (nginx waits up to 60 s between two reads
+# from the application, Envoy 15 s for a whole response), so a running
+# request keeps its slot, while a slot whose report is lost comes back
+# within a minute.
+DEFAULT_LEASE = 60.0
+# The longest lease: a response report comes with a token that is accepted
+# for 10 minutes (sidecar.pending), so a longer lease could only keep a
+# slot whose report is refused.
+MAX_LEASE = 600.0
+
+
+class ConcurrentLimit(LimitModel):
+    tag: ClassVar[str] = "concurrent-requests"
+    refused_settings: ClassVar[Mapping[str, str]] = {
+        "count_on": "a concurrent limit counts requests in flight, which their responses end; "
+                    "count_on needs a requests or score limit",
+        "penalty": "a concurrent limit has no penalty: it refuses only while its limit is in flight",
+    }
+    refused_actions: ClassVar[Mapping[str, str]] = {
+        "ban": "a concurrent limit refuses requests, it bans no one (parallel requests are as often "
+               "a browser or a NAT as abuse); use block, or a requests rule with action: ban",
+        "challenge": "a solved challenge would lift a concurrent limit for its client; use block or log",
+    }
+    concurrent: int = Field(ge=1)
+    lease: Duration = DEFAULT_LEASE
+
+    @field_validator("lease")
+    @classmethod
+    def _range(cls, value: float) -> float:
+        if not 1 <= value <= MAX_LEASE:
+            raise ValueError("a lease lasts from 1s to 10m (a response report is accepted for 10 minutes)")
+        return value
+
+    def check_rule(self, rule: Rule) -> None:
+        if rule.reset_on is not None:
+            raise ValueError("a concurrent limit is given back by each response already; reset_on "
+                             "needs a requests, score or bucket limit")
+
+
+@registry.limit(ConcurrentLimit, field="concurrent", threshold="concurrent", order=5)
+def _concurrent(limit: ConcurrentLimit, penalty: float | None) -> RuleLimit:
     """Its header limit is N; it has no penalty (the rules file allows none)."""
     return RuleLimit(ConcurrencyLimiter(limit.concurrent, limit.lease), limit.concurrent, None)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, ClassVar
 
-from sidecar import config
-from sidecar.config import Rate
-from sidecar.limiters import NO_PENALTY, Hit, RuleLimit, register
-from sidecar.limiters.bucket import Bucket, in_penalty
+from pydantic import Field, PlainValidator, model_validator
+
+from sidecar.config import Rate, parse_rate
+from sidecar.limiters import NO_PENALTY, Hit, RuleLimit, registry
+from sidecar.limiters.bucket import Bucket, BucketLimit, in_penalty
+
+LEAKY = registry.lua_kind("L", "window", "buckets", "leaky")
 
 
 @dataclass(slots=True)
@@ -42,7 +45,7 @@ class LeakyBucket(Bucket):
         self.burst = burst * 1000
         # nodelay (delay None) admits the whole burst at once.
         self.delay = burst * 1000 if delay is None else delay * 1000
-        super().__init__(penalty, self.rate / 1000, "L", (str(self.rate), str(self.burst), str(self.delay)))
+        super().__init__(penalty, self.rate / 1000, LEAKY, (str(self.rate), str(self.burst), str(self.delay)))
         self.holds = self.longest_hold() > 0  # may ask to hold a request
 
     def longest_hold(self) -> float:
@@ -115,8 +118,42 @@ class LeakyBucket(Bucket):
         return self.with_penalty(text)
 
 
-@register(config.LeakyLimit, lua=("window", "buckets", "leaky"))
-def _leaky(limit: config.LeakyLimit, penalty: float | None) -> RuleLimit:
+class LeakyLimit(BucketLimit):
+    tag: ClassVar[str] = "leaky-bucket"
+    rate: Annotated[Rate, PlainValidator(parse_rate)]
+    burst: int = Field(0, ge=0)
+    nodelay: bool = False
+    delay: int | None = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _delay_or_nodelay(self) -> "LeakyLimit":
+        if self.nodelay and self.delay is not None:
+            raise ValueError("give either nodelay: true or delay, not both")
+        return self
+
+    def without_holds(self) -> "LeakyLimit":
+        """Admits and refuses exactly as this one, but ``nodelay``."""
+        return self.model_copy(update={"nodelay": True, "delay": None})
+
+
+@registry.limit(LeakyLimit, field="rate", needs="burst", threshold="burst", order=4)
+def _leaky(limit: LeakyLimit, penalty: float | None) -> RuleLimit:
     """Its header limit is the burst and the request that fits after it."""
     bucket = LeakyBucket(limit.rate, limit.burst, None if limit.nodelay else (limit.delay or 0), penalty)
     return RuleLimit(bucket, limit.burst + 1, penalty)
+
+
+def _leaks(requests: int, period: float) -> None:
+    """nginx's rate: whole requests per whole seconds, in thousandths per second."""
+    if period != int(period):
+        raise ValueError("a leaky bucket's window is whole seconds")
+    if requests * 1000 // int(period) < 1:
+        raise ValueError("a leaky bucket leaks at least one request per 1000 s: raise "
+                         "requests_per_unit or shorten the window")
+
+
+@registry.rls_algorithm("leaky_bucket", burst=True, check=_leaks, order=4)
+def _rls_leaky(requests: int, period: float, burst: int | None, penalty: float | None) -> RuleLimit:
+    """A descriptor's leaky bucket never holds a request (``nodelay``)."""
+    bucket = LeakyBucket(Rate(requests, int(period)), burst or 0, None, penalty)
+    return RuleLimit(bucket, (burst or 0) + 1, penalty)

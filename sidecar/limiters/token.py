@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, ClassVar
 
-from sidecar import config
-from sidecar.limiters import NO_PENALTY, Hit, RuleLimit, lua_number, register
-from sidecar.limiters.bucket import Bucket, in_penalty
+from pydantic import Field, PlainValidator, model_validator
+
+from sidecar.config import parse_refill
+from sidecar.limiters import NO_PENALTY, Hit, RuleLimit, lua_number, registry
+from sidecar.limiters.bucket import Bucket, BucketLimit, in_penalty
 from sidecar.plurals import plural
+
+TOKEN = registry.lua_kind("T", "window", "buckets", "token")
 
 
 @dataclass(slots=True)
@@ -32,7 +36,7 @@ class TokenBucket(Bucket):
         self.capacity = capacity
         self.refill = refill  # tokens per second
         self.cost = cost
-        super().__init__(penalty, refill, "T", (str(capacity), lua_number(refill), str(cost)))
+        super().__init__(penalty, refill, TOKEN, (str(capacity), lua_number(refill), str(cost)))
 
     def new_state(self) -> TokenState:
         return TokenState(float(self.capacity), None, NO_PENALTY, self)
@@ -78,6 +82,35 @@ class TokenBucket(Bucket):
         return self.with_penalty(text)
 
 
-@register(config.TokenLimit, lua=("window", "buckets", "token"))
-def _token(limit: config.TokenLimit, penalty: float | None) -> RuleLimit:
+class TokenLimit(BucketLimit):
+    tag: ClassVar[str] = "token-bucket"
+    tokens: int = Field(ge=1)
+    refill: Annotated[float, PlainValidator(parse_refill)]
+    cost: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _cost_fits(self) -> "TokenLimit":
+        if self.cost > self.tokens:
+            raise ValueError(f"cost {self.cost} can never be admitted by a bucket of "
+                             f"{plural(self.tokens, 'token')}")
+        return self
+
+
+# A bucket smaller than the cost admits nothing.
+@registry.limit(TokenLimit, field="tokens", needs="refill", threshold="tokens", least=lambda limit: limit.cost,
+                order=3)
+def _token(limit: TokenLimit, penalty: float | None) -> RuleLimit:
     return RuleLimit(TokenBucket(limit.tokens, limit.refill, limit.cost, penalty), limit.tokens, penalty)
+
+
+def _refills(requests: int, period: float) -> None:
+    if requests < 1:
+        raise ValueError("a token bucket needs requests_per_unit of at least 1 (its refill)")
+
+
+@registry.rls_algorithm("token_bucket", burst=True, check=_refills, order=3)
+def _rls_token(requests: int, period: float, burst: int | None, penalty: float | None) -> RuleLimit:
+    """A descriptor's bucket holds its burst (``requests`` when unset) and
+    gives ``requests`` back per period."""
+    capacity = max(burst if burst is not None else requests, 1)
+    return RuleLimit(TokenBucket(capacity, requests / period, 1, penalty), capacity, penalty)

@@ -1,14 +1,22 @@
-"""Window counters and score budgets; in Redis, ``window.lua``."""
+"""Window counters and score budgets; in Redis, ``window.lua``.
+
+Its kinds of limit: ``requests`` per period (``window-limit``), a ``score``
+budget per period (``score-budget``); and the Rate Limit Service's
+``fixed`` and ``sliding`` windows.
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Literal
 
-from sidecar import config
-from sidecar.config import format_duration
-from sidecar.limiters import ALLOWED, NO_PENALTY, Hit, RuleLimit, lua_number, register
+from pydantic import Field, field_validator
+
+from sidecar.config import Duration, LimitModel, format_duration
+from sidecar.limiters import ALLOWED, NO_PENALTY, Hit, RuleLimit, lua_number, registry
+
+WINDOW = registry.lua_kind("W", "window")
 
 
 @dataclass(slots=True)
@@ -65,7 +73,7 @@ class WindowCounter:
         # or the request would not fit (2).
         self._lua_limit = (lua_number(period), lua_number(penalty), "1" if sliding else "0",
                            "2" if fit else "1" if exceed else "0")
-        self._lua_args = ("W", lua_number(self.threshold)) + self._lua_limit
+        self._lua_args = (WINDOW, lua_number(self.threshold)) + self._lua_limit
         # The current window's index, one int object that the states counted
         # in it share (a new int is 32 bytes of every key under rotation).
         self._window = -2
@@ -157,11 +165,12 @@ class WindowCounter:
         return 0.0
 
     def redis_args(self, threshold: float, lease: str = "") -> tuple[str, ...]:
-        """'W' and window.lua's limit ``{threshold, period, penalty, sliding,
-        exceed}``; only a threshold an override scaled is formatted here."""
+        """WINDOW and window.lua's limit ``{threshold, period, penalty,
+        sliding, exceed}``; only a threshold an override scaled is formatted
+        here."""
         if threshold == self.threshold:
             return self._lua_args
-        return ("W", lua_number(threshold)) + self._lua_limit
+        return (WINDOW, lua_number(threshold)) + self._lua_limit
 
     def peak_period(self) -> float:
         return self.period
@@ -177,17 +186,52 @@ class WindowCounter:
         return text
 
 
-@register(config.WindowLimit, lua=("window",))
-def _requests(limit: config.WindowLimit, penalty: float | None) -> RuleLimit:
+class WindowLimit(LimitModel):
+    tag: ClassVar[str] = "window-limit"
+    requests: int = Field(ge=0)
+    per: Duration
+    window: Literal["sliding", "fixed"] = "sliding"
+
+
+class ScoreLimit(LimitModel):
+    tag: ClassVar[str] = "score-budget"
+    score: int = Field(ge=1)
+    per: Duration
+    header: str = Field(min_length=1)
+
+    @field_validator("header")
+    @classmethod
+    def _lower(cls, value: str) -> str:
+        return value.strip().lower()
+
+
+@registry.limit(WindowLimit, field="requests", needs="per", threshold="requests", order=1)
+def _requests(limit: WindowLimit, penalty: float | None) -> RuleLimit:
     """Without a penalty of its own, a counter is penalized for its period."""
     penalty = limit.per if penalty is None else penalty
     counter = WindowCounter(limit.requests, limit.per, penalty, sliding=limit.window == "sliding")
     return RuleLimit(counter, counter.threshold, penalty)
 
 
-@register(config.ScoreLimit, lua=("window",))
-def _score(limit: config.ScoreLimit, penalty: float | None) -> RuleLimit:
+@registry.limit(ScoreLimit, field="score", needs="per, header", threshold="score", order=2)
+def _score(limit: ScoreLimit, penalty: float | None) -> RuleLimit:
     """The same counter over the upstream's scores, penalized the same way."""
     penalty = limit.per if penalty is None else penalty
     return RuleLimit(WindowCounter(limit.score, limit.per, penalty, exceed=True), limit.score, penalty,
                      score_header=limit.header)
+
+
+def _fitting(requests: int, period: float, penalty: float | None, sliding: bool) -> RuleLimit:
+    """A descriptor's window admits what fits whole; no penalty unless it sets one."""
+    counter = WindowCounter(requests, period, penalty or 0.0, sliding=sliding, fit=True)
+    return RuleLimit(counter, requests, penalty)
+
+
+@registry.rls_algorithm("fixed", burst=False, order=1)
+def _fixed(requests: int, period: float, burst: int | None, penalty: float | None) -> RuleLimit:
+    return _fitting(requests, period, penalty, sliding=False)
+
+
+@registry.rls_algorithm("sliding", burst=False, order=2)
+def _sliding(requests: int, period: float, burst: int | None, penalty: float | None) -> RuleLimit:
+    return _fitting(requests, period, penalty, sliding=True)

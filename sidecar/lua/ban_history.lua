@@ -60,7 +60,7 @@ local function unsolved_penalty(record, rule_id, now, retry, limit)
   redis.call('SET', counted, num(ends))
   pexpire_at(counted, now, ends)
   local penalties = beside_ban(record, 'penalties', rule_id)
-  if hit(penalties, now, limit, 1) then
+  if hit(penalties, limit, now, 1) then
     return penalties
   end
   return nil

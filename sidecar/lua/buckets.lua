@@ -1,7 +1,8 @@
 -- Shared by every Sluice script (prepended after window.lua): what the
 -- buckets of sidecar/limiters/ share (bucket.py), step for step. Each bucket
--- algorithm adds its own arithmetic to BUCKETS under its kind, in its own
--- file (leaky.lua, token.lua), loaded after this one.
+-- algorithm adds its own arithmetic to BUCKETS under its kind, and
+-- BUCKET_KIND to KINDS, in its own file (leaky.lua, token.lua), loaded after
+-- this one.
 --
 -- A bucket's hash: 'k' its kind, 'v' its value (the leaky bucket's excess,
 -- the token bucket's tokens), 'l' the last accounted time, 'u' the end of
@@ -106,3 +107,25 @@ local function bucket_quota(key, bucket, now)
   end
   return algorithm.quota(bucket, state[1], state[2], now)
 end
+
+-- Every bucket's entry in KINDS (see window.lua): deferred, its state read
+-- once and handed to commit.
+local BUCKET_KIND = {
+  limit = bucket_from,
+  assess = function(key, bucket, now, amount)
+    local state = bucket_state(key, bucket)
+    local over, retry, delay, proposal = bucket_assess(key, bucket, state, now, amount)
+    return over, retry, delay, {state, proposal}
+  end,
+  commit = function(key, bucket, now, charge)
+    bucket_commit(key, bucket, charge[1], now, charge[2])
+  end,
+  quota = bucket_quota,
+  penalty = function(key, bucket, now)
+    local state = bucket_state(key, bucket)
+    if now < state[3] then
+      return state[3] - now
+    end
+    return 0
+  end,
+}

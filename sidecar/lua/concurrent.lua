@@ -1,7 +1,8 @@
 -- The concurrency limit of sidecar/limiters/concurrent.py, kind 'C', step
 -- for step. A key is a sorted set of the lease ids of the requests in
 -- flight, scored by the time their lease ends; it expires with its last
--- lease. Arguments {'C', limit, lease (seconds), the request's lease id}.
+-- lease. Arguments {'C', limit, lease (seconds), the request's lease id}
+-- (in RULES, '': evaluate.lua passes the request's to assess).
 -- A key of another kind (a reloaded rule) holds no slot and is replaced.
 
 local function slots_from(argv, at)
@@ -43,3 +44,17 @@ local function slots_quota(key, slots, now)
   local shortest = redis.call('ZRANGEBYSCORE', key, after, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
   return math.max(0, slots[1] - live), tonumber(shortest[2]) - now, slots[2]
 end
+
+-- Deferred: the slot is taken only when every check admitted the request.
+-- No penalty: a concurrency limit refuses while it is full.
+KINDS.C = {
+  limit = slots_from,
+  assess = function(key, slots, now, amount, lease)
+    slots[3] = lease
+    local over, retry = slots_assess(key, slots, now)
+    return over, retry, 0, nil
+  end,
+  commit = function(key, slots, now) slots_commit(key, slots, now) end,
+  quota = slots_quota,
+  penalty = function() return 0 end,
+}

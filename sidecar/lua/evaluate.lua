@@ -1,8 +1,8 @@
 -- One request's decision: the ban check for the address, then
 -- every check in rule order, as MemoryStore.evaluate does, in one step.
--- Buckets and concurrency slots are assessed in order and charged at the
--- end, only when the request is admitted by all of them and no check
--- refused it.
+-- Deferred kinds (buckets, concurrency slots) are assessed in order and
+-- charged at the end, only when the request is admitted by all of them and
+-- no check refused it. Each kind is called through KINDS (see window.lua).
 --
 -- On a Redis Cluster a request's checks are split by hash slot, one call of
 -- this script per slot (see sidecar/store/redis.py); the mode says what the
@@ -27,12 +27,10 @@
 -- check does, once for all requests: rule id, count (1/0), stops (1/0), ban
 -- duration ('' = none; 'D F M R' for a ban that escalates, see
 -- ban_history.lua), auto-ban (1/0), then the limiter's arguments: its
--- kind ('W' window, 'C' concurrency, else a bucket's, see buckets.lua) and
--- five values, for a window {threshold, period, penalty, sliding, exceed},
--- for a bucket its four parameters and '', for a concurrency limit {limit,
--- lease, '' (the request's lease id goes in ARGV), '', ''}; then, for a
--- challenge rule with then_ban_after, its penalty counter {'W', threshold,
--- period, penalty, sliding, exceed} and the ban's duration (12 to 18).
+-- kind's code in KINDS and five values (6 to 11; a window's {threshold,
+-- period, penalty, sliding, exceed}); then, for a challenge rule with
+-- then_ban_after, its penalty counter {'W', threshold, period, penalty,
+-- sliding, exceed} and the ban's duration (12 to 18).
 -- Returns {banned, new ban, rule, node, started, remaining, duration,
 --          delay, number of evaluated checks, then per evaluated check:
 --          over (1/0), retry after; then with quotas, per check:
@@ -41,7 +39,7 @@
 
 local now = clock(ARGV[1])
 local address, node, wall = ARGV[2], ARGV[3], ARGV[4]
-local auto_limit = limit_from(ARGV, 6)
+local auto_limit = limit_from(ARGV, 5)
 local auto_duration = ARGV[11]
 local can_delay, want_quotas = ARGV[12] == '1', ARGV[13] == '1'
 local mode = ARGV[14]
@@ -66,8 +64,7 @@ local function check_of(spec)
 end
 
 local hits = {}
-local buckets = {}
-local leases = {}
+local deferred = {}
 local refused = false
 local result = {0, 0, '', '', '', '', ''}
 local ban_step = 0
@@ -79,23 +76,20 @@ for i = 0, checks - 1 do
   local over, retry
   if count ~= '1' then
     over, retry = peek(key, now)
-  elseif rule[6] == 'W' then
-    over, retry = hit(key, now, limit_from(rule, 7), amount)
-  elseif rule[6] == 'C' then
-    local slots = slots_from(rule, 6)
-    slots[3] = lease_id
-    over, retry = slots_assess(key, slots, now)
-    table.insert(leases, {key, slots, over})
   else
-    local bucket = bucket_from(rule, 6)
-    local state = bucket_state(key, bucket)
-    local delay, proposal
-    over, retry, delay, proposal = bucket_assess(key, bucket, state, now, amount)
-    if delay > 0 and not can_delay then
-      -- The wait queue is full: a refusal, and nothing charged.
-      over, retry = true, delay
+    local kind = KINDS[rule[6]]
+    local limit = kind.limit(rule, 6)
+    if kind.assess then
+      local delay, charge
+      over, retry, delay, charge = kind.assess(key, limit, now, amount, lease_id)
+      if delay > 0 and not can_delay then
+        -- The wait queue is full: a refusal, and nothing charged.
+        over, retry = true, delay
+      end
+      table.insert(deferred, {kind, key, limit, over, delay, charge})
+    else
+      over, retry = kind.hit(key, limit, now, amount)
     end
-    table.insert(buckets, {key, bucket, state, over, delay, proposal})
   end
   table.insert(hits, over and 1 or 0)
   table.insert(hits, retry == 0 and '0' or num(retry))
@@ -111,13 +105,13 @@ for i = 0, checks - 1 do
       -- One more challenge for this address: past the auto-ban threshold,
       -- a ban instead.
       ban_key = KEYS[3]
-      if hit(ban_key, now, auto_limit, 1) then
+      if hit(ban_key, auto_limit, now, 1) then
         ban_duration = auto_duration
       end
     end
     if rule[12] == 'W' and ban_duration == '' and address ~= '' and mode ~= 'N' then
       -- then_ban_after (the rule's key holds the address: never mode 'N').
-      local penalties = unsolved_penalty(KEYS[1], rule_id, now, retry, limit_from(rule, 13))
+      local penalties = unsolved_penalty(KEYS[1], rule_id, now, retry, limit_from(rule, 12))
       if penalties then
         ban_key, ban_duration = penalties, rule[18]
       end
@@ -144,15 +138,10 @@ end
 -- itself.
 local delay = 0
 if not refused then
-  for _, b in ipairs(buckets) do
-    if not b[4] then
-      bucket_commit(b[1], b[2], b[3], now, b[6])
-      delay = math.max(delay, b[5])
-    end
-  end
-  for _, l in ipairs(leases) do
-    if not l[3] then
-      slots_commit(l[1], l[2], now)
+  for _, d in ipairs(deferred) do
+    if not d[4] then
+      d[1].commit(d[2], d[3], now, d[6])
+      delay = math.max(delay, d[5])
     end
   end
 end
@@ -167,13 +156,8 @@ if want_quotas then
     local rule = check_of(ARGV[FIRST + i])
     local remaining, reset, window = '', '', ''
     if rule[2] == '1' then
-      if rule[6] == 'W' then
-        remaining, reset, window = window_quota(KEYS[4 + i], now, limit_from(rule, 7), tonumber(rule[7]))
-      elseif rule[6] == 'C' then
-        remaining, reset, window = slots_quota(KEYS[4 + i], slots_from(rule, 6), now)
-      else
-        remaining, reset, window = bucket_quota(KEYS[4 + i], bucket_from(rule, 6), now)
-      end
+      local kind = KINDS[rule[6]]
+      remaining, reset, window = kind.quota(KEYS[4 + i], kind.limit(rule, 6), now)
       remaining, reset, window = num(remaining), num(reset), num(window)
     end
     table.insert(result, remaining)

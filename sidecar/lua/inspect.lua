@@ -1,9 +1,9 @@
 -- Counting keys as their limiters describe them, for the admin API: read,
 -- never counted (MemoryStore._describe, step for step).
 -- KEYS: the keys. ARGV: now ('' = server time), then per key the
---       limiter's arguments as evaluate.lua's RULES holds them: its kind
---       ('W', 'C', a bucket's, or 'X' for no limiter: no rule running now
---       counts the key) and five values.
+--       limiter's arguments as evaluate.lua's RULES holds them: its kind's
+--       code in KINDS (see window.lua), or 'X' for no limiter (no rule
+--       running now counts the key), and five values.
 -- Returns per key: stored (1/0), penalty left (0 = none), then remaining,
 --          reset and window as the draft RateLimit fields give them ('' for
 --          kind 'X').
@@ -20,23 +20,11 @@ for i = 1, #KEYS do
     if kind == 'X' then
       local _, retry = peek(key, now)
       penalty = retry
-    elseif kind == 'W' then
-      local limit = limit_from(ARGV, at + 1)
-      local foreign, _, _, _, until_ = read_window(key)
-      if not foreign and now < until_ then
-        penalty = until_ - now
-      end
-      remaining, reset, window = window_quota(key, now, limit, limit[1])
-    elseif kind == 'C' then
-      -- No penalty: a concurrency limit refuses while it is full.
-      remaining, reset, window = slots_quota(key, slots_from(ARGV, at), now)
     else
-      local bucket = bucket_from(ARGV, at)
-      local state = bucket_state(key, bucket)
-      if now < state[3] then
-        penalty = state[3] - now
-      end
-      remaining, reset, window = bucket_quota(key, bucket, now)
+      local algorithm = KINDS[kind]
+      local limit = algorithm.limit(ARGV, at)
+      penalty = algorithm.penalty(key, limit, now)
+      remaining, reset, window = algorithm.quota(key, limit, now)
     end
   end
   table.insert(result, stored)

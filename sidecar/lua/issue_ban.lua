@@ -12,7 +12,7 @@ local now = clock(ARGV[1])
 local address, node, wall = ARGV[2], ARGV[3], ARGV[4]
 local rule_id, ban_duration = ARGV[12], ARGV[13]
 if ban_duration == '' then
-  if not hit(KEYS[2], now, limit_from(ARGV, 6), 1) then
+  if not hit(KEYS[2], limit_from(ARGV, 5), now, 1) then
     return {0, '', '', '', '', '', 0}
   end
   ban_duration = ARGV[11]

@@ -69,3 +69,4 @@ BUCKETS.L = {
     return math.max(0, idiv(burst - drained, 1000)), drained / rate, full_drain
   end,
 }
+KINDS.L = BUCKET_KIND

@@ -32,3 +32,4 @@ BUCKETS.T = {
     return floordiv(tokens, bucket[4]), (capacity - tokens) / refill, capacity / refill
   end,
 }
+KINDS.T = BUCKET_KIND

@@ -1,7 +1,29 @@
 -- Shared by every Sluice script (prepended first when the store loads them):
 -- the window counter of sidecar/limiters/window.py, kind 'W', step for step,
--- and Sluice's time. Numbers cross the Redis boundary as strings printed with
--- 17 significant digits, so every double survives the trip exactly.
+-- Sluice's time, and KINDS. Numbers cross the Redis boundary as strings
+-- printed with 17 significant digits, so every double survives the trip
+-- exactly.
+--
+-- KINDS holds each kind of check under its code (sidecar.limiters.registry's
+-- lua_kind), added by the kind's own file; evaluate.lua and inspect.lua call
+-- these and name no kind. A check's arguments are its code and five values,
+-- as its limiter's redis_args makes them.
+--
+-- KINDS[code] = {
+--   limit(argv, at): the check's limit, read from its code argv[at] and
+--     the five values after it (a new table: a call may write into it),
+--   hit(key, limit, now, amount): over, retry after; `amount` requests
+--     counted at once (a kind without assess),
+--   assess(key, limit, now, amount, lease): over, retry after, delay,
+--     charge; a deferred kind judges and writes nothing but a penalty, and
+--     commit(key, limit, now, charge) charges the request once every check
+--     admitted it (lease: the request's lease id, '' for none),
+--   quota(key, limit, now): remaining, reset, window for the draft
+--     RateLimit fields; changes nothing,
+--   penalty(key, limit, now): seconds of the key's penalty left (0: none),
+-- }
+-- A key another kind wrote (a reloaded rule) counts as new for this one.
+local KINDS = {}
 
 local function num(x)
   return string.format('%.17g', x)
@@ -107,8 +129,8 @@ local function fit(key, now, limit, amount, moved, window, previous, current, un
 end
 
 -- Count `amount` for the key: WindowCounter.hit. `limit` is the table
--- {threshold, period, penalty, sliding, exceed}.
-local function hit(key, now, limit, amount)
+-- limit_from reads.
+local function hit(key, limit, now, amount)
   local threshold, period, penalty, sliding, exceed = limit[1], limit[2], limit[3], limit[4], limit[5]
   local foreign, window, previous, current, until_ = read_window(key)
   if foreign then
@@ -162,12 +184,13 @@ local function hit(key, now, limit, amount)
   return false, 0
 end
 
--- The last value says when the threshold is crossed: reached ('0'),
--- exceeded ('1', a score budget) or when the request would not fit ('2', a
--- Rate Limit Service descriptor).
+-- A window's limit from its arguments at argv[at]: 'W', threshold,
+-- period, penalty, sliding (1/0), then when the threshold is crossed:
+-- reached ('0'), exceeded ('1', a score budget) or when the request would
+-- not fit ('2', a Rate Limit Service descriptor).
 local function limit_from(argv, at)
-  return {tonumber(argv[at]), tonumber(argv[at + 1]), tonumber(argv[at + 2]),
-          argv[at + 3] == '1', argv[at + 4] == '1', argv[at + 4] == '2'}
+  return {tonumber(argv[at + 1]), tonumber(argv[at + 2]), tonumber(argv[at + 3]),
+          argv[at + 4] == '1', argv[at + 5] == '1', argv[at + 5] == '2'}
 end
 
 -- (remaining, reset, window) for the draft RateLimit fields:
@@ -193,3 +216,16 @@ local function window_quota(key, now, limit, threshold)
   end
   return math.max(0, math.ceil(threshold - estimate)), period - elapsed, period
 end
+
+KINDS.W = {
+  limit = limit_from,
+  hit = hit,
+  quota = function(key, limit, now) return window_quota(key, now, limit, limit[1]) end,
+  penalty = function(key, limit, now)
+    local foreign, _, _, _, until_ = read_window(key)
+    if not foreign and now < until_ then
+      return until_ - now
+    end
+    return 0
+  end,
+}

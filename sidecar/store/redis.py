@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import enum
 import json
 import zlib
 from json.encoder import encode_basestring_ascii
@@ -37,7 +38,9 @@ from typing import Any, AsyncGenerator, Awaitable, Callable, Sequence
 
 from sidecar.counters import CounterState, KeySelection
 from sidecar.keys import CountingKey, key_dimensions
-from sidecar.limiters import ALLOWED, Hit, lua_libraries
+from sidecar.limiters import ALLOWED, Hit
+from sidecar.limiters.registry import NO_LIMITER, lua_sources
+from sidecar.limiters.window import WINDOW
 from sidecar.networkbans import NetworkBans
 from sidecar.store import Described, StoreUnavailable
 from sidecar.bounded import BoundedMap
@@ -115,9 +118,11 @@ def shadow_ban_key(address: str) -> str:
 
 
 def _script(name: str) -> str:
+    """A script: every kind's Lua (the limiter registry's), then the ban
+    helpers and the script's own file."""
     lua = resources.files("sidecar") / "lua"
-    return "\n".join((lua / f"{part}.lua").read_text()
-                     for part in (*lua_libraries(), "ban_record", "ban_history", name))
+    return "\n".join((*lua_sources(), *((lua / f"{part}.lua").read_text()
+                                        for part in ("ban_record", "ban_history", name))))
 
 
 def _lua_string(text: str) -> str:
@@ -200,9 +205,9 @@ def _ban_spec(check: Check) -> str:
 
 # The auto-ban arguments of a request without a challenge rule: read by the
 # script, never used.
-_NO_AUTO_BAN = ("W", "1", "1", "0", "0", "0", "")
+_NO_AUTO_BAN = (WINDOW, "1", "1", "0", "0", "0", "")
 # inspect.lua's arguments for a key no rule running now counts.
-_NO_LIMITER = ("X", "", "", "", "", "")
+_NO_LIMITER = (NO_LIMITER, "", "", "", "", "")
 # Keys of one command an admin call sends at most.
 BATCH = 1000
 
@@ -217,13 +222,21 @@ async def _all(calls: Sequence[Awaitable[Any]]) -> list[Any]:
     return [await calls[0]] if len(calls) == 1 else list(await asyncio.gather(*calls))
 
 
+class Mode(enum.StrEnum):
+    """What one call of evaluate.lua does about bans (see the script)."""
+
+    SINGLE = "F"  # a single Redis: the ban check, and a ban written with its index entry
+    ADDRESS_SLOT = "S"  # the address's slot: the ban check, and a ban written without the index
+    OTHER_SLOT = "N"  # another slot: no ban check; a ban is answered as wanted, issued by the caller
+
+
 class _Part:
     """One call of the evaluation script: the checks of one hash slot (all
     of them on a single Redis), and what the script answered for them."""
 
     __slots__ = ("mode", "indices", "banned", "new_ban", "ban", "delay", "hits", "quotas", "step")
 
-    def __init__(self, mode: str, indices: list[int]) -> None:
+    def __init__(self, mode: Mode, indices: list[int]) -> None:
         self.mode = mode  # see evaluate.lua
         self.indices = indices
 
@@ -316,9 +329,9 @@ class RedisStore:
         numbers = rules.numbers(checks)
         calls = []
         for part in parts:
-            if part.mode == "F":
+            if part.mode == Mode.SINGLE:
                 keys = [record, BAN_INDEX, counter]
-            elif part.mode == "S":
+            elif part.mode == Mode.ADDRESS_SLOT:
                 keys = [record, record, counter]
             else:
                 keys = [names[part.indices[0]]] * 3
@@ -339,9 +352,10 @@ class RedisStore:
         """The calls of one evaluation: one on a single Redis, else one per
         hash slot, the address's first (it checks the ban)."""
         if not self.client.clustered:
-            return [_Part("F", list(range(len(names))))]
+            return [_Part(Mode.SINGLE, list(range(len(names))))]
         groups = self._by_slot(names, ban_key(address) if address else None)
-        return [_Part("S" if address and n == 0 else "N", indices) for n, indices in enumerate(groups)]
+        return [_Part(Mode.ADDRESS_SLOT if address and n == 0 else Mode.OTHER_SLOT, indices)
+                for n, indices in enumerate(groups)]
 
     def _by_slot(self, names: Sequence[str], first: str | None = None) -> list[list[int]]:
         """The positions of ``names`` grouped by hash slot (one group on a

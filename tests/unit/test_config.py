@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from sidecar import config
 from sidecar.config import ConfigError, ConfigIssue, LoadedRules, load_rules_file, parse_duration, parse_rules_text
+from sidecar.limiters.window import WindowLimit
 from sidecar.rules import compile_rules, load_ruleset
 
 REPO = Path(__file__).resolve().parents[2]
@@ -545,7 +546,7 @@ def test_yaml_merge_key_is_either_applied_or_reported() -> None:
     except ConfigError as error:
         assert all(issue.line >= 5 for issue in error.issues), error.issues
     else:
-        assert loaded.model.rules[1].limit == config.WindowLimit(requests=2, per=1)
+        assert loaded.model.rules[1].limit == WindowLimit(requests=2, per=1)
 
 
 def test_yaml_aliases_are_followed() -> None:
