@@ -33,10 +33,11 @@ from sidecar.config import ConfigError, parse_duration
 from sidecar.counters import CounterState, KeySelection, dimension_values, key_from_text
 from sidecar.engine import Engine
 from sidecar.keys import CountingKey, key_dimensions, key_rule_id, key_values
+from sidecar.limiters.base import Limiter
 from sidecar.networkbans import BanTarget, ban_target, client_key
 from sidecar.plurals import plural
 from sidecar.rules import Ruleset, describe_key, load_ruleset, no_ruleset
-from sidecar.state import AutoBan, BanRecord, Limiter
+from sidecar.state import AutoBan, BanRecord
 from sidecar.watch import RulesFileWatch
 
 if TYPE_CHECKING:

@@ -26,7 +26,8 @@ from sidecar.clientip import ClientAddress, ClientIPResolver, NetworkSet
 from sidecar.config import ConfigError, ConfigIssue, LoadedRules, Loc
 from sidecar.keys import CountingKey, KeyPrefix, key_dimensions, key_values
 from sidecar.limiters.registry import build_limiter
-from sidecar.state import AutoBan, BanIncrement, Check, CheckSpec, Limiter, PenaltyBan, make_check
+from sidecar.limiters.base import Limiter
+from sidecar.state import AutoBan, BanIncrement, Check, CheckSpec, PenaltyBan
 from sidecar.store.redis_cluster import parse_node
 from sidecar.request import CheckRequest
 
@@ -550,7 +551,6 @@ def compile_matcher(rules: Sequence[tuple[CompiledRule, config.Rule]], verified_
     source = _Expression()
     filename = f"{loaded.source}.matcher.py"
     lines = _MATCHER_HEAD.format(source=_shown(loaded.source, 200), filename=_shown(filename, 200)).splitlines()
-    source.constant(make_check, "make_check")
     source.constant(Check, "Check")
     source.constant(lambda request: any(bot.matches(request) for bot in verified_bots), "is_verified_bot")
     def line_of(loc: Loc) -> int:
@@ -611,7 +611,7 @@ def _rule_lines(rule: CompiledRule, model: config.Rule, loc: Loc, verified_bots:
                      f"first override holding the client ({_lines_said(override_lines)})")
     key = _key(rule.key_prefix, source, names.format("key"))
     lines += [f"{indent}add_rule({name})",
-              f"{indent}add_check(make_check(Check, ({spec}, {key}, lease)))"
+              f"{indent}add_check(Check({spec}, {key}, lease))"
               f"  # {rule.id} (line {line_of(loc + ('key',))}): key {', '.join(rule.key_prefix[1])}"
               + ("" if model.key else " (the default)")]
     return lines

@@ -141,8 +141,8 @@ class Check:
     (in a ruleset with a concurrency limit, else "").
 
     The ruleset's matcher (``rules.compile_matcher``) makes one for every
-    matching rule of every request, from the three parts; a slotted object
-    of three fields costs what a tuple does. ``Check.of(rule_id, key,
+    matching rule of every request, ``Check(spec, key, lease)``: a slotted
+    object of three fields costs what a tuple does. ``Check.of(rule_id, key,
     limiter, ...)`` spells every field of the spec, for the front doors that
     make a spec per request (the Rate Limit Service) and for tests; the
     spec's fields are also properties of the check.
@@ -205,18 +205,6 @@ class Check:
     @property
     def penalty_ban(self) -> PenaltyBan | None:
         return self.spec.penalty_ban
-
-
-_new_check = object.__new__
-
-
-def make_check(cls: type[Check], parts: tuple[CheckSpec, CountingKey, str]) -> Check:
-    """A Check from its three parts, as the ruleset's matcher makes one
-    (``make_check(Check, (spec, key, lease))``): without the call of
-    ``__init__``, which ``Check(spec, key, lease)`` makes instead."""
-    check: Check = _new_check(cls)
-    check.spec, check.key, check.lease = parts
-    return check
 
 
 @dataclass(frozen=True, slots=True)
