@@ -37,8 +37,8 @@ class BoundedMap:
         self.max_keys = max_keys
         self._expires_at = expires_at
         self._clock = clock
-        # Read (and reordered, as get does) by MemoryStore's hot loop; keys
-        # are added only through add and __setitem__, which file them.
+        # Read in place by the memory store's listings; keys are added
+        # only through add and __setitem__, which file them.
         self.data: dict[Hashable, Any] = {}
         self._wheel: dict[int, list[Hashable]] = {}  # slot -> keys filed there
         self._slots: list[int] = []  # heap of the wheel's slots

@@ -1,5 +1,6 @@
 -- One request's decision: the ban check for the address, then
--- every check in rule order, as MemoryStore.evaluate does, in one step.
+-- every check in rule order, as sidecar/policy.py's Policy.evaluate does,
+-- in one step.
 -- Deferred kinds (buckets, concurrency slots) are assessed in order and
 -- charged at the end, only when the request is admitted by all of them and
 -- no check refused it. Each kind is called through KINDS (see window.lua).

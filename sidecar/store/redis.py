@@ -3,10 +3,11 @@
 Each operation is one Lua script, shipped as a file under ``sidecar/lua/``,
 registered once and called by its digest (EVALSHA, loaded again after
 NOSCRIPT): a request's ban check and all its checks are one atomic step and
-one round trip. The scripts run the algorithms of ``sidecar.limiters`` line
-for line (the Lua files each algorithm names are prepended to every script),
-with the memory store's deferred charging of buckets; the draft RateLimit
-quotas come back with the decision. Each limiter encodes its own arguments
+one round trip. The scripts run the request-phase policy of
+``sidecar.policy`` (the one reference, which the parity tests hold them to)
+and the algorithms of ``sidecar.limiters`` line for line (the Lua files each
+algorithm names are prepended to every script); the draft RateLimit quotas
+come back with the decision. Each limiter encodes its own arguments
 (``redis_args``): this module never learns which algorithm a check runs.
 
 Every key carries a hash tag of its subject (see ``counting_key``). On a
@@ -298,9 +299,9 @@ class RedisStore:
 
     async def evaluate(self, now: float, address: str, checks: Sequence[Check],
                        can_delay: bool = True, quotas: bool = False) -> Evaluation:
-        """MemoryStore.evaluate in one script; with ``quotas``, also every
-        counting check's (remaining, reset, window) after the decision, as
-        the memory store answers (None for the others). Keys known over
+        """``Policy.evaluate`` (sidecar.policy) in one script; with
+        ``quotas``, also every counting check's (remaining, reset, window)
+        after the decision, as the policy answers (None for the others). Keys known over
         limit are answered here (see sidecar.store.penalties).
 
         On a Redis Cluster the checks are split by hash slot, one call each,
