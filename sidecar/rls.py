@@ -35,7 +35,7 @@ from pydantic import (BeforeValidator, ConfigDict, Field, GetCoreSchemaHandler, 
                       model_validator)
 from pydantic_core import CoreSchema
 
-from sidecar.config import ConfigError, ConfigIssue, Duration, Strict, _Document, validation_issues
+from sidecar.config import ConfigError, ConfigIssue, Document, Duration, Strict, validation_issues
 from sidecar.limiters import RuleLimit, registry
 from sidecar.limiters.base import Limiter
 
@@ -366,13 +366,13 @@ def load_rls(path: str | Path, near_limit_ratio: float = 0.8) -> RlsConfig:
 def is_rls_text(text: str) -> bool:
     """Whether a file reads as a Rate Limit Service configuration (a
     top-level ``domain``) rather than a rules file, for ``sluice check``."""
-    document = _Document("", text)
+    document = Document("", text)
     return isinstance(document.data, dict) and "domain" in document.data and "rules" not in document.data
 
 
 def parse_rls_text(text: str, source: str) -> RlsFile:
     """One file, validated; ConfigError listing every problem."""
-    document = _Document(source, text)
+    document = Document(source, text)
     issues = list(document.issues)
     if not isinstance(document.data, dict):
         raise ConfigError(issues + [ConfigIssue(source, 1, "", "a configuration file must be a mapping")])
@@ -396,7 +396,7 @@ def _did_you_mean(name: str) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _tree_checks(document: _Document, descriptors: list[Any], loc: tuple[str | int, ...],
+def _tree_checks(document: Document, descriptors: list[Any], loc: tuple[str | int, ...],
                  has_address: bool) -> list[ConfigIssue]:
     """What spans descriptors: the same entry twice at one level, and a ban
     with no address to ban."""
