@@ -348,7 +348,7 @@ def replay(config: str, as_json: bool, top: int, host: str, exclude_top: int,
         click.echo(f"error: {exc}", err=True)
         raise SystemExit(2) from None
     if html is not None:
-        from sidecar.replay_report import render_html
+        from sidecar.replay.page import render_html
 
         try:
             with open(html, "w", encoding="utf-8") as page:

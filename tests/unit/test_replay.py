@@ -24,7 +24,7 @@ from sidecar.accesslog import AccessLogs, LogError, UnparsableLine, parse_line
 from sidecar.config import parse_rules_text
 from sidecar.replay import (SweepError, build_sweep, parse_sweep, peak_histogram, percentile, prepare_sweeps,
                             render_text, replay_logs)
-from sidecar.replay_report import escape, render_html, threshold_position
+from sidecar.replay.page import escape, render_html, threshold_position
 
 from .conftest import ruleset_from
 

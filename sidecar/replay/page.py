@@ -1,9 +1,9 @@
 """``sluice replay --html``: the replay's report as one self-contained page.
 
 The page is made from the same report data, sentences and tables as the
-text report (``sidecar.replay``), so the two always agree. It needs nothing
-but itself: no script, no external style sheet, font or image; the charts
-are inline SVG drawn here. Its Content-Security-Policy forbids loading
+text report (``sidecar.replay.render``), so the two always agree. It needs
+nothing but itself: no script, no external style sheet, font or image; the
+charts are inline SVG drawn here. Its Content-Security-Policy forbids loading
 anything, which also makes any markup smuggled in from the log inert.
 
 Everything a log line can put into the report (keys, paths, user agents,
@@ -19,9 +19,10 @@ import re
 from typing import Any, Sequence
 
 from sidecar.plurals import plural
-from sidecar.replay import (Row, answers_text, bucket_bounds, cell_text, key_tables, late_text, not_reached_text,
-                            notes_text, peak_bucket, peak_text, refusal_text, rule_heading, rule_table,
-                            skipped_text, summary_text, sweep_table, sweep_title, without_top_text)
+from sidecar.replay.render import (Row, answers_text, cell_text, key_tables, late_text, not_reached_text, notes_text,
+                                   peak_text, refusal_text, rule_heading, rule_table, skipped_text, summary_text,
+                                   sweep_table, sweep_title, without_top_text)
+from sidecar.replay.stats import bucket_bounds, peak_bucket
 
 # C0 and C1 controls (tab and newline aside) and lone surrogates, which a
 # JSON log line can carry as escapes: shown as U+FFFD, never written raw.
