@@ -7,7 +7,7 @@ import contextlib
 import re
 import socket
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import click
 
@@ -21,7 +21,13 @@ EVERY_ADDRESS = "0.0.0.0"
 _HOST = re.compile(r"[A-Za-z0-9._:-]{1,253}")
 
 
-class Address(click.ParamType):
+if TYPE_CHECKING:  # click 8.5 types it (value, input); older ones do not subscript
+    _AddressParam = click.ParamType[tuple[str, int] | None, Any]
+else:
+    _AddressParam = click.ParamType
+
+
+class Address(_AddressParam):
     """A ``HOST:PORT`` option, as ``(host, port)``. ``off``: the word off
     too, as None; ``bare_port``: a PORT alone too, on every address. Its
     error says exactly what the option accepts."""

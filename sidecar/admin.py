@@ -137,7 +137,7 @@ class Admin:
 
     # -- what the API shows --------------------------------------------------
 
-    def rules(self) -> list[dict]:
+    def rules(self) -> list[dict[str, Any]]:
         metrics = self.engine.metrics
         return [{
             "id": rule.id,
@@ -149,7 +149,7 @@ class Admin:
             "over_limit": metrics.over_limit_of(rule.id),
         } for rule in self.engine.ruleset.rules]
 
-    async def bans(self) -> list[dict]:
+    async def bans(self) -> list[dict[str, Any]]:
         """Every ban in force: of client addresses (earned or by hand), then
         of networks."""
         now = self.engine.clock()
@@ -157,7 +157,7 @@ class Admin:
         return [ban_view(ban, now, network=False) for ban in addresses] + \
             [ban_view(ban, now, network=True) for ban in await self.engine.store.active_network_bans(now)]
 
-    async def ban(self, text: str, duration: float, reason: str, who: str) -> dict:
+    async def ban(self, text: str, duration: float, reason: str, who: str) -> dict[str, Any]:
         """Ban a client address (its counting key: an IPv6 address by its
         /64) or a network by hand, replacing the ban it has."""
         target = self._target(text)
@@ -231,7 +231,7 @@ class Admin:
             raise Refused(422, str(exc)) from None
         return KeySelection(address, rule, exact)
 
-    async def counters(self, ip: str | None, rule: str | None, key: Sequence[str], limit: int = MAX_LISTED) -> dict:
+    async def counters(self, ip: str | None, rule: str | None, key: Sequence[str], limit: int = MAX_LISTED) -> dict[str, Any]:
         """The counters ``select`` names, each as its rule's limiter
         describes it, in rule order; with ``truncated`` when there were more
         than ``limit``; for a client address, its ban too."""
@@ -250,7 +250,7 @@ class Admin:
             listing["ban"] = await self._ban_of(now, selection.address)
         return listing
 
-    async def reset(self, ip: str | None, rule: str | None, key: Sequence[str], who: str) -> dict:
+    async def reset(self, ip: str | None, rule: str | None, key: Sequence[str], who: str) -> dict[str, Any]:
         """Forget the counters ``select`` names: their counts and penalties end."""
         selection = self.select(ip, rule, key)
         now = self.engine.clock()
@@ -286,7 +286,7 @@ class Admin:
             return auto_ban.limiter, float(auto_ban.threshold)
         return None, 0.0
 
-    async def _ban_of(self, now: float, address: str) -> dict | None:
+    async def _ban_of(self, now: float, address: str) -> dict[str, Any] | None:
         """The ban that refuses a client address now: its own, or its network's."""
         ban = await self.engine.store.ban_of(now, address)
         if ban is not None:
@@ -307,7 +307,7 @@ class Admin:
         return "token" if self._token is not None else "loopback"
 
 
-def ban_view(ban: BanRecord, now: float, network: bool) -> dict:
+def ban_view(ban: BanRecord, now: float, network: bool) -> dict[str, Any]:
     return {
         "address": ban.address,
         "scope": "network" if network else "address",
@@ -322,7 +322,7 @@ def ban_view(ban: BanRecord, now: float, network: bool) -> dict:
     }
 
 
-def counter_view(state: CounterState, limiter: Limiter | None) -> dict:
+def counter_view(state: CounterState, limiter: Limiter | None) -> dict[str, Any]:
     remaining, reset, window = state.quota if state.quota is not None else (None, None, None)
     return {
         "rule": key_rule_id(state.key),

@@ -154,7 +154,7 @@ class HookDatagrams(asyncio.DatagramProtocol):
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._recording: set[asyncio.Task] = set()  # strong references until done
+        self._recording: set[asyncio.Task[int]] = set()  # strong references until done
 
     def datagram_received(self, data: bytes, addr: Any) -> None:
         try:
@@ -171,7 +171,7 @@ class HookDatagrams(asyncio.DatagramProtocol):
         except Exception:  # a report must never take the listener down
             self._failed()
 
-    def _recorded(self, task: asyncio.Task) -> None:
+    def _recorded(self, task: asyncio.Task[int]) -> None:
         self._recording.discard(task)
         error = None if task.cancelled() else task.exception()
         if error is not None:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from sidecar import version
@@ -176,7 +177,7 @@ class Metrics(Collector):
         ``_total`` (a running count), else a gauge."""
         self._gauges[name] = (documentation, read)
 
-    def collect(self) -> Iterator:
+    def collect(self) -> Iterator[Metric]:
         info = GaugeMetricFamily("sluice_build_info", "The running Sluice, by version (always 1).", labels=["version"])
         info.add_metric([self.version], 1)
         yield info

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-from typing import AsyncIterator, Awaitable, Protocol, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Protocol, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -149,11 +149,11 @@ def admin_routes(admin: Admin) -> APIRouter:
     router = APIRouter(prefix="/v1/admin", dependencies=[Depends(authorized)])
 
     @router.get("/rules")
-    async def rules() -> list[dict]:
+    async def rules() -> list[dict[str, Any]]:
         return admin.rules()
 
     @router.get("/bans")
-    async def bans() -> list[dict]:
+    async def bans() -> list[dict[str, Any]]:
         return await _answered(admin.bans())
 
     @router.post("/bans", status_code=201)
@@ -175,13 +175,13 @@ def admin_routes(admin: Admin) -> APIRouter:
 
     @router.get("/counters")
     async def counters(ip: str | None = None, rule: str | None = None, key: list[str] = Query(default=[]),
-                       limit: int = Query(default=1000, ge=1, le=MAX_LISTED)) -> dict:
+                       limit: int = Query(default=1000, ge=1, le=MAX_LISTED)) -> dict[str, Any]:
         """The counters of a client address (``ip``), of a rule, or of one key
         of a rule (``rule`` and ``key=DIMENSION=VALUE``, one per dimension)."""
         return await _answered(admin.counters(ip, rule, key, limit))
 
     @router.delete("/counters")
-    async def reset(ip: str | None = None, rule: str | None = None, key: list[str] = Query(default=[])) -> dict:
+    async def reset(ip: str | None = None, rule: str | None = None, key: list[str] = Query(default=[])) -> dict[str, Any]:
         """Reset the counters the same parameters name: counts and penalties end."""
         return await _answered(admin.reset(ip, rule, key, admin.caller))
 

@@ -556,8 +556,9 @@ class RedisStore:
     async def _admin_state(self, now: float, known: str) -> list[Any]:
         """admin_state.lua: the admin version, and the network bans when it
         is not ``known``."""
-        return await self.client.evalsha(self._lazy_script("admin_state"), [ADMIN_VERSION, NETWORK_INDEX],
-                                         [self._now(now), known, NETWORK_HEAD])
+        state: list[Any] = await self.client.evalsha(self._lazy_script("admin_state"), [ADMIN_VERSION, NETWORK_INDEX],
+                                                     [self._now(now), known, NETWORK_HEAD])
+        return state
 
     async def _command(self, key: str, *command: Any) -> Any:
         """One command on the server of ``key`` (its master, on a cluster)."""
