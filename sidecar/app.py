@@ -215,7 +215,7 @@ class SluiceApp:
         engine = self.engine
         started = time.perf_counter()
         try:
-            request = check.describe(engine, scope, headers)
+            request = check.describe(scope, headers)
             decision = await engine.decide(request)
         except Exception:
             self.internal_error()

@@ -12,7 +12,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from sidecar.actions import BlockPage, draft_fields, retry_after_seconds
 from sidecar.at_once import run_at_once
@@ -28,7 +28,7 @@ from sidecar.overload import (BEHIND_SHARE, PROXY_SECONDS, SHARED_STORED_SECONDS
 from sidecar.pending import PendingEntry, PendingTokens, SlotEntry
 from sidecar.policy import Policy
 from sidecar.ratelog import RateLimitedLog
-from sidecar.request import CheckRequest
+from sidecar.request import UNRESOLVED, CheckRequest
 from sidecar.responses import ResponsePhase
 from sidecar.rules import CompiledRule, Ruleset
 from sidecar.state import BanRecord, Check, Evaluation, epoch_clock
@@ -86,6 +86,22 @@ STORE_UNAVAILABLE = Decision(outcome=DENY, retry_after=1, page=BlockPage.builtin
 OVERLOADED_PAGE = BlockPage.builtin(503)
 # The RefusalMemory entry of a banned client key (no rule id is empty).
 BANNED = ""
+
+
+@dataclass(slots=True)
+class Tally:
+    """The answer to checks a front door made itself (``decide_checks``:
+    the Rate Limit Service's descriptors): the store's ``evaluation``, and
+    for each check in order whether it is over its limit (refused by a
+    ban, or not evaluated because a ban ended the evaluation, included).
+    ``banned``: the client was refused by a ban issued before; ``failed``:
+    the store did not answer, and the whole request is let in (ALLOW, fail:
+    open) or refused (DENY, fail: closed)."""
+
+    evaluation: Evaluation
+    over: list[bool]
+    banned: bool = False
+    failed: Outcome | None = None
 
 
 class Engine:
@@ -186,7 +202,11 @@ class Engine:
 
     async def decide(self, request: CheckRequest) -> Decision:
         """The decision for one request: one call to the store, or none for
-        a check that came too late (see ``late``)."""
+        a check that came too late (see ``late``). A request a front door
+        described (its client ``UNRESOLVED``) has its client resolved first,
+        once."""
+        if request.client is UNRESOLVED:
+            request.client = self.resolve_client(request.peer, request.forwarded_for)
         # Over a store decided at once (this node's memory) a late check is
         # decided in full all the same: the decision costs a few µs beside
         # the check's own reading and writing, and counts exactly.
@@ -209,8 +229,7 @@ class Engine:
                 # late checks, which then starts from this node's share.
                 self._count_here(now, *prepared, admitted=True)
         except StoreUnavailable as exc:
-            self.store_failed(exc)
-            decision = ALLOWED if self.ruleset.fail == "open" else STORE_UNAVAILABLE
+            decision = self._unavailable(exc)
         finally:
             if held:
                 self._release_unless_held(decision)
@@ -220,6 +239,39 @@ class Engine:
         """``decide`` without an event loop, over a store that answers at
         once (the memory store): for replay and tests."""
         return run_at_once(self.decide(request))
+
+    async def decide_checks(self, checks: list[Check], client: str, shadow: Sequence[bool],
+                            domain: str) -> Tally:
+        """The pipeline of a front door that makes its checks itself (the
+        Rate Limit Service's descriptors), in the store the rules count in:
+        every check counted on its own and asked its quota, in one step.
+        ``client`` is the client key a ban is issued to ("" for none). A
+        check over its limit is counted by its rule id and written to the
+        decision log under ``domain``; a ``shadow`` one (same order as
+        ``checks``) only observed."""
+        metrics = self.metrics
+        metrics.checks.value += 1
+        if not checks:
+            return Tally(Evaluation(), [])
+        try:
+            evaluation = await self.store.evaluate(self.clock(), client, checks, can_delay=False, quotas=True)
+        except StoreUnavailable as exc:
+            return Tally(Evaluation(), [], failed=self._unavailable(exc).outcome)
+        banned = evaluation.ban is not None and not evaluation.new_ban
+        if banned:
+            metrics.banned_requests.inc()
+        hits = evaluation.hits
+        evaluated = len(hits)
+        over: list[bool] = []
+        for index, check in enumerate(checks):
+            refused = banned or index >= evaluated or hits[index].over_limit
+            over.append(refused)
+            if refused:
+                observed = shadow[index]
+                metrics.over_limit(check.rule_id, "log" if observed else
+                                   "ban" if check.ban_duration is not None else "block")
+                self.log.rls(domain, check.rule_id, check.key, observed, banned or evaluation.new_ban)
+        return Tally(evaluation, over, banned)
 
     # -- overload (sidecar.overload) ------------------------------------------
 
@@ -361,6 +413,12 @@ class Engine:
         """The wait of a decision with a ``delay`` ended (or was abandoned)."""
         self.delayed -= 1
 
+    def _unavailable(self, exc: StoreUnavailable) -> Decision:
+        """The store did not answer (counted and logged): the request let
+        in or refused as ``state.fail`` says."""
+        self.store_failed(exc)
+        return ALLOWED if self.ruleset.fail == "open" else STORE_UNAVAILABLE
+
     def store_failed(self, exc: Exception) -> None:
         """Counted always, logged at most every 10 s."""
         self.metrics.store_errors.inc()
@@ -439,13 +497,7 @@ class Engine:
                 continue
             metrics.over_limit(rule.id, rule.action)
             if check.stops:
-                decision = self._apply(request, rule, limit, reset, hit, evaluation.new_ban)
-                self._remember(request, rule, check, hit, decision, evaluation.ban)
-                self.log.matched(request, rule, check, decision.outcome, banned=evaluation.ban is not None,
-                                 ban=evaluation.ban)
-                if rule.id == ruleset.address_wide_rule and request.client.key:
-                    self._holds_for_the_address(request, rule, check, hit, decision, evaluation)
-                return decision
+                return self._refuse(request, rule, check, hit, limit, reset, evaluation)
             if rule.action == "log" and observed is None:
                 observed = Decision(outcome=ALLOW, rule=rule, limit=limit, reset=reset)
             self.log.matched(request, rule, check, "observe" if rule.action == "log" else "verified-bot")
@@ -464,6 +516,19 @@ class Engine:
             metrics.delayed.inc()
         return Decision(outcome=ALLOW, rule=allowed.rule, limit=allowed.limit, reset=allowed.reset,
                         pending=token, delay=evaluation.delay, quota=quota)
+
+    def _refuse(self, request: CheckRequest, rule: CompiledRule, check: Check, hit: Hit, limit: int, reset: int,
+                evaluation: Evaluation) -> Decision:
+        """A rule that stops is over its limit: the request refused as its
+        action says, remembered for late checks and logged; the refusal of
+        the ruleset's address-wide rule holds for the client's every request."""
+        decision = self._apply(request, rule, limit, reset, hit, evaluation.new_ban)
+        self._remember(request, rule, check, hit, decision, evaluation.ban)
+        self.log.matched(request, rule, check, decision.outcome, banned=evaluation.ban is not None,
+                         ban=evaluation.ban)
+        if rule.id == self.ruleset.address_wide_rule and request.client.key:
+            self._holds_for_the_address(request, rule, check, hit, decision, evaluation)
+        return decision
 
     @staticmethod
     def _limit_and_reset(rule: CompiledRule, check: Check, hit: Hit) -> tuple[int, int]:

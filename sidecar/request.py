@@ -13,6 +13,10 @@ from urllib.parse import unquote
 
 from sidecar.clientip import ClientAddress
 
+# The client of a request described by a front door and not yet decided
+# (see CheckRequest): never the same object as a resolved client.
+UNRESOLVED = ClientAddress(None, "")
+
 
 def normalise_path(raw_path: str) -> str:
     """The path as nginx matches locations: decoded, slashes merged, dots resolved.
@@ -42,15 +46,18 @@ class CheckRequest:
     """Method, host, URI, headers (lower-case names), the resolved client and
     the TLS fingerprint the proxy passed on ("" for none), and when the
     proxy sent the check (Unix seconds; 0.0 when it did not say, see
-    sidecar.overload). A refusal that holds for every request of the client
+    sidecar.overload). A front door describes the client as the proxy
+    names it, ``peer`` and ``forwarded_for`` (its X-Forwarded-For), with
+    ``client`` left ``UNRESOLVED``: the engine resolves it, once, when it
+    decides. A refusal that holds for every request of the client
     says until when (``refused_until``, on the engine's clock) and how it is
     counted (``refused_as``: rule id or "" for a ban, action, decision-log
     key), for ``sidecar.overload.AddressRefusals``, and the last Unix second
     nginx may answer it from its cache (``proxy_expires``; 0 for none)."""
 
     __slots__ = ("method", "host", "uri", "path", "query_string", "headers",
-                 "client", "request_id", "tls_fingerprint", "sent", "refused_until", "refused_as", "proxy_expires",
-                 "_cookies", "_query")
+                 "client", "peer", "forwarded_for", "request_id", "tls_fingerprint", "sent",
+                 "refused_until", "refused_as", "proxy_expires", "_cookies", "_query")
 
     def __init__(
         self,
@@ -63,6 +70,8 @@ class CheckRequest:
         *,
         tls_fingerprint: str = "",
         sent: float = 0.0,
+        peer: str = "",
+        forwarded_for: str | None = None,
     ) -> None:
         self.method = method
         self.host = host
@@ -71,6 +80,8 @@ class CheckRequest:
         self.path = normalise_path(raw_path)
         self.headers = headers
         self.client = client
+        self.peer = peer
+        self.forwarded_for = forwarded_for
         self.request_id = request_id
         self.tls_fingerprint = tls_fingerprint
         self.sent = sent

@@ -12,10 +12,9 @@ from typing import Awaitable, Callable, Iterable, Protocol
 from sidecar.actions import BlockPage, Refusal, deny_headers, over_limit_headers, page_body, prefers_json
 from sidecar.asgi import Receive, Scope, Send
 from sidecar.challenge import FINGERPRINT_HEADER, IssuedChallenge
-from sidecar.clientip import ClientAddress
 from sidecar.engine import Decision, Engine
 from sidecar.overload import SENT_HEADER, parse_sent
-from sidecar.request import CheckRequest
+from sidecar.request import UNRESOLVED, CheckRequest
 
 
 class Service(Protocol):
@@ -30,10 +29,11 @@ class Service(Protocol):
 # What a front door answers: status, header fields and body.
 Reply = tuple[int, list[tuple[str, str]], bytes]
 # A check front door: the proxy's request as one CheckRequest, and the
-# engine's Decision as the proxy's answer. Both are plain functions, so that
-# the same front door is served through ASGI or straight from the HTTP
-# protocol (sidecar.server).
-Describe = Callable[[Engine, Scope, dict[str, str]], CheckRequest]
+# engine's Decision as the proxy's answer. Both are plain functions of what
+# they are given, so that the same front door is served through ASGI or
+# straight from the HTTP protocol (sidecar.server); neither calls the
+# engine (the engine resolves the client the request names).
+Describe = Callable[[Scope, dict[str, str]], CheckRequest]
 Answer = Callable[[CheckRequest, Decision], Reply]
 # Any other endpoint on the bare ASGI path (deny page, solution, report).
 Endpoint = Callable[[Service, Scope, Receive, Send], Awaitable[None]]
@@ -117,14 +117,16 @@ def request_id_of(headers: dict[str, str]) -> str:
     return headers.get("x-request-id") or new_request_id()
 
 
-def check_request(headers: dict[str, str], method: str, host: str, uri: str,
-                  client: ClientAddress) -> CheckRequest:
+def check_request(headers: dict[str, str], method: str, host: str, uri: str, peer: str) -> CheckRequest:
     """A CheckRequest with what every proxy sends the same way: the headers,
-    the request id, the TLS fingerprint and the time the proxy sent it."""
-    return CheckRequest(method=method, host=host, uri=uri, headers=headers, client=client,
+    the request id, the TLS fingerprint, the time the proxy sent it, and
+    the client as the proxy names it (``peer``, the address the request
+    came from, and X-Forwarded-For), which the engine resolves."""
+    return CheckRequest(method=method, host=host, uri=uri, headers=headers, client=UNRESOLVED,
                         request_id=request_id_of(headers),
                         tls_fingerprint=headers.get(FINGERPRINT_HEADER, ""),
-                        sent=parse_sent(headers.get(SENT_HEADER)))
+                        sent=parse_sent(headers.get(SENT_HEADER)),
+                        peer=peer, forwarded_for=headers.get("x-forwarded-for"))
 
 
 def encode_headers(headers: list[tuple[str, str]]) -> list[tuple[bytes, bytes]]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from sidecar.asgi import Scope
-from sidecar.engine import DENY, Decision, Engine
+from sidecar.engine import DENY, Decision
 from sidecar.frontdoors.common import Check, Reply, Route, check_request, render_deny
 from sidecar.frontdoors.forward_auth import answer_in_full
 from sidecar.request import CheckRequest, strip_port
@@ -17,7 +17,7 @@ ENVOY_AUTH_PREFIX = "/v1/envoy/auth"
 ENVOY_STATUS_HEADER = "X-Sluice-Status"
 
 
-def describe_envoy(engine: Engine, scope: Scope, headers: dict[str, str]) -> CheckRequest:
+def describe_envoy(scope: Scope, headers: dict[str, str]) -> CheckRequest:
     """Envoy HTTP ext_authz: the original method, the original path after
     ENVOY_AUTH_PREFIX, the original Host, and the direct peer's address
     added by the filter as ``x-sluice-client-addr``."""
@@ -30,8 +30,7 @@ def describe_envoy(engine: Engine, scope: Scope, headers: dict[str, str]) -> Che
         method=scope["method"],
         host=strip_port(headers.get("host", "")),
         uri=uri,
-        client=engine.resolve_client(headers.get("x-sluice-client-addr", ""),
-                                     headers.get("x-forwarded-for")),
+        peer=headers.get("x-sluice-client-addr", ""),
     )
 
 

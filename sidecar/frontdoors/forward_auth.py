@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from sidecar.asgi import Scope
-from sidecar.engine import ALLOW, CLOSE, Decision, Engine
+from sidecar.engine import ALLOW, CLOSE, Decision
 from sidecar.frontdoors.common import Check, Reply, Route, allow_headers, check_request, render_deny
 from sidecar.request import CheckRequest, strip_port
 
 FORWARD_AUTH_PATH = "/v1/check"
 
 
-def describe_forward_auth(engine: Engine, scope: Scope, headers: dict[str, str]) -> CheckRequest:
+def describe_forward_auth(scope: Scope, headers: dict[str, str]) -> CheckRequest:
     """Traefik/Caddy conventions; the client is the connecting peer."""
     peer = scope.get("client")
     return check_request(
@@ -18,7 +18,7 @@ def describe_forward_auth(engine: Engine, scope: Scope, headers: dict[str, str])
         method=headers.get("x-forwarded-method", "GET"),
         host=strip_port(headers.get("x-forwarded-host") or headers.get("host", "")),
         uri=headers.get("x-forwarded-uri", "/"),
-        client=engine.resolve_client(peer[0] if peer else "", headers.get("x-forwarded-for")),
+        peer=peer[0] if peer else "",
     )
 
 

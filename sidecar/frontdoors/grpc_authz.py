@@ -19,7 +19,6 @@ from typing import Any, Protocol
 import grpc
 
 from sidecar.asgi import Scope
-from sidecar.engine import Engine
 from sidecar.frontdoors.messages import (CHECK_METHOD, CHECK_SERVICE, OVERWRITE_IF_EXISTS_OR_ADD,
                                                CheckRequest as CheckRequestMessage, CheckResponse,
                                                HeaderValueOption, reader)
@@ -51,7 +50,7 @@ def request_headers(http: Any) -> dict[str, str]:
     return join_fields((name, value) for name, value in fields if not name.startswith(":"))
 
 
-def describe_grpc(engine: Engine, scope: Scope, headers: dict[str, str]) -> CheckRequest:
+def describe_grpc(scope: Scope, headers: dict[str, str]) -> CheckRequest:
     """The original method, path (with the query) and host; the client is
     the direct peer (``attributes.source``), walked back through
     X-Forwarded-For when it is a trusted proxy; the time Envoy received the
@@ -64,8 +63,7 @@ def describe_grpc(engine: Engine, scope: Scope, headers: dict[str, str]) -> Chec
         method=http.method or "GET",
         host=strip_port(http.host or headers.get("host", "")),
         uri=http.path or "/",
-        client=engine.resolve_client(attributes.source.address.socket_address.address,
-                                     headers.get("x-forwarded-for")),
+        peer=attributes.source.address.socket_address.address,
     )
     received = attributes.request.time
     request.sent = received.seconds + received.nanos / 1e9 if received.seconds > 0 else 0.0

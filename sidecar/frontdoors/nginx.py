@@ -28,7 +28,7 @@ from sidecar.asgi import Receive, Scope, Send
 from sidecar.challenge import MAX_CHALLENGE_LENGTH, IssuedChallenge
 from sidecar.clientip import parse_address
 from sidecar.config import RULE_ID_RE
-from sidecar.engine import ALLOW, CLOSE, Decision, Engine
+from sidecar.engine import ALLOW, CLOSE, Decision
 from sidecar.frontdoors.common import (
     Check, Reply, Route, Service, allow_headers, check_request, client_prefers_json, header_map, request_id_of,
     respond,
@@ -145,15 +145,14 @@ def _token_number(text: str, digits: int = 20) -> int:
 _bad_token_log = RateLimitedLog(log, 60.0)
 
 
-def describe_nginx(engine: Engine, scope: Scope, headers: dict[str, str]) -> CheckRequest:
+def describe_nginx(scope: Scope, headers: dict[str, str]) -> CheckRequest:
     """nginx sends the original request line and client address as headers."""
     return check_request(
         headers,
         method=headers.get("x-original-method", "GET"),
         host=headers.get("x-original-host") or strip_port(headers.get("host", "")),
         uri=headers.get("x-original-uri", "/"),
-        client=engine.resolve_client(headers.get("x-sluice-client-addr", ""),
-                                     headers.get("x-forwarded-for")),
+        peer=headers.get("x-sluice-client-addr", ""),
     )
 
 

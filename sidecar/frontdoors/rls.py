@@ -32,15 +32,15 @@ from prometheus_client.core import Metric, UnknownMetricFamily
 from prometheus_client.registry import Collector
 
 from sidecar.config import ConfigError
-from sidecar.engine import Engine
+from sidecar.clientip import ClientIPResolver
+from sidecar.engine import ALLOW, Engine, Tally
 from sidecar.frontdoors.messages import (
     OK, OVER_LIMIT, RATE_LIMIT_SERVICE, SHOULD_RATE_LIMIT, RateLimitRequest, RateLimitResponse, reader,
 )
 from sidecar.keys import CountingKey
 from sidecar.ratelog import RateLimitedLog
 from sidecar.rls import Limit, Match, RlsConfig, load_rls
-from sidecar.state import Check, Evaluation
-from sidecar.store import StoreUnavailable
+from sidecar.state import Check
 
 log = logging.getLogger("sluice")
 
@@ -162,9 +162,28 @@ class _Descriptor:
     check: int = -1  # its index among the request's checks; -1: nothing counted
 
 
+@dataclass(slots=True)
+class Described:
+    """One ``RateLimitRequest`` as the engine is asked about it: each
+    descriptor's limit, the checks of those that count (and which of them
+    only observe, shadow_mode), and the client key a ban would be issued
+    to ("" for none); ``invalid`` says why the protocol refuses it."""
+
+    domain: str
+    descriptors: list[_Descriptor]
+    checks: list[Check]
+    shadow: list[bool]
+    client: str = ""
+    invalid: str = ""
+
+
 class RateLimitService:
-    """``ShouldRateLimit`` over the engine's state store, and the
-    configurations it reads (reloaded with the rules file)."""
+    """``ShouldRateLimit`` as a front door: a request described as checks
+    (``describe``), decided by the engine with the rules' own pipeline
+    (``Engine.decide_checks``: the store, fail open or closed, bans,
+    metrics and the decision log), and the engine's tally as the answer
+    (``respond``); with the configurations it reads (reloaded with the
+    rules file) and envoyproxy/ratelimit's statistics."""
 
     def __init__(self, engine: Engine, path: str | None, shadow: bool = False,
                  near_limit_ratio: float = 0.8) -> None:
@@ -174,6 +193,7 @@ class RateLimitService:
         self.near_limit_ratio = near_limit_ratio
         self.stats = RlsStats()
         engine.metrics.registry.register(self.stats)
+        self._decisions = engine.metrics.decisions
         self.config = RlsConfig({}) if path is None else self._load()
         self._invalid_log = RateLimitedLog(log, 60)
 
@@ -194,29 +214,26 @@ class RateLimitService:
 
     async def answer(self, request: Any) -> Any:
         """The response to one ``RateLimitRequest``."""
-        engine = self.engine
-        engine.metrics.checks.inc()
+        described = self.describe(request, self.engine.ruleset.resolver)
+        tally = await self.engine.decide_checks(described.checks, described.client, described.shadow,
+                                                described.domain)
+        return self.respond(described, tally)
+
+    def describe(self, request: Any, resolver: ClientIPResolver) -> Described:
+        """The request's descriptors matched against its domain's tree, and
+        the checks of those that count; a client address (``remote_address``)
+        counts as the rules count it, by ``resolver``."""
         domain = request.domain
         if not domain or not request.descriptors:
-            self.stats.errors["service_error"] += 1
-            raise InvalidRequest("rate limit domain must not be empty" if not domain else
-                                 "rate limit descriptor list must not be empty")
-        config = self.config
-        request_hits = request.hits_addend or 1
-        descriptors, checks, address = self._checks(config, domain, request.descriptors, request_hits)
-        evaluation = Evaluation()
-        if checks:
-            try:
-                evaluation = await engine.store.evaluate(engine.clock(), address, checks, can_delay=False,
-                                                         quotas=True)
-            except StoreUnavailable as exc:
-                engine.store_failed(exc)
-                self.stats.errors["redis_error"] += 1
-                return self._unavailable(len(request.descriptors))
-        return self._response(domain, descriptors, checks, evaluation)
+            # Still asked of the engine, without a check: counted as a request.
+            return Described(domain, [], [], [], invalid="rate limit domain must not be empty" if not domain else
+                             "rate limit descriptor list must not be empty")
+        descriptors, checks, shadow, client = self._checks(self.config, domain, request.descriptors,
+                                                           request.hits_addend or 1, resolver)
+        return Described(domain, descriptors, checks, shadow, client)
 
-    def _checks(self, config: RlsConfig, domain: str, messages: Sequence[Any], request_hits: int
-                ) -> tuple[list[_Descriptor], list[Check], str]:
+    def _checks(self, config: RlsConfig, domain: str, messages: Sequence[Any], request_hits: int,
+                resolver: ClientIPResolver) -> tuple[list[_Descriptor], list[Check], list[bool], str]:
         """Each descriptor's limit (replaced ones dropped) and the checks of
         those that count, with the address a ban would be issued to."""
         matched: list[tuple[Match | None, Limit | None, int]] = []
@@ -235,8 +252,8 @@ class RateLimitService:
             matched.append((match, limit, hits))
         descriptors: list[_Descriptor] = []
         checks: list[Check] = []
+        shadow: list[bool] = []
         address = ""
-        resolver = self.engine.ruleset.resolver
         for message, (match, limit, hits) in zip(messages, matched):
             if match is None or limit is None or (limit.name and limit.name in replaced):
                 descriptors.append(_Descriptor(None))
@@ -256,8 +273,9 @@ class RateLimitService:
                                 if name == "remote_address" and value != ""), "")
             descriptor.check = len(checks)
             checks.append(Check.of(limit.rule_id, key, limit.limiter, limit.threshold, ban is not None, ban,
-                                amount=hits))
-        return descriptors + [_Descriptor(None)] * (len(messages) - len(descriptors)), checks, address
+                                   amount=hits))
+            shadow.append(limit.shadow)
+        return descriptors + [_Descriptor(None)] * (len(messages) - len(descriptors)), checks, shadow, address
 
     def _override(self, domain: str, entries: list[tuple[str, str]], override: Any) -> Limit | None:
         """The request's own limit, a fixed window of its unit; None (the
@@ -274,7 +292,7 @@ class RateLimitService:
                      override.requests_per_unit, override.unit)
 
     @staticmethod
-    def _key_value(resolver: Any, key: str, value: str) -> str:
+    def _key_value(resolver: ClientIPResolver, key: str, value: str) -> str:
         """A value as it counts: a client address as the rules count it (an
         IPv6 address by its /64), a long value by its digest."""
         if key == "remote_address":
@@ -285,15 +303,21 @@ class RateLimitService:
             return "sha256:" + hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()
         return value
 
-    def _response(self, domain: str, descriptors: list[_Descriptor], checks: list[Check],
-                  evaluation: Evaluation) -> Any:
+    def respond(self, described: Described, tally: Tally) -> Any:
+        """The engine's tally as the response: a status per descriptor,
+        ``overall_code``, and the statistics; InvalidRequest for a request
+        the protocol does not allow."""
+        if described.invalid:
+            self.stats.errors["service_error"] += 1
+            raise InvalidRequest(described.invalid)
+        if tally.failed is not None:
+            self.stats.errors["redis_error"] += 1
+            return self.uniform(len(described.descriptors), OK if tally.failed is ALLOW else OVER_LIMIT)
+        domain = described.domain
         response = RateLimitResponse()
-        banned = evaluation.ban is not None and not evaluation.new_ban
-        if banned:
-            self.engine.metrics.banned_requests.inc()
-        over_all = banned
+        over_all = tally.banned
         quota_codes = []  # quota_mode descriptors: the request is over only when all of them are
-        for descriptor in descriptors:
+        for descriptor in described.descriptors:
             status = response.statuses.add()
             status.code = OK
             limit = descriptor.limit
@@ -302,15 +326,8 @@ class RateLimitService:
             if limit.limiter is None:
                 status.limit_remaining = UNLIMITED_REMAINING
                 continue
-            over = self._status(status, domain, descriptor, limit, evaluation, banned)
-            if over:
-                # Shadow mode is Sluice's observe action (log).
-                self.engine.metrics.over_limit(limit.rule_id, "log" if limit.shadow else
-                                               "ban" if limit.ban is not None else "block")
-                if descriptor.check >= 0:
-                    self.engine.log.rls(domain, limit.rule_id, checks[descriptor.check].key, limit.shadow,
-                                        banned or evaluation.new_ban)
-            enforced = over and not limit.shadow
+            over = self._status(status, domain, descriptor, limit, tally)
+            enforced = over and not limit.shadow  # shadow mode is Sluice's observe action (log)
             if enforced:
                 status.code = OVER_LIMIT
             if limit.quota_mode:
@@ -320,20 +337,19 @@ class RateLimitService:
         if quota_codes and all(quota_codes):
             over_all = True
         response.overall_code = OVER_LIMIT if over_all and not self.shadow else OK
-        self.engine.metrics.decisions["rls", "deny" if response.overall_code == OVER_LIMIT else "allow"] += 1
+        self._decisions["rls", "deny" if response.overall_code == OVER_LIMIT else "allow"] += 1
         return response
 
-    def _status(self, status: Any, domain: str, descriptor: _Descriptor, limit: Limit,
-                evaluation: Evaluation, banned: bool) -> bool:
+    def _status(self, status: Any, domain: str, descriptor: _Descriptor, limit: Limit, tally: Tally) -> bool:
         """Fill a counted descriptor's status (its limit, what remains, when
         it resets) and its statistics; whether it is over its limit."""
         current = status.current_limit
         current.requests_per_unit, current.unit, current.name = limit.requests_per_unit, limit.unit, limit.name
         index = descriptor.check
-        hits, quotas = evaluation.hits, evaluation.quotas or []
+        hits, quotas = tally.evaluation.hits, tally.evaluation.quotas or []
         # Not evaluated: the address is banned, or a ban ended the evaluation first.
         evaluated = 0 <= index < len(hits)
-        over = banned or not evaluated or hits[index].over_limit
+        over = tally.over[index]
         quota = quotas[index] if evaluated and index < len(quotas) else None
         left, reset = (int(quota[0]), quota[1]) if quota is not None else (0, 0.0)
         if over:
@@ -348,17 +364,12 @@ class RateLimitService:
         self.stats.count(counts, descriptor.hits, before, threshold, over, limit.shadow, self.near_limit_ratio)
         return over
 
-    def _unavailable(self, descriptors: int) -> Any:
-        """The shared store did not answer: every descriptor OK (fail:
-        open), or OVER_LIMIT (fail: closed), as the rules file says."""
-        return self.uniform(descriptors, OK if self.engine.ruleset.fail == "open" else OVER_LIMIT)
-
     def uniform(self, descriptors: int, code: int) -> Any:
         """An answer of ``code`` for the request and each of its descriptors, counted."""
         response = RateLimitResponse(overall_code=code)
         for _ in range(descriptors):
             response.statuses.add().code = code
-        self.engine.metrics.decisions["rls", "allow" if code == OK else "deny"] += 1
+        self._decisions["rls", "allow" if code == OK else "deny"] += 1
         return response
 
 

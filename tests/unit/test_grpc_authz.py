@@ -142,12 +142,11 @@ def test_the_client_is_the_direct_peer_and_headers_are_those_of_the_request() ->
 def test_a_check_is_stamped_with_the_time_envoy_received_the_request_never_with_a_clients_header() -> None:
     from sidecar.frontdoors.grpc_authz import GRPC_MESSAGE, describe_grpc, request_headers
 
-    engine = Engine(RULESET, clock=FakeClock())
     forged = envoy_check("/", headers={"x-sluice-sent": "1000000000.0"})
     scope: Any = {GRPC_MESSAGE: forged}
-    assert describe_grpc(engine, scope, request_headers(forged.attributes.request.http)).sent == 0.0
+    assert describe_grpc(scope, request_headers(forged.attributes.request.http)).sent == 0.0
     forged.attributes.request.time.seconds, forged.attributes.request.time.nanos = 1_800_000_000, 250_000_000
-    assert describe_grpc(engine, scope, request_headers(forged.attributes.request.http)).sent == 1_800_000_000.25
+    assert describe_grpc(scope, request_headers(forged.attributes.request.http)).sent == 1_800_000_000.25
 
 
 class _Failing:
