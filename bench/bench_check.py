@@ -64,8 +64,6 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
-from bench_engine import NO_RULES, TEN_RULES  # noqa: E402  (bench/ is on sys.path as the script's directory)
-
 from devstack.launcher import find_envoy, find_nginx  # noqa: E402
 from sidecar.rendering import (  # noqa: E402
     DEFAULT_ENVOY_GRPC_TEMPLATE,
@@ -77,6 +75,8 @@ from sidecar.rendering import (  # noqa: E402
     write_envoy_config,
     write_nginx_config,
 )
+
+from bench_engine import NO_RULES, TEN_RULES  # noqa: E402  (bench/ is on sys.path as the script's directory)
 
 LUA = BENCH / "rotate.lua"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -637,7 +637,7 @@ def profile(seconds: float, out: Path) -> None:
             # uvicorn re-raises the signal it stopped for; cProfile writes
             # its stats on the way out of a KeyboardInterrupt, not of SIGTERM.
             os.kill(sluice_pid, signal.SIGINT)
-            for name, child in bench.procs.started:
+            for _name, child in bench.procs.started:
                 if child.pid == sluice_pid:
                     child.wait(20)
         finally:

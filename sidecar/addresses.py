@@ -6,8 +6,9 @@ from __future__ import annotations
 import contextlib
 import re
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import click
 

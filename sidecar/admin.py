@@ -25,8 +25,9 @@ import ipaddress
 import json
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 from sidecar.clientip import ClientAddress, parse_address
 from sidecar.config import ConfigError, parse_duration
@@ -231,7 +232,8 @@ class Admin:
             raise Refused(422, str(exc)) from None
         return KeySelection(address, rule, exact)
 
-    async def counters(self, ip: str | None, rule: str | None, key: Sequence[str], limit: int = MAX_LISTED) -> dict[str, Any]:
+    async def counters(self, ip: str | None, rule: str | None, key: Sequence[str],
+                       limit: int = MAX_LISTED) -> dict[str, Any]:
         """The counters ``select`` names, each as its rule's limiter
         describes it, in rule order; with ``truncated`` when there were more
         than ``limit``; for a client address, its ban too."""

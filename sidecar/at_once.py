@@ -7,7 +7,8 @@ the HTTP service answers a check at once instead of scheduling a task.
 
 from __future__ import annotations
 
-from typing import Any, Coroutine, TypeVar, cast
+from collections.abc import Coroutine
+from typing import Any, TypeVar, cast
 
 T = TypeVar("T")
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Any, Callable, Hashable
+from collections.abc import Callable, Hashable
+from typing import Any
 
 
 class BoundedMap:

@@ -33,8 +33,8 @@ import asyncio
 import collections
 import logging
 import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Iterable, Iterator
 from urllib.parse import urlsplit
 
 import httptools
@@ -46,8 +46,14 @@ from sidecar.actions import BlockPage, PageTemplate
 from sidecar.engine import CLOSE, DENY, Decision
 from sidecar.frontdoors.common import Check, Reply, Route
 from sidecar.frontdoors.nginx import (
-    NGINX_AUTH_PATH, NGINX_DENY_STATUS, PAGE_HEADER, PAGE_STATUS_HEADER, PROXY_EXPIRES_HEADER, DenyToken,
-    answer_nginx, describe_nginx,
+    NGINX_AUTH_PATH,
+    NGINX_DENY_STATUS,
+    PAGE_HEADER,
+    PAGE_STATUS_HEADER,
+    PROXY_EXPIRES_HEADER,
+    DenyToken,
+    answer_nginx,
+    describe_nginx,
 )
 from sidecar.ratelog import RateLimitedLog
 from sidecar.request import CheckRequest

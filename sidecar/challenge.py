@@ -27,8 +27,8 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 from urllib.parse import quote
 
 from sidecar.signing import Signer, b64decode, b64encode
@@ -167,7 +167,8 @@ class Challenges:
 
     def credential(self, rule_id: str, client_key: str, fingerprint: str, ttl: float) -> str:
         expires = int(self._wall_clock() + ttl)
-        return f"{expires}.{self._credentials.sign(self._credential_binding(rule_id, client_key, fingerprint, expires))}"
+        signature = self._credentials.sign(self._credential_binding(rule_id, client_key, fingerprint, expires))
+        return f"{expires}.{signature}"
 
     def accepts(self, credential: str, rule_id: str, client_key: str, fingerprint: str) -> bool:
         expires_text, _, signature = credential.partition(".")

@@ -209,7 +209,8 @@ CONFIG_TARGETS = {
 @click.option("--sluice", "sluice_at", default="127.0.0.1:8181", type=Address(), help="HOST:PORT of sluice serve.")
 @click.option("--hook-udp", "hook_at", default="127.0.0.1:8182", type=Address(),
               help="HOST:PORT of sluice serve --hook-udp (nginx's reports).")
-@click.option("--upstream", "upstream_at", default="127.0.0.1:9000", type=Address(), help="HOST:PORT of the application.")
+@click.option("--upstream", "upstream_at", default="127.0.0.1:9000", type=Address(),
+              help="HOST:PORT of the application.")
 @click.option("--envoy-admin-port", default=9901, type=click.IntRange(1, 65535),
               help="Port of Envoy's admin interface, on loopback (envoy, envoy-grpc, envoy-rls).")
 @click.option("--sluice-grpc-port", default=8183, show_default=True, type=click.IntRange(1, 65535),
@@ -242,8 +243,14 @@ def config_command(target: str, listen_at: tuple[str, int], sluice_at: tuple[str
     """Print (or write) the nginx or Envoy configuration for Sluice, rendered
     for the given addresses: the full site or bootstrap, or the snippets and
     fragments to add to an existing one."""
-    from sidecar.rendering import RenderError, guard_rate as derived_guard_rate
-    from sidecar.rendering import proxy_variables, render_package_templates, with_envoy_guard, with_nginx_guard
+    from sidecar.rendering import (
+        RenderError,
+        proxy_variables,
+        render_package_templates,
+        with_envoy_guard,
+        with_nginx_guard,
+    )
+    from sidecar.rendering import guard_rate as derived_guard_rate
 
     ruleset = _load(rules) if rules else None
     guarded = guard or guard_rate is not None
@@ -331,8 +338,15 @@ def replay(config: str, as_json: bool, top: int, host: str, exclude_top: int,
     printed all the same: its first skipped lines say why).
     """
     from sidecar.accesslog import LogError
-    from sidecar.replay import NOTHING_REPLAYED, SweepError, nothing_replayed, prepare_sweeps, render_json
-    from sidecar.replay import render_text, replay_logs
+    from sidecar.replay import (
+        NOTHING_REPLAYED,
+        SweepError,
+        nothing_replayed,
+        prepare_sweeps,
+        render_json,
+        render_text,
+        replay_logs,
+    )
 
     ruleset = _load(config)
     try:

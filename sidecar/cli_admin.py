@@ -15,8 +15,9 @@ import json
 import re
 import socket
 import ssl
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 from urllib.parse import urlencode, urlsplit
 
 import click

@@ -17,10 +17,11 @@ from __future__ import annotations
 import ipaddress
 import re
 import socket
-from typing import Any, Generic, Iterable, Iterator, Sequence, TypeVar, Union
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Generic, TypeVar
 
-IPAddress = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
-IPNetwork = Union[ipaddress.IPv4Network, ipaddress.IPv6Network]
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 # How many comma-separated fields of X-Forwarded-For the trusted walk looks at,
 # from the right, at most (see ClientIPResolver).

@@ -10,8 +10,9 @@ that counts it, as the draft RateLimit fields describe it.
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Hashable, Sequence
+from typing import TYPE_CHECKING
 
 from sidecar.clientip import ClientIPResolver
 from sidecar.config import parse_dimension

@@ -20,15 +20,16 @@ level check per event and nothing else.
 
 from __future__ import annotations
 
-import hashlib
 import collections
+import hashlib
 import hmac
-import math
 import json
 import logging
+import math
 import sys
 import time
-from typing import Callable, Hashable, TextIO
+from collections.abc import Callable, Hashable
+from typing import TextIO
 
 from sidecar.config import LogKeys
 from sidecar.keys import CountingKey, key_dimensions, key_values

@@ -21,7 +21,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 BEAT_SECONDS = 0.25
 # Far above a burst's delay of the loop (under a second for thousands of
@@ -57,7 +57,7 @@ class Heartbeat:
 
 
 class _ProbeHandler(http.server.BaseHTTPRequestHandler):
-    server: "HealthListener"
+    server: HealthListener
     protocol_version = "HTTP/1.1"
     timeout = 5  # a probe that sends nothing does not keep a thread
 

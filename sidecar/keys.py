@@ -17,7 +17,7 @@ untracks one, so each stored key would be walked at every full collection
 
 from __future__ import annotations
 
-from typing import Hashable
+from collections.abc import Hashable
 
 KeyPrefix = tuple[str, tuple[str, ...]]  # (rule id, sorted dimension names)
 # The values are text, or a tagged pair for the session fallback

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import ipaddress
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from sidecar.clientip import ClientAddress, ClientIPResolver, IPAddress, IPNetwork, NetworkTable, parse_address
 from sidecar.state import BanRecord

@@ -32,7 +32,7 @@ import glob
 import os
 import secrets
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric

@@ -37,8 +37,8 @@ import collections
 import math
 import re
 import time
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Callable, Hashable
 
 # The proxy's stamp of when it sent the check (the shipped templates set it).
 SENT_HEADER = "x-sluice-sent"

@@ -23,8 +23,9 @@ from __future__ import annotations
 import binascii
 import json
 import time
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any
 
 from sidecar.signing import Signer, b64decode, b64encode
 

@@ -29,7 +29,8 @@ round trip and one atomic step; the parity tests hold it to this module.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Hashable, Protocol, Sequence, cast
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, Protocol, cast
 
 from sidecar.keys import CountingKey
 from sidecar.limiters import ALLOWED, Hit

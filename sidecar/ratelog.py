@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 class RateLimitedLog:

@@ -10,7 +10,8 @@ kept in Sluice between the two.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 from sidecar.decisionlog import DecisionLog
 from sidecar.keys import CountingKey

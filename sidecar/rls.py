@@ -31,8 +31,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import (BeforeValidator, ConfigDict, Field, GetCoreSchemaHandler, ValidationError, field_validator,
-                      model_validator)
+from pydantic import (
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    GetCoreSchemaHandler,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import CoreSchema
 
 from sidecar.config import ConfigError, ConfigIssue, Document, Duration, Strict, validation_issues
@@ -86,7 +93,7 @@ class RateLimit(Strict):
         return value.lower()
 
     @model_validator(mode="after")
-    def _whole(self) -> "RateLimit":
+    def _whole(self) -> RateLimit:
         if self.name is not None and self.name in {replace.name for replace in self.replaces}:
             raise ValueError(f"a limit cannot replace itself (name {self.name!r} is in its replaces)")
         if self.unlimited:
@@ -117,7 +124,7 @@ class Extension(Strict):
         return value
 
     @model_validator(mode="after")
-    def _fits_algorithm(self) -> "Extension":
+    def _fits_algorithm(self) -> Extension:
         if self.burst is not None and not registry.rls_algorithm_named(self.algorithm).burst:
             buckets = [algorithm.name for algorithm in registry.rls_algorithms() if algorithm.burst]
             raise ValueError(f"burst is a bucket's (algorithm: {' or '.join(buckets)})")
@@ -142,7 +149,7 @@ class Descriptor(Strict):
     key: EntryText
     value: EntryText | None = None
     rate_limit: RateLimit | None = None
-    descriptors: list["Descriptor"] = []
+    descriptors: list[Descriptor] = []
     shadow_mode: bool = False
     quota_mode: bool = False
     detailed_metric: bool = False
@@ -159,7 +166,7 @@ class Descriptor(Strict):
         return value
 
     @model_validator(mode="after")
-    def _extension_needs_a_limit(self) -> "Descriptor":
+    def _extension_needs_a_limit(self) -> Descriptor:
         if self.share_threshold and "*" not in (self.value or ""):
             raise ValueError("share_threshold shares one counter among the values a wildcard value "
                              "matches: give this descriptor a value with '*'")
@@ -217,16 +224,16 @@ class Node:
     """One level of a domain's descriptor tree."""
 
     limit: Limit | None = None
-    exact: dict[tuple[str, str], "Node"] = field(default_factory=dict)
+    exact: dict[tuple[str, str], Node] = field(default_factory=dict)
     # (key, the value pattern, node), in the file's order.
-    patterns: list[tuple[str, re.Pattern[str], "Node"]] = field(default_factory=list)
-    any_value: dict[str, "Node"] = field(default_factory=dict)
+    patterns: list[tuple[str, re.Pattern[str], Node]] = field(default_factory=list)
+    any_value: dict[str, Node] = field(default_factory=dict)
     stat_part: str = ""  # key_value (a pattern's as written), or key for an entry that takes any value
     detailed_metric: bool = False
     value_to_metric: bool = False
     shared: str | None = None  # share_threshold: the pattern counts for every value it matches
 
-    def child(self, key: str, value: str) -> "Node | None":
+    def child(self, key: str, value: str) -> Node | None:
         """The entry's node, most specific first: the exact value, then the
         first pattern that matches it, then the key with any value."""
         node = self.exact.get((key, value))
@@ -453,7 +460,8 @@ def _limit(domain: str, levels: tuple[str, ...], descriptor: Descriptor) -> Limi
     assert rate_limit is not None
     name, replaces = rate_limit.name or "", tuple(replace.name for replace in rate_limit.replaces)
     if rate_limit.unlimited:
-        return Limit(rule_id, levels, None, math.inf, 0, 0, name, replaces, descriptor.shadow_mode, descriptor.quota_mode)
+        return Limit(rule_id, levels, None, math.inf, 0, 0, name, replaces, descriptor.shadow_mode,
+                     descriptor.quota_mode)
     assert rate_limit.unit is not None and rate_limit.requests_per_unit is not None
     extension = descriptor.sluice or Extension()
     compiled = build_rls_limiter(rate_limit.requests_per_unit, rate_limit.unit, extension)

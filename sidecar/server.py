@@ -502,7 +502,7 @@ class LimitedHttpProtocol(asyncio.Protocol):
 
     def _refuse(self, reason: str) -> None:
         self._refused = True
-        client = "%s:%d" % self.client if self.client else "a Unix socket peer"
+        client = f"{self.client[0]}:{self.client[1]}" if self.client else "a Unix socket peer"
         _refusal_log.warning("431 to %s: %s (sluice serve --max-header-bytes, --max-headers)", client, reason)
         last = self._waiting[-1] if self._waiting else self._responding
         if last is not None:

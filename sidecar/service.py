@@ -7,18 +7,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-from typing import Any, AsyncIterator, Awaitable, Protocol, TypeVar
+from collections.abc import AsyncIterator, Awaitable
+from typing import Annotated, Any, Protocol, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from sidecar.admin import MAX_LISTED, Admin, Refused, parse_ban
-from sidecar.store import StoreUnavailable
 from sidecar.engine import Engine
 from sidecar.health import HealthListener, Heartbeat
 from sidecar.hook import listen_for_reports
 from sidecar.plurals import plural
+from sidecar.store import StoreUnavailable
 
 
 class Listener(Protocol):
@@ -173,15 +174,19 @@ def admin_routes(admin: Admin) -> APIRouter:
             raise HTTPException(404, admin.no_ban(address))
         return Response(status_code=204)
 
+    # Keyword-only parameters: ``key`` has its default from ``Query`` (an
+    # empty list made afresh for each request), not from ``=``.
     @router.get("/counters")
-    async def counters(ip: str | None = None, rule: str | None = None, key: list[str] = Query(default=[]),
-                       limit: int = Query(default=1000, ge=1, le=MAX_LISTED)) -> dict[str, Any]:
+    async def counters(*, ip: str | None = None, rule: str | None = None,
+                       key: Annotated[list[str], Query(default_factory=list)],
+                       limit: Annotated[int, Query(ge=1, le=MAX_LISTED)] = 1000) -> dict[str, Any]:
         """The counters of a client address (``ip``), of a rule, or of one key
         of a rule (``rule`` and ``key=DIMENSION=VALUE``, one per dimension)."""
         return await _answered(admin.counters(ip, rule, key, limit))
 
     @router.delete("/counters")
-    async def reset(ip: str | None = None, rule: str | None = None, key: list[str] = Query(default=[])) -> dict[str, Any]:
+    async def reset(*, ip: str | None = None, rule: str | None = None,
+                    key: Annotated[list[str], Query(default_factory=list)]) -> dict[str, Any]:
         """Reset the counters the same parameters name: counts and penalties end."""
         return await _answered(admin.reset(ip, rule, key, admin.caller))
 

@@ -9,8 +9,8 @@ evaluated nor counted. The stores themselves are in ``sidecar.store``.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from sidecar.config import AutoBan as AutoBanConfig
 from sidecar.config import BanIncrement as BanIncrementConfig
@@ -45,7 +45,7 @@ class AutoBan:
     duration: float
 
     @classmethod
-    def from_config(cls, auto_ban: AutoBanConfig) -> "AutoBan":
+    def from_config(cls, auto_ban: AutoBanConfig) -> AutoBan:
         return cls(WindowCounter(auto_ban.challenges, auto_ban.per, auto_ban.per),
                    auto_ban.challenges, auto_ban.ban)
 
@@ -66,7 +66,7 @@ class BanIncrement:
     remember: float
 
     @classmethod
-    def from_config(cls, increment: BanIncrementConfig) -> "BanIncrement":
+    def from_config(cls, increment: BanIncrementConfig) -> BanIncrement:
         return cls(increment.factor, increment.max_, increment.remember)
 
     def following(self, duration: float, last: tuple[int, float] | None) -> tuple[int, float]:
@@ -99,7 +99,7 @@ class PenaltyBan:
     duration: float
 
     @classmethod
-    def after(cls, penalties: int, duration: float) -> "PenaltyBan":
+    def after(cls, penalties: int, duration: float) -> PenaltyBan:
         return cls(WindowCounter(penalties, PENALTY_DAY, PENALTY_DAY), penalties, duration)
 
     @staticmethod
@@ -159,7 +159,7 @@ class Check:
     def of(cls, rule_id: str, key: CountingKey, limiter: Limiter, threshold: float, stops: bool,
            ban_duration: float | None = None, count: bool = True, auto_ban: AutoBan | None = None,
            lease: str = "", amount: int = 1, ban_increment: BanIncrement | None = None,
-           penalty_ban: PenaltyBan | None = None) -> "Check":
+           penalty_ban: PenaltyBan | None = None) -> Check:
         return cls(CheckSpec(rule_id, limiter, threshold, stops, ban_duration, count, auto_ban, amount,
                              ban_increment, penalty_ban), key, lease)
 

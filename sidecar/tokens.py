@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from sidecar.challenge import Challenges
 from sidecar.pending import PendingTokens
@@ -18,7 +18,7 @@ class Tokens:
     challenges: Challenges
 
     @classmethod
-    def from_secret(cls, secret: bytes | None, wall_clock: Callable[[], float] = time.time) -> "Tokens":
+    def from_secret(cls, secret: bytes | None, wall_clock: Callable[[], float] = time.time) -> Tokens:
         # Without a configured secret, a random one: tokens then do not
         # outlive this process, which costs at most the counts in flight,
         # and challenge credentials are asked for again after a restart.

@@ -10,8 +10,9 @@ Service configurations (``sidecar.rls``) are both read through it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 from pydantic import ValidationError

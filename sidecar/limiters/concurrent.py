@@ -14,8 +14,9 @@ comes (a crashed proxy, a lost datagram) cannot keep it.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 from pydantic import Field, field_validator
 

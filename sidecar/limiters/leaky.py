@@ -126,12 +126,12 @@ class LeakyLimit(BucketLimit):
     delay: int | None = Field(None, ge=0)
 
     @model_validator(mode="after")
-    def _delay_or_nodelay(self) -> "LeakyLimit":
+    def _delay_or_nodelay(self) -> LeakyLimit:
         if self.nodelay and self.delay is not None:
             raise ValueError("give either nodelay: true or delay, not both")
         return self
 
-    def without_holds(self) -> "LeakyLimit":
+    def without_holds(self) -> LeakyLimit:
         """Admits and refuses exactly as this one, but ``nodelay``."""
         return self.model_copy(update={"nodelay": True, "delay": None})
 

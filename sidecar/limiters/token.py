@@ -89,7 +89,7 @@ class TokenLimit(BucketLimit):
     cost: int = Field(1, ge=1)
 
     @model_validator(mode="after")
-    def _cost_fits(self) -> "TokenLimit":
+    def _cost_fits(self) -> TokenLimit:
         if self.cost > self.tokens:
             raise ValueError(f"cost {self.cost} can never be admitted by a bucket of "
                              f"{plural(self.tokens, 'token')}")

@@ -16,12 +16,28 @@ from __future__ import annotations
 import html
 import math
 import re
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from sidecar.plurals import plural
-from sidecar.replay.render import (Row, answers_text, cell_text, key_tables, late_text, not_reached_text, notes_text,
-                                   peak_text, refusal_text, rule_heading, rule_table, skipped_text, summary_text,
-                                   sweep_table, sweep_title, without_top_text)
+from sidecar.replay.render import (
+    Row,
+    answers_text,
+    cell_text,
+    key_tables,
+    late_text,
+    not_reached_text,
+    notes_text,
+    peak_text,
+    refusal_text,
+    rule_heading,
+    rule_table,
+    skipped_text,
+    summary_text,
+    sweep_table,
+    sweep_title,
+    without_top_text,
+)
 from sidecar.replay.stats import bucket_bounds, peak_bucket
 
 # C0 and C1 controls (tab and newline aside) and lone surrogates, which a

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from sidecar.plurals import plural
 from sidecar.replay.stats import AGENTS_COUNTED

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import itertools
 import math
-from datetime import datetime, timezone
+from collections.abc import Collection, Sequence
+from datetime import UTC, datetime
 from heapq import heappop, heappush
-from typing import Any, Collection, Sequence
+from typing import Any
 
 from sidecar.accesslog import AccessLogs, LogEntry
 from sidecar.challenge import FINGERPRINT_HEADER
@@ -257,5 +258,5 @@ def replay_logs(ruleset: Ruleset, names: Sequence[str], top: int = 5, default_ho
 def _timestamp(seconds: float | None) -> str | None:
     if seconds is None:
         return None
-    moment = datetime.fromtimestamp(seconds, timezone.utc)
+    moment = datetime.fromtimestamp(seconds, UTC)
     return moment.isoformat(timespec="milliseconds" if seconds % 1 else "seconds").replace("+00:00", "Z")

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from heapq import heappop, heappush, nlargest
-from typing import Any, Sequence
+from typing import Any
 
 from sidecar.config import format_duration
 from sidecar.keys import CountingKey

@@ -10,8 +10,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from sidecar.config import ConfigError, LoadedRules, load_rules_file
 from sidecar.limiters import registry
@@ -67,7 +68,8 @@ def build_sweep(loaded: LoadedRules, rule_id: str, candidates: Sequence[int]) ->
     index = next((i for i, rule in enumerate(rules) if rule.id == rule_id), None)
     if index is None:
         close = difflib.get_close_matches(rule_id, [rule.id for rule in rules], n=1)
-        raise SweepError(f"no rule {rule_id!r} in {loaded.source}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise SweepError(f"no rule {rule_id!r} in {loaded.source}"
+                         + (f" (did you mean {close[0]!r}?)" if close else ""))
     limit = rules[index].limit
     name = registry.limit_kind(limit.tag).threshold
     least = registry.least_threshold(limit)

@@ -20,7 +20,8 @@ round trip per request. ``open_store`` builds the one a ruleset asks for.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from sidecar.config import Backend, SentinelConfig
 from sidecar.keys import CountingKey

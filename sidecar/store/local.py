@@ -11,7 +11,7 @@ lifecycle beside it.
 from __future__ import annotations
 
 import time
-from typing import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 from sidecar.keys import CountingKey
 from sidecar.limiters import Hit

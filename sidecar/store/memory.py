@@ -10,7 +10,8 @@ of its maps. Every operation answers at once.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Hashable, Sequence, cast
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, cast
 
 from sidecar.bounded import BoundedMap
 from sidecar.counters import CounterState, KeySelection

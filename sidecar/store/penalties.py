@@ -17,12 +17,12 @@ lease (a concurrency limit, whose slots are given back at any moment).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
+from sidecar.bounded import BoundedMap
 from sidecar.keys import CountingKey
 from sidecar.limiters import Hit
 from sidecar.state import Check, Clock, Evaluation
-from sidecar.bounded import BoundedMap
 
 
 def _cacheable(check: Check) -> bool:

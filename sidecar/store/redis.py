@@ -31,26 +31,38 @@ import collections
 import contextlib
 import enum
 import json
-import zlib
-from json.encoder import encode_basestring_ascii
 import time
+import zlib
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from importlib import resources
-from typing import Any, AsyncGenerator, Awaitable, Callable, Sequence
+from json.encoder import encode_basestring_ascii
+from typing import Any
 
+from sidecar.bounded import BoundedMap
 from sidecar.counters import CounterState, KeySelection
 from sidecar.keys import CountingKey, key_dimensions
 from sidecar.limiters import ALLOWED, Hit
 from sidecar.limiters.registry import NO_LIMITER, lua_sources
 from sidecar.limiters.window import WINDOW
 from sidecar.networkbans import NetworkBans
+from sidecar.state import BanRecord, Check, Clock, Evaluation, ResponseCount, epoch_clock
 from sidecar.store import Described, StoreUnavailable
-from sidecar.bounded import BoundedMap
 from sidecar.store.penalties import PenaltyCache
-from sidecar.store.redis_admin import (ADMIN_VERSION, COUNT_INFIX, NETWORK_HEAD, NETWORK_INDEX, VERSION_KEPT_MS,
-                                       AdminCopy, glob_escape, key_of_name, network_record, new_version, scan)
+from sidecar.store.redis_admin import (
+    ADMIN_VERSION,
+    COUNT_INFIX,
+    NETWORK_HEAD,
+    NETWORK_INDEX,
+    VERSION_KEPT_MS,
+    AdminCopy,
+    glob_escape,
+    key_of_name,
+    network_record,
+    new_version,
+    scan,
+)
 from sidecar.store.redis_cluster import ClusterRedis
 from sidecar.store.redis_pipeline import PipelinedRedis, RedisAddress
-from sidecar.state import BanRecord, Check, Clock, Evaluation, ResponseCount, epoch_clock
 
 __all__ = ["RedisStore", "StoreUnavailable", "counting_key", "ban_key"]
 
@@ -285,7 +297,7 @@ class RedisStore:
 
     @classmethod
     def from_url(cls, url: str, node: str, timeout: float = DEFAULT_TIMEOUT,
-                 cluster: Sequence[tuple[str, int]] | None = None, **kwargs: Any) -> "RedisStore":
+                 cluster: Sequence[tuple[str, int]] | None = None, **kwargs: Any) -> RedisStore:
         # One pipelined connection (per cluster master) carries every
         # decision in flight (see sidecar.store.redis_pipeline): a burst is a
         # queue Redis works through, never a pool that runs out and fails

@@ -31,7 +31,8 @@ import contextlib
 import json
 import logging
 import os
-from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
 
 from sidecar.keys import CountingKey
 from sidecar.networkbans import NetworkBans

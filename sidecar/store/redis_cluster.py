@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import binascii
-from typing import Any, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 from sidecar.store import StoreUnavailable
 from sidecar.store.redis_pipeline import PipelinedRedis, RedisAddress, RedisReplyError

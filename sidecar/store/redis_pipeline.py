@@ -35,8 +35,9 @@ import select
 import socket
 import ssl
 import time
-from typing import Any, Callable, Protocol, cast
-from urllib.parse import unquote, urlsplit, parse_qs
+from collections.abc import Callable
+from typing import Any, Protocol, cast
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import hiredis
 
@@ -79,7 +80,7 @@ class RedisAddress:
         self.username = unquote(parts.username) if parts.username else None
         self.password = unquote(parts.password) if parts.password else None
 
-    def elsewhere(self, host: str, port: int) -> "RedisAddress":
+    def elsewhere(self, host: str, port: int) -> RedisAddress:
         """The same credentials, database and TLS, on another server."""
         other = copy.copy(self)
         other.host, other.port, other.path = host, port, None
@@ -98,7 +99,7 @@ class RedisAddress:
 class _ReplyProtocol(asyncio.Protocol):
     """Hands replies, in order, to the futures of the commands sent."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, lost: Callable[["_ReplyProtocol"], None]) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, lost: Callable[[_ReplyProtocol], None]) -> None:
         self.loop = loop
         self.lost = lost
         self.reader = hiredis.Reader(encoding="utf-8", errors="replace")
@@ -264,7 +265,7 @@ class PipelinedRedis:
         self._scripts: dict[str, str] = {}  # digest -> source, loaded on each new connection
 
     @classmethod
-    def at(cls, address: RedisAddress, node: tuple[str, int], timeout: float) -> "PipelinedRedis":
+    def at(cls, address: RedisAddress, node: tuple[str, int], timeout: float) -> PipelinedRedis:
         """A connection to another server with the same credentials and TLS."""
         return cls(address.elsewhere(*node), timeout)
 
@@ -365,7 +366,7 @@ class PipelinedRedis:
                     lambda: protocol, address.host, address.port,
                     ssl=ssl.create_default_context() if address.tls else None)
             await asyncio.wait_for(connecting, self.timeout)
-        except (OSError, asyncio.TimeoutError, ssl.SSLError) as exc:
+        except (TimeoutError, OSError, ssl.SSLError) as exc:
             raise StoreUnavailable(f"cannot connect to Redis ({exc or type(exc).__name__})") from exc
         commands = address.setup_commands() + [("SCRIPT", "LOAD", source) for source in self._scripts.values()]
         setup = [protocol.send(hiredis.pack_command(command)) for command in commands]

@@ -32,7 +32,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 from urllib.parse import quote
 
 import hiredis
@@ -129,7 +130,7 @@ class SentinelMaster:
             for sentinel in list(self.sentinels):
                 try:
                     await self._listen(sentinel)
-                except (OSError, asyncio.TimeoutError, StoreUnavailable, hiredis.ProtocolError, ValueError):
+                except (TimeoutError, OSError, StoreUnavailable, hiredis.ProtocolError, ValueError):
                     pass  # the next one
             await asyncio.sleep(LISTEN_RETRY_SECONDS)
 
@@ -147,7 +148,7 @@ class SentinelMaster:
                 try:
                     data = await asyncio.wait_for(reader.read(65536),
                                                   self.timeout if answer_due else LISTEN_PING_SECONDS)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     if answer_due:
                         return  # a sentinel that does not answer is no one to listen to
                     writer.write(hiredis.pack_command(("PING",)))

@@ -18,12 +18,12 @@ Importing the module registers it (``test_cell_rate.py`` does it inside
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 from pydantic import Field
-
 from sidecar.config import Duration, LimitModel, format_duration
 from sidecar.limiters import ALLOWED, Hit, RuleLimit, lua_number, registry
 

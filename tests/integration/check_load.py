@@ -108,7 +108,7 @@ class CheckLoad:
                 reader, writer = connection
                 writer.write(self.request)
                 status, headers = await asyncio.wait_for(_read_answer(reader), self.timeout)
-            except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError):
+            except (TimeoutError, OSError, asyncio.IncompleteReadError, ValueError):
                 status, headers = 0, {}
             answer = Answer(sent, time.monotonic() - sent, status, headers)
             with self._lock:

@@ -4,7 +4,8 @@ Tests send from loopback addresses of their own (127.1.x.y; Linux accepts any
 127/8 source address without configuration), so per-address counters and bans
 of one test never touch another's. Tests that take the `front_door` fixture
 run through nginx, through Envoy with HTTP ext_authz and through Envoy with
-gRPC ext_authz ("envoy-grpc"); the front doors of a stack share one Sluice, and fresh addresses keep their counters apart too.
+gRPC ext_authz ("envoy-grpc"); the front doors of a stack share one Sluice, and
+fresh addresses keep their counters apart too.
 """
 
 from __future__ import annotations
@@ -17,12 +18,17 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-
 from devstack.launcher import FRONT_DOORS, Stack, StackError
 from sidecar.rendering import StackPorts
+
 from tests.integration.clients import LOOPBACK, Client
+
+if TYPE_CHECKING:
+    # redis_server imports this module: the fixtures import it when they run.
+    from tests.integration.redis_server import RedisCluster, RedisServer
 
 RULES = Path(__file__).parent / "rules"
 
@@ -167,7 +173,7 @@ def own_stack(tmp_path: Path) -> Iterator[Stack]:
 
 
 @pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator["RedisServer"]:
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """A throwaway redis-server on loopback for the tests of one module."""
     from tests.integration.redis_server import RedisServer
 
@@ -178,7 +184,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator["RedisSer
 
 
 @pytest.fixture(scope="session")
-def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator["RedisCluster"]:
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
     """A throwaway three-master Redis Cluster on loopback, for the session."""
     from tests.integration.redis_server import RedisCluster
 

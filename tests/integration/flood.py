@@ -23,6 +23,7 @@ from pathlib import Path
 
 from devstack.launcher import find_envoy, find_nginx
 from sidecar.rendering import nginx_main_config
+
 from tests.integration.clients import LOOPBACK
 from tests.integration.conftest import free_port, metric_at
 
@@ -53,7 +54,7 @@ def _wait_for_port(port: int, process: subprocess.Popen, what: str, log: Path, s
             return
         except OSError:
             if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{what} did not start: {log.read_text(errors='replace')[-3000:]}")
+                raise RuntimeError(f"{what} did not start: {log.read_text(errors='replace')[-3000:]}") from None
             time.sleep(0.05)
 
 

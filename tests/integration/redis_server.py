@@ -50,7 +50,7 @@ class RedisServer:
             except redis.exceptions.ConnectionError:
                 if time.monotonic() > deadline or self.process.poll() is not None:
                     self.stop()
-                    raise RuntimeError(f"redis-server did not start: {' '.join(self.command())}")
+                    raise RuntimeError(f"redis-server did not start: {' '.join(self.command())}") from None
                 time.sleep(0.02)
 
     def stop(self) -> None:
@@ -78,7 +78,7 @@ class Sentinel(RedisServer):
         self.id = secrets.token_hex(20)
 
     def configure(self, master: str, master_port: int, replica_ports: Sequence[int],
-                  others: Sequence["Sentinel"], down_after_ms: int, failover_timeout_ms: int) -> None:
+                  others: Sequence[Sentinel], down_after_ms: int, failover_timeout_ms: int) -> None:
         """Watch ``master``; the replicas and the other sentinels are known
         from the start, so that no discovery delays the first failover."""
         lines = [f"port {self.port}", f"bind {LOOPBACK}", f"dir {self.directory}", f"sentinel myid {self.id}",

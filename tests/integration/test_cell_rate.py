@@ -14,14 +14,13 @@ import json
 import random
 import sys
 from collections.abc import Iterator
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 from click.testing import CliRunner
-
 from sidecar import cli
 from sidecar.config import ConfigError, parse_rules_text
 from sidecar.engine import ALLOW, DENY, Engine
@@ -31,6 +30,7 @@ from sidecar.rls import load_rls
 from sidecar.schema import rules_schema_text
 from sidecar.store.memory import MemoryStore
 from sidecar.store.redis import RedisStore
+
 from tests.integration.redis_server import RedisServer
 from tests.unit.conftest import FakeClock, ruleset_from
 
@@ -165,7 +165,7 @@ def test_the_admin_api_describes_a_cell_rate_key_alike_on_both_stores(cell_rate:
 
 
 def combined(ip: str, t: float) -> str:
-    stamp = datetime.fromtimestamp(t, timezone.utc).strftime("%d/%b/%Y:%H:%M:%S +0000")
+    stamp = datetime.fromtimestamp(t, UTC).strftime("%d/%b/%Y:%H:%M:%S +0000")
     return f'{ip} - - [{stamp}] "GET / HTTP/1.1" 200 512 "-" "test-agent"'
 
 

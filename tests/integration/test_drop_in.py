@@ -30,9 +30,6 @@ from typing import Any, Protocol, TypeVar
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, event, given, settings
-from hypothesis import strategies as st
-
 from devstack.launcher import (
     FRONT_DOORS,
     PACKAGE_PARENT,
@@ -41,7 +38,10 @@ from devstack.launcher import (
     find_envoy,
     find_nginx,
 )
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 from sidecar.rendering import StackPorts, nginx_main_config
+
 from tests.integration.burst import burst
 from tests.integration.clients import (
     CONNECTION_CLOSED,
@@ -434,7 +434,7 @@ def test_reported_401s_refuse_the_next_request(drop_in: DropIn, front_door: str)
         reported = drop_in.metric("sluice_responses_reported_total")
         assert client.request(path + "?status=401").status == 401
         # The report travels after the response: the next request waits for it.
-        wait_until(lambda: drop_in.metric("sluice_responses_reported_total") > reported,
+        wait_until(lambda reported=reported: drop_in.metric("sluice_responses_reported_total") > reported,
                    "the report of the 401", REPORT_DEADLINE_SECONDS)
     refused = client.request(path + "?status=401")
 

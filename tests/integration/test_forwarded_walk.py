@@ -18,11 +18,10 @@ name the same counting key.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-
 from devstack.launcher import Stack
+
 from tests.integration.clients import LOOPBACK, Client, Reply
 from tests.integration.conftest import RULES, fresh_client_address, front_door_port, start_stack, unique_path
 

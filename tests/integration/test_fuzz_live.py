@@ -136,7 +136,7 @@ class LiveSluice:
             while time.monotonic() < deadline:
                 try:
                     chunk = connection.recv(65536)
-                except (ConnectionResetError, socket.timeout):
+                except (TimeoutError, ConnectionResetError):
                     break
                 if not chunk:
                     break
@@ -258,7 +258,8 @@ front_door_headers = st.lists(st.tuples(
     st.just(b"X-Sluice-Deny"),
     st.sampled_from([b"429 1 10 5 chal 1.2.3.4", b"403 1 1 1 chal 1.2.3.4 1 a.b", b"451 2 3600 3600 blocked -",
                      b"451 -1 -1 -1 blocked -", b"429 1 1 1 gone ::1 4 x.y", b"503 0 0 1 - -",
-                     b"429 99999999999999999999999 1 1 blocked -", b"429 1 1 1 blocked 1.2.3.4 " + b"9" * 5000 + b" a.b"])
+                     b"429 99999999999999999999999 1 1 blocked -",
+                     b"429 1 1 1 blocked 1.2.3.4 " + b"9" * 5000 + b" a.b"])
     | value_bytes), min_size=1, max_size=1)
 
 
@@ -295,13 +296,15 @@ def test_deny_tokens_of_a_real_check_get_their_page(live):
     block_token = b"451 2 3600 3600 blocked 203.0.113.77"
     try:
         rules.write_text(swapped)
-        assert live.call(b"POST", b"/v1/admin/reload", [(b"Authorization", b"Bearer " + ADMIN_TOKEN.encode())])[0] == 200
+        assert live.call(b"POST", b"/v1/admin/reload",
+                         [(b"Authorization", b"Bearer " + ADMIN_TOKEN.encode())])[0] == 200
         for stale, expected in ((token, 403), (block_token, 451)):
             status, page = live.call(b"GET", b"/v1/nginx/deny", [(b"X-Sluice-Deny", stale)])
             assert status == expected and b"data-challenge" not in page
     finally:
         rules.write_text(RULES)
-        assert live.call(b"POST", b"/v1/admin/reload", [(b"Authorization", b"Bearer " + ADMIN_TOKEN.encode())])[0] == 200
+        assert live.call(b"POST", b"/v1/admin/reload",
+                         [(b"Authorization", b"Bearer " + ADMIN_TOKEN.encode())])[0] == 200
 
 
 # --------------------------------------------------------------------------

@@ -11,11 +11,11 @@ import subprocess
 import sys
 
 import yaml
-
 from devstack.launcher import Stack
+
 from tests.integration.burst import burst
 from tests.integration.clients import LOOPBACK
-from tests.integration.conftest import fresh_client_address, front_door_port, free_port, sluice_metric, unique_path
+from tests.integration.conftest import free_port, fresh_client_address, front_door_port, sluice_metric, unique_path
 from tests.unit.deploy_files import REPO, dockerfile_instructions, exec_form
 
 COMPOSE = yaml.safe_load((REPO / "compose.yaml").read_text())["services"]

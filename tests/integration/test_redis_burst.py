@@ -18,11 +18,17 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-
 from devstack.launcher import FRONT_DOORS, Stack
+
 from tests.integration.burst import burst, burst_over
-from tests.integration.conftest import (fresh_client_address, front_door_port, metric_at, sluice_metric, start_stack,
-                                        wait_until)
+from tests.integration.conftest import (
+    fresh_client_address,
+    front_door_port,
+    metric_at,
+    sluice_metric,
+    start_stack,
+    wait_until,
+)
 from tests.integration.redis_server import RedisServer
 from tests.integration.sluice_serve import SluiceServe
 

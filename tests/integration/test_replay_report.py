@@ -166,7 +166,8 @@ def test_markup_from_the_log_stays_text_in_the_browser(tmp_path):
         shown = page.evaluate("""({
           scripts: document.scripts.length,
           images: document.images.length,
-          handlers: [...document.querySelectorAll("*")].filter(e => [...e.attributes].some(a => a.name.startsWith("on"))).length,
+          handlers: [...document.querySelectorAll("*")]
+            .filter(e => [...e.attributes].some(a => a.name.startsWith("on"))).length,
           keys: [...document.querySelectorAll("table.keys td:first-child")].map(td => td.textContent),
           skipped: [...document.querySelectorAll("ul.skipped li")].map(li => li.textContent),
         })""")

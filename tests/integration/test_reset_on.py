@@ -8,10 +8,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-
 from devstack.launcher import Stack
+
 from tests.integration.clients import Client
-from tests.integration.conftest import fresh_client_address, front_door_port, sluice_metric, stack_on_backend, wait_until
+from tests.integration.conftest import (
+    fresh_client_address,
+    front_door_port,
+    sluice_metric,
+    stack_on_backend,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 

@@ -1,7 +1,9 @@
 from pathlib import Path
+from typing import Any
 
 import pytest
-
+import uvicorn
+from sidecar import addresses, cli
 from sidecar.config import parse_rules_text
 from sidecar.engine import Engine
 from sidecar.request import CheckRequest
@@ -48,3 +50,21 @@ class Harness:
 @pytest.fixture
 def clock() -> FakeClock:
     return FakeClock()
+
+
+@pytest.fixture
+def started(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """What serve would run uvicorn with (nothing is started): the options,
+    and as "app" the settings, with the rules as "ruleset"."""
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **options: calls.append({"app": app, **options}))
+    monkeypatch.setattr(cli, "service", lambda settings, ruleset=None: {**settings, "ruleset": ruleset})
+    return calls
+
+
+@pytest.fixture
+def served(started: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """As ``started``, without trying the addresses serve listens on (a
+    port of this machine in use does not matter)."""
+    monkeypatch.setattr(addresses, "check_listeners", lambda listeners: None)
+    return started

@@ -9,14 +9,14 @@ import copy
 import functools
 import shlex
 import subprocess
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import jsonschema
 import kubernetes_validate
 import yaml
-
 from devstack.launcher import find_nginx
 from sidecar.rendering import nginx_main_config
 
@@ -178,7 +178,8 @@ def hardening_problems(deployment: dict[str, Any]) -> list[str]:
     pod = spec.get("securityContext", {})
     problems = [f"the pod needs {text}" for text, holds in (
         ("securityContext.runAsNonRoot: true", pod.get("runAsNonRoot") is True),
-        ("securityContext.seccompProfile.type: RuntimeDefault", pod.get("seccompProfile") == {"type": "RuntimeDefault"}),
+        ("securityContext.seccompProfile.type: RuntimeDefault",
+         pod.get("seccompProfile") == {"type": "RuntimeDefault"}),
         ("automountServiceAccountToken: false", spec.get("automountServiceAccountToken") is False)) if not holds]
     for item in all_containers(spec):
         context, resources = item.get("securityContext", {}), item.get("resources", {})
@@ -310,7 +311,8 @@ def _kustomization_files(directory: Path) -> set[Path]:
     kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
     files = [*kustomization.get("resources", []),
              *(file for generator in kustomization.get("configMapGenerator", []) for file in generator["files"])]
-    return {directory / "kustomization.yaml"} | {path for path in (directory / file for file in files) if path.is_file()}
+    return {directory / "kustomization.yaml"} | {path for path in (directory / file for file in files)
+                                                 if path.is_file()}
 
 
 def prometheus_rule_text() -> str:

@@ -6,7 +6,8 @@ real backend would."""
 
 from __future__ import annotations
 
-from typing import Any, Hashable
+from collections.abc import Hashable
+from typing import Any
 
 from sidecar.policy import Note
 from sidecar.state import BanRecord

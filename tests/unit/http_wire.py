@@ -8,10 +8,9 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
+from sidecar.server import LimitedHttpProtocol
 from uvicorn.config import Config
 from uvicorn.server import ServerState
-
-from sidecar.server import LimitedHttpProtocol
 
 LOOPBACK = "127.0.0.1"
 
@@ -62,7 +61,7 @@ async def closed_by_server(reader: asyncio.StreamReader, within: float = 5.0) ->
     """Whether the server closes the connection (nothing more is sent) within ``within`` seconds."""
     try:
         return await asyncio.wait_for(reader.read(1), within) == b""
-    except (asyncio.TimeoutError, ConnectionError):
+    except (TimeoutError, ConnectionError):
         return False
 
 

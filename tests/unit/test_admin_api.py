@@ -8,13 +8,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 from urllib.parse import urlencode
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from sidecar.admin import Admin
 from sidecar.app import SluiceApp
 from sidecar.engine import Engine

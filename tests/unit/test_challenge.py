@@ -9,14 +9,20 @@ import subprocess
 from urllib.parse import urlencode
 
 import pytest
-
 from sidecar.actions import CHALLENGE_PAGE
 from sidecar.app import SluiceApp
-from sidecar.challenge import (CHALLENGE_MAX_AGE, Challenges, cookie_name, leading_zero_bits,
-                               safe_return_uri, solve, solves)
-from sidecar.engine import ALLOW, CLOSE, DENY
-from sidecar.engine import Engine
+from sidecar.challenge import (
+    CHALLENGE_MAX_AGE,
+    Challenges,
+    cookie_name,
+    leading_zero_bits,
+    safe_return_uri,
+    solve,
+    solves,
+)
+from sidecar.engine import ALLOW, CLOSE, DENY, Engine
 from sidecar.frontdoors.common import render_page
+
 from tests.unit.conftest import FakeClock, Harness, ruleset_from
 
 SECRET = b"test secret"

@@ -9,16 +9,16 @@ import re
 import socket
 import subprocess
 import tomllib
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import click
 import pytest
-from hypothesis import given, settings, strategies as st
-import uvicorn
 import yaml
 from click.testing import CliRunner
-
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from sidecar import DISTRIBUTION, addresses, cli
 from sidecar.rendering import ENVOY_GUARD_ADDRESSES, ENVOY_MAX_TOKENS
 from sidecar.rules import Ruleset, load_ruleset
@@ -43,24 +43,6 @@ def test_serve_help_names_the_environment_variables() -> None:
     output = CliRunner().invoke(cli.main, ["serve", "-h"]).output
     for name in ("SLUICE_CONFIG", "SLUICE_HOST", "SLUICE_PORT", "SLUICE_LOG_LEVEL", "SLUICE_ADMIN_TOKEN_FILE"):
         assert name in output
-
-
-@pytest.fixture
-def started(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
-    """What serve would run uvicorn with (nothing is started): the options,
-    and as "app" the settings, with the rules as "ruleset"."""
-    calls: list[dict[str, Any]] = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **options: calls.append({"app": app, **options}))
-    monkeypatch.setattr(cli, "service", lambda settings, ruleset=None: {**settings, "ruleset": ruleset})
-    return calls
-
-
-@pytest.fixture
-def served(started: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
-    """As ``started``, without trying the addresses serve listens on (a
-    port of this machine in use does not matter)."""
-    monkeypatch.setattr(addresses, "check_listeners", lambda listeners: None)
-    return started
 
 
 RULES = "rules:\n  - id: r\n    key: [ip]\n    limit: {requests: 5, per: 1m}\n    action: block\n"

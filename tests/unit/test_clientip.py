@@ -10,10 +10,15 @@ from ipaddress import IPv4Address, IPv6Address, ip_network
 import pytest
 from hypothesis import assume, example, given
 from hypothesis import strategies as st
-
-from sidecar.clientip import (MAX_CACHED_ENTRY, MAX_FORWARDED_HOPS, ClientAddress, ClientIPResolver, NetworkSet,
-                              _plain_ipv6,
-                              NetworkTable)
+from sidecar.clientip import (
+    MAX_CACHED_ENTRY,
+    MAX_FORWARDED_HOPS,
+    ClientAddress,
+    ClientIPResolver,
+    NetworkSet,
+    NetworkTable,
+    _plain_ipv6,
+)
 
 # --------------------------------------------------------------------------
 # Strategies: addresses and every legal way of writing them
@@ -451,7 +456,7 @@ def test_empty_fields_count_towards_max_forwarded_hops() -> None:
 class WatchedHeader(str):
     """A header that records how it is used."""
 
-    def __new__(cls, text: str) -> "WatchedHeader":
+    def __new__(cls, text: str) -> WatchedHeader:
         header = super().__new__(cls, text)
         header.searches = 0
         header.longest_copy = 0
@@ -633,7 +638,8 @@ def test_ipv6_keys_are_ipaddress_text(value: int, prefix: int) -> None:
 
 def test_a_mapped_address_in_hex_is_the_ipv4_client() -> None:
     resolved = ClientIPResolver().resolve("::ffff:c000:207", None)
-    assert (resolved.key, resolved.numeric, resolved.address) == ("192.0.2.7", (4, 0xC0000207), IPv4Address("192.0.2.7"))
+    assert (resolved.key, resolved.numeric, resolved.address) == ("192.0.2.7", (4, 0xC0000207),
+                                                                  IPv4Address("192.0.2.7"))
 
 
 @given(ipv4_ints, plain_ipv6_ints)

@@ -8,11 +8,10 @@ import json
 import math
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from devstack import demo_upstream
 from devstack.demo_upstream import DemoUpstream, parse_sleep
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from .test_app import call
 

@@ -37,9 +37,9 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
-
 from devstack import launcher
 from sidecar import cli
+
 from tests.unit.deploy_files import validate_manifest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,7 +57,8 @@ NGINX_CONTEXTS = {
     "main": "{block}",
     "http": "http {{\n{block}\n}}",
     "server": "http {{\n    server {{\n        listen 127.0.0.1:8080;\n{block}\n    }}\n}}",
-    "location": "http {{\n    server {{\n        listen 127.0.0.1:8080;\n        location / {{\n{block}\n        }}\n    }}\n}}",
+    "location": "http {{\n    server {{\n        listen 127.0.0.1:8080;\n"
+                "        location / {{\n{block}\n        }}\n    }}\n}}",
 }
 
 
@@ -298,7 +299,7 @@ def envoy_validate(block: Block, tmp_path: Path) -> subprocess.CompletedProcess[
     for fragment in sorted(fragments.glob("*.yaml")):
         lines = fragment.read_text().splitlines()
         text = re.sub(rf"^( *)# {re.escape(fragment.name)}:.*$",
-                      lambda match: "\n".join(match.group(1) + line if line else line for line in lines),
+                      lambda match, lines=lines: "\n".join(match.group(1) + line if line else line for line in lines),
                       text, flags=re.MULTILINE)
     unpasted = re.findall(r"^ *# (sluice-[\w-]+\.yaml):", text, flags=re.MULTILINE)
     assert not unpasted, f"{block.name}: no such fragment: {unpasted}"

@@ -3,8 +3,8 @@
 import json
 import logging
 
-from sidecar.engine import ALLOW, CLOSE, DENY
 from sidecar.at_once import run_at_once
+from sidecar.engine import ALLOW, CLOSE, DENY
 
 from .conftest import Harness
 

@@ -19,18 +19,17 @@ import functools
 import json
 import logging
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 from urllib.parse import urlencode
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from sidecar.admin import Admin
-from sidecar.engine import Engine
 from sidecar.app import SluiceApp
 from sidecar.challenge import solve, solves
+from sidecar.engine import Engine
 from sidecar.hook import HookDatagrams
 from sidecar.rules import Ruleset
 
@@ -218,7 +217,7 @@ class Sluice:
         self.engine.reload(compiled(text))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def compiled(text: str) -> Ruleset:
     return ruleset_from(text)
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import yaml
-
 from sidecar import cli
 from sidecar.actions import over_limit_headers
 from sidecar.challenge import SOLUTION_PATH
@@ -28,8 +28,15 @@ from sidecar.frontdoors.challenge_solution import CHALLENGE_PATH
 from sidecar.frontdoors.envoy import ENVOY_AUTH_PREFIX
 from sidecar.rendering import PACKAGE_TEMPLATES, expand_includes
 from sidecar.rules import load_ruleset
+
 from tests.unit.deploy_files import (
-    KUBERNETES, all_containers, build, deploy_manifests, deploy_objects_by_source, hardening_problems, pod_spec,
+    KUBERNETES,
+    all_containers,
+    build,
+    deploy_manifests,
+    deploy_objects_by_source,
+    hardening_problems,
+    pod_spec,
     validate_manifest,
 )
 
@@ -68,7 +75,8 @@ MANIFESTS = manifests()
 
 
 def the(kind: str, name: str | None = None) -> dict[str, Any]:
-    matching = [doc for _, doc in MANIFESTS if doc["kind"] == kind and name in (None, doc.get("metadata", {}).get("name"))]
+    matching = [doc for _, doc in MANIFESTS
+                if doc["kind"] == kind and name in (None, doc.get("metadata", {}).get("name"))]
     assert len(matching) == 1, (kind, name, len(matching))
     return matching[0]
 

@@ -16,9 +16,8 @@ After a change to the nginx template, write the pod's configuration again:
 
 from __future__ import annotations
 
-import re
-
 import os
+import re
 import tempfile
 import urllib.parse
 from pathlib import Path
@@ -26,13 +25,23 @@ from typing import Any
 
 import pytest
 import yaml
-
 from sidecar import rendering as launcher
 from sidecar.rendering import StackPorts, template_variables
 from sidecar.rules import Ruleset, load_ruleset
+
 from tests.unit.deploy_files import (
-    KUBERNETES, Build, all_containers, build, container, dockerfile_user, is_sidecar, nginx_test, option, pod_spec,
-    port_number, service_target_ports,
+    KUBERNETES,
+    Build,
+    all_containers,
+    build,
+    container,
+    dockerfile_user,
+    is_sidecar,
+    nginx_test,
+    option,
+    pod_spec,
+    port_number,
+    service_target_ports,
 )
 
 BASE = KUBERNETES / "base"

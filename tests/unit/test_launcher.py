@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import re
+import signal
 import subprocess
 import sys
 import tomllib
@@ -15,18 +15,16 @@ from importlib.resources import files
 from pathlib import Path
 
 import pytest
-from hypothesis import given, strategies as st
-
-from devstack import launcher
-import yaml
-
 import sidecar
+import yaml
+from devstack import launcher
 from devstack.launcher import find_envoy
+from hypothesis import given
+from hypothesis import strategies as st
 from sidecar.rendering import (
     DEFAULT_ENVOY_GRPC_TEMPLATE,
     DEFAULT_ENVOY_TEMPLATE,
     DEFAULT_TEMPLATE,
-    RenderError as StackError,
     StackPorts,
     check_timeout_seconds,
     envoy_token_bucket,
@@ -36,6 +34,9 @@ from sidecar.rendering import (
     template_variables,
     write_envoy_config,
     write_nginx_config,
+)
+from sidecar.rendering import (
+    RenderError as StackError,
 )
 
 REPO = Path(__file__).resolve().parents[2]

@@ -12,16 +12,16 @@ import linecache
 import pdb
 import re
 import traceback
+from collections.abc import Callable
 from ipaddress import ip_address, ip_network
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import yaml
 from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from sidecar import cli
 from sidecar.clientip import ClientIPResolver
 from sidecar.config import parse_rules_text
@@ -491,7 +491,8 @@ def test_explain_gives_the_order_in_which_the_matcher_reads_the_request(tmp_path
     made = Recording("POST", "example.com", "/api/x?q=shoes", {"x-api-key": "k", "cookie": "sid=s1"},
                      RESOLVER.resolve("192.0.2.10", None), "req-1")
     made.read = []
-    made.cookies, made.query  # parsed before: their parsing reads the headers
+    # Parsed before: their parsing reads the headers.
+    assert (made.cookies, made.query) == ({"sid": "s1"}, {"q": "shoes"})
     made.read.clear()
     matched, _, _ = run(load_ruleset(str(path)), made)
     assert [rule.id for rule in matched] == ["first", "second"]

@@ -13,6 +13,7 @@ from sidecar.app import SluiceApp
 from sidecar.engine import Engine
 from sidecar.frontdoors.rls import RateLimitService
 from sidecar.metrics import DEPRECATED
+
 from tests.unit.conftest import Harness, ruleset_from
 from tests.unit.test_app import call, envoy, forward, nginx
 from tests.unit.test_metrics import RULES as METRICS_RULES
@@ -73,7 +74,8 @@ def served_every_kind() -> list[str]:
     shared = SluiceApp(Engine(ruleset_from('state: {backend: redis, url: "redis://127.0.0.1:1/0"}\nrules: []\n')))
     texts = [call(sluice, "/metrics", {})[2].decode() for sluice in (app, shared)]
     for kind in ("sluice_decisions_total{", "sluice_over_limit_total{", "sluice_shadow_actions_total{",
-                 "sluice_challenges_issued_total 1", "sluice_delayed_total ", "sluice_penalty_cache_keys ", "sluice_banned_requests_total 1",
+                 "sluice_challenges_issued_total 1", "sluice_delayed_total ", "sluice_penalty_cache_keys ",
+                 "sluice_banned_requests_total 1",
                  "ratelimit_service_config_load_success "):
         assert kind in "".join(texts), kind
     return texts
@@ -91,7 +93,7 @@ def test_promtool_does_object_to_a_name_that_says_its_type() -> None:
 
 def test_a_deprecated_name_reads_the_count_of_its_new_name_and_says_so() -> None:
     text = served_every_kind()[0]
-    for old, attribute in DEPRECATED.items():
+    for old, _attribute in DEPRECATED.items():
         new = re.search(rf"^# HELP {old}_total Deprecated: use (\w+); removed in the next release\.$", text,
                         re.MULTILINE)
         assert new is not None, old

@@ -24,13 +24,19 @@ import pytest
 import yaml
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
-
 from sidecar.app import SluiceApp
 from sidecar.chain import NextAuthAddress, ThenAuth
 from sidecar.engine import Engine
+
 from tests.unit.conftest import Harness, ruleset_from
 from tests.unit.deploy_files import (
-    ALERT_RULES, PROMETHEUS_RULE, REPO, container, deploy_objects_by_source, option, prometheus_rule_text,
+    ALERT_RULES,
+    PROMETHEUS_RULE,
+    REPO,
+    container,
+    deploy_objects_by_source,
+    option,
+    prometheus_rule_text,
     service_target_ports,
 )
 from tests.unit.test_app import call, envoy, forward, nginx
@@ -277,7 +283,8 @@ def test_the_service_monitor_scrapes_the_metrics_of_every_sluice_of_deploy_as_th
         [service] = services
         [port] = [port for port in service["spec"]["ports"] if port["name"] == endpoint["port"]]
         [deployment] = [item for item in objects if item["kind"] == "Deployment"
-                        and service["spec"]["selector"].items() <= item["spec"]["template"]["metadata"]["labels"].items()]
+                        and service["spec"]["selector"].items()
+                        <= item["spec"]["template"]["metadata"]["labels"].items()]
         sluice = container(deployment, "sluice")
         ports = {port_["name"]: port_["containerPort"] for port_ in sluice["ports"]}
         target = ports.get(port["targetPort"], port["targetPort"])
@@ -289,7 +296,8 @@ def test_the_service_monitor_scrapes_the_metrics_of_every_sluice_of_deploy_as_th
         scraped.add(source)
 
     assert endpoint["path"] == "/metrics"
-    assert {"sluice-service/sluice.yaml", "kubernetes/ (kustomize build)", "kubernetes/redis/ (kustomize build)"} <= scraped
+    assert {"sluice-service/sluice.yaml", "kubernetes/ (kustomize build)",
+            "kubernetes/redis/ (kustomize build)"} <= scraped
 
 
 # -- the documentation ---------------------------------------------------------

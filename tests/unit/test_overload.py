@@ -5,15 +5,15 @@ else as its rules' ``overload:`` says; a stamp alone never makes a check late.""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, strategies as st
-
+from hypothesis import given
+from hypothesis import strategies as st
 from sidecar.actions import BlockPage, PageTemplate
+from sidecar.at_once import run_at_once
+from sidecar.config import ConfigError
 from sidecar.engine import ALLOW, CLOSE, DENY
 from sidecar.frontdoors.nginx import MAX_INLINE_PAGE, PAGE_HEADER, PAGE_STATUS_HEADER, answer_nginx, inline_page
 from sidecar.overload import TICK_SECONDS, LoopWatch, RefusalMemory, parse_sent
 from sidecar.request import CheckRequest
-from sidecar.at_once import run_at_once
-from sidecar.config import ConfigError
 
 from .conftest import Harness, ruleset_from
 

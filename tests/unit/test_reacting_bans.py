@@ -10,13 +10,12 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from sidecar.admin import Admin
+from sidecar.at_once import run_at_once
 from sidecar.challenge import cookie_name, solve
 from sidecar.config import ConfigError, parse_rules_text
 from sidecar.engine import ALLOW, CLOSE, DENY
 from sidecar.state import BanIncrement
-from sidecar.at_once import run_at_once
 
 from .conftest import Harness, ruleset_from
 

@@ -7,10 +7,9 @@ import zlib
 
 from hypothesis import given
 from hypothesis import strategies as st
-
+from sidecar.state import AutoBan
 from sidecar.store.redis import PREFIX, ban_key, counting_key
 from sidecar.store.redis_cluster import key_slot
-from sidecar.state import AutoBan
 
 values = st.text(max_size=12)
 keys = st.tuples(st.tuples(st.text(min_size=1, max_size=8), st.lists(values, max_size=3).map(tuple)),

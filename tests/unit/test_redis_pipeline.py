@@ -11,7 +11,6 @@ from collections.abc import Awaitable, Callable
 import hiredis
 import pytest
 import uvloop
-
 from sidecar.store import StoreUnavailable
 from sidecar.store.redis_pipeline import NoScriptError, PipelinedRedis, RedisAddress
 
@@ -135,7 +134,8 @@ def fake_in_a_thread(reply: Reply) -> str:
 
 
 @pytest.mark.parametrize("new_loop", [asyncio.new_event_loop, uvloop.new_event_loop], ids=["asyncio", "uvloop"])
-def test_a_loop_too_busy_to_read_the_replies_is_not_a_silent_redis(new_loop: Callable[[], asyncio.AbstractEventLoop]) -> None:
+def test_a_loop_too_busy_to_read_the_replies_is_not_a_silent_redis(
+        new_loop: Callable[[], asyncio.AbstractEventLoop]) -> None:
     """Sluice's own load (a burst of checks to parse) must not pass for an
     outage: Redis answered in time, the replies wait in the socket."""
     url = fake_in_a_thread(answer_at_once)

@@ -9,9 +9,16 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from sidecar.actions import CONTENT_TYPE_HTML, CONTENT_TYPE_JSON, BlockPage, Refusal, json_body, page_body, \
-    PageTemplate, prefers_json
+from sidecar.actions import (
+    CONTENT_TYPE_HTML,
+    CONTENT_TYPE_JSON,
+    BlockPage,
+    PageTemplate,
+    Refusal,
+    json_body,
+    page_body,
+    prefers_json,
+)
 from sidecar.app import SluiceApp
 from sidecar.challenge import SOLUTION_PATH, IssuedChallenge
 from sidecar.engine import STORE_UNAVAILABLE

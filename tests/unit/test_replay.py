@@ -10,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -18,12 +18,19 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from sidecar import cli
 from sidecar.accesslog import AccessLogs, LogError, UnparsableLine, parse_line
 from sidecar.config import parse_rules_text
-from sidecar.replay import (SweepError, build_sweep, parse_sweep, peak_histogram, percentile, prepare_sweeps,
-                            render_text, replay_logs)
+from sidecar.replay import (
+    SweepError,
+    build_sweep,
+    parse_sweep,
+    peak_histogram,
+    percentile,
+    prepare_sweeps,
+    render_text,
+    replay_logs,
+)
 from sidecar.replay.page import escape, render_html, threshold_position
 
 from .conftest import ruleset_from
@@ -35,7 +42,7 @@ T0 = 1709287200.0  # 2024-03-01T10:00:00Z
 
 def combined(ip: str, t: float, path: str = "/", status: int = 200, method: str = "GET",
              agent: str = "test-agent", forwarded: str | None = None) -> str:
-    stamp = datetime.fromtimestamp(t, timezone.utc).strftime("%d/%b/%Y:%H:%M:%S +0000")
+    stamp = datetime.fromtimestamp(t, UTC).strftime("%d/%b/%Y:%H:%M:%S +0000")
     line = f'{ip} - - [{stamp}] "{method} {path} HTTP/1.1" {status} 512 "-" "{agent}"'
     return line + f' "{forwarded}"' if forwarded is not None else line
 
@@ -645,7 +652,7 @@ def test_a_sweep_is_exactly_a_replay_with_the_rule_changed(tmp_path):
     log = [str(REPO / "examples" / "access.log.sample")]
     report = replay_logs(ruleset_from(rules), log, sweeps=sweeps_for(rules, "api=10,50", "scrapers=30,60"))
     fields = ("refused_requests", "refused_keys", "refused_keys_share", "refused_shared_keys")
-    for rule_id, old, candidates in (("api", "requests: 20", (10, 50)), ("scrapers", "requests: 100", (30, 60))):
+    for rule_id, old, _candidates in (("api", "requests: 20", (10, 50)), ("scrapers", "requests: 100", (30, 60))):
         for candidate in rule_of(report, rule_id)["sweep"]["candidates"]:
             at = rules.index(f"id: {rule_id}")
             changed = rules[:at] + rules[at:].replace(old, f"requests: {candidate['threshold']}", 1)

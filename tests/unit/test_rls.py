@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from sidecar.config import ConfigError
 from sidecar.engine import Engine
 from sidecar.frontdoors.messages import OK, OVER_LIMIT, UNITS, RateLimitRequest, RateLimitResponse
@@ -475,11 +474,16 @@ FUZZED = Service(MESSAGING, REPLACES)
 
 def test_rls_and_health_answer_on_the_grpc_port_and_a_failure_inside_sluice_fails_open() -> None:
     import grpc
-
     from sidecar.app import SluiceApp
     from sidecar.frontdoors.grpc_server import GrpcListener
-    from sidecar.frontdoors.messages import (HEALTH_SERVICE, RATE_LIMIT_SERVICE, SERVING, SHOULD_RATE_LIMIT,
-                                             HealthCheckRequest, HealthCheckResponse)
+    from sidecar.frontdoors.messages import (
+        HEALTH_SERVICE,
+        RATE_LIMIT_SERVICE,
+        SERVING,
+        SHOULD_RATE_LIMIT,
+        HealthCheckRequest,
+        HealthCheckResponse,
+    )
 
     service = Service(MESSAGING)
     app = SluiceApp(service.engine)
@@ -537,7 +541,6 @@ class _Context:
     RateLimitRequest, domain=st.sampled_from(["messaging", "", "x"]), hits_addend=st.integers(0, 2**32 - 1))))
 def test_any_bytes_on_the_grpc_methods_get_an_answer_or_invalid_argument(data: bytes) -> None:
     import grpc
-
     from sidecar.app import SluiceApp
     from sidecar.frontdoors.grpc_authz import check_handler
     from sidecar.frontdoors.grpc_server import Health
@@ -551,7 +554,8 @@ def test_any_bytes_on_the_grpc_methods_get_an_answer_or_invalid_argument(data: b
 
     app = SluiceApp(FUZZED.engine)
     handlers = [
-        (rls_handler(FUZZED.service, app.internal_error), "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"),
+        (rls_handler(FUZZED.service, app.internal_error),
+         "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"),
         (check_handler(app), "/envoy.service.auth.v3.Authorization/Check"),
         (Health().handler(), "/grpc.health.v1.Health/Check"),
     ]

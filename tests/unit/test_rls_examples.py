@@ -10,10 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
 from devstack.launcher import DEFAULT_RLS_CONFIG
-from sidecar.rendering import DEFAULT_ENVOY_RLS_TEMPLATE, DEFAULT_RLS_DOMAIN, StackPorts, render_template_file, \
-    template_variables
+from sidecar.rendering import (
+    DEFAULT_ENVOY_RLS_TEMPLATE,
+    DEFAULT_RLS_DOMAIN,
+    StackPorts,
+    render_template_file,
+    template_variables,
+)
 from sidecar.rls import load_rls
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "ratelimit"
@@ -38,7 +42,8 @@ def test_the_example_bootstrap_is_the_rendered_template() -> None:
         "examples/ratelimit/envoy.yaml is stale: python -m tests.unit.test_rls_examples"
 
 
-def descriptors_of(route_limits: list[dict[str, Any]], address: str, api_key: str | None) -> list[list[tuple[str, str]]]:
+def descriptors_of(route_limits: list[dict[str, Any]], address: str,
+                   api_key: str | None) -> list[list[tuple[str, str]]]:
     """The descriptors Envoy makes from rate_limits actions for one request
     (a request without the header makes no descriptor of that entry)."""
     made = []

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from sidecar.cli import service
 from sidecar.server import YOUNG_GENERATION_THRESHOLD
 

@@ -10,7 +10,6 @@ import json
 import logging
 
 import pytest
-
 from sidecar.engine import ALLOW, CLOSE, DENY
 from sidecar.frontdoors.common import allow_headers
 

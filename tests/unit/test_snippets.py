@@ -3,22 +3,21 @@ shipped site and bootstrap built from them, never beside them."""
 
 from __future__ import annotations
 
-from http import HTTPStatus
-
 import os
 import re
 import tempfile
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 from click.testing import CliRunner
+from devstack.demo_upstream import KEEP_ALIVE_SECONDS as DEMO_KEEP_ALIVE_SECONDS
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from devstack.demo_upstream import KEEP_ALIVE_SECONDS as DEMO_KEEP_ALIVE_SECONDS
-from sidecar import cli, rendering as launcher
+from sidecar import cli
+from sidecar import rendering as launcher
 from sidecar.cli import KEEP_ALIVE_SECONDS
 from sidecar.rendering import (
     DEFAULT_ENVOY_GRPC_TEMPLATE,
@@ -26,11 +25,13 @@ from sidecar.rendering import (
     DEFAULT_ENVOY_TEMPLATE,
     DEFAULT_TEMPLATE,
     PACKAGE_TEMPLATES,
-    RenderError as StackError,
     StackPorts,
     expand_includes,
     render_template_file,
     template_variables,
+)
+from sidecar.rendering import (
+    RenderError as StackError,
 )
 
 TEMPLATES = Path(str(PACKAGE_TEMPLATES))
@@ -121,8 +122,8 @@ def test_the_snippets_name_only_sluices_settings() -> None:
     used = {name for snippet in SNIPPETS.glob("*.template")
             for name in re.findall(r"\$\{(\w+)\}", snippet.read_text())}
 
-    assert used == {"SLUICE_ADDR", "SLUICE_HOOK_ADDR", "SLUICE_CONNECT_TIMEOUT", "SLUICE_READ_TIMEOUT", "SLUICE_CACHE_DIR",
-                    "SLUICE_REFUSAL_CACHE", "SLUICE_UNCHECKED_RATE", "SLUICE_UNCHECKED_BURST"}
+    assert used == {"SLUICE_ADDR", "SLUICE_HOOK_ADDR", "SLUICE_CONNECT_TIMEOUT", "SLUICE_READ_TIMEOUT",
+                    "SLUICE_CACHE_DIR", "SLUICE_REFUSAL_CACHE", "SLUICE_UNCHECKED_RATE", "SLUICE_UNCHECKED_BURST"}
 
 
 # -- Envoy: the bootstrap is the three fragments, put in place --------------
@@ -161,7 +162,8 @@ def test_the_grpc_bootstrap_is_the_http_one_with_the_grpc_filters_and_cluster() 
     http_filters = rendered_yaml(FRAGMENTS / "sluice-http-filters.yaml.template")
     assert (filters[0], filters[2]) == (http_filters[0], http_filters[2])
     assert "grpc_service" in filters[1]["typed_config"]
-    assert http_connection_manager(grpc)["http_filters"] == [*filters, http_connection_manager(http)["http_filters"][-1]]
+    assert http_connection_manager(grpc)["http_filters"] == [*filters,
+                                                             http_connection_manager(http)["http_filters"][-1]]
     http_clusters = http["static_resources"]["clusters"]
     assert grpc["static_resources"]["clusters"] == [*http_clusters[:2], *grpc_clusters, *http_clusters[2:]]
     # Everything else, the listener's routes included, is the HTTP bootstrap's.

@@ -103,7 +103,7 @@ def test_a_key_popped_and_stored_again_never_grows_the_wheel_of_a_map_that_is_no
     fills, so no room is made, and its stale references are still dropped."""
     clock = [0.0]
     m = bounded(100_000, clock)
-    for round_ in range(20_000):
+    for _ in range(20_000):
         m.add(("exports", "192.0.2.1"), Expiring(1e9))
         m.pop(("exports", "192.0.2.1"))
         assert m._filed <= 2 * 1 + 1024 + 1  # the bound while the key is stored

@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-
 from sidecar import cli
 from sidecar.admin import Admin
 from sidecar.app import SluiceApp
@@ -24,7 +23,6 @@ from sidecar.watch import DEFAULT_INTERVAL, RulesFileWatch
 
 from .configmap_volume import ConfigMapVolume
 from .conftest import Harness
-from .test_cli import served, started  # noqa: F401 - the fixtures
 
 RULES = """\
 rules:

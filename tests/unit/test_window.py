@@ -4,7 +4,6 @@ import math
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from sidecar.limiters.window import WindowCounter
 
 
