@@ -64,6 +64,8 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
+from bench_engine import NO_RULES, TEN_RULES  # noqa: E402  (bench/ is on sys.path as the script's directory)
+
 from devstack.launcher import find_envoy, find_nginx  # noqa: E402
 from sidecar.rendering import (  # noqa: E402
     DEFAULT_ENVOY_GRPC_TEMPLATE,
@@ -75,8 +77,6 @@ from sidecar.rendering import (  # noqa: E402
     write_envoy_config,
     write_nginx_config,
 )
-
-from bench_engine import NO_RULES, TEN_RULES  # noqa: E402  (bench/ is on sys.path as the script's directory)
 
 LUA = BENCH / "rotate.lua"
 CLK_TCK = os.sysconf("SC_CLK_TCK")

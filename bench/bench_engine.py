@@ -316,10 +316,11 @@ def front_door(passes: int = 8, batch: int = 20_000) -> dict[str, float]:
     import asyncio
 
     import uvloop
-    from sidecar.app import create_app
-    from sidecar.server import protocol_factory
     from uvicorn.config import Config
     from uvicorn.server import ServerState
+
+    from sidecar.app import create_app
+    from sidecar.server import protocol_factory
 
     print("== nginx check requests fed to Sluice's HTTP protocol in process (rotating clients)")
     results: dict[str, float] = {}

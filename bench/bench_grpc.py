@@ -20,6 +20,8 @@ sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
 import uvloop  # noqa: E402
+from bench_engine import TEN_RULES, engine_for  # noqa: E402
+
 from sidecar.app import SluiceApp  # noqa: E402
 from sidecar.frontdoors.grpc_authz import CHECK_METHOD, CHECK_SERVICE, check_handler  # noqa: E402
 from sidecar.frontdoors.grpc_server import GrpcListener  # noqa: E402
@@ -31,8 +33,6 @@ from sidecar.frontdoors.messages import (  # noqa: E402
 )
 from sidecar.frontdoors.rls import RateLimitService, rls_handler  # noqa: E402
 from sidecar.rls import RlsConfig, compile_domain, parse_rls_text  # noqa: E402
-
-from bench_engine import TEN_RULES, engine_for  # noqa: E402
 
 CHECKS = 5_000
 

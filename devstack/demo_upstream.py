@@ -23,6 +23,7 @@ from typing import Any
 from urllib.parse import parse_qs
 
 import uvicorn
+
 from sidecar.asgi import Receive, Scope, Send
 
 # Paths remembered for `hits`; the oldest is forgotten first, so a client

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from pydantic import Field
+
 from sidecar.config import Duration, LimitModel, format_duration
 from sidecar.limiters import ALLOWED, Hit, RuleLimit, lua_number, registry
 

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+
 from devstack.launcher import FRONT_DOORS, Stack, StackError
 from sidecar.rendering import StackPorts
-
 from tests.integration.clients import LOOPBACK, Client
 
 if TYPE_CHECKING:

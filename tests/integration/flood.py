@@ -23,7 +23,6 @@ from pathlib import Path
 
 from devstack.launcher import find_envoy, find_nginx
 from sidecar.rendering import nginx_main_config
-
 from tests.integration.clients import LOOPBACK
 from tests.integration.conftest import free_port, metric_at
 

@@ -21,9 +21,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from devstack.launcher import Stack
 from sidecar.overload import PROXY_SECONDS
-
 from tests.integration.clients import CONNECTION_CLOSED, LOOPBACK, Client, assert_refused_by_closing
 from tests.integration.conftest import fresh_client_address, front_door_port, start_stack, wait_until
 from tests.integration.redis_server import RedisServer

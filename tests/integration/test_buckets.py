@@ -17,8 +17,8 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from devstack.launcher import Stack
 
+from devstack.launcher import Stack
 from tests.integration.clients import LOOPBACK, Client, TimedReply, send_at_once
 from tests.integration.conftest import (
     RULES,

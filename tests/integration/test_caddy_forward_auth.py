@@ -22,8 +22,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from devstack.launcher import START_TIMEOUT_SECONDS, Component, StackError, accepts_connections
 
+from devstack.launcher import START_TIMEOUT_SECONDS, Component, StackError, accepts_connections
 from tests.integration.clients import LOOPBACK, Client, Reply, assert_default_block, assert_observed
 from tests.integration.test_challenge import pass_challenge
 

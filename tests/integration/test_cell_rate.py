@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
+
 from sidecar import cli
 from sidecar.config import ConfigError, parse_rules_text
 from sidecar.engine import ALLOW, DENY, Engine
@@ -30,7 +31,6 @@ from sidecar.rls import load_rls
 from sidecar.schema import rules_schema_text
 from sidecar.store.memory import MemoryStore
 from sidecar.store.redis import RedisStore
-
 from tests.integration.redis_server import RedisServer
 from tests.unit.conftest import FakeClock, ruleset_from
 

@@ -14,9 +14,9 @@ from collections.abc import Callable
 from urllib.parse import urlencode
 
 import pytest
+
 from devstack.launcher import Stack
 from sidecar.challenge import solve, solves
-
 from tests.integration.clients import Client, Reply
 from tests.integration.conftest import sluice_metric, unique_path
 

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from devstack.launcher import FRONT_DOORS, Stack
 
+from devstack.launcher import FRONT_DOORS, Stack
 from tests.integration.browser import Chromium
 from tests.integration.conftest import RULES, front_door_port, start_stack
 

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 import pytest
-from devstack.launcher import Stack
 
+from devstack.launcher import Stack
 from tests.integration.clients import LOOPBACK
 from tests.integration.conftest import fresh_client_address, start_stack
 from tests.integration.redis_server import RedisServer

@@ -21,8 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from devstack.launcher import Stack
 
+from devstack.launcher import Stack
 from tests.integration.burst import burst, burst_over
 from tests.integration.clients import LOOPBACK, Client
 from tests.integration.conftest import (

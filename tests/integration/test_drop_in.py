@@ -30,6 +30,9 @@ from typing import Any, Protocol, TypeVar
 
 import pytest
 import yaml
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
 from devstack.launcher import (
     FRONT_DOORS,
     PACKAGE_PARENT,
@@ -38,10 +41,7 @@ from devstack.launcher import (
     find_envoy,
     find_nginx,
 )
-from hypothesis import HealthCheck, event, given, settings
-from hypothesis import strategies as st
 from sidecar.rendering import StackPorts, nginx_main_config
-
 from tests.integration.burst import burst
 from tests.integration.clients import (
     CONNECTION_CLOSED,

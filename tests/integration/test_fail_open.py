@@ -10,8 +10,8 @@ import threading
 import time
 
 import pytest
-from devstack.launcher import Stack
 
+from devstack.launcher import Stack
 from tests.integration.clients import LOOPBACK, Client, Reply
 from tests.integration.conftest import front_door_port
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from devstack.launcher import Stack
 
+from devstack.launcher import Stack
 from tests.integration.clients import LOOPBACK, Client, Reply
 from tests.integration.conftest import RULES, fresh_client_address, front_door_port, start_stack, unique_path
 

@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
 from devstack.launcher import ENVOY_ADMIN_HOST, FRONT_DOORS, Stack
 from sidecar.server import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_HEADERS
-
 from tests.integration.clients import LOOPBACK
 from tests.integration.conftest import fresh_client_address, front_door_port, start_stack
 

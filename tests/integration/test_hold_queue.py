@@ -9,10 +9,10 @@ import asyncio
 from typing import Any
 
 import pytest
+
 from sidecar.app import SluiceApp
 from sidecar.engine import Engine
 from sidecar.store.redis import RedisStore
-
 from tests.integration.redis_server import RedisServer
 from tests.unit.conftest import ruleset_from
 

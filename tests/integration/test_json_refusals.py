@@ -10,8 +10,8 @@ import json
 from collections.abc import Iterator
 
 import pytest
-from devstack.launcher import FRONT_DOORS, Stack
 
+from devstack.launcher import FRONT_DOORS, Stack
 from tests.integration.clients import Client, Reply
 from tests.integration.conftest import fresh_client_address, front_door_port, sluice_metric, start_stack, unique_path
 

@@ -25,9 +25,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+
 from devstack.launcher import START_TIMEOUT_SECONDS, Component, Stack, accepts_connections, find_nginx
 from sidecar.rendering import nginx_main_config
-
 from tests.integration.clients import LOOPBACK, Client, TimedReply, send_at_once
 from tests.integration.conftest import free_port, fresh_client_address
 

@@ -11,8 +11,8 @@ import uuid
 from collections.abc import Callable
 
 import pytest
-from devstack.launcher import Stack
 
+from devstack.launcher import Stack
 from tests.integration.clients import Client, assert_default_block, assert_observed, assert_refused_by_closing
 from tests.integration.conftest import fresh_client_address, unique_path
 

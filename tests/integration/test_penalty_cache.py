@@ -7,10 +7,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from sidecar.engine import ALLOW, CLOSE, DENY, Engine
 from sidecar.request import CheckRequest
 from sidecar.store.redis import RedisStore, shadow_ban_key
-
 from tests.integration.redis_server import RedisServer
 from tests.unit.conftest import FakeClock, ruleset_from
 

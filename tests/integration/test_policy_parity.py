@@ -10,9 +10,9 @@ import asyncio
 
 import pytest
 from hypothesis import HealthCheck, given, settings
+
 from sidecar.store.local import LocalStore
 from sidecar.store.redis import RedisStore
-
 from tests.integration.redis_server import RedisServer
 from tests.unit.dict_table import DictTable
 from tests.unit.policy_traces import Step, replay, traces

@@ -11,8 +11,8 @@ import subprocess
 import sys
 
 import yaml
-from devstack.launcher import Stack
 
+from devstack.launcher import Stack
 from tests.integration.burst import burst
 from tests.integration.clients import LOOPBACK
 from tests.integration.conftest import free_port, fresh_client_address, front_door_port, sluice_metric, unique_path

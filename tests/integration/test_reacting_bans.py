@@ -14,9 +14,9 @@ from typing import Any
 from urllib.parse import quote, urlencode
 
 import pytest
+
 from devstack.launcher import Stack
 from sidecar.challenge import solve
-
 from tests.integration.clients import Client, assert_refused_by_closing
 from tests.integration.conftest import fresh_client_address, front_door_port, stack_on_backend, wait_until
 from tests.integration.test_challenge import challenge_of

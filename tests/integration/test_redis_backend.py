@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from sidecar.engine import ALLOW, CLOSE, DENY, Engine
 from sidecar.frontdoors.nginx import DenyToken
 from sidecar.request import CheckRequest
 from sidecar.store.memory import MemoryStore
 from sidecar.store.redis import DEFAULT_TIMEOUT, RedisStore, _lua_string
-
 from tests.integration.check_load import COUNTED_RULES, COUNTED_TOKENS, CheckLoad, percentile, remaining
 from tests.integration.clients import LOOPBACK
 from tests.integration.conftest import free_port, metric_at, wait_until

@@ -18,8 +18,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from devstack.launcher import FRONT_DOORS, Stack
 
+from devstack.launcher import FRONT_DOORS, Stack
 from tests.integration.burst import burst, burst_over
 from tests.integration.conftest import (
     fresh_client_address,

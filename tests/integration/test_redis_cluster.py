@@ -13,12 +13,12 @@ import shutil
 import subprocess
 
 import pytest
+
 from sidecar.engine import ALLOW, CLOSE, DENY, Engine
 from sidecar.request import CheckRequest
 from sidecar.store.memory import MemoryStore
 from sidecar.store.redis import RedisStore, ban_key, counting_key
 from sidecar.store.redis_cluster import key_slot, parse_node
-
 from tests.integration.redis_server import RedisCluster, RedisServer
 from tests.unit.conftest import FakeClock, ruleset_from
 

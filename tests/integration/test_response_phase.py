@@ -18,8 +18,8 @@ import uuid
 from collections.abc import Iterator, Mapping
 
 import pytest
-from devstack.launcher import Stack
 
+from devstack.launcher import Stack
 from tests.integration.clients import LOOPBACK, Client, Reply
 from tests.integration.conftest import (
     RULES,

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+
 from devstack.launcher import Stack
 from sidecar.frontdoors.messages import OK, RATE_LIMIT_SERVICE, SHOULD_RATE_LIMIT, RateLimitRequest, RateLimitResponse
-
 from tests.integration.burst import burst
 from tests.integration.conftest import fresh_client_address, sluice_metric, start_stack
 from tests.integration.redis_server import RedisServer

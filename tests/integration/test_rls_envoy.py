@@ -36,10 +36,10 @@ from typing import TypeVar
 
 import grpc
 import pytest
+
 from devstack.launcher import START_TIMEOUT_SECONDS, Component, StackError, accepts_connections, find_envoy, http_status
 from sidecar.frontdoors.messages import SERVING, HealthCheckRequest, HealthCheckResponse
 from sidecar.rendering import render_template
-
 from tests.integration.clients import LOOPBACK, Client, Reply
 from tests.integration.conftest import free_port, metric_at, wait_until
 

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from devstack.launcher import Stack
 
+from devstack.launcher import Stack
 from tests.integration.clients import CONNECTION_CLOSED, Client
 from tests.integration.conftest import fresh_client_address, sluice_metric, start_stack
 

@@ -21,9 +21,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from devstack.launcher import Stack
 from sidecar.store.redis import DEFAULT_TIMEOUT
-
 from tests.integration.check_load import COUNTED_RULES, COUNTED_TOKENS, CheckLoad, percentile, remaining
 from tests.integration.conftest import sluice_metric, start_stack, wait_until
 from tests.integration.redis_server import RedisServer, SentinelGroup

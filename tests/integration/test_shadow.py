@@ -11,8 +11,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from devstack.launcher import Stack
 
+from devstack.launcher import Stack
 from tests.integration.clients import Client
 from tests.integration.conftest import fresh_client_address, front_door_port, sluice_metric, start_stack, state_for
 

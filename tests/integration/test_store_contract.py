@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
 import pytest
+
 from sidecar.config import Rate
 from sidecar.limiters.concurrent import ConcurrencyLimiter
 from sidecar.limiters.leaky import LeakyBucket
@@ -22,7 +23,6 @@ from sidecar.store.local import LocalStore
 from sidecar.store.memory import MemoryStore
 from sidecar.store.redis import RedisStore
 from sidecar.store.redis_cluster import parse_node
-
 from tests.integration.redis_server import RedisCluster, RedisServer
 from tests.unit.dict_table import DictTable
 

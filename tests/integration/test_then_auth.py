@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from devstack.launcher import Component, find_nginx
 from sidecar.rendering import nginx_main_config
-
 from tests.integration.auth_service import SIGN_IN_PAGE, USER
 from tests.integration.burst import burst
 from tests.integration.clients import CONNECTION_CLOSED, LOOPBACK, Client

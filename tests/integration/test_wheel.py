@@ -18,9 +18,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from devstack.launcher import find_envoy, find_nginx
 from sidecar.rendering import nginx_main_config
-
 from tests.integration.clients import LOOPBACK
 from tests.integration.conftest import free_port
 

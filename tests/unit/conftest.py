@@ -3,6 +3,7 @@ from typing import Any
 
 import pytest
 import uvicorn
+
 from sidecar import addresses, cli
 from sidecar.config import parse_rules_text
 from sidecar.engine import Engine

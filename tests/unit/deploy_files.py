@@ -17,6 +17,7 @@ from typing import Any
 import jsonschema
 import kubernetes_validate
 import yaml
+
 from devstack.launcher import find_nginx
 from sidecar.rendering import nginx_main_config
 

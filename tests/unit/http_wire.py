@@ -8,9 +8,10 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-from sidecar.server import LimitedHttpProtocol
 from uvicorn.config import Config
 from uvicorn.server import ServerState
+
+from sidecar.server import LimitedHttpProtocol
 
 LOOPBACK = "127.0.0.1"
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hypothesis import strategies as st
+
 from sidecar.config import Rate
 from sidecar.limiters.concurrent import ConcurrencyLimiter
 from sidecar.limiters.leaky import LeakyBucket

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+
 from sidecar.admin import Admin, read_token
 from sidecar.app import SluiceApp
 from sidecar.engine import ALLOW, CLOSE, DENY

@@ -15,6 +15,7 @@ from urllib.parse import urlencode
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from sidecar.admin import Admin
 from sidecar.app import SluiceApp
 from sidecar.engine import Engine

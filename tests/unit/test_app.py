@@ -3,6 +3,7 @@
 import asyncio
 
 import pytest
+
 from sidecar.app import SluiceApp
 from sidecar.challenge import IssuedChallenge
 from sidecar.frontdoors.nginx import DenyToken

@@ -4,6 +4,7 @@ import asyncio
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from sidecar.app import SluiceApp
 from sidecar.engine import ALLOW, DENY
 from sidecar.limiters.token import TokenBucket

@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from uvicorn.config import Config
+from uvicorn.server import ServerState
+
 from sidecar.app import SluiceApp
 from sidecar.chain import (
     CLOSE_PAGE_STATUS,
@@ -36,9 +39,6 @@ from sidecar.engine import CLOSED, Engine, Outcome
 from sidecar.frontdoors.nginx import DenyToken, answer_nginx
 from sidecar.server import LimitedHttpProtocol
 from sidecar.store.memory import MemoryStore
-from uvicorn.config import Config
-from uvicorn.server import ServerState
-
 from tests.unit.conftest import Harness, ruleset_from
 
 RULES = """
@@ -692,6 +692,7 @@ def test_whatever_the_next_service_answers_nginx_gets_a_defined_answer(answers: 
 @pytest.mark.parametrize("url", ["https://auth/x", "http://user:secret@auth/x", "auth"])
 def test_serve_names_the_flag_of_a_next_service_url_it_cannot_use(url: str) -> None:
     from click.testing import CliRunner
+
     from sidecar.cli import main
 
     result = CliRunner().invoke(main, ["serve", "--then-auth", url])

@@ -9,6 +9,7 @@ import subprocess
 from urllib.parse import urlencode
 
 import pytest
+
 from sidecar.actions import CHALLENGE_PAGE
 from sidecar.app import SluiceApp
 from sidecar.challenge import (
@@ -22,7 +23,6 @@ from sidecar.challenge import (
 )
 from sidecar.engine import ALLOW, CLOSE, DENY, Engine
 from sidecar.frontdoors.common import render_page
-
 from tests.unit.conftest import FakeClock, Harness, ruleset_from
 
 SECRET = b"test secret"

@@ -19,6 +19,7 @@ import yaml
 from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from sidecar import DISTRIBUTION, addresses, cli
 from sidecar.rendering import ENVOY_GUARD_ADDRESSES, ENVOY_MAX_TOKENS
 from sidecar.rules import Ruleset, load_ruleset

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
-from sidecar.cli import main
 
+from sidecar.cli import main
 from tests.integration.clients import LOOPBACK
 from tests.integration.conftest import free_port
 from tests.integration.sluice_serve import SluiceServe
@@ -256,7 +256,6 @@ def test_the_installed_command_runs_and_the_log_never_holds_the_token(sluice: Sl
 def test_a_sluice_on_a_unix_socket_answers_without_a_token(tmp_path: Path) -> None:
     """``sluice serve --uds``: its peers are local, as loopback ones are."""
     from sidecar.cli_admin import UnixConnection
-
     from tests.integration.conftest import wait_until
 
     (tmp_path / "rules.yaml").write_text(RULES)

@@ -10,6 +10,7 @@ from ipaddress import IPv4Address, IPv6Address, ip_network
 import pytest
 from hypothesis import assume, example, given
 from hypothesis import strategies as st
+
 from sidecar.clientip import (
     MAX_CACHED_ENTRY,
     MAX_FORWARDED_HOPS,

@@ -24,11 +24,11 @@ from typing import Any
 
 import pytest
 import yaml
+
 from devstack.launcher import PACKAGE_PARENT, find_envoy, find_nginx
 from sidecar import rendering as launcher
 from sidecar.rendering import expand_includes, nginx_main_config, render_template
 from sidecar.rules import load_ruleset
-
 from tests.unit.deploy_files import REPO, dockerfile_instructions, exec_form
 
 

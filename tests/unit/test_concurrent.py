@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from sidecar.at_once import run_at_once
 from sidecar.config import ConfigError, parse_rules_text
 from sidecar.engine import ALLOW, CLOSE, DENY

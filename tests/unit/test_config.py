@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from sidecar import config
 from sidecar.config import ConfigError, ConfigIssue, LoadedRules, load_rules_file, parse_duration, parse_rules_text
 from sidecar.limiters.window import WindowLimit

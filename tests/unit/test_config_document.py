@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
+
 from sidecar.config import ConfigIssue, Document
 
 TEXT = """\

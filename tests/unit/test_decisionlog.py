@@ -11,10 +11,10 @@ import re
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from sidecar.admin import Admin
 from sidecar.decisionlog import RepeatFold, iso_time, log_hash_key, logged_key
 from sidecar.engine import ALLOW, DENY
-
 from tests.unit.conftest import Harness
 
 RULES = """

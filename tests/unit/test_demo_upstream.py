@@ -8,10 +8,11 @@ import json
 import math
 
 import pytest
-from devstack import demo_upstream
-from devstack.demo_upstream import DemoUpstream, parse_sleep
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from devstack import demo_upstream
+from devstack.demo_upstream import DemoUpstream, parse_sleep
 
 from .test_app import call
 

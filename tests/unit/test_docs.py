@@ -37,9 +37,9 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
+
 from devstack import launcher
 from sidecar import cli
-
 from tests.unit.deploy_files import validate_manifest
 
 REPO = Path(__file__).resolve().parents[2]

@@ -13,8 +13,8 @@ import logging
 from typing import Any
 
 import pytest
-from sidecar.asgi import Receive, Scope, Send
 
+from sidecar.asgi import Receive, Scope, Send
 from tests.unit.http_wire import LOOPBACK, closed_by_server, read_answer, request, serving
 
 

@@ -6,6 +6,7 @@ import json
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from sidecar.app import SluiceApp
 from sidecar.hook import report_from_datagram
 

@@ -26,6 +26,7 @@ from urllib.parse import urlencode
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from sidecar.admin import Admin
 from sidecar.app import SluiceApp
 from sidecar.challenge import solve, solves

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import yaml
+
 from sidecar import cli
 from sidecar.actions import over_limit_headers
 from sidecar.challenge import SOLUTION_PATH
@@ -28,7 +29,6 @@ from sidecar.frontdoors.challenge_solution import CHALLENGE_PATH
 from sidecar.frontdoors.envoy import ENVOY_AUTH_PREFIX
 from sidecar.rendering import PACKAGE_TEMPLATES, expand_includes
 from sidecar.rules import load_ruleset
-
 from tests.unit.deploy_files import (
     KUBERNETES,
     all_containers,

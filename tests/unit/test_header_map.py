@@ -2,6 +2,7 @@
 
 from hypothesis import given
 from hypothesis import strategies as st
+
 from sidecar.frontdoors.common import header_map, join_fields
 
 # Few names, in every case, so that repeats (cookies included) are common;

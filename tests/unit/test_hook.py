@@ -8,6 +8,7 @@ import json
 import logging
 
 import pytest
+
 from sidecar import hook
 from sidecar.hook import HookDatagrams, datagram_report, report_from_headers
 from sidecar.ratelog import RateLimitedLog

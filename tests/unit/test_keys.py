@@ -9,6 +9,7 @@ from urllib.parse import quote
 import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
+
 from sidecar import config
 from sidecar.clientip import ClientAddress, ClientIPResolver
 from sidecar.config import parse_rules_text

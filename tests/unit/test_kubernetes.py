@@ -25,10 +25,10 @@ from typing import Any
 
 import pytest
 import yaml
+
 from sidecar import rendering as launcher
 from sidecar.rendering import StackPorts, template_variables
 from sidecar.rules import Ruleset, load_ruleset
-
 from tests.unit.deploy_files import (
     KUBERNETES,
     Build,

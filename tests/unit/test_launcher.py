@@ -15,12 +15,13 @@ from importlib.resources import files
 from pathlib import Path
 
 import pytest
-import sidecar
 import yaml
-from devstack import launcher
-from devstack.launcher import find_envoy
 from hypothesis import given
 from hypothesis import strategies as st
+
+import sidecar
+from devstack import launcher
+from devstack.launcher import find_envoy
 from sidecar.rendering import (
     DEFAULT_ENVOY_GRPC_TEMPLATE,
     DEFAULT_ENVOY_TEMPLATE,

@@ -22,6 +22,7 @@ import yaml
 from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from sidecar import cli
 from sidecar.clientip import ClientIPResolver
 from sidecar.config import parse_rules_text

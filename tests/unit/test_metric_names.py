@@ -13,7 +13,6 @@ from sidecar.app import SluiceApp
 from sidecar.engine import Engine
 from sidecar.frontdoors.rls import RateLimitService
 from sidecar.metrics import DEPRECATED
-
 from tests.unit.conftest import Harness, ruleset_from
 from tests.unit.test_app import call, envoy, forward, nginx
 from tests.unit.test_metrics import RULES as METRICS_RULES

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 from prometheus_client import generate_latest
+
 from sidecar.admin import Admin
 from sidecar.app import SluiceApp
 from sidecar.engine import Engine
 from sidecar.health import HealthListener, Heartbeat
 from sidecar.metrics import Metrics
 from sidecar.rules import load_ruleset
-
 from tests.unit.conftest import FakeClock, Harness
 from tests.unit.test_app import call, envoy, forward, nginx
 

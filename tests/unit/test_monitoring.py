@@ -24,10 +24,10 @@ import pytest
 import yaml
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
+
 from sidecar.app import SluiceApp
 from sidecar.chain import NextAuthAddress, ThenAuth
 from sidecar.engine import Engine
-
 from tests.unit.conftest import Harness, ruleset_from
 from tests.unit.deploy_files import (
     ALERT_RULES,

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 from prometheus_client import generate_latest
+
 from sidecar import nodemetrics
 from sidecar.engine import Engine
 from sidecar.frontdoors.rls import RateLimitService
 from sidecar.metrics import Metrics
 from sidecar.nodemetrics import GAUGE_MODES, NodeMetrics, file_kind
-
 from tests.unit.conftest import FakeClock, ruleset_from
 from tests.unit.test_metrics import RULES
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from sidecar.actions import BlockPage, PageTemplate
 from sidecar.at_once import run_at_once
 from sidecar.config import ConfigError

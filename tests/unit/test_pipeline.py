@@ -10,6 +10,7 @@ import logging
 from typing import Any
 
 import pytest
+
 from sidecar.engine import ALLOW, DENY, Engine
 from sidecar.frontdoors.envoy import describe_envoy
 from sidecar.frontdoors.forward_auth import describe_forward_auth

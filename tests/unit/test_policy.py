@@ -7,12 +7,12 @@ from __future__ import annotations
 import inspect
 
 from hypothesis import given, settings
+
 from sidecar.at_once import run_at_once
 from sidecar.policy import StateTable
 from sidecar.store import Deciding
 from sidecar.store.local import LocalStore
 from sidecar.store.memory import MemoryStore, MemoryTable
-
 from tests.unit.dict_table import DictTable
 from tests.unit.policy_traces import Step, replay, traces
 

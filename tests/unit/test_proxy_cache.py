@@ -9,6 +9,7 @@ import math
 
 from hypothesis import given
 from hypothesis import strategies as st
+
 from sidecar.engine import ALLOW, CLOSE, DENY
 from sidecar.frontdoors.nginx import PROXY_EXPIRES_HEADER, answer_nginx
 from sidecar.overload import PROXY_SECONDS, proxy_expires

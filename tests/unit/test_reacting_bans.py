@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
 from sidecar.admin import Admin
 from sidecar.at_once import run_at_once
 from sidecar.challenge import cookie_name, solve

@@ -7,6 +7,7 @@ import zlib
 
 from hypothesis import given
 from hypothesis import strategies as st
+
 from sidecar.state import AutoBan
 from sidecar.store.redis import PREFIX, ban_key, counting_key
 from sidecar.store.redis_cluster import key_slot

@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 import hiredis
 import pytest
 import uvloop
+
 from sidecar.store import StoreUnavailable
 from sidecar.store.redis_pipeline import NoScriptError, PipelinedRedis, RedisAddress
 

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from sidecar.actions import (
     CONTENT_TYPE_HTML,
     CONTENT_TYPE_JSON,

@@ -18,6 +18,7 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from sidecar import cli
 from sidecar.accesslog import AccessLogs, LogError, UnparsableLine, parse_line
 from sidecar.config import parse_rules_text

@@ -4,6 +4,7 @@ from urllib.parse import parse_qsl
 
 from hypothesis import given
 from hypothesis import strategies as st
+
 from sidecar.request import parse_query
 
 query_text = st.lists(st.sampled_from(list("ab=&+%20x;é") + ["%41", "%e9", "%zz", "=="]),

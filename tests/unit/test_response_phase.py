@@ -4,6 +4,7 @@ import asyncio
 import json
 
 import pytest
+
 from sidecar.engine import ALLOW, DENY
 from sidecar.hook import report_from_datagram, report_from_headers
 from sidecar.pending import Pending, PendingTokens

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from sidecar.config import ConfigError
 from sidecar.engine import Engine
 from sidecar.frontdoors.messages import OK, OVER_LIMIT, UNITS, RateLimitRequest, RateLimitResponse
@@ -474,6 +475,7 @@ FUZZED = Service(MESSAGING, REPLACES)
 
 def test_rls_and_health_answer_on_the_grpc_port_and_a_failure_inside_sluice_fails_open() -> None:
     import grpc
+
     from sidecar.app import SluiceApp
     from sidecar.frontdoors.grpc_server import GrpcListener
     from sidecar.frontdoors.messages import (
@@ -541,6 +543,7 @@ class _Context:
     RateLimitRequest, domain=st.sampled_from(["messaging", "", "x"]), hits_addend=st.integers(0, 2**32 - 1))))
 def test_any_bytes_on_the_grpc_methods_get_an_answer_or_invalid_argument(data: bytes) -> None:
     import grpc
+
     from sidecar.app import SluiceApp
     from sidecar.frontdoors.grpc_authz import check_handler
     from sidecar.frontdoors.grpc_server import Health

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from devstack.launcher import DEFAULT_RLS_CONFIG
 from sidecar.rendering import (
     DEFAULT_ENVOY_RLS_TEMPLATE,

@@ -19,10 +19,10 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
+
 from sidecar import cli
 from sidecar.config import ConfigError, RulesFile, parse_rules_text
 from sidecar.schema import REGENERATE, SCHEMA_FILE, rules_schema, rules_schema_text
-
 from tests.unit.test_config import MANY_ERRORS, VALID_RULE, rule_file
 
 REPO = Path(__file__).resolve().parents[2]

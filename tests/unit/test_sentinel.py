@@ -10,12 +10,12 @@ import time
 from typing import Any
 
 import pytest
+
 from sidecar.config import SentinelConfig
 from sidecar.store import StoreUnavailable
 from sidecar.store import sentinel as sentinel_module
 from sidecar.store.redis_pipeline import PipelinedRedis
 from sidecar.store.sentinel import sentinel_client
-
 from tests.unit.test_redis_pipeline import TIMEOUT, FakeRedis, ok, run, silent
 
 MASTER = "main"

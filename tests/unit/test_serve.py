@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from sidecar.cli import service
 from sidecar.server import YOUNG_GENERATION_THRESHOLD
 

@@ -15,12 +15,12 @@ from typing import Any
 import uvicorn
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sidecar.app import SluiceApp
-from sidecar.engine import Engine
-from sidecar.server import DEFAULT_MAX_HEADER_BYTES, LimitedHttpProtocol, protocol_factory
 from uvicorn.config import Config
 from uvicorn.server import ServerState
 
+from sidecar.app import SluiceApp
+from sidecar.engine import Engine
+from sidecar.server import DEFAULT_MAX_HEADER_BYTES, LimitedHttpProtocol, protocol_factory
 from tests.unit.conftest import FakeClock, ruleset_from
 from tests.unit.http_wire import LOOPBACK, closed_by_server, read_answer, request, serving
 

@@ -10,6 +10,7 @@ import json
 import logging
 
 import pytest
+
 from sidecar.engine import ALLOW, CLOSE, DENY
 from sidecar.frontdoors.common import allow_headers
 

@@ -3,6 +3,7 @@
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from sidecar.signing import Signer, b64decode, b64encode
 
 SECRET = b"a node secret of enough length"

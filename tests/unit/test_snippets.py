@@ -13,9 +13,10 @@ from typing import Any
 import pytest
 import yaml
 from click.testing import CliRunner
-from devstack.demo_upstream import KEEP_ALIVE_SECONDS as DEMO_KEEP_ALIVE_SECONDS
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from devstack.demo_upstream import KEEP_ALIVE_SECONDS as DEMO_KEEP_ALIVE_SECONDS
 from sidecar import cli
 from sidecar import rendering as launcher
 from sidecar.cli import KEEP_ALIVE_SECONDS

@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from uvicorn.config import Config
+from uvicorn.server import ServerState
+
 from sidecar.app import SluiceApp
 from sidecar.decisionlog import configure_decision_log
 from sidecar.engine import Engine
 from sidecar.server import LimitedHttpProtocol
-from uvicorn.config import Config
-from uvicorn.server import ServerState
-
 from tests.unit.conftest import FakeClock, ruleset_from
 
 RULESETS = {

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
+
 from sidecar import cli
 from sidecar.admin import Admin
 from sidecar.app import SluiceApp

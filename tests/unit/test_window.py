@@ -4,6 +4,7 @@ import math
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from sidecar.limiters.window import WindowCounter
 
 
