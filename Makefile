@@ -1,7 +1,7 @@
 # make run [RULES=path/to/rules.yaml] [RLS=path]
 #                                       the local stack: nginx + Envoy (HTTP and gRPC ext_authz, and the
 #                                       ratelimit filter asking Sluice's Rate Limit Service) + Sluice + demo upstream
-# make test                             every test, integration tests included
+# make test                             ruff, strict mypy, then every test, integration tests included
 # make bench                            the benchmarks (bench/*.py); never part of make test
 # make dist                             the sdist and the wheel (built from the sdist) into dist/
 # make docs                             the documentation (Sphinx, docs/*.md) into build/docs
@@ -42,6 +42,7 @@ run: $(INSTALLED) nginx
 	$(VENV)/bin/python -m devstack.launcher --rules "$(RULES)" $(if $(RLS),--rls-config "$(RLS)")
 
 test: $(INSTALLED) $(ACTIONLINT) nginx caddy redis-server redis-tools nodejs prometheus chromium wrk
+	$(VENV)/bin/ruff check
 	$(VENV)/bin/python -m mypy
 	$(VENV)/bin/python -m pytest -q
 

@@ -22,18 +22,23 @@ from typing import TYPE_CHECKING
 
 from sidecar.admin import Admin
 from sidecar.asgi import Receive, Scope, Send
+from sidecar.at_once import run_at_once
 from sidecar.chain import NGINX_CHAINED_CHECK, ThenAuth, asks_next, routes_with_then_auth
 from sidecar.engine import ALLOW, Decision, Engine
 from sidecar.frontdoors import ROUTES
 from sidecar.frontdoors.common import (
-    Check, Reply, RouteTable, header_map, respond, wait_unless_disconnected,
+    Check,
+    Reply,
+    RouteTable,
+    header_map,
+    respond,
+    wait_unless_disconnected,
 )
 from sidecar.overload import STORED_FRONT_DOORS, AddressRefusals, LoopWatch, StoredKey, stored_key
-from sidecar.server import encode_reply
 from sidecar.ratelog import RateLimitedLog
 from sidecar.request import CheckRequest
+from sidecar.server import encode_reply
 from sidecar.service import build_api
-from sidecar.at_once import run_at_once
 
 if TYPE_CHECKING:
     from sidecar.frontdoors.rls import RateLimitService

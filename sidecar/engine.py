@@ -11,8 +11,8 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from sidecar.actions import BlockPage, draft_fields, retry_after_seconds
 from sidecar.at_once import run_at_once
@@ -22,9 +22,16 @@ from sidecar.decisionlog import DecisionLog
 from sidecar.keys import key_values
 from sidecar.limiters import Hit
 from sidecar.metrics import Metrics
-from sidecar.overload import (BEHIND_SHARE, PROXY_SECONDS, SHARED_STORED_SECONDS, STORED_SECONDS,
-                              AddressRefusals, RefusalMemory, proxy_expires,
-                              StoredRefusal)
+from sidecar.overload import (
+    BEHIND_SHARE,
+    PROXY_SECONDS,
+    SHARED_STORED_SECONDS,
+    STORED_SECONDS,
+    AddressRefusals,
+    RefusalMemory,
+    StoredRefusal,
+    proxy_expires,
+)
 from sidecar.pending import PendingEntry, PendingTokens, SlotEntry
 from sidecar.policy import Policy
 from sidecar.ratelog import RateLimitedLog

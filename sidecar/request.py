@@ -8,7 +8,7 @@ edges). Cookies and query parameters are parsed only when a rule asks.
 from __future__ import annotations
 
 import posixpath
-from typing import Hashable
+from collections.abc import Hashable
 from urllib.parse import unquote
 
 from sidecar.clientip import ClientAddress

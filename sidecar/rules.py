@@ -8,16 +8,16 @@ limiter objects; evaluating a request is then lookups and arithmetic only
 
 from __future__ import annotations
 
-
 import dataclasses
 import linecache
 import math
 import re
 import socket
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Callable, Literal, Sequence, cast
+from typing import Literal, cast
 
 from sidecar import config
 from sidecar.actions import CHALLENGE_PAGE, BlockPage
@@ -25,11 +25,11 @@ from sidecar.challenge import cookie_name
 from sidecar.clientip import ClientAddress, ClientIPResolver, NetworkSet
 from sidecar.config import ConfigError, ConfigIssue, LoadedRules, Loc
 from sidecar.keys import CountingKey, KeyPrefix, key_dimensions, key_values
-from sidecar.limiters.registry import build_limiter
 from sidecar.limiters.base import Limiter
+from sidecar.limiters.registry import build_limiter
+from sidecar.request import CheckRequest
 from sidecar.state import AutoBan, BanIncrement, Check, CheckSpec, PenaltyBan
 from sidecar.store.redis_cluster import parse_node
-from sidecar.request import CheckRequest
 
 Predicate = Callable[[CheckRequest], bool]
 KeyBuilder = Callable[[CheckRequest], CountingKey]
@@ -369,7 +369,7 @@ class ResponseCounting:
         return 1
 
     @classmethod
-    def from_config(cls, count_on: config.CountOn | None, score_header: str | None) -> "ResponseCounting":
+    def from_config(cls, count_on: config.CountOn | None, score_header: str | None) -> ResponseCounting:
         header = count_on.header if count_on is not None else None
         return cls(
             statuses=frozenset(count_on.status) if count_on is not None and count_on.status else None,

@@ -20,7 +20,7 @@ def refused_solution_page(problem: str, location: str) -> bytes:
     return (f"<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>Verification failed</title></head>\n<body><h1>Verification failed</h1>\n"
             f"<p>{html.escape(problem)}.</p>\n<p><a href=\"{html.escape(location, quote=True)}\">"
-            f"Try again</a></p></body></html>\n").encode("utf-8")
+            f"Try again</a></p></body></html>\n").encode()
 
 
 async def solution(service: Service, scope: Scope, receive: Receive, send: Send) -> None:

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Iterable, Protocol
+from typing import Protocol
 
 from sidecar.actions import BlockPage, Refusal, deny_headers, over_limit_headers, page_body, prefers_json
 from sidecar.asgi import Receive, Scope, Send
@@ -202,7 +203,8 @@ async def read_body(receive: Receive, limit: int) -> bytes:
         message = await receive()
         if message["type"] != "http.request":
             return b""
-        body += message.get("body", b"")
+        chunk: bytes = message.get("body", b"")
+        body += chunk
         if len(body) > limit:
             return b""
         if not message.get("more_body"):

@@ -19,11 +19,17 @@ from typing import Any, Protocol
 import grpc
 
 from sidecar.asgi import Scope
-from sidecar.frontdoors.messages import (CHECK_METHOD, CHECK_SERVICE, OVERWRITE_IF_EXISTS_OR_ADD,
-                                               CheckRequest as CheckRequestMessage, CheckResponse,
-                                               HeaderValueOption, reader)
 from sidecar.frontdoors.common import Check, Reply, check_request, join_fields
 from sidecar.frontdoors.forward_auth import answer_in_full
+from sidecar.frontdoors.messages import (
+    CHECK_METHOD,
+    CHECK_SERVICE,
+    OVERWRITE_IF_EXISTS_OR_ADD,
+    CheckResponse,
+    HeaderValueOption,
+    reader,
+)
+from sidecar.frontdoors.messages import CheckRequest as CheckRequestMessage
 from sidecar.request import CheckRequest, strip_port
 
 # google.rpc.Code values of CheckResponse.status.

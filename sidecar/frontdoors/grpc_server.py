@@ -9,8 +9,14 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from sidecar.frontdoors.grpc_authz import CheckingService, check_handler
-from sidecar.frontdoors.messages import (HEALTH_SERVICE, NOT_SERVING, SERVING, HealthCheckRequest,
-                                         HealthCheckResponse, reader)
+from sidecar.frontdoors.messages import (
+    HEALTH_SERVICE,
+    NOT_SERVING,
+    SERVING,
+    HealthCheckRequest,
+    HealthCheckResponse,
+    reader,
+)
 
 if TYPE_CHECKING:
     from sidecar.frontdoors.rls import RateLimitService

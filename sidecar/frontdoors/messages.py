@@ -19,9 +19,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from google.protobuf import (
+    descriptor_pb2,
+    descriptor_pool,
+    duration_pb2,
+    message_factory,
+    struct_pb2,
+    timestamp_pb2,
+    wrappers_pb2,
+)
 from google.protobuf.message import DecodeError
-from google.protobuf import (descriptor_pb2, descriptor_pool, duration_pb2, message_factory, struct_pb2, timestamp_pb2,
-                              wrappers_pb2)
 
 _Field = descriptor_pb2.FieldDescriptorProto
 STRING, BYTES, INT32, UINT32, INT64, MESSAGE, ENUM = (

@@ -30,7 +30,15 @@ from sidecar.clientip import parse_address
 from sidecar.config import RULE_ID_RE
 from sidecar.engine import ALLOW, CLOSE, Decision
 from sidecar.frontdoors.common import (
-    Check, Reply, Route, Service, allow_headers, check_request, client_prefers_json, header_map, request_id_of,
+    Check,
+    Reply,
+    Route,
+    Service,
+    allow_headers,
+    check_request,
+    client_prefers_json,
+    header_map,
+    request_id_of,
     respond,
 )
 from sidecar.ratelog import RateLimitedLog

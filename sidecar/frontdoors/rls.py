@@ -24,18 +24,25 @@ import hashlib
 import logging
 import math
 import re
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import grpc
 from prometheus_client.core import Metric, UnknownMetricFamily
 from prometheus_client.registry import Collector
 
-from sidecar.config import ConfigError
 from sidecar.clientip import ClientIPResolver
+from sidecar.config import ConfigError
 from sidecar.engine import ALLOW, Engine, Tally
 from sidecar.frontdoors.messages import (
-    OK, OVER_LIMIT, RATE_LIMIT_SERVICE, SHOULD_RATE_LIMIT, RateLimitRequest, RateLimitResponse, reader,
+    OK,
+    OVER_LIMIT,
+    RATE_LIMIT_SERVICE,
+    SHOULD_RATE_LIMIT,
+    RateLimitRequest,
+    RateLimitResponse,
+    reader,
 )
 from sidecar.keys import CountingKey
 from sidecar.ratelog import RateLimitedLog

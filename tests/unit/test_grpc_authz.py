@@ -13,11 +13,10 @@ from hypothesis import strategies as st
 from sidecar.app import SluiceApp
 from sidecar.asgi import Scope
 from sidecar.engine import Engine
-from sidecar.frontdoors.messages import CHECK_METHOD, CHECK_SERVICE, CheckRequest, CheckResponse
 from sidecar.frontdoors.common import Check, Reply
+from sidecar.frontdoors.grpc_authz import RPC_OK, RPC_PERMISSION_DENIED, check_handler, check_response, request_headers
 from sidecar.frontdoors.grpc_server import GrpcListener
-from sidecar.frontdoors.grpc_authz import (RPC_OK, RPC_PERMISSION_DENIED, check_handler,
-                                           check_response, request_headers)
+from sidecar.frontdoors.messages import CHECK_METHOD, CHECK_SERVICE, CheckRequest, CheckResponse
 
 from .conftest import FakeClock, ruleset_from
 from .test_app import RULES as APP_RULES
