@@ -11,7 +11,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sidecar.actions import BlockPage, draft_fields, retry_after_seconds
@@ -38,11 +38,9 @@ from sidecar.ratelog import RateLimitedLog
 from sidecar.request import UNRESOLVED, CheckRequest
 from sidecar.responses import ResponsePhase
 from sidecar.rules import CompiledRule, Ruleset
-from sidecar.state import BanRecord, Check, Evaluation, epoch_clock
+from sidecar.state import BanRecord, Check, Clock, Evaluation, epoch_clock
 from sidecar.store import StateStore, StoreUnavailable, open_local_counts, open_store
 from sidecar.tokens import Tokens
-
-Clock = Callable[[], float]
 
 log = logging.getLogger("sluice")
 

@@ -33,7 +33,7 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Protocol, cast
 
 from sidecar.keys import CountingKey
-from sidecar.limiters import ALLOWED, Hit
+from sidecar.limiters import UNDER_LIMIT, Hit
 from sidecar.limiters.base import DeferredLimiter, Limiter
 from sidecar.state import BanIncrement, BanRecord, Check, CheckSpec, Evaluation, PenaltyBan
 
@@ -121,7 +121,7 @@ class Policy:
             if state is not None and state.limiter is not limiter:
                 state = carried_over(state, limiter)
             if not spec.count:  # a look: a response-phase rule's penalty
-                hit = limiter.peek(state, now) if state is not None else ALLOWED
+                hit = limiter.peek(state, now) if state is not None else UNDER_LIMIT
             elif not limiter.deferred:
                 if state is None:
                     # A key never seen (or forgotten): under key rotation, most of them.

@@ -53,7 +53,7 @@ SHOULD_RATE_LIMIT = "ShouldRateLimit"
 # RateLimitResponse.Code.
 UNKNOWN, OK, OVER_LIMIT = 0, 1, 2
 # RateLimitResponse.RateLimit.Unit and envoy.type.v3.RateLimitUnit (the same numbers).
-UNITS = {"SECOND": 1, "MINUTE": 2, "HOUR": 3, "DAY": 4, "MONTH": 5, "YEAR": 6}
+UNIT_NUMBERS = {"SECOND": 1, "MINUTE": 2, "HOUR": 3, "DAY": 4, "MONTH": 5, "YEAR": 6}
 
 HEALTH = "grpc.health.v1"
 HEALTH_SERVICE = f"{HEALTH}.Health"

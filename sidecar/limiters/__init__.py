@@ -43,7 +43,7 @@ class Hit:
     proposal: Any = None
 
 
-ALLOWED = Hit(False)
+UNDER_LIMIT = Hit(False)
 
 
 def lua_number(value: float) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from sidecar.config import LimitModel, Rule, format_duration
-from sidecar.limiters import ALLOWED, Hit, lua_number
+from sidecar.limiters import UNDER_LIMIT, Hit, lua_number
 from sidecar.limiters.registry import LuaKind
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ class Bucket:
         return Hit(True, self.penalty)
 
     def peek(self, state: Any, now: float) -> Hit:
-        return in_penalty(state, now) or ALLOWED
+        return in_penalty(state, now) or UNDER_LIMIT
 
     def hit(self: DeferredLimiter, state: Any, now: float, threshold: float, amount: int = 1) -> Hit:
         """Charged at once: ``assess`` then ``commit``, as for a request of one rule."""

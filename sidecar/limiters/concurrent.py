@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 from pydantic import Field, field_validator
 
 from sidecar.config import Duration, LimitModel, Rule, format_duration
-from sidecar.limiters import ALLOWED, NO_PENALTY, Hit, RuleLimit, lua_number, registry
+from sidecar.limiters import NO_PENALTY, UNDER_LIMIT, Hit, RuleLimit, lua_number, registry
 
 CONCURRENT = registry.lua_kind("C", "window", "concurrent")
 
@@ -66,7 +66,7 @@ class ConcurrencyLimiter:
         return Hit(True, min(held.values()) - now)
 
     def peek(self, state: LeaseState, now: float) -> Hit:
-        return self._refusal(state, now) or ALLOWED
+        return self._refusal(state, now) or UNDER_LIMIT
 
     def assess(self, state: LeaseState, now: float, lease: str = "", amount: int = 1) -> Hit:
         """One slot per request, whatever its ``amount``."""

@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, field_validator
 
 from sidecar.config import Duration, LimitModel, format_duration
-from sidecar.limiters import ALLOWED, NO_PENALTY, Hit, RuleLimit, lua_number, registry
+from sidecar.limiters import NO_PENALTY, UNDER_LIMIT, Hit, RuleLimit, lua_number, registry
 
 WINDOW = registry.lua_kind("W", "window")
 
@@ -87,7 +87,7 @@ class WindowCounter:
         at request time)."""
         if now < state.penalty_until:
             return Hit(True, state.penalty_until - now)
-        return ALLOWED
+        return UNDER_LIMIT
 
     def hit(self, state: WindowState, now: float, threshold: float, amount: int = 1) -> Hit:
         if now < state.penalty_until:
@@ -111,7 +111,7 @@ class WindowCounter:
         # Compared as a real number, never rounded.
         if estimate > threshold if self.exceed else estimate >= threshold:
             state.penalty_until = now + self.penalty
-        return ALLOWED
+        return UNDER_LIMIT
 
     def _fit(self, state: WindowState, now: float, threshold: float, amount: int) -> Hit:
         """``hit`` of a fitting counter, in the key's current window."""
@@ -119,7 +119,7 @@ class WindowCounter:
         previous = state.previous * (self.period - elapsed) / self.period if self.sliding else 0.0
         if state.current + amount + previous <= threshold:
             state.current += amount
-            return ALLOWED
+            return UNDER_LIMIT
         if self.penalty > 0:
             state.penalty_until = now + self.penalty
             return Hit(True, self.penalty)

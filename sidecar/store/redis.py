@@ -41,7 +41,7 @@ from typing import Any
 from sidecar.bounded import BoundedMap
 from sidecar.counters import CounterState, KeySelection
 from sidecar.keys import CountingKey, key_dimensions
-from sidecar.limiters import ALLOWED, Hit
+from sidecar.limiters import UNDER_LIMIT, Hit
 from sidecar.limiters.registry import NO_LIMITER, lua_sources
 from sidecar.limiters.window import WINDOW
 from sidecar.networkbans import NetworkBans
@@ -226,7 +226,7 @@ BATCH = 1000
 
 
 def _hits(values: Sequence[Any]) -> list[Hit]:
-    return [Hit(True, float(values[i + 1])) if int(values[i]) else ALLOWED
+    return [Hit(True, float(values[i + 1])) if int(values[i]) else UNDER_LIMIT
             for i in range(0, len(values), 2)]
 
 
@@ -450,7 +450,7 @@ class RedisStore:
                 args += counts[i].limiter.redis_args(counts[i].threshold)
             calls.append(self.client.evalsha(self._record, [names[i] for i in indices], args))
         results = await _all(calls)
-        hits: list[Hit] = [ALLOWED] * len(counts)
+        hits: list[Hit] = [UNDER_LIMIT] * len(counts)
         for indices, result in zip(groups, results):
             for i, hit in zip(indices, _hits(result)):
                 hits[i] = hit

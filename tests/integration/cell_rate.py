@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from sidecar.config import Duration, LimitModel, format_duration
-from sidecar.limiters import ALLOWED, Hit, RuleLimit, lua_number, registry
+from sidecar.limiters import UNDER_LIMIT, Hit, RuleLimit, lua_number, registry
 
 CELL_RATE = registry.lua_kind("G", "window", Path(__file__).with_name("cell_rate.lua"))
 
@@ -56,14 +56,14 @@ class CellRate:
         return CellState(-math.inf, self)
 
     def peek(self, state: CellState, now: float) -> Hit:
-        return ALLOWED  # no penalty
+        return UNDER_LIMIT  # no penalty
 
     def hit(self, state: CellState, now: float, threshold: float, amount: int = 1) -> Hit:
         tat = max(state.tat, now) + self.period / threshold * amount
         if tat - now > self.period:
             return Hit(True, tat - now - self.period)
         state.tat = tat
-        return ALLOWED
+        return UNDER_LIMIT
 
     def quota(self, state: CellState, now: float, threshold: float) -> tuple[int, float, float]:
         """Requests admitted at once now, the time until the key is at rest, the period."""

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from sidecar.config import ConfigError
 from sidecar.engine import Engine
-from sidecar.frontdoors.messages import OK, OVER_LIMIT, UNITS, RateLimitRequest, RateLimitResponse
+from sidecar.frontdoors.messages import OK, OVER_LIMIT, UNIT_NUMBERS, RateLimitRequest, RateLimitResponse
 from sidecar.frontdoors.rls import InvalidRequest, RateLimitService, stat_level
 from sidecar.rls import RlsConfig, compile_domain, load_rls, parse_rls_text
 from sidecar.store import StoreUnavailable
@@ -230,7 +230,7 @@ class Service:
             if addends and index in addends:
                 descriptor.hits_addend.value = addends[index]
             if override is not None:
-                descriptor.limit.requests_per_unit, descriptor.limit.unit = override[0], UNITS[override[1]]
+                descriptor.limit.requests_per_unit, descriptor.limit.unit = override[0], UNIT_NUMBERS[override[1]]
         answer = asyncio.run(self.service.answer(RateLimitRequest.FromString(request.SerializeToString())))
         return RateLimitResponse.FromString(answer.SerializeToString())
 
@@ -246,7 +246,7 @@ def test_a_fixed_window_passes_its_limit_per_window_and_says_what_remains_and_wh
     assert [(a.overall_code, a.statuses[0].limit_remaining) for a in answers] == \
         [(OK, 4), (OK, 3), (OK, 2), (OK, 1), (OK, 0), (OVER_LIMIT, 0)]
     status = answers[0].statuses[0]
-    assert (status.current_limit.requests_per_unit, status.current_limit.unit) == (5, UNITS["DAY"])
+    assert (status.current_limit.requests_per_unit, status.current_limit.unit) == (5, UNIT_NUMBERS["DAY"])
     service.clock.advance(3600)
     assert answers[0].statuses[0].duration_until_reset.seconds == 86400
     assert service.ask("messaging", number).statuses[0].duration_until_reset.seconds == 82800
@@ -290,7 +290,7 @@ def test_a_request_limit_override_replaces_the_configured_one() -> None:
     answers = [service.ask("messaging", [("to_number", "8")], override=(2, "MINUTE")) for _ in range(3)]
     assert [a.overall_code for a in answers] == [OK, OK, OVER_LIMIT]
     limit = answers[0].statuses[0].current_limit
-    assert (limit.requests_per_unit, limit.unit) == (2, UNITS["MINUTE"])
+    assert (limit.requests_per_unit, limit.unit) == (2, UNIT_NUMBERS["MINUTE"])
 
 
 REPLACES = """\
