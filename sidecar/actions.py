@@ -18,10 +18,13 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from importlib import resources
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from sidecar import config
 from sidecar.challenge import SOLUTION_PATH, IssuedChallenge
+
+if TYPE_CHECKING:
+    from sidecar.limiters import Quota
 
 _VARIABLE = re.compile(r"\$\{\{\s*(remote_addr|http_host|request_id)\s*\}\}")
 # The challenge page has two variables more; block pages do not know them.
@@ -337,7 +340,7 @@ def deny_headers(limit: int, reset: int, retry_after: int, request_id: str,
     return headers
 
 
-def draft_fields(quotas: list[tuple[str, float, tuple[int, float, float]]]) -> tuple[str, str]:
+def draft_fields(quotas: list[tuple[str, float, Quota]]) -> tuple[str, str]:
     """The draft ``RateLimit-Policy`` and ``RateLimit`` field values from
     (rule id, threshold, (requests left, seconds to reset, window)) of each
     enforcing rule of an allowed request."""

@@ -21,6 +21,7 @@ from sidecar.networkbans import client_key
 from sidecar.request import normalise_path
 
 if TYPE_CHECKING:
+    from sidecar.limiters import Quota
     from sidecar.rules import CompiledRule
 
 
@@ -62,7 +63,7 @@ class CounterState:
 
     key: CountingKey
     penalty: float
-    quota: tuple[int, float, float] | None
+    quota: Quota | None
 
 
 def key_from_text(rule: CompiledRule, resolver: ClientIPResolver, given: Sequence[str]) -> CountingKey:

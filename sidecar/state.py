@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from sidecar.config import AutoBan as AutoBanConfig
 from sidecar.config import BanIncrement as BanIncrementConfig
 from sidecar.keys import CountingKey
-from sidecar.limiters import Hit, lua_number
+from sidecar.limiters import Hit, Quota, lua_number
 from sidecar.limiters.base import Limiter
 from sidecar.limiters.window import WindowCounter
 
@@ -252,4 +252,4 @@ class Evaluation:
     delay: float = 0.0  # how long to hold the admitted request (leaky buckets)
     # A shared store's answer to ``quotas`` for every check (None for one
     # that does not count), when asked for with the evaluation.
-    quotas: list[tuple[int, float, float] | None] | None = None
+    quotas: list[Quota | None] | None = None

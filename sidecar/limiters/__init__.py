@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     from sidecar.limiters.base import Limiter
@@ -26,6 +26,16 @@ if TYPE_CHECKING:
 # One shared float for every state never penalized: -math.inf would make one
 # per state, 24 bytes of each tracked key.
 NO_PENALTY = -math.inf
+
+
+class Quota(NamedTuple):
+    """What a key has left: requests (or tokens) remaining before the
+    limit, seconds until it resets, and the window it is counted over, as
+    the RateLimit headers say them."""
+
+    remaining: int
+    reset: float
+    window: float
 
 
 @dataclass(slots=True)  # not frozen: made per bucket hit, and frozen __init__ is slow

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol, TypeGuard
 
-from sidecar.limiters import Hit
+from sidecar.limiters import Hit, Quota
 
 
 class Limiter(Protocol):
@@ -24,7 +24,7 @@ class Limiter(Protocol):
     def peek(self, state: Any, now: float) -> Hit: ...
     def hit(self, state: Any, now: float, threshold: float, amount: int = 1) -> Hit: ...
     def expires_at(self, state: Any) -> float: ...
-    def quota(self, state: Any, now: float, threshold: float) -> tuple[int, float, float]: ...
+    def quota(self, state: Any, now: float, threshold: float) -> Quota: ...
 
     def longest_hold(self) -> float:
         """Seconds the longest-held request may wait (0: never holds)."""

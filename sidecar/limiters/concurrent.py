@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 from pydantic import Field, field_validator
 
 from sidecar.config import Duration, LimitModel, Rule, format_duration
-from sidecar.limiters import NO_PENALTY, UNDER_LIMIT, Hit, RuleLimit, lua_number, registry
+from sidecar.limiters import NO_PENALTY, UNDER_LIMIT, Hit, Quota, RuleLimit, lua_number, registry
 
 CONCURRENT = registry.lua_kind("C", "window", "concurrent")
 
@@ -91,11 +91,11 @@ class ConcurrencyLimiter:
         lease ended, or it was never taken)."""
         return state.held.pop(lease, None) is not None
 
-    def quota(self, state: LeaseState, now: float, threshold: float) -> tuple[int, float, float]:
+    def quota(self, state: LeaseState, now: float, threshold: float) -> Quota:
         """Slots free, the time until the shortest lease ends (0 with none
         held), and the lease as the window of the draft RateLimit fields."""
         live = [ends for ends in state.held.values() if ends > now]
-        return max(0, self.limit - len(live)), (min(live) - now if live else 0.0), self.lease
+        return Quota(max(0, self.limit - len(live)), (min(live) - now if live else 0.0), self.lease)
 
     def expires_at(self, state: LeaseState) -> float:
         return max(state.held.values(), default=NO_PENALTY)

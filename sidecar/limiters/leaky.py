@@ -8,7 +8,7 @@ from typing import Annotated, Any, ClassVar
 from pydantic import Field, PlainValidator, model_validator
 
 from sidecar.config import Rate, parse_rate
-from sidecar.limiters import NO_PENALTY, Hit, RuleLimit, registry
+from sidecar.limiters import NO_PENALTY, Hit, Quota, RuleLimit, registry
 from sidecar.limiters.bucket import Bucket, BucketLimit, in_penalty
 
 LEAKY = registry.lua_kind("L", "window", "buckets", "leaky")
@@ -88,16 +88,16 @@ class LeakyBucket(Bucket):
         if hit.proposal is not None:
             state.excess, state.last = hit.proposal
 
-    def quota(self, state: LeakyState, now: float, threshold: float) -> tuple[int, float, float]:
+    def quota(self, state: LeakyState, now: float, threshold: float) -> Quota:
         """Requests that would still be admitted now, the time to drain, and
         the time the whole burst takes to drain."""
         full_drain = (self.burst + 1000) / self.rate
         if now < state.penalty_until:
-            return 0, state.penalty_until - now, full_drain
+            return Quota(0, state.penalty_until - now, full_drain)
         if state.last is None:
-            return self.burst // 1000 + 1, 0.0, full_drain
+            return Quota(self.burst // 1000 + 1, 0.0, full_drain)
         drained = max(0, state.excess - self.rate * max(0, int(now * 1000 + 1e-6) - state.last) // 1000)
-        return max(0, (self.burst - drained) // 1000), drained / self.rate, full_drain
+        return Quota(max(0, (self.burst - drained) // 1000), drained / self.rate, full_drain)
 
     def expires_at(self, state: LeakyState) -> float:
         if state.last is None:

@@ -8,7 +8,7 @@ from typing import Annotated, Any, ClassVar
 from pydantic import Field, PlainValidator, model_validator
 
 from sidecar.config import parse_refill
-from sidecar.limiters import NO_PENALTY, Hit, RuleLimit, lua_number, registry
+from sidecar.limiters import NO_PENALTY, Hit, Quota, RuleLimit, lua_number, registry
 from sidecar.limiters.bucket import Bucket, BucketLimit, in_penalty
 from sidecar.plurals import plural
 
@@ -62,12 +62,12 @@ class TokenBucket(Bucket):
     def commit(state: TokenState, hit: Hit) -> None:
         state.tokens, state.last = hit.proposal
 
-    def quota(self, state: TokenState, now: float, threshold: float) -> tuple[int, float, float]:
+    def quota(self, state: TokenState, now: float, threshold: float) -> Quota:
         """Requests the tokens now cover, and the time until the bucket is full."""
         if now < state.penalty_until:
-            return 0, state.penalty_until - now, self.capacity / self.refill
+            return Quota(0, state.penalty_until - now, self.capacity / self.refill)
         tokens = self.tokens_at(state, now)
-        return int(tokens // self.cost), (self.capacity - tokens) / self.refill, self.capacity / self.refill
+        return Quota(int(tokens // self.cost), (self.capacity - tokens) / self.refill, self.capacity / self.refill)
 
     def expires_at(self, state: TokenState) -> float:
         if state.last is None:

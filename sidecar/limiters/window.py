@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, field_validator
 
 from sidecar.config import Duration, LimitModel, format_duration
-from sidecar.limiters import NO_PENALTY, UNDER_LIMIT, Hit, RuleLimit, lua_number, registry
+from sidecar.limiters import NO_PENALTY, UNDER_LIMIT, Hit, Quota, RuleLimit, lua_number, registry
 
 WINDOW = registry.lua_kind("W", "window")
 
@@ -137,12 +137,12 @@ class WindowCounter:
         room = threshold - amount
         return period - elapsed + (period - room * period / state.current if state.current else 0.0)
 
-    def quota(self, state: WindowState, now: float, threshold: float) -> tuple[int, float, float]:
+    def quota(self, state: WindowState, now: float, threshold: float) -> Quota:
         """(requests still allowed, seconds until that resets, window) for
         the draft RateLimit header fields; the request that reaches the
         threshold is itself allowed."""
         if now < state.penalty_until:
-            return 0, state.penalty_until - now, self.period
+            return Quota(0, state.penalty_until - now, self.period)
         window = int(now // self.period)
         elapsed = now - window * self.period
         if window == state.window:
@@ -151,8 +151,8 @@ class WindowCounter:
             current, previous = 0, state.current if window == state.window + 1 else 0
         estimate = current + (previous * (self.period - elapsed) / self.period if self.sliding else 0)
         if self.fit:  # requests that still fit whole
-            return max(0, math.floor(threshold - estimate)), self.period - elapsed, self.period
-        return max(0, math.ceil(threshold - estimate)), self.period - elapsed, self.period
+            return Quota(max(0, math.floor(threshold - estimate)), self.period - elapsed, self.period)
+        return Quota(max(0, math.ceil(threshold - estimate)), self.period - elapsed, self.period)
 
     def expires_at(self, state: WindowState) -> float:
         """When the state stops mattering: its window no longer weighs in

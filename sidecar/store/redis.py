@@ -41,7 +41,7 @@ from typing import Any
 from sidecar.bounded import BoundedMap
 from sidecar.counters import CounterState, KeySelection
 from sidecar.keys import CountingKey, key_dimensions
-from sidecar.limiters import UNDER_LIMIT, Hit
+from sidecar.limiters import UNDER_LIMIT, Hit, Quota
 from sidecar.limiters.registry import NO_LIMITER, lua_sources
 from sidecar.limiters.window import WINDOW
 from sidecar.networkbans import NetworkBans
@@ -263,7 +263,7 @@ class _Part:
         self.quotas = None
         if quotas and not self.banned:
             values = result[end:-1]
-            self.quotas = [(int(values[i]), float(values[i + 1]), float(values[i + 2]))
+            self.quotas = [Quota(int(values[i]), float(values[i + 1]), float(values[i + 2]))
                            if values[i] != "" else None for i in range(0, len(values), 3)]
 
 class RedisStore:
@@ -684,7 +684,7 @@ class RedisStore:
             for n, i in enumerate(indices):
                 stored, penalty, remaining, reset, window = result[5 * n:5 * n + 5]
                 if int(stored):
-                    quota = None if remaining == "" else (int(float(remaining)), float(reset), float(window))
+                    quota = None if remaining == "" else Quota(int(float(remaining)), float(reset), float(window))
                     described[i] = CounterState(keys[i][0], float(penalty), quota)
         return described
 

@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from sidecar.config import Duration, LimitModel, format_duration
-from sidecar.limiters import UNDER_LIMIT, Hit, RuleLimit, lua_number, registry
+from sidecar.limiters import UNDER_LIMIT, Hit, Quota, RuleLimit, lua_number, registry
 
 CELL_RATE = registry.lua_kind("G", "window", Path(__file__).with_name("cell_rate.lua"))
 
@@ -65,10 +65,10 @@ class CellRate:
         state.tat = tat
         return UNDER_LIMIT
 
-    def quota(self, state: CellState, now: float, threshold: float) -> tuple[int, float, float]:
+    def quota(self, state: CellState, now: float, threshold: float) -> Quota:
         """Requests admitted at once now, the time until the key is at rest, the period."""
         tat = max(state.tat, now)
-        return max(0, math.floor((now + self.period - tat) / (self.period / threshold))), tat - now, self.period
+        return Quota(max(0, math.floor((now + self.period - tat) / (self.period / threshold))), tat - now, self.period)
 
     def expires_at(self, state: CellState) -> float:
         return state.tat
