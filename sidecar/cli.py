@@ -355,12 +355,18 @@ def replay(config: str, as_json: bool, top: int, host: str, exclude_top: int,
         raise click.BadParameter(str(exc), param_hint="'--sweep'") from None
     # The report counts invalid client addresses; the engine's once-a-minute
     # warning about them would repeat for every minute of log time.
-    logging.getLogger("sluice").setLevel(logging.ERROR)
+    # Quieted for the replay only: a caller in the same process (a test)
+    # gets its logger back as it was.
+    logger = logging.getLogger("sluice")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
     try:
         report = replay_logs(ruleset, logs, top=top, default_host=host, exclude_top=exclude_top, sweeps=trials)
     except LogError as exc:
         click.echo(f"error: {exc}", err=True)
         raise SystemExit(2) from None
+    finally:
+        logger.setLevel(level)
     if html is not None:
         from sidecar.replay.page import render_html
 

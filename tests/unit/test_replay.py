@@ -423,6 +423,21 @@ def sluice_replay(*args: str, cwd: Path = REPO, stdin: str | None = None) -> sub
                           capture_output=True, text=True, timeout=60)
 
 
+def test_the_command_in_process_gives_the_sluice_logger_back_as_it_was():
+    """It quiets the engine's warnings for its run only (in a test process,
+    or any caller of the command, the logger is left as it was found)."""
+    logger = logging.getLogger("sluice")
+    before = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        result = CliRunner().invoke(cli.main, ["replay", "--config", str(DATA / "replay-rules.yaml"),
+                                               str(DATA / "access.log")])
+        assert result.exit_code == 0, result.output
+        assert logger.level == logging.INFO
+    finally:
+        logger.setLevel(before)
+
+
 def test_command_prints_a_readable_report():
     result = sluice_replay("--config", "tests/unit/data/replay-rules.yaml", "tests/unit/data/access.log")
     assert result.returncode == 0, result.stderr
