@@ -41,15 +41,15 @@ SPECS = {
     "look": CheckSpec("look", WindowCounter(2, 10.0, 6.0), 2.0, True, count=False),
     "slots": CheckSpec("slots", ConcurrencyLimiter(2, 8.0), 2.0, True),
     # Keyed by a path every address shares (see ``key``), yet bans the address.
-    "shared": CheckSpec("shared", WindowCounter(4, 10.0, 10.0), 4.0, True, ban_duration=15.0,
-                        ban_increment=BanIncrement(3.0, 100.0, 30.0)),
+    "by-path": CheckSpec("by-path", WindowCounter(4, 10.0, 10.0), 4.0, True, ban_duration=15.0,
+                         ban_increment=BanIncrement(3.0, 100.0, 30.0)),
 }
 ADDRESSES = ("192.0.2.1", "192.0.2.1", "192.0.2.1", "192.0.2.2", "")  # one address most of the time
 
 
 def key(rule: str, address: str) -> Any:
-    if rule == "shared":
-        return ((rule, ("path",)), "/shared")
+    if rule == "by-path":
+        return ((rule, ("path",)), "/everyone")
     return ((rule, ("ip",)), address)
 
 
