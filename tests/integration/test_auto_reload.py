@@ -19,17 +19,10 @@ import pytest
 from tests.integration.conftest import free_port, wait_until
 from tests.integration.redis_server import RedisServer
 from tests.unit.configmap_volume import ConfigMapVolume
+from tests.unit.test_watch import FIVE, RULES
 
 pytestmark = pytest.mark.integration
 
-RULES = """\
-rules:
-  - id: api
-    key: [ip]
-    limit: {requests: 3, per: 1m}
-    action: block
-"""
-FIVE = RULES.replace("requests: 3", "requests: 5")
 BROKEN = FIVE.replace("per: 1m", "per: whenever")  # line 4
 RELOADED = re.compile(r'"message":"reloaded \d+ rules? from ')
 
