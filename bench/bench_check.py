@@ -189,12 +189,16 @@ class Processes:
         self.logs = logs
         self.started: list[tuple[str, subprocess.Popen[bytes]]] = []
 
-    def start(self, name: str, argv: list[str], ready, timeout: float = 30.0) -> subprocess.Popen[bytes]:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-                   PYTHONUNBUFFERED="1")
+    def start(self, name: str, argv: list[str], ready, timeout: float = 30.0, package: Path = ROOT,
+              env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        """Start ``argv`` with ``package`` (this tree by default) first on its
+        PYTHONPATH and as its working directory, and ``env`` added to ours;
+        wait until ``ready()``."""
+        path = os.pathsep.join(filter(None, [str(package), os.environ.get("PYTHONPATH")]))
+        env = dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1", **(env or {}))
         log = (self.logs / f"{name}.log").open("wb")
         process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                   cwd=ROOT, env=env, start_new_session=True)
+                                   cwd=package, env=env, start_new_session=True)
         self.started.append((name, process))
         deadline = time.monotonic() + timeout
         while not ready():

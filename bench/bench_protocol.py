@@ -152,10 +152,7 @@ def report(configs: list[Config], suffixes: list[str], per_pass: dict[str, list[
               f"{statistics.median(config.rates()):7.0f} req/s")
 
     def ratio(a: str, b: str) -> str:
-        """a / b over all passes, and the median and range of the ratios of the same round's passes."""
-        rounds = sorted(x / y for x, y in zip(per_pass[a], per_pass[b]))
-        overall = by_name[a].us_per_request("sidecar") / by_name[b].us_per_request("sidecar")
-        return f"{overall:5.3f}x (rounds: median {statistics.median(rounds):5.3f}, {rounds[0]:5.3f}-{rounds[-1]:5.3f})"
+        return ratio_text(by_name, per_pass, a, b)
 
     print("\nRatios of sidecar CPU per request (same run):")
     for suffix in suffixes:
@@ -166,6 +163,14 @@ def report(configs: list[Config], suffixes: list[str], per_pass: dict[str, list[
         for rules_name in ("no-rules", "ten-rules"):
             ours, theirs = f"sluice-{rules_name}", f"sluice-{rules_name}{suffix}"
             print(f"  {rules_name:<9} this tree / {suffix}: {ratio(ours, theirs)}")
+
+
+def ratio_text(by_name: dict[str, Config], per_pass: dict[str, list[float]], a: str, b: str) -> str:
+    """a / b of sidecar CPU per request over all passes, and the median and
+    range of the ratios of the same round's passes."""
+    rounds = sorted(x / y for x, y in zip(per_pass[a], per_pass[b]))
+    overall = by_name[a].us_per_request("sidecar") / by_name[b].us_per_request("sidecar")
+    return f"{overall:5.3f}x (rounds: median {statistics.median(rounds):5.3f}, {rounds[0]:5.3f}-{rounds[-1]:5.3f})"
 
 
 if __name__ == "__main__":
