@@ -269,10 +269,13 @@ class Result:
         return self.requests / self.seconds
 
 
-def run_wrk(url: str, seconds: float, direct: bool = False) -> Result:
+def run_wrk(url: str, seconds: float, direct: bool = False, addresses: int | None = None) -> Result:
+    """wrk with bench/rotate.lua: ``direct`` to a check endpoint, rotating
+    over ``addresses`` client addresses (rotate.lua's 100,000 by default)."""
+    script_args = (["direct"] if direct else []) + ([f"addresses={addresses}"] if addresses else [])
     argv = [ensure_wrk(), "-t2", "-c32", f"-d{int(seconds)}s", "-s", str(LUA), url]
-    if direct:
-        argv += ["--", "direct"]
+    if script_args:
+        argv += ["--", *script_args]
     out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=seconds + 30).stdout
     done = re.search(r"(\d+) requests in ([\d.]+)(m?s)", out)
     if done is None:
@@ -294,13 +297,14 @@ class Config:
     # Role -> pids whose CPU is charged to it: "sidecar", "nginx", "envoy", "upstream".
     pids: dict[str, list[int]]
     direct: bool = False
+    addresses: int | None = None  # client addresses to rotate over; None: rotate.lua's 100,000
     passes: list[Result] = field(default_factory=list)
     cpu: dict[str, float] = field(default_factory=dict)
 
     def measure(self, seconds: float, keep: bool = True) -> None:
         every = [pid for pids in self.pids.values() for pid in pids]
         before = {pid: cpu_seconds(pid) for pid in every}
-        result = run_wrk(self.url, seconds, self.direct)
+        result = run_wrk(self.url, seconds, self.direct, self.addresses)
         after = {pid: cpu_seconds(pid) for pid in every}
         if result.non2xx or result.errors:
             print(f"    {self.name}: {result.non2xx} non-2xx answers, {result.errors} socket errors"

@@ -7,6 +7,8 @@
 --   wrk -s bench/rotate.lua URL              through a front door: GET /api/items?q=...
 --   wrk -s bench/rotate.lua URL -- direct    straight to a check endpoint, with the
 --                                            headers nginx's check subrequest adds
+--   wrk -s bench/rotate.lua URL -- addresses=N
+--                                            rotate over N addresses instead (1: one client)
 local ADDRESSES = 100000
 local thread_count = 0
 
@@ -20,7 +22,13 @@ local direct = false
 
 function init(args)
   counter = (thread_id or 0) * 50021
-  direct = args[1] == "direct"
+  for _, arg in ipairs(args) do
+    if arg == "direct" then
+      direct = true
+    elseif arg:sub(1, 10) == "addresses=" then
+      ADDRESSES = tonumber(arg:sub(11))
+    end
+  end
 end
 
 function request()
