@@ -2,6 +2,11 @@
 
 import functools
 
+from sidecar import core
+
+# The compiled core, or the pure-Python one: chosen once, here (sidecar.core).
+core.install()
+
 DISTRIBUTION = "sluice-ratelimit"
 
 

@@ -28,6 +28,7 @@ from pydantic import (
 )
 from pydantic_core import CoreSchema
 
+from sidecar import core
 from sidecar.config.values import (
     RULE_ID_RE,
     Dimension,
@@ -122,6 +123,8 @@ class LimitModel(Strict):
     of ``sidecar.limiters`` (see ``sidecar.limiters.registry``): ``Limit``
     is every kind registered there, told apart by the field each has."""
 
+    # A compiled limiter module's methods are functions too, not fields (sidecar.core).
+    model_config = ConfigDict(ignored_types=core.function_types())
     tag: ClassVar[str]
     # Rule settings this kind of limit does not take, each with the reason,
     # reported at the setting: fields of the rule, and actions by name.

@@ -1,0 +1,1 @@
+# Types of sidecar/bounded.py for its compiled build (see setup.py).

@@ -1,0 +1,1 @@
+# Types of sidecar/keys.py for its compiled build (see setup.py).

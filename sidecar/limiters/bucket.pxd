@@ -1,0 +1,1 @@
+# Types of sidecar/limiters/bucket.py for its compiled build (see setup.py).

@@ -1,0 +1,1 @@
+# Types of sidecar/limiters/concurrent.py for its compiled build (see setup.py).

@@ -1,0 +1,1 @@
+# Types of sidecar/limiters/leaky.py for its compiled build (see setup.py).

@@ -1,0 +1,1 @@
+# Types of sidecar/policy.py for its compiled build (see setup.py).

@@ -1,0 +1,1 @@
+# Types of sidecar/state.py for its compiled build (see setup.py).

@@ -1,0 +1,1 @@
+# Types of sidecar/store/memory.py for its compiled build (see setup.py).
