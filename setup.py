@@ -166,6 +166,12 @@ class SdistWithC(sdist):
         generated_c(release).write_text(json.dumps({"cython": version}) + "\n")
 
 
-ext_modules, made_by = extensions(ROOT) if {"egg_info", "sdist"}.isdisjoint(sys.argv) else ([], None)
-BuildCore.made_by = made_by
-setup(ext_modules=ext_modules, cmdclass={"build_ext": BuildCore, "sdist": SdistWithC})
+def main() -> None:
+    # Only the commands that build need the extensions (and Cython's run).
+    ext_modules, BuildCore.made_by = extensions(ROOT) if {"egg_info", "sdist"}.isdisjoint(sys.argv) else ([], None)
+    setup(ext_modules=ext_modules, cmdclass={"build_ext": BuildCore, "sdist": SdistWithC})
+
+
+# The build backend runs this file as __main__; the tests import it for its functions.
+if __name__ == "__main__":
+    main()
