@@ -344,17 +344,21 @@ class Zone:
         notes them: locking one already locked is an error, as it is for the
         compiled zone's error-checking mutexes."""
         self._memory()
-        for stripe in check_stripes(stripes, self.stripes):
+        checked = check_stripes(stripes, self.stripes)
+        for stripe in checked:
             if stripe in self._held:
                 raise RuntimeError(f"stripe {stripe} is already locked by this thread")
-        self._held.update(stripes)
+        self._held.update(checked)
 
     def unlock(self, stripes: Sequence[int]) -> None:
+        """Unlock these stripes (as given to ``lock``); unlocking one this
+        thread does not hold is a RuntimeError, after the others are unlocked."""
         self._memory()
-        for stripe in check_stripes(stripes, self.stripes):
-            if stripe not in self._held:
-                raise RuntimeError(f"stripe {stripe} is not locked by this thread")
-        self._held.difference_update(stripes)
+        checked = check_stripes(stripes, self.stripes)
+        unheld = [stripe for stripe in checked if stripe not in self._held]
+        self._held.difference_update(checked)
+        if unheld:
+            raise RuntimeError(f"stripe {unheld[-1]} is not locked by this thread")
 
     @contextmanager
     def locked(self, stripes: Sequence[int]) -> Iterator[None]:
@@ -394,7 +398,7 @@ class Zone:
             return None
         if refresh:
             self._to_front(buffer, base, found)
-        length = struct.unpack_from("=H", buffer, record + LENGTH_AT)[0]
+        length = min(struct.unpack_from("=H", buffer, record + LENGTH_AT)[0], self.value_size)
         return bytes(buffer[record + RECORD_HEADER:record + RECORD_HEADER + length])
 
     def put(self, digest: bytes, value: bytes, expires: float, now: float) -> None:
@@ -448,6 +452,7 @@ class Zone:
         while at != NIL:
             record = self._record_at(base, at - 1)
             found, expires, _, older, _, length, _, _ = RECORD.unpack_from(buffer, record)
+            length = min(length, self.value_size)
             if expires > now:
                 live.append((found, bytes(buffer[record + RECORD_HEADER:record + RECORD_HEADER + length]), expires))
             at = older
