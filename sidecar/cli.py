@@ -24,6 +24,7 @@ from sidecar.watch import DEFAULT_INTERVAL, SHORTEST_INTERVAL
 
 if TYPE_CHECKING:
     from sidecar.rls import RlsConfig
+    from sidecar.store.node import NodeZones
 
 
 def _fail(message: str, status: int = 1) -> NoReturn:
@@ -441,8 +442,9 @@ def _then_auth_url(ctx: click.Context, param: click.Parameter, value: str | None
 @click.option("--no-watch", is_flag=True, help="Reload the rules file only on SIGHUP or the admin API "
                                                 "(as --watch-interval 0).")
 @click.option("--workers", default=1, show_default=True, type=click.IntRange(min=1),
-              help="Processes sharing the ports. More than one needs the Redis backend (state.backend: "
-                   "redis), where they share one count.")
+              help="Processes sharing the ports and one count: with the memory backend, a table in shared "
+                   "memory (/dev/shm) sized at start from state.max_keys, which needs the compiled core; with "
+                   "Redis, the server's.")
 @click.option("--log-level", default="info", show_default=True, envvar="SLUICE_LOG_LEVEL", show_envvar=True,
               type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
               help="The least severe log lines written (JSON lines on stderr).")
@@ -483,8 +485,7 @@ def serve(config: str | None, demo_rules: bool, host: str, port: int, uds: str |
                                      param_hint="--rls-config")
         _load_rls(rls_config)  # every error at start, as for the rules file
     if workers > 1 and ruleset.backend == "memory":
-        _fail("--workers > 1 needs a shared state backend (state.backend: redis): with the memory backend "
-              "each worker would keep its own counters and silently multiply every limit", 2)
+        _needs_compiled_core()
     try:
         read_token(admin_token_file)
     except (OSError, ValueError) as exc:
@@ -534,16 +535,52 @@ def serve(config: str | None, demo_rules: bool, host: str, port: int, uds: str |
         uvicorn.run(service(settings, ruleset), **options)
         return
     # Worker processes build their own application from an import string;
-    # the settings travel in the environment, and so does the directory of
-    # this run's own where the workers' metrics add up (sidecar.nodemetrics).
+    # the settings travel in the environment (with the memory backend, the
+    # name of the table in shared memory they count in), and so does the
+    # directory of this run's own where the workers' metrics add up
+    # (sidecar.nodemetrics).
     from sidecar.nodemetrics import MULTIPROC_DIR
 
+    zones = _node_zones(ruleset) if ruleset.backend == "memory" else None
+    settings["zones"] = zones.prefix if zones is not None else None
     os.environ[SERVE_SETTINGS] = json.dumps(settings)
-    os.environ[MULTIPROC_DIR] = _metrics_directory()
     try:
-        uvicorn.run("sidecar.cli:worker_service", factory=True, workers=workers, **options)
+        os.environ[MULTIPROC_DIR] = _metrics_directory()
+        try:
+            uvicorn.run("sidecar.cli:worker_service", factory=True, workers=workers, **options)
+        finally:
+            shutil.rmtree(os.environ[MULTIPROC_DIR], ignore_errors=True)
     finally:
-        shutil.rmtree(os.environ[MULTIPROC_DIR], ignore_errors=True)
+        if zones is not None:
+            zones.unlink()
+            zones.close()
+
+
+def _needs_compiled_core() -> None:
+    """Exit 2 unless the compiled core runs: the workers' shared table
+    needs its process-shared locks."""
+    from sidecar import core
+
+    if core.PURE:
+        _fail(f"--workers > 1 with the memory backend needs the compiled core (this is the {core.which()}): "
+              "install Sluice with a C compiler, or run one worker, or use state.backend: redis", 2)
+
+
+def _node_zones(ruleset: Ruleset) -> NodeZones:
+    """The table in shared memory that every worker of the memory backend
+    counts in, made before they start (they attach to it by name, from the
+    settings) and removed by ``serve`` when they have stopped."""
+    from sidecar.store.node import NodeZones, zones_prefix
+
+    largest = max((getattr(rule.limiter, "limit", 0) for rule in ruleset.rules if rule.limiter.leases), default=0)
+    try:
+        zones = NodeZones.create(zones_prefix(), ruleset.max_keys, largest)
+    except (OSError, ValueError) as exc:
+        _fail(f"--workers: no shared memory for the node's table of {ruleset.max_keys:,} keys ({exc}); "
+              "free some in /dev/shm (a container: --shm-size), or lower state.max_keys")
+    logging.getLogger("sluice").info("the workers share a table of %s keys in %s-* (%d MiB)",
+                                     f"{ruleset.max_keys:,}", zones.prefix, zones.memory() >> 20)
+    return zones
 
 
 def _metrics_directory() -> str:
@@ -632,7 +669,17 @@ def service(settings: dict[str, Any], ruleset: Ruleset | None = None) -> Any:
     configure_logging(settings["log_level"])
     configure_decision_log()
     ruleset = ruleset or _load(settings["config"], settings.get("shadow", False))
-    engine = Engine(ruleset, secret=bytes.fromhex(settings["secret"]) if settings.get("secret") else None)
+    store = None
+    if settings.get("zones"):
+        # The memory backend of several workers: the node's table, made by serve.
+        from sidecar.state import epoch_clock
+        from sidecar.store import open_store
+
+        store = open_store(ruleset.backend, ruleset.url, ruleset.max_keys, ruleset.node, epoch_clock,
+                           zones=settings["zones"])
+        store.configure(ruleset.max_keys, ruleset.node)
+    engine = Engine(ruleset, store=store,
+                    secret=bytes.fromhex(settings["secret"]) if settings.get("secret") else None)
     rls = None
     if settings.get("rls_config"):
         from sidecar.frontdoors.rls import RateLimitService

@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import signal
 from collections.abc import AsyncIterator, Awaitable
-from typing import Annotated, Any, Protocol, TypeVar
+from typing import Annotated, Any, Protocol, TypeVar, cast
 
 from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -20,6 +20,7 @@ from sidecar.health import HealthListener, Heartbeat
 from sidecar.hook import listen_for_reports
 from sidecar.plurals import plural
 from sidecar.store import StoreUnavailable
+from sidecar.store.node import NodeStore
 
 
 class Listener(Protocol):
@@ -53,6 +54,7 @@ def build_api(engine: Engine, report_udp: tuple[str, int] | None = None,
             loop.add_signal_handler(signal.SIGHUP, admin.reload)
             if admin.file_watch is not None:
                 watch = loop.create_task(admin.file_watch.run())
+        following = follow_other_workers(engine, admin, loop) if isinstance(engine.store, NodeStore) else None
         probes = None
         if health is not None:
             heartbeat = Heartbeat()
@@ -69,10 +71,11 @@ def build_api(engine: Engine, report_udp: tuple[str, int] | None = None,
             if probes is not None:
                 probes.heartbeat.stop()
                 await asyncio.to_thread(probes.stop)
-            if watch is not None:
-                watch.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await watch
+            for task in (watch, following):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
             if admin is not None:
                 loop.remove_signal_handler(signal.SIGHUP)
             if transport is not None:
@@ -107,6 +110,36 @@ def build_api(engine: Engine, report_udp: tuple[str, int] | None = None,
     if admin is not None:
         api.include_router(admin_routes(admin))
     return api
+
+
+# How often a worker of the node-wide memory store looks for what other
+# workers changed, between its own requests (which look every time).
+FOLLOW_SECONDS = 1.0
+
+
+def follow_other_workers(engine: Engine, admin: Admin | None,
+                         loop: asyncio.AbstractEventLoop) -> asyncio.Task[None]:
+    """Over the node's shared table, act on what an administrator did
+    through another worker: forget the refusals this one keeps, and reload
+    the rules when another worker was asked to. A task that looks every
+    ``FOLLOW_SECONDS`` even when no request comes."""
+    store = cast(NodeStore, engine.store)
+
+    def reload() -> None:
+        if admin is not None:
+            admin.reload("worker")
+
+    def reload_soon() -> None:
+        loop.call_soon(reload)  # not inside the request that noticed
+
+    store.follow(engine.forget_refusals, reload_soon)
+
+    async def look() -> None:
+        while True:
+            store.refresh()
+            await asyncio.sleep(FOLLOW_SECONDS)
+
+    return loop.create_task(look())
 
 
 T = TypeVar("T")
@@ -195,6 +228,8 @@ def admin_routes(admin: Admin) -> APIRouter:
         errors = admin.reload(admin.caller)
         if errors:
             return JSONResponse({"reloaded": False, "errors": errors}, status_code=422)
+        if isinstance(admin.engine.store, NodeStore):
+            admin.engine.store.announce_reload()  # the node's other workers reload too
         return JSONResponse({"reloaded": True, "rules": len(admin.engine.ruleset.rules)})
 
     return router

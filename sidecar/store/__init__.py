@@ -15,7 +15,9 @@ of one process and answers at once: the policy (``sidecar.policy``) over a
 table of a few primitives, which any in-process backend can implement
 (``sidecar.store.local``). ``RedisStore`` (``sidecar.store.redis``) shares
 the state between every worker and node through Redis or Valkey, one
-round trip per request. ``open_store`` builds the one a ruleset asks for.
+round trip per request. ``NodeStore`` (``sidecar.store.node``) is the
+memory backend for a node whose workers share one table in shared memory.
+``open_store`` builds the one a ruleset asks for.
 """
 
 from __future__ import annotations
@@ -132,9 +134,13 @@ class StateStore(Deciding, BanAdmin, Inspection, Lifecycle, Protocol):
 
 
 def open_store(backend: Backend, url: str, max_keys: int, node: str, clock: Callable[[], float],
-               cluster: Sequence[tuple[str, int]] = (), sentinel: SentinelConfig | None = None) -> StateStore:
+               cluster: Sequence[tuple[str, int]] = (), sentinel: SentinelConfig | None = None,
+               zones: str | None = None) -> StateStore:
     """The store a ruleset's ``state:`` asks for; ``cluster`` names some
-    nodes of a Redis Cluster, ``sentinel`` the sentinels of a master."""
+    nodes of a Redis Cluster, ``sentinel`` the sentinels of a master.
+    ``zones`` names the node's shared table that the workers of ``serve
+    --workers N`` share (``sidecar.store.node``): the memory backend then
+    keeps its state there."""
     if backend == "redis":
         from sidecar.store.redis import RedisStore
 
@@ -143,6 +149,10 @@ def open_store(backend: Backend, url: str, max_keys: int, node: str, clock: Call
 
             return RedisStore(sentinel_client(sentinel), node, max_keys=max_keys, clock=clock)
         return RedisStore.from_url(url, node, max_keys=max_keys, clock=clock, cluster=cluster)
+    if zones is not None:
+        from sidecar.store.node import NodeStore, NodeZones
+
+        return NodeStore(NodeZones.attach(zones), node, clock)
     from sidecar.store.memory import MemoryStore
 
     return MemoryStore(max_keys, node, clock)

@@ -1,0 +1,897 @@
+"""The memory backend's state for a whole node: every worker of ``sluice
+serve --workers N`` decides over one table in shared memory, as nginx's
+``limit_req`` workers do over one zone.
+
+The table is a few zones (``sidecar.shm``): fixed-size records named by a
+16-byte digest, sized once at start from the rules file's ``max_keys``,
+split into stripes that each have a lock, and bounded by expiry then LRU
+eviction. ``NodeZones`` makes them (the parent process of ``serve``),
+attaches to them (each worker) and removes them (the parent, at exit):
+
+- ``states``: each counting key's limiter state and the key's text
+  (``sidecar.store.records``), at most 128 bytes a key;
+- ``leases``: the states of concurrency limits, whose records hold a number
+  of leases fixed at start (the rules' largest concurrency limit);
+- ``bans``, ``notes``: the addresses' ban records and what bans react to;
+- ``labels``: the text of keys too long for their state's record;
+- ``shadow``, ``networks``: shadow rules' would-be bans, and network bans.
+
+A decision is one transaction (``NodeTable``): the store works out every
+record the policy may touch for the request (the checks' keys, the
+address's ban, and the auto-ban and penalty keys and notes its rules
+derive from the address), locks their stripes in one order (zone by zone,
+each zone's stripes in increasing order, so two workers never wait on each
+other in a cycle), runs ``sidecar.policy`` over the records it reads,
+writes back every state that changed, and unlocks. Nothing is written when
+the policy fails. A worker killed while it holds a lock does not wedge the
+others: the zone's robust mutexes hand the lock to the next worker, which
+repairs the stripe (a record torn halfway is dropped).
+
+A state stays readable ``STALE_KEPT`` after the time its limiter says it
+stops mattering, as the per-process memory store keeps a state until it
+needs the room: the two decide alike (a drained leaky bucket's excess, a
+lease given back after it ended), and a full stripe still takes records
+that long expired first, then the least recently used.
+
+Every worker sees what administrators change at its next request: the bans
+zone's generation is bumped by every change (a ban by hand, a lift, a
+network ban, a reset, a reload through the admin API), and a worker that
+finds it moved reads the network bans again and tells its listeners (the
+engine forgets the refusals it keeps; a reload asked of another worker
+reloads this one's rules too).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast
+
+from sidecar.counters import CounterState, KeySelection
+from sidecar.keys import CountingKey
+from sidecar.limiters import Hit
+from sidecar.limiters.base import Limiter
+from sidecar.limiters.concurrent import ConcurrencyLimiter
+from sidecar.networkbans import NetworkBans
+from sidecar.policy import BAN_STEP, COUNTED_PENALTY, Note, Policy
+from sidecar.state import BanRecord, Check, CheckSpec, Clock, Evaluation, ResponseCount, epoch_clock
+from sidecar.store import records
+from sidecar.store.records import ELSEWHERE, digest_of, key_text
+
+if TYPE_CHECKING:
+    from sidecar.store import Described
+
+log = logging.getLogger("sluice")
+
+# Seconds a state stays readable after it stops mattering (see the module's docstring).
+STALE_KEPT = 3600.0
+# Bytes of value per record. A state's record: its state (33 bytes at most
+# for a window, 25 for a bucket) and its key's text, 128 bytes a record in
+# all (the zone's 40 bytes of header included).
+STATE_VALUE = 88
+BAN_VALUE = 224  # a ban record: an address of 100 characters and a rule id of 64 fit whole
+LABEL_VALUE = 1024  # a key's text longer than this is not listed
+LEASE_TEXT = 64  # room for the key's text in a lease state's record
+# Fewest leases a lease state holds, whatever the rules at start.
+LEAST_LEASE_SLOTS = 16
+# A zone's stripes: each its own lock; at least this many records each.
+MOST_STRIPES = 64
+LEAST_PER_STRIPE = 16
+NETWORK_BANS = 4096  # network bans by hand a node holds
+# The lock order: zones in this order, each zone's stripes in increasing order.
+ZONE_ORDER = ("bans", "notes", "states", "leases", "labels", "shadow", "networks")
+
+
+class Zone(Protocol):
+    """What the store asks of a zone (``sidecar.shm.Zone``)."""
+
+    capacity: int
+    value_size: int
+    stripes: int
+    record_size: int
+
+    def stripe_of(self, digest: bytes) -> int: ...
+    def lock(self, stripes: Sequence[int]) -> None: ...
+    def unlock(self, stripes: Sequence[int]) -> None: ...
+    def get(self, digest: bytes, now: float) -> bytes | None: ...
+    def peek(self, digest: bytes, now: float) -> bytes | None: ...
+    def put(self, digest: bytes, value: bytes, expires: float, now: float) -> None: ...
+    def delete(self, digest: bytes) -> bool: ...
+    def scan(self, stripe: int, now: float) -> list[tuple[bytes, bytes, float]]: ...
+    def __len__(self) -> int: ...
+    def generation(self) -> int: ...
+    def bump_generation(self) -> int: ...
+    def close(self) -> None: ...
+    def unlink(self) -> None: ...
+
+    @property
+    def recoveries(self) -> int: ...
+
+    @property
+    def evictions(self) -> int: ...
+
+
+class ZoneSize(NamedTuple):
+    capacity: int
+    value_size: int
+    stripes: int
+
+
+def zone_size(capacity: int, value_size: int) -> ZoneSize:
+    """At least ``capacity`` records (a whole number in each stripe)."""
+    stripes = max(1, min(MOST_STRIPES, capacity // LEAST_PER_STRIPE))
+    return ZoneSize(-(-capacity // stripes) * stripes, value_size, stripes)
+
+
+def lease_slots_for(largest_limit: int) -> int:
+    """Leases a lease state holds: the rules' largest concurrency limit at
+    start, and at least ``LEAST_LEASE_SLOTS``."""
+    return max(largest_limit, LEAST_LEASE_SLOTS)
+
+
+def zone_sizes(max_keys: int, lease_slots: int) -> dict[str, ZoneSize]:
+    """Each zone's records and bytes of value, for ``max_keys`` keys (the
+    rules file's ``state.max_keys``) and leases of ``lease_slots``."""
+    lease_value = records.lease_value_bytes(lease_slots) + LEASE_TEXT
+    # The leases zone: as many keys as the others, within 64 MiB.
+    lease_keys = max(LEAST_PER_STRIPE, min(max_keys, (64 << 20) // (lease_value + 48)))
+    some = max(1024, max_keys // 8)
+    return {"bans": zone_size(max_keys, BAN_VALUE), "notes": zone_size(max_keys, records.note_bytes()),
+            "states": zone_size(max_keys, STATE_VALUE), "leases": zone_size(lease_keys, lease_value),
+            "labels": zone_size(some, LABEL_VALUE), "shadow": zone_size(some, BAN_VALUE),
+            "networks": zone_size(NETWORK_BANS, BAN_VALUE)}
+
+
+class NodeZones:
+    """The zones of one node, by name (``ZONE_ORDER``), whose files are
+    ``PREFIX-NAME``."""
+
+    def __init__(self, prefix: str, zones: dict[str, Zone]) -> None:
+        self.prefix = prefix
+        self.zones = zones
+        self.bans = zones["bans"]
+        self.notes = zones["notes"]
+        self.states = zones["states"]
+        self.leases = zones["leases"]
+        self.labels = zones["labels"]
+        self.shadow = zones["shadow"]
+        self.networks = zones["networks"]
+        # A lease state's slots, from the size of the leases zone's values.
+        self.lease_slots = (self.leases.value_size - LEASE_TEXT - records.lease_value_bytes(0)) \
+            // records.LEASE_BYTES
+        self.max_keys = self.states.capacity
+
+    def sized_for(self, max_keys: int) -> bool:
+        """Whether the zones were made for ``max_keys`` keys."""
+        return zone_size(max_keys, STATE_VALUE).capacity == self.states.capacity
+
+    @classmethod
+    def create(cls, prefix: str, max_keys: int, largest_concurrency: int = 0,
+               zone_type: Any = None) -> NodeZones:
+        """New zones for the node (each file made 0600, never one already
+        there): ``max_keys`` keys, leases for the largest concurrency limit.
+        OSError or ValueError says what failed; the zones made before it
+        are removed."""
+        zone_type = zone_type if zone_type is not None else _zone_type()
+        made: dict[str, Zone] = {}
+        try:
+            for name, (capacity, value_size, stripes) in zone_sizes(max_keys,
+                                                                    lease_slots_for(largest_concurrency)).items():
+                made[name] = zone_type.create(f"{prefix}-{name}", capacity, value_size, stripes)
+        except BaseException:
+            for zone in made.values():
+                zone.unlink()
+                zone.close()
+            raise
+        return cls(prefix, made)
+
+    @classmethod
+    def attach(cls, prefix: str, zone_type: Any = None) -> NodeZones:
+        """The node's zones, made by ``create`` in another process."""
+        zone_type = zone_type if zone_type is not None else _zone_type()
+        attached: dict[str, Zone] = {}
+        try:
+            for name in ZONE_ORDER:
+                attached[name] = zone_type.attach(f"{prefix}-{name}")
+        except BaseException:
+            for zone in attached.values():
+                zone.close()
+            raise
+        return cls(prefix, attached)
+
+    @classmethod
+    def private(cls, max_keys: int, largest_concurrency: int = 0, zone_type: Any = None) -> NodeZones:
+        """Zones in this process's memory only (tests, one worker)."""
+        zone_type = zone_type if zone_type is not None else _zone_type()
+        return cls("", {name: zone_type.private(*size)
+                        for name, size in zone_sizes(max_keys, lease_slots_for(largest_concurrency)).items()})
+
+    def close(self) -> None:
+        for zone in self.zones.values():
+            zone.close()
+
+    def unlink(self) -> None:
+        """Remove the files (the processes attached keep their mappings)."""
+        for zone in self.zones.values():
+            zone.unlink()
+
+    def memory(self) -> int:
+        """Bytes of the zones' records, headers included."""
+        return sum(zone.capacity * zone.record_size for zone in self.zones.values())
+
+
+def _zone_type() -> Any:
+    from sidecar.shm import Zone as CompiledOrPure
+
+    return CompiledOrPure
+
+
+def zones_prefix(directory: str = "/dev/shm") -> str:
+    """Where a new node's zones go: ``/dev/shm/sluice-PID-RANDOM`` (the
+    temporary directory where there is no /dev/shm)."""
+    if not os.path.isdir(directory):
+        import tempfile
+
+        directory = tempfile.gettempdir()
+    return os.path.join(directory, f"sluice-{os.getpid()}-{os.urandom(6).hex()}")
+
+
+class NotPlanned(RuntimeError):
+    """The policy asked for a record the store did not lock for it: a bug."""
+
+
+class _Slot:
+    """A key's state within one transaction."""
+
+    __slots__ = ("digest", "zone", "limiter", "text", "state", "raw", "read", "changed", "forgotten")
+
+    def __init__(self, digest: bytes, zone: Zone, limiter: Limiter | None, text: bytes) -> None:
+        self.digest = digest
+        self.zone = zone
+        self.limiter = limiter  # the limiter the caller counts the key with (None: any)
+        self.text = text
+        self.state: Any = None
+        self.raw: bytes | None = None  # the state's bytes as read
+        self.read = False
+        self.changed = False
+        self.forgotten = False
+
+
+class NodeTable:
+    """The policy's seven primitives (``sidecar.policy.StateTable``) over
+    the zones, inside one transaction at a time: ``plan_*`` names the
+    records the transaction may touch, ``run`` locks their stripes, runs
+    the action, writes back and unlocks. Records are read when the policy
+    first asks, and written when the action returns."""
+
+    def __init__(self, zones: NodeZones) -> None:
+        self.zones = zones
+        self.now = 0.0
+        self._slots: dict[Hashable, _Slot] = {}
+        self._bans: dict[str, list[Any]] = {}  # address -> [digest, record, read, changed]
+        self._notes: dict[Note, list[Any]] = {}  # name -> [digest, (value, until), read, changed]
+        self._locks: dict[str, set[int]] = {}
+        self._room = STATE_VALUE
+        self._lease_room = zones.leases.value_size
+
+    # -- planning ------------------------------------------------------------------
+
+    def begin(self, now: float) -> None:
+        self.now = now
+        self._slots.clear()
+        self._bans.clear()
+        self._notes.clear()
+        self._locks = {}
+
+    def _lock(self, name: str, zone: Zone, digest: bytes) -> None:
+        stripes = self._locks.get(name)
+        if stripes is None:
+            self._locks[name] = {zone.stripe_of(digest)}
+        else:
+            stripes.add(zone.stripe_of(digest))
+
+    def plan_key(self, key: Hashable, limiter: Limiter | None, leases: bool | None = None) -> _Slot:
+        """A key the transaction may read or write: in the leases zone when
+        it counts leases (``leases``; by default, when ``limiter`` does)."""
+        slot = self._slots.get(key)
+        if slot is not None:
+            return slot
+        text = key_text(key)
+        digest = digest_of(text)
+        if leases is None:
+            leases = limiter is not None and limiter.leases
+        zones = self.zones
+        name, zone = ("leases", zones.leases) if leases else ("states", zones.states)
+        slot = self._slots[key] = _Slot(digest, zone, limiter, text)
+        self._lock(name, zone, digest)
+        if len(text) > self._text_room(slot):
+            self._lock("labels", zones.labels, digest)
+        return slot
+
+    def plan_ban(self, address: str) -> None:
+        if address not in self._bans:
+            digest = records.ban_name(address)
+            self._bans[address] = [digest, None, False, False]
+            self._lock("bans", self.zones.bans, digest)
+
+    def plan_note(self, name: Note) -> None:
+        if name not in self._notes:
+            digest = records.note_name(name)
+            self._notes[name] = [digest, None, False, False]
+            self._lock("notes", self.zones.notes, digest)
+
+    def plan_checks(self, address: str, checks: Sequence[Check]) -> None:
+        """Everything ``Policy.evaluate`` may touch for these checks (see
+        ``_refused``, ``_unsolved_penalty`` and ``_escalated`` there)."""
+        self.plan_ban(address)
+        for check in checks:
+            spec = check.spec
+            self.plan_key(check.key, spec.limiter)
+            if not address:
+                continue
+            auto_ban = spec.auto_ban
+            if auto_ban is not None:
+                self.plan_key(auto_ban.key(address), auto_ban.limiter)
+            penalty_ban = spec.penalty_ban
+            if penalty_ban is not None:
+                self.plan_key(penalty_ban.key(spec.rule_id, address), penalty_ban.limiter)
+                self.plan_note((COUNTED_PENALTY, address, spec.rule_id))
+            if spec.ban_increment is not None:
+                self.plan_note((BAN_STEP, address, spec.rule_id))
+
+    def _text_room(self, slot: _Slot) -> int:
+        if slot.zone is self.zones.leases:
+            return LEASE_TEXT
+        return self._room - 33  # the longest state of the states zone: a window's
+
+    # -- the transaction ------------------------------------------------------------
+
+    def run(self, action: Callable[..., Any], *args: Any) -> Any:
+        """``action(*args)`` with the planned stripes locked, then every
+        change written; nothing is written when it raises."""
+        locked = self._locked()
+        zones = self.zones.zones
+        taken: list[tuple[Zone, list[int]]] = []
+        try:
+            for name, stripes in locked:
+                zone = zones[name]
+                zone.lock(stripes)
+                taken.append((zone, stripes))
+            result = action(*args)
+            self._commit()
+            return result
+        finally:
+            for zone, stripes in reversed(taken):
+                zone.unlock(stripes)
+            self._slots.clear()
+            self._bans.clear()
+            self._notes.clear()
+
+    def _locked(self) -> list[tuple[str, list[int]]]:
+        locks = self._locks
+        return [(name, sorted(locks[name])) for name in ZONE_ORDER if name in locks]
+
+    def _commit(self) -> None:
+        now = self.now
+        zones = self.zones
+        for slot in self._slots.values():
+            if slot.forgotten and slot.state is None:
+                slot.zone.delete(slot.digest)
+                if len(slot.text) > self._text_room(slot):
+                    zones.labels.delete(slot.digest)
+                continue
+            state = slot.state
+            if state is None or not (slot.read or slot.changed):
+                continue
+            value = records.encode_state(state, zones.lease_slots)
+            if value == slot.raw and not slot.forgotten:
+                continue
+            expires = state.limiter.expires_at(state)
+            kept = expires + STALE_KEPT if expires > -math.inf else now + STALE_KEPT
+            self._put_state(slot, value, kept, now)
+        for digest, record, _, changed in self._bans.values():
+            if changed:
+                zones.bans.put(digest, records.encode_ban(record, zones.bans.value_size), record.expires, now)
+        for name, (digest, note, _, changed) in self._notes.items():
+            if changed:
+                value, until = note
+                zones.notes.put(digest, records.encode_note(name, value), until, now)
+
+    def _put_state(self, slot: _Slot, value: bytes, expires: float, now: float) -> None:
+        """The state and its key's text: in its record when the text fits
+        the room planned for it, else in the labels zone (whose stripe was
+        locked then). A plug-in's state too long to leave the planned room
+        keeps no text: its key is not listed."""
+        text = slot.text
+        zone = slot.zone
+        labelled = len(text) > self._text_room(slot)
+        if not labelled and len(value) + len(text) <= zone.value_size:
+            zone.put(slot.digest, value + text, expires, now)
+            return
+        zone.put(slot.digest, bytes((value[0] | ELSEWHERE,)) + value[1:], expires, now)
+        if labelled and len(text) <= LABEL_VALUE:
+            self.zones.labels.put(slot.digest, text, expires, now)
+
+    # -- the primitives ----------------------------------------------------------------
+
+    def _slot(self, key: Hashable) -> _Slot:
+        slot = self._slots.get(key)
+        if slot is None:
+            raise NotPlanned(f"the policy asked for a key the store did not lock: {key!r:.200}")
+        if not slot.read:
+            slot.read = True
+            value = slot.zone.get(slot.digest, self.now)
+            if value is not None:
+                state = records.decode_state(value, slot.limiter)
+                slot.state = state
+                if state is not None:
+                    slot.raw = value[:records.state_length(value)]
+                    if slot.raw[0] & ELSEWHERE:
+                        slot.raw = bytes((slot.raw[0] & ~ELSEWHERE,)) + slot.raw[1:]
+        return slot
+
+    def state(self, key: Hashable) -> Any:
+        return self._slot(key).state
+
+    def keep(self, key: Hashable, state: Any) -> None:
+        slot = self._slot(key)
+        slot.state = state
+        slot.changed = True
+
+    def forget(self, key: Hashable) -> bool:
+        slot = self._slot(key)
+        had = slot.state is not None
+        slot.state = None
+        slot.changed = False
+        slot.forgotten = True
+        return had
+
+    def ban(self, address: str) -> BanRecord | None:
+        entry = self._bans.get(address)
+        if entry is None:
+            raise NotPlanned(f"the policy asked for a ban the store did not lock: {address!r:.200}")
+        if not entry[2]:
+            entry[2] = True
+            value = self.zones.bans.get(entry[0], self.now)
+            entry[1] = None if value is None else records.decode_ban(value)
+        return cast(BanRecord | None, entry[1])
+
+    def keep_ban(self, record: BanRecord) -> None:
+        entry = self._bans.get(record.address)
+        if entry is None:
+            raise NotPlanned(f"the policy kept a ban the store did not lock: {record.address!r:.200}")
+        entry[1:] = [record, True, True]
+
+    def note(self, name: Note, now: float) -> Any:
+        entry = self._notes.get(name)
+        if entry is None:
+            raise NotPlanned(f"the policy asked for a note the store did not lock: {name!r:.200}")
+        if not entry[2]:
+            entry[2] = True
+            value = self.zones.notes.get(entry[0], self.now)
+            entry[1] = None if value is None else (records.decode_note(value), math.inf)
+        note = entry[1]
+        return note[0] if note is not None and now < note[1] else None
+
+    def keep_note(self, name: Note, value: Any, until: float) -> None:
+        entry = self._notes.get(name)
+        if entry is None:
+            raise NotPlanned(f"the policy kept a note the store did not lock: {name!r:.200}")
+        entry[1:] = [(value, until), True, True]
+
+
+def _all_stripes(zone: Zone) -> Iterator[int]:
+    return iter(range(zone.stripes))
+
+
+class NodeStore:
+    """The memory backend over a node's zones: every role of
+    ``sidecar.store.StateStore``, the same from every worker. Every
+    operation answers at once (locks are held for a few microseconds)."""
+
+    answers_at_once = True
+
+    def __init__(self, zones: NodeZones, node: str, clock: Clock = epoch_clock,
+                 wall_clock: Clock = time.time) -> None:
+        self.zones = zones
+        self.table = NodeTable(zones)
+        self.policy = Policy(self.table, node, wall_clock)
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._network_bans = NetworkBans()
+        self._seen_generation = -1
+        self._seen_reload = zones.states.generation()
+        self._on_change: list[Callable[[], None]] = []
+        self._on_reload: list[Callable[[], None]] = []
+        self._capped: dict[int, tuple[CheckSpec, CheckSpec]] = {}
+        self._max_keys_told = zones.max_keys
+        self.refresh()
+
+    @property
+    def node(self) -> str:
+        return self.policy.node
+
+    # -- following other workers ----------------------------------------------------
+
+    def follow(self, on_change: Callable[[], None] | None = None,
+               on_reload: Callable[[], None] | None = None) -> None:
+        """Call ``on_change`` when an administrator changed the state through
+        any worker, and ``on_reload`` when another worker was asked to reload."""
+        if on_change is not None:
+            self._on_change.append(on_change)
+        if on_reload is not None:
+            self._on_reload.append(on_reload)
+
+    def refresh(self) -> bool:
+        """Catch up with what other workers changed (one read of a counter
+        when nothing did); whether something had."""
+        generation = self.zones.bans.generation()
+        if generation == self._seen_generation:
+            return False
+        self._seen_generation = generation
+        self._network_bans.replace(self._read_bans(self.zones.networks, self._clock()))
+        for listener in self._on_change:
+            listener()
+        reload = self.zones.states.generation()
+        if reload != self._seen_reload:
+            self._seen_reload = reload
+            for listener in self._on_reload:
+                listener()
+        return True
+
+    def changed(self) -> None:
+        """Tell every worker (this one included) that an administrator changed the state."""
+        self.zones.bans.bump_generation()
+        self.refresh()
+
+    def announce_reload(self) -> None:
+        """Tell the other workers to reload their rules, as this one just did."""
+        self._seen_reload = self.zones.states.bump_generation()
+        self.zones.bans.bump_generation()
+
+    @property
+    def network_bans(self) -> NetworkBans:
+        self.refresh()
+        return self._network_bans
+
+    # -- deciding ---------------------------------------------------------------
+
+    async def evaluate(self, now: float, address: str, checks: Sequence[Check],
+                       can_delay: bool = True, quotas: bool = False) -> Evaluation:
+        return self.decide(now, address, checks, can_delay, quotas)
+
+    def decide(self, now: float, address: str, checks: Sequence[Check], can_delay: bool = True,
+               quotas: bool = False) -> Evaluation:
+        """``evaluate`` without an event loop."""
+        table = self.table
+        table.begin(now)
+        checks = self._within_slots(checks)
+        table.plan_checks(address, checks)
+        return cast(Evaluation, table.run(self.policy.evaluate, now, address, checks, can_delay, quotas))
+
+    def _within_slots(self, checks: Sequence[Check]) -> Sequence[Check]:
+        """The checks, with a concurrency limit above the leases a record
+        holds (a reload raised it past the largest at start) run at that
+        many: the zones keep their size until a restart."""
+        slots = self.zones.lease_slots
+        if all(not check.spec.limiter.leases or cast(ConcurrencyLimiter, check.spec.limiter).limit <= slots
+               for check in checks):
+            return checks
+        return [Check(self._capped_spec(check.spec), check.key, check.lease)
+                if check.spec.limiter.leases and cast(ConcurrencyLimiter, check.spec.limiter).limit > slots
+                else check for check in checks]
+
+    def _capped_spec(self, spec: CheckSpec) -> CheckSpec:
+        known = self._capped.get(id(spec))
+        if known is not None and known[0] is spec:
+            return known[1]
+        limiter = cast(ConcurrencyLimiter, spec.limiter)
+        log.warning("rule %s: a concurrent limit of %d runs as %d until Sluice restarts: the shared table's "
+                    "records were sized at start for %d leases", spec.rule_id, limiter.limit,
+                    self.zones.lease_slots, self.zones.lease_slots)
+        capped = CheckSpec(spec.rule_id, ConcurrencyLimiter(self.zones.lease_slots, limiter.lease),
+                           spec.threshold, spec.stops, spec.ban_duration, spec.count, spec.auto_ban, spec.amount,
+                           spec.ban_increment, spec.penalty_ban)
+        self._capped[id(spec)] = (spec, capped)
+        return capped
+
+    async def record(self, now: float, counts: Sequence[ResponseCount]) -> list[Hit]:
+        table = self.table
+        table.begin(now)
+        for count in counts:
+            table.plan_key(count.key, count.limiter)
+        count_now = self.policy.count
+        return cast(list[Hit], table.run(lambda: [count_now(c.key, c.limiter, now, c.threshold, c.amount)
+                                                  for c in counts]))
+
+    def count_now(self, key: Hashable, limiter: Limiter, now: float, threshold: float, amount: int) -> Hit:
+        """Count one at once, whatever the limiter, without an event loop."""
+        table = self.table
+        table.begin(now)
+        table.plan_key(key, limiter)
+        return cast(Hit, table.run(self.policy.count, key, limiter, now, threshold, amount))
+
+    async def release(self, lease: str, keys: Sequence[CountingKey]) -> int:
+        table = self.table
+        table.begin(self._clock())
+        for key in keys:
+            table.plan_key(key, None, leases=True)
+        return cast(int, table.run(self.policy.release, lease, keys))
+
+    async def reset(self, keys: Sequence[CountingKey]) -> int:
+        """Forget the keys' states, counting or leasing."""
+        return self._forget_keys(keys)
+
+    def _forget_keys(self, keys: Sequence[Hashable]) -> int:
+        zones = self.zones
+        now = self._clock()
+        forgotten = 0
+        for key in keys:
+            text = key_text(key)
+            digest = digest_of(text)
+            found = False
+            for zone in (zones.states, zones.leases):
+                stripes = [zone.stripe_of(digest)]
+                zone.lock(stripes)
+                try:
+                    value = zone.peek(digest, now)
+                    found = zone.delete(digest) and value is not None or found
+                finally:
+                    zone.unlock(stripes)
+            self._unlabel(digest, now)
+            forgotten += found
+        return forgotten
+
+    def _unlabel(self, digest: bytes, now: float) -> None:
+        labels = self.zones.labels
+        stripes = [labels.stripe_of(digest)]
+        labels.lock(stripes)
+        try:
+            labels.delete(digest)
+        finally:
+            labels.unlock(stripes)
+
+    def may_be_banned(self) -> bool:
+        return len(self.zones.bans) > 0
+
+    def configure(self, max_keys: int, node: str) -> None:
+        """New settings from a reload. The zones keep the size they were
+        made with: a new ``max_keys`` applies at the next start."""
+        self.policy.node = node
+        if max_keys != self._max_keys_told and not self.zones.sized_for(max_keys):
+            self._max_keys_told = max_keys
+            log.warning("state.max_keys is now %d, but the node's shared table keeps the %d keys it was "
+                        "sized for at start until Sluice restarts", max_keys, self.zones.max_keys)
+
+    # -- bans -------------------------------------------------------------------------
+
+    def _read_bans(self, zone: Zone, now: float) -> list[BanRecord]:
+        """Every ban record of a zone unexpired at ``now``, a stripe at a time."""
+        found: list[BanRecord] = []
+        for stripe in _all_stripes(zone):
+            zone.lock([stripe])
+            try:
+                found.extend(records.decode_ban(value) for _, value, _ in zone.scan(stripe, now))
+            finally:
+                zone.unlock([stripe])
+        return found
+
+    def _one(self, zone: Zone, digest: bytes, action: Callable[[], Any]) -> Any:
+        stripes = [zone.stripe_of(digest)]
+        zone.lock(stripes)
+        try:
+            return action()
+        finally:
+            zone.unlock(stripes)
+
+    def _peek(self, zone: Zone, digest: bytes, now: float) -> bytes | None:
+        return cast(bytes | None, self._one(zone, digest, lambda: zone.peek(digest, now)))
+
+    def record_shadow_ban(self, record: BanRecord) -> None:
+        shadow = self.zones.shadow
+        digest = records.ban_name(record.address)
+        value = records.encode_ban(record, shadow.value_size)
+        self._one(shadow, digest, lambda: shadow.put(digest, value, record.expires, self._clock()))
+
+    async def shadow_bans(self, now: float) -> list[BanRecord]:
+        return sorted(self._read_bans(self.zones.shadow, now), key=lambda ban: ban.address)
+
+    async def lift_shadow_ban(self, address: str) -> bool:
+        shadow = self.zones.shadow
+        digest = records.ban_name(address)
+        lifted = bool(self._one(shadow, digest, lambda: shadow.delete(digest)))
+        if lifted:
+            self.changed()
+        return lifted
+
+    async def forget_history(self, address: str) -> int:
+        notes = self.zones.notes
+        hashed = records.address_hash(address)
+        now = self._clock()
+        dropped = 0
+        for stripe in _all_stripes(notes):
+            notes.lock([stripe])
+            try:
+                for digest, value, _ in notes.scan(stripe, now):
+                    if records.note_of_address(value, hashed):
+                        dropped += notes.delete(digest)
+            finally:
+                notes.unlock([stripe])
+        if dropped:
+            self.changed()
+        return dropped
+
+    async def active_bans(self, now: float) -> list[BanRecord]:
+        return self.bans_in_force(now)
+
+    def bans_in_force(self, now: float) -> list[BanRecord]:
+        return sorted(self._read_bans(self.zones.bans, now), key=lambda ban: ban.address)
+
+    async def lift_ban(self, address: str) -> bool:
+        bans = self.zones.bans
+        digest = records.ban_name(address)
+        lifted = bool(self._one(bans, digest, lambda: bans.delete(digest)))
+        if lifted:
+            self.changed()
+        return lifted
+
+    async def ban_of(self, now: float, address: str) -> BanRecord | None:
+        bans = self.zones.bans
+        digest = records.ban_name(address)
+        value = self._one(bans, digest, lambda: bans.peek(digest, now))
+        return None if value is None else records.decode_ban(value)
+
+    async def ban(self, now: float, address: str, duration: float, reason: str) -> BanRecord:
+        table = self.table
+        table.begin(now)
+        table.plan_ban(address)
+        record = cast(BanRecord, table.run(self.policy.ban, now, address, "", duration, None, reason))
+        self.changed()
+        return record
+
+    async def ban_network(self, now: float, network: str, duration: float, reason: str) -> BanRecord:
+        ban = BanRecord(network, "", self.node, self._wall_clock(), now + duration, duration, reason=reason)
+        networks = self.zones.networks
+        digest = records.ban_name(network)
+        value = records.encode_ban(ban, networks.value_size)
+        self._one(networks, digest, lambda: networks.put(digest, value, ban.expires, now))
+        self.changed()
+        return ban
+
+    async def lift_network_ban(self, now: float, network: str) -> bool:
+        networks = self.zones.networks
+        digest = records.ban_name(network)
+        lifted = bool(self._one(networks, digest, lambda: networks.delete(digest)))
+        if lifted:
+            self.changed()
+        return lifted
+
+    async def active_network_bans(self, now: float) -> list[BanRecord]:
+        self.refresh()
+        return self._network_bans.in_force(now)
+
+    async def reset_keys(self, now: float, keys: Sequence[CountingKey]) -> int:
+        reset = self._forget_keys(keys)
+        self.changed()
+        return reset
+
+    # -- inspection ----------------------------------------------------------------
+
+    async def find_keys(self, now: float, selection: KeySelection, limit: int | None = None) -> list[CountingKey]:
+        # A look through every key: at most the zones' records, for an administrator.
+        if selection.key is not None:
+            key = selection.key
+            return [key] if self._stored(now, key) else []
+        found: list[CountingKey] = []
+        seen: set[bytes] = set()
+        hint = _text_hint(selection)
+        for key in self._keys(now, hint, seen):
+            if selection.holds(key):
+                found.append(key)
+                if limit is not None and len(found) >= limit:
+                    break
+        return found
+
+    def _stored(self, now: float, key: CountingKey) -> bool:
+        """Whether the key has a state in force at ``now`` (not only kept)."""
+        digest = [digest_of(key_text(key))]
+        return any(self._in_force_of(zone, digest, now) for zone in (self.zones.states, self.zones.leases))
+
+    def _keys(self, now: float, hint: bytes | None, seen: set[bytes]) -> Iterator[CountingKey]:
+        """The keys of every state in force, whose text holds ``hint``."""
+        zones = self.zones
+        for zone in (zones.states, zones.leases):
+            for stripe in _all_stripes(zone):
+                zone.lock([stripe])
+                try:
+                    live = [(digest, value) for digest, value, expires in zone.scan(stripe, now)
+                            if expires - STALE_KEPT > now]
+                finally:
+                    zone.unlock([stripe])
+                for digest, value in live:
+                    if digest in seen:
+                        continue
+                    seen.add(digest)
+                    text = self._text_of(digest, value, now)
+                    if text is None or hint is not None and hint not in text:
+                        continue
+                    key = records.parse_key(text)
+                    if key is not None:
+                        yield key
+
+    def _text_of(self, digest: bytes, value: bytes, now: float) -> bytes | None:
+        if not value[0] & ELSEWHERE:
+            return value[records.state_length(value):]
+        labels = self.zones.labels
+        return cast(bytes | None, self._one(labels, digest, lambda: labels.peek(digest, now)))
+
+    async def describe_keys(self, now: float, keys: Sequence[Described]) -> list[CounterState | None]:
+        zones = self.zones
+        digests = [digest_of(key_text(key)) for key, _, _ in keys]
+        # The records in force: a state's own limiter says when it stops
+        # mattering, which a record read back knows only as its expiry.
+        found = {**self._in_force_of(zones.states, digests, now), **self._in_force_of(zones.leases, digests, now)}
+        return [self._describe(now, key, limiter, threshold, found.get(digest))
+                for (key, limiter, threshold), digest in zip(keys, digests)]
+
+    def _in_force_of(self, zone: Zone, digests: Sequence[bytes], now: float) -> dict[bytes, bytes]:
+        """The values of those of ``digests`` whose state is in force at
+        ``now`` (not only kept), a stripe scanned at a time."""
+        wanted = set(digests)
+        found: dict[bytes, bytes] = {}
+        for stripe in sorted({zone.stripe_of(digest) for digest in wanted}):
+            zone.lock([stripe])
+            try:
+                found.update((digest, value) for digest, value, expires in zone.scan(stripe, now)
+                             if digest in wanted and expires - STALE_KEPT > now)
+            finally:
+                zone.unlock([stripe])
+        return found
+
+    @staticmethod
+    def _describe(now: float, key: CountingKey, limiter: Limiter | None, threshold: float,
+                  value: bytes | None) -> CounterState | None:
+        """As the memory store describes a key: read, never counted, and
+        without refreshing its recency."""
+        state = None if value is None else records.decode_state(value, limiter)
+        if state is None:
+            return None
+        if limiter is None:
+            own = state.limiter
+            return CounterState(key, 0.0 if own.leases else own.peek(state, now).retry_after, None)
+        if type(state.limiter) is not type(limiter):
+            state = limiter.new_state()  # another algorithm's state: the rule's starts anew
+        # A concurrency limit has no penalty: it refuses while full.
+        penalty = 0.0 if limiter.leases else limiter.peek(state, now).retry_after
+        return CounterState(key, penalty, limiter.quota(state, now, threshold))
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def tracked_keys(self) -> int:
+        return len(self.zones.states) + len(self.zones.leases)
+
+    def gauges(self) -> dict[str, tuple[str, Callable[[], float]]]:
+        # The node's figures, the same from every worker.
+        return {"sluice_active_bans": ("IP bans in force on this node.",
+                                       lambda: len(self.bans_in_force(self._clock()))),
+                "sluice_tracked_keys": ("Counting keys held in memory.", self.tracked_keys)}
+
+    async def open(self) -> None:
+        """Nothing to open: the zones are attached."""
+
+    async def close(self) -> None:
+        """Nothing to close: the zones stay attached until the process ends
+        (the parent removes their files)."""
+
+
+def _text_hint(selection: KeySelection) -> bytes | None:
+    """Text that every key the selection names has in its ``key_text``: a
+    cheap filter before a key's text is read back."""
+    if selection.address is not None:
+        return repr(selection.address).encode()
+    if selection.rule is not None:
+        return repr(selection.rule).encode()
+    return None

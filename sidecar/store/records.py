@@ -1,0 +1,321 @@
+"""What the node-wide store (``sidecar.store.node``) keeps in its zones, as
+bytes: the limiters' states, ban records, the notes bans react to, and the
+text of counting keys; and the digests that name them.
+
+A zone holds fixed-size records, each named by a 16-byte digest and worth
+a few dozen bytes of value (``sidecar.shm``), shared by every worker of a
+node. So nothing here is a Python object between two requests: a state is
+read from its bytes when the policy asks for it and written back as bytes
+when the request is decided. Each known algorithm has a fixed layout
+(``struct``), chosen by the state's type; a limiter only the rules' plug-ins
+know is kept as its dataclass's fields through ``marshal``.
+
+A state's record is its bytes followed by the key's text (``repr`` of the
+key tuple, which ``parse_key`` reads back), when the text fits in what is
+left of the record: the admin API lists keys by reading that text. A key
+too long for its record has the ``ELSEWHERE`` flag, and its text is kept in
+the labels zone under the same digest.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import hashlib
+import marshal
+import math
+import struct
+from collections.abc import Hashable
+from typing import Any
+
+from sidecar.config import Rate
+from sidecar.keys import CountingKey
+from sidecar.limiters.base import Limiter
+from sidecar.limiters.concurrent import ConcurrencyLimiter, LeaseState
+from sidecar.limiters.leaky import LeakyBucket, LeakyState
+from sidecar.limiters.token import TokenBucket, TokenState
+from sidecar.limiters.window import WindowCounter, WindowState
+from sidecar.policy import BAN_STEP, COUNTED_PENALTY, Note
+from sidecar.state import BanRecord
+
+DIGEST_BYTES = 16
+_blake2b = hashlib.blake2b
+
+
+def digest_of(text: bytes) -> bytes:
+    """The 16 bytes a record is named by: BLAKE2b of its name's text, the
+    same in every worker (Python's own ``hash`` is seeded per process)."""
+    return _blake2b(text, digest_size=DIGEST_BYTES).digest()
+
+
+# -- counting keys -------------------------------------------------------------
+
+def key_text(key: Hashable) -> bytes:
+    """A counting key as text: its tuple's ``repr`` (text values are quoted
+    and escaped, so it is unambiguous and always UTF-8)."""
+    return repr(key).encode()
+
+
+def parse_key(text: bytes) -> CountingKey | None:
+    """The counting key ``key_text`` wrote, or None for anything else."""
+    try:
+        value = ast.literal_eval(text.decode())
+    except (ValueError, SyntaxError, UnicodeDecodeError, MemoryError, RecursionError):
+        return None
+    if not isinstance(value, tuple) or not value or not _is_prefix(value[0]):
+        return None
+    for part in value[1:]:
+        if isinstance(part, tuple):
+            if len(part) != 2 or not all(isinstance(item, str) for item in part):
+                return None
+        elif not isinstance(part, str):
+            return None
+    return value
+
+
+def _is_prefix(value: Any) -> bool:
+    return isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str) \
+        and isinstance(value[1], tuple) and all(isinstance(name, str) for name in value[1])
+
+
+# -- limiter states --------------------------------------------------------------
+
+# The first byte of a state's record: its layout, and ELSEWHERE when the
+# key's text is in the labels zone.
+WINDOW, TOKEN, LEAKY, LEASES, OTHER = 1, 2, 3, 4, 5
+ELSEWHERE = 0x80
+KIND_MASK = 0x7F
+
+_WINDOW = struct.Struct("<Bqqqd")  # window, previous, current, penalty_until
+_TOKEN = struct.Struct("<Bddd")  # tokens, last (NaN: None), penalty_until
+_LEAKY = struct.Struct("<Bqqd")  # excess, last (NO_LAST: None), penalty_until
+_LEASES = struct.Struct("<BH")  # the number of leases that follow
+_LEASE = struct.Struct("<B9sd")  # the lease id's form, its 9 bytes, when it ends
+_OTHER = struct.Struct("<BH")  # the length of the marshalled fields that follow
+NO_LAST = -(1 << 63)
+LEASE_BYTES = _LEASE.size
+
+# A state whose record names no limiter of the caller's: a stand-in of its
+# algorithm, so that the policy sees a state of another algorithm (which
+# starts anew) and a lease state can still give its slots back.
+_STAND_INS: dict[int, Limiter] = {
+    WINDOW: WindowCounter(1, 1.0, 1.0),
+    TOKEN: TokenBucket(1, 1.0, 1, None),
+    LEAKY: LeakyBucket(Rate(1, 1), 0, None, None),
+    LEASES: ConcurrencyLimiter(1, 1.0),
+}
+_KINDS: dict[type, int] = {WindowCounter: WINDOW, TokenBucket: TOKEN, LeakyBucket: LEAKY,
+                           ConcurrencyLimiter: LEASES}
+
+
+def kind_of(limiter: Limiter | None) -> int:
+    """The record layout of a limiter's states (None: no limiter known)."""
+    if limiter is None:
+        return 0
+    return _KINDS.get(type(limiter), OTHER)
+
+
+def encode_state(state: Any, lease_slots: int) -> bytes:
+    """A state's bytes, without the key's text. A lease state keeps at most
+    ``lease_slots`` leases (the latest to end): the store caps concurrency
+    limits at that many before it decides."""
+    kind = kind_of(state.limiter)
+    if kind == WINDOW:
+        return _WINDOW.pack(WINDOW, state.window, state.previous, state.current, state.penalty_until)
+    if kind == TOKEN:
+        return _TOKEN.pack(TOKEN, state.tokens, math.nan if state.last is None else state.last,
+                           state.penalty_until)
+    if kind == LEAKY:
+        return _LEAKY.pack(LEAKY, state.excess, NO_LAST if state.last is None else state.last,
+                           state.penalty_until)
+    if kind == LEASES:
+        held = state.held
+        if len(held) > lease_slots:
+            held = dict(sorted(held.items(), key=lambda lease: lease[1])[-lease_slots:])
+        return _LEASES.pack(LEASES, len(held)) + b"".join(_LEASE.pack(*_lease_id(lease), ends)
+                                                           for lease, ends in held.items())
+    fields = marshal.dumps((_code(state.limiter),
+                            tuple(getattr(state, field.name) for field in dataclasses.fields(state)
+                                  if field.name != "limiter")))
+    return _OTHER.pack(OTHER, len(fields)) + fields
+
+
+def state_length(value: bytes) -> int:
+    """Where a state's bytes end in its record (the key's text follows)."""
+    kind = value[0] & KIND_MASK
+    if kind == WINDOW:
+        return _WINDOW.size
+    if kind in (TOKEN, LEAKY):
+        return _TOKEN.size
+    if kind == LEASES:
+        return _LEASES.size + int(_LEASES.unpack_from(value)[1]) * LEASE_BYTES
+    return _OTHER.size + int(_OTHER.unpack_from(value)[1])
+
+
+def decode_state(value: bytes, limiter: Limiter | None) -> Any:
+    """The state a record holds, belonging to ``limiter`` when it is of the
+    record's algorithm (else to a stand-in of the record's: the policy then
+    starts the key anew); None for a plug-in's state no limiter of the
+    caller's can read."""
+    kind = value[0] & KIND_MASK
+    if kind_of(limiter) != kind:
+        limiter = _STAND_INS.get(kind)
+    if kind == WINDOW:
+        _, window, previous, current, penalty_until = _WINDOW.unpack_from(value)
+        return WindowState(window, previous, current, penalty_until, limiter)
+    if kind == TOKEN:
+        _, tokens, last, penalty_until = _TOKEN.unpack_from(value)
+        return TokenState(tokens, None if math.isnan(last) else last, penalty_until, limiter)
+    if kind == LEAKY:
+        _, excess, last, penalty_until = _LEAKY.unpack_from(value)
+        return LeakyState(excess, None if last == NO_LAST else last, penalty_until, limiter)
+    if kind == LEASES:
+        count = _LEASES.unpack_from(value)[1]
+        held = {}
+        for n in range(count):
+            form, packed, ends = _LEASE.unpack_from(value, _LEASES.size + n * LEASE_BYTES)
+            held[_lease_text(form, packed)] = ends
+        return LeaseState(held, limiter)
+    return _decode_other(value, limiter)
+
+
+def _decode_other(value: bytes, limiter: Limiter | None) -> Any:
+    if limiter is None:
+        return None
+    length = _OTHER.unpack_from(value)[1]
+    try:
+        code, fields = marshal.loads(value[_OTHER.size:_OTHER.size + length])
+    except (ValueError, EOFError, TypeError):
+        return None
+    if code != _code(limiter):
+        return None
+    state = limiter.new_state()
+    names = [field.name for field in dataclasses.fields(state) if field.name != "limiter"]
+    if len(names) != len(fields):
+        return None
+    for name, field in zip(names, fields):
+        setattr(state, name, field)
+    return state
+
+
+def _code(limiter: Limiter) -> str:
+    """A plug-in's kind code (its Redis scripts' first argument)."""
+    return limiter.redis_args(1.0)[0]
+
+
+# A lease id's form in its record: up to 9 bytes of UTF-8 as they are (the
+# length), the 18 hex digits the engine makes packed in 9, or a hash of a
+# longer id (no response report names such a lease; it ends with its lease).
+_HEX = 0x80
+_HASHED = 0xFF
+_HEX_DIGITS = frozenset("0123456789abcdef")
+
+
+def _lease_id(lease: str) -> tuple[int, bytes]:
+    raw = lease.encode()
+    if len(raw) <= 9:
+        return len(raw), raw
+    if len(lease) == 18 and _HEX_DIGITS.issuperset(lease):
+        return _HEX, bytes.fromhex(lease)
+    return _HASHED, _blake2b(raw, digest_size=9).digest()
+
+
+def _lease_text(form: int, packed: bytes) -> str:
+    if form == _HEX:
+        return packed.hex()
+    if form == _HASHED:
+        return "#" + packed.hex()
+    return packed[:form].decode(errors="replace")
+
+
+def lease_value_bytes(slots: int) -> int:
+    """The bytes of a lease state of ``slots`` leases."""
+    return _LEASES.size + slots * LEASE_BYTES
+
+
+# -- bans --------------------------------------------------------------------------
+
+_BAN = struct.Struct("<dddBi")  # started_wall, expires, duration, shadow, step
+BAN_TEXTS = 4  # address, rule id, node, reason: a length byte and UTF-8 each
+
+
+def ban_name(address: str) -> bytes:
+    return digest_of(address.encode())
+
+
+def encode_ban(record: BanRecord, room: int) -> bytes:
+    """A ban record in at most ``room`` bytes: the node's name and the
+    reason are shortened to fit (at a character boundary); the address and
+    the rule id always fit a record of the bans zone."""
+    head = _BAN.pack(record.started_wall, record.expires, record.duration, record.shadow, record.step)
+    texts = [record.address.encode(), record.rule_id.encode(), record.node.encode(), record.reason.encode()]
+    left = room - len(head) - BAN_TEXTS - len(texts[0]) - len(texts[1])
+    if left < 0 or len(texts[0]) > 255 or len(texts[1]) > 255:
+        raise ValueError(f"a ban of {record.address[:100]!r} by {record.rule_id[:100]!r} does not fit "
+                         f"{room} bytes")
+    texts[2] = _shortened(texts[2], min(left, 255))
+    texts[3] = _shortened(texts[3], min(left - len(texts[2]), 255))
+    return head + b"".join(bytes((len(text),)) + text for text in texts)
+
+
+def _shortened(text: bytes, room: int) -> bytes:
+    if len(text) <= room:
+        return text
+    return text[:max(room, 0)].decode(errors="ignore").encode()
+
+
+def decode_ban(value: bytes) -> BanRecord:
+    started_wall, expires, duration, shadow, step = _BAN.unpack_from(value)
+    texts = []
+    at = _BAN.size
+    for _ in range(BAN_TEXTS):
+        length = value[at]
+        texts.append(value[at + 1:at + 1 + length].decode(errors="replace"))
+        at += 1 + length
+    address, rule_id, node, reason = texts
+    return BanRecord(address, rule_id, node, started_wall, expires, duration, bool(shadow), step, reason)
+
+
+# -- notes ---------------------------------------------------------------------------
+
+_NOTE_HEAD = struct.Struct("<B8s")  # the value's form, the address's hash
+_STEP = struct.Struct("<qd")  # an escalating ban's step and length
+NOTE_STEP, NOTE_TRUE, NOTE_OTHER = 1, 2, 3
+
+
+def note_name(name: Note) -> bytes:
+    return digest_of(repr(name).encode())
+
+
+def address_hash(address: str) -> bytes:
+    """Eight bytes of the address a note is about: ``forget_history`` finds
+    an address's notes by it."""
+    return _blake2b(address.encode(), digest_size=8).digest()
+
+
+def encode_note(name: Note, value: Any) -> bytes:
+    kind, address = name[0], name[1]
+    if kind == BAN_STEP and isinstance(value, tuple) and len(value) == 2:
+        return _NOTE_HEAD.pack(NOTE_STEP, address_hash(address)) + _STEP.pack(*value)
+    if kind == COUNTED_PENALTY and value is True:
+        return _NOTE_HEAD.pack(NOTE_TRUE, address_hash(address))
+    return _NOTE_HEAD.pack(NOTE_OTHER, address_hash(address)) + marshal.dumps(value)
+
+
+def decode_note(value: bytes) -> Any:
+    form = value[0]
+    if form == NOTE_STEP:
+        step, duration = _STEP.unpack_from(value, _NOTE_HEAD.size)
+        return step, duration
+    if form == NOTE_TRUE:
+        return True
+    return marshal.loads(value[_NOTE_HEAD.size:])
+
+
+def note_of_address(value: bytes, hashed: bytes) -> bool:
+    return value[1:_NOTE_HEAD.size] == hashed
+
+
+def note_bytes() -> int:
+    """The longest note the policy keeps."""
+    return _NOTE_HEAD.size + _STEP.size

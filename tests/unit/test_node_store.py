@@ -1,0 +1,540 @@
+"""The node-wide memory store (sidecar.store.node) over the zone's pure
+twin: it decides as the per-process memory store does, trace by trace and
+for random rule sets; every primitive and role works over the zones' bytes;
+two stores over the same zones (two workers) see one state; records keep
+every field; the zones are bounded, private files. The compiled zone and
+real workers are the integration tests' (test_workers_memory.py)."""
+
+from __future__ import annotations
+
+import logging
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sidecar.at_once import run_at_once
+from sidecar.config import Rate
+from sidecar.counters import KeySelection
+from sidecar.limiters.concurrent import ConcurrencyLimiter, LeaseState
+from sidecar.limiters.leaky import LeakyBucket, LeakyState
+from sidecar.limiters.token import TokenBucket, TokenState
+from sidecar.limiters.window import WindowCounter, WindowState
+from sidecar.policy import BAN_STEP, COUNTED_PENALTY
+from sidecar.shm.pure_zone import Zone as PureZone
+from sidecar.state import AutoBan, BanIncrement, BanRecord, Check, CheckSpec, PenaltyBan, ResponseCount
+from sidecar.store import records
+from sidecar.store.memory import MemoryStore
+from sidecar.store.node import LABEL_VALUE, STALE_KEPT, NodeStore, NodeTable, NodeZones, NotPlanned, zone_sizes
+from tests.unit.policy_traces import START, Step, replay, traces
+
+NOW = START
+
+
+def node_store(max_keys: int = 1000, largest_concurrency: int = 2, clock: Callable[[], float] = lambda: NOW,
+               zones: NodeZones | None = None) -> NodeStore:
+    zones = zones if zones is not None else NodeZones.private(max_keys, largest_concurrency, zone_type=PureZone)
+    return NodeStore(zones, "node", clock=clock, wall_clock=lambda: 1_700_000_000.0)
+
+
+def memory_store(clock: Callable[[], float] = lambda: NOW) -> MemoryStore:
+    return MemoryStore(10_000, "node", clock=clock, wall_clock=lambda: 1_700_000_000.0)
+
+
+# -- deciding as the memory store -----------------------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(trace=traces)
+def test_the_node_store_decides_as_the_memory_store(trace: list[Step]) -> None:
+    """Every kind of check, ban, note, response and release of the policy's
+    traces, answer for answer, while nothing is evicted."""
+    assert run_at_once(replay(node_store(), trace)) == run_at_once(replay(memory_store(), trace))
+
+
+def window_limiters() -> st.SearchStrategy[Any]:
+    return st.builds(WindowCounter, st.integers(1, 4), st.sampled_from([2.0, 5.0, 10.0]),
+                     st.sampled_from([1.0, 5.0, 10.0]), st.booleans(), st.booleans())
+
+
+def limiters() -> st.SearchStrategy[Any]:
+    tokens = st.integers(1, 4).flatmap(lambda capacity: st.builds(
+        TokenBucket, st.just(capacity), st.sampled_from([0.5, 1.0, 3.0]), st.integers(1, capacity),
+        st.sampled_from([None, 2.0])))
+    leaky = st.integers(0, 3).flatmap(lambda burst: st.builds(
+        LeakyBucket, st.builds(Rate, st.integers(1, 3), st.just(1)), st.just(burst),
+        st.one_of(st.none(), st.integers(0, burst)), st.sampled_from([None, 2.0])))
+    slots = st.builds(ConcurrencyLimiter, st.integers(1, 3), st.sampled_from([3.0, 8.0]))
+    return st.one_of(window_limiters(), tokens, leaky, slots)
+
+
+@st.composite
+def rule_specs(draw: st.DrawFn, rule_id: str) -> CheckSpec:
+    limiter = draw(limiters())
+    window = isinstance(limiter, WindowCounter)
+    return CheckSpec(
+        rule_id, limiter, float(getattr(limiter, "threshold", 1)), draw(st.booleans()),
+        ban_duration=draw(st.sampled_from([None, 15.0])) if window else None,
+        count=draw(st.booleans()) if window else True,
+        auto_ban=draw(st.one_of(st.none(), st.builds(AutoBan, window_limiters(), st.integers(1, 3),
+                                                     st.just(30.0)))) if window else None,
+        amount=draw(st.integers(0, 2)) if window else 1,
+        ban_increment=draw(st.one_of(st.none(), st.just(BanIncrement(2.0, 80.0, 60.0)))),
+        penalty_ban=draw(st.one_of(st.none(), st.just(PenaltyBan.after(1, 40.0)))) if window else None)
+
+
+@dataclass(frozen=True)
+class Ask:
+    address: str
+    rules: tuple[int, ...]
+    can_delay: bool
+    quotas: bool
+
+
+@dataclass(frozen=True)
+class Report:
+    address: str
+    rule: int
+    amount: int
+    release: int
+
+
+ADDRESSES = ("192.0.2.1", "192.0.2.1", "192.0.2.2", "")
+
+
+@st.composite
+def rule_sets_and_traces(draw: st.DrawFn) -> tuple[list[CheckSpec], list[tuple[float, Ask | Report]]]:
+    count = draw(st.integers(1, 4))
+    specs = [draw(rule_specs(f"r{n}")) for n in range(count)]
+    asks = st.builds(Ask, st.sampled_from(ADDRESSES),
+                     st.lists(st.integers(0, count - 1), min_size=1, max_size=3, unique=True).map(tuple),
+                     st.booleans(), st.booleans())
+    reports = st.builds(Report, st.sampled_from(ADDRESSES), st.integers(0, count - 1), st.integers(1, 2),
+                        st.integers(1, 3))
+    steps = st.tuples(st.sampled_from([0.0, 0.0, 0.2, 0.7, 1.5, 4.0, 12.0, 70.0]),
+                      st.one_of(asks, asks, asks, reports))
+    return specs, draw(st.lists(steps, min_size=3, max_size=40))
+
+
+def spec_key(spec: CheckSpec, address: str) -> Any:
+    return ((spec.rule_id, ("ip",)), address)
+
+
+async def play(store: Any, specs: list[CheckSpec], trace: list[tuple[float, Ask | Report]]) -> list[Any]:
+    now = NOW
+    leases: list[str] = []
+    answers: list[Any] = []
+    for n, (advance, step) in enumerate(trace):
+        now += advance
+        if isinstance(step, Ask):
+            leases.append(f"{n:x}" * 4)  # short and long lease ids alike
+            checks = [Check(specs[rule], spec_key(specs[rule], step.address), leases[-1]) for rule in step.rules]
+            evaluation = await store.evaluate(now, step.address, checks, step.can_delay, step.quotas)
+            ban = evaluation.ban
+            answers.append((None if ban is None else (ban.address, ban.rule_id, round(ban.expires - now, 9),
+                                                      ban.step),
+                            evaluation.new_ban, [(hit.over_limit, round(hit.retry_after, 9), round(hit.delay, 9))
+                                                 for hit in evaluation.hits],
+                            None if evaluation.quotas is None else
+                            [None if quota is None else tuple(round(part, 9) for part in quota)
+                             for quota in evaluation.quotas]))
+        else:
+            spec = specs[step.rule]
+            key = spec_key(spec, step.address)
+            hits = await store.record(now, [ResponseCount(key, spec.limiter, spec.threshold, step.amount)])
+            lease = leases[-step.release] if len(leases) >= step.release else "none"
+            answers.append(([(hit.over_limit, round(hit.retry_after, 9)) for hit in hits],
+                            await store.release(lease, [key])))
+    return answers
+
+
+@settings(max_examples=300, deadline=None)
+@given(case=rule_sets_and_traces())
+def test_the_node_store_decides_as_the_memory_store_for_random_rule_sets(
+        case: tuple[list[CheckSpec], list[tuple[float, Ask | Report]]]) -> None:
+    specs, trace = case
+    largest = max((spec.limiter.limit for spec in specs if isinstance(spec.limiter, ConcurrencyLimiter)), default=0)
+    on_node = run_at_once(play(node_store(largest_concurrency=largest), specs, trace))
+    assert on_node == run_at_once(play(memory_store(), specs, trace))
+
+
+@settings(max_examples=100, deadline=None)
+@given(trace=traces)
+def test_the_admin_view_is_the_memory_stores(trace: list[Step]) -> None:
+    """After any trace, the keys found by address and by rule, and how each
+    is described, are what the memory store says."""
+    clock = [NOW]
+    node, memory = node_store(clock=lambda: clock[0]), memory_store(clock=lambda: clock[0])
+    run_at_once(replay(node, trace))
+    run_at_once(replay(memory, trace))
+    clock[0] = NOW + sum(advance for advance, _ in trace)
+    now = clock[0]
+    for selection in (KeySelection(address="192.0.2.1"), KeySelection(address="192.0.2.2"),
+                      KeySelection(rule="block"), KeySelection(rule="slots"), KeySelection()):
+        found = run_at_once(node.find_keys(now, selection))
+        assert sorted(map(repr, found)) == sorted(map(repr, run_at_once(memory.find_keys(now, selection))))
+        described = [(key, WindowCounter(3, 10.0, 5.0), 3.0) for key in found] + \
+            [(key, None, 0.0) for key in found]
+        assert run_at_once(node.describe_keys(now, described)) == \
+            run_at_once(memory.describe_keys(now, described))
+    assert sorted(map(repr, run_at_once(node.active_bans(now)))) == \
+        sorted(map(repr, run_at_once(memory.active_bans(now))))
+
+
+# -- the primitives, one transaction at a time ---------------------------------------
+
+
+def test_every_primitive_reads_and_writes_the_zones() -> None:
+    zones = NodeZones.private(1000, zone_type=PureZone)
+    table = NodeTable(zones)
+    window = WindowCounter(3, 10.0, 5.0)
+    key = (("r", ("ip",)), "192.0.2.1")
+    note = (BAN_STEP, "192.0.2.1", "r")
+    ban = BanRecord("192.0.2.1", "r", "node", 1.0, NOW + 60, 60.0, step=2)
+
+    def write() -> None:
+        assert table.state(key) is None and table.ban("192.0.2.1") is None and table.note(note, NOW) is None
+        state = window.new_state()
+        window.hit(state, NOW, 3.0)
+        table.keep(key, state)
+        table.keep_ban(ban)
+        table.keep_note(note, (2, 60.0), NOW + 100)
+        assert table.state(key) is state and table.note(note, NOW) == (2, 60.0)
+
+    def read() -> tuple[Any, Any, Any]:
+        return table.state(key), table.ban("192.0.2.1"), table.note(note, NOW + 99)
+
+    for action in (write, read):
+        table.begin(NOW)
+        table.plan_key(key, window)
+        table.plan_ban("192.0.2.1")
+        table.plan_note(note)
+        result = table.run(action)
+    state, found_ban, found_note = result
+    assert (state.window, state.previous, state.current, state.limiter) == (int(NOW // 10), 0, 1, window)
+    assert found_ban == ban and found_note == (2, 60.0)
+    table.begin(NOW + 100)
+    table.plan_note(note)
+    assert table.run(table.note, note, NOW + 100) is None  # kept until, not at
+
+    table.begin(NOW)
+    table.plan_key(key, window)
+    assert table.run(table.forget, key) is True
+    table.begin(NOW)
+    table.plan_key(key, window)
+    assert table.run(table.state, key) is None
+
+
+def test_a_record_the_store_did_not_lock_is_refused_and_a_failed_action_writes_nothing() -> None:
+    zones = NodeZones.private(1000, zone_type=PureZone)
+    table = NodeTable(zones)
+    window = WindowCounter(3, 10.0, 5.0)
+    key = (("r", ("ip",)), "192.0.2.1")
+    table.begin(NOW)
+    with pytest.raises(NotPlanned):
+        table.run(table.state, key)
+    with pytest.raises(NotPlanned):
+        table.run(table.ban, "192.0.2.1")
+    with pytest.raises(NotPlanned):
+        table.run(table.note, (COUNTED_PENALTY, "192.0.2.1", "r"), NOW)
+
+    def fails() -> None:
+        table.keep(key, window.new_state())
+        raise ZeroDivisionError
+
+    table.begin(NOW)
+    table.plan_key(key, window)
+    with pytest.raises(ZeroDivisionError):
+        table.run(fails)
+    table.begin(NOW)
+    table.plan_key(key, window)
+    assert table.run(table.state, key) is None
+    # Every stripe was unlocked: the pure zone refuses to lock one twice.
+    table.begin(NOW)
+    table.plan_key(key, window)
+    assert table.run(table.state, key) is None
+
+
+# -- two workers over one table -------------------------------------------------------
+
+
+def two_workers(max_keys: int = 1000) -> tuple[NodeStore, NodeStore]:
+    zones = NodeZones.private(max_keys, 2, zone_type=PureZone)
+    return node_store(zones=zones), node_store(zones=zones)
+
+
+def test_two_workers_count_one_budget() -> None:
+    first, second = two_workers()
+    spec = CheckSpec("r", WindowCounter(5, 60.0, 60.0), 5.0, True)
+    tokens = CheckSpec("t", TokenBucket(5, 0.001, 1, None), 5.0, True)
+    slots = CheckSpec("c", ConcurrencyLimiter(5, 60.0), 5.0, True)
+    for check_spec in (spec, tokens, slots):
+        admitted = 0
+        for n in range(40):
+            store = (first, second)[n % 2]
+            checks = [Check(check_spec, ((check_spec.rule_id, ("ip",)), "a"), f"lease{n}")]
+            evaluation = store.decide(NOW, "a", checks)
+            admitted += not evaluation.hits[-1].over_limit
+        assert admitted == 5
+    # A slot taken through one worker is given back through the other.
+    assert run_at_once(second.release("lease0", [(("c", ("ip",)), "a")])) == 1
+    assert not first.decide(NOW, "a", [Check(slots, (("c", ("ip",)), "a"), "again")]).hits[-1].over_limit
+
+
+def test_what_an_administrator_does_through_one_worker_every_worker_sees() -> None:
+    first, second = two_workers()
+    changes: list[str] = []
+    second.follow(lambda: changes.append("change"), lambda: changes.append("reload"))
+    run_at_once(first.ban(NOW, "192.0.2.9", 60.0, "abuse"))
+    spec = CheckSpec("r", WindowCounter(5, 60.0, 60.0), 5.0, True)
+    evaluation = second.decide(NOW, "192.0.2.9", [Check(spec, (("r", ("ip",)), "192.0.2.9"))])
+    assert evaluation.ban is not None and evaluation.ban.reason == "abuse" and not evaluation.new_ban
+    assert [ban.address for ban in run_at_once(second.active_bans(NOW))] == ["192.0.2.9"]
+    assert second.may_be_banned()
+
+    run_at_once(first.ban_network(NOW, "198.51.100.0/24", 60.0, "range"))
+    assert [ban.address for ban in second.network_bans.in_force(NOW)] == ["198.51.100.0/24"]
+    assert changes[-1] == "change"
+    assert run_at_once(second.lift_network_ban(NOW, "198.51.100.0/24"))
+    assert not first.network_bans.in_force(NOW)
+
+    assert run_at_once(second.lift_ban("192.0.2.9"))
+    assert run_at_once(first.ban_of(NOW, "192.0.2.9")) is None
+    assert not first.decide(NOW, "192.0.2.9", [Check(spec, (("r", ("ip",)), "192.0.2.9"))]).hits[-1].over_limit
+
+    first.record_shadow_ban(BanRecord("192.0.2.7", "r", "node", 1.0, NOW + 30, 30.0, shadow=True))
+    assert [ban.shadow for ban in run_at_once(second.shadow_bans(NOW))] == [True]
+    assert run_at_once(second.lift_shadow_ban("192.0.2.7"))
+    assert not run_at_once(first.shadow_bans(NOW))
+
+    assert "reload" not in changes
+    first.announce_reload()
+    second.refresh()
+    assert changes.count("reload") == 1
+    first.refresh()  # the worker that announced does not reload again
+
+
+def test_resetting_keys_and_forgetting_history_act_for_every_worker() -> None:
+    first, second = two_workers()
+    gate = CheckSpec("gate", WindowCounter(1, 10.0, 10.0), 1.0, True, ban_duration=20.0,
+                     ban_increment=BanIncrement(2.0, 80.0, 60.0))
+    key = (("gate", ("ip",)), "192.0.2.3")
+    first.decide(NOW, "192.0.2.3", [Check(gate, key)])
+    first.decide(NOW, "192.0.2.3", [Check(gate, key)])
+    banned = first.decide(NOW, "192.0.2.3", [Check(gate, key)])
+    assert banned.ban is not None and banned.new_ban is False  # banned by the first refusal already
+    assert run_at_once(second.forget_history("192.0.2.3")) == 1  # the escalation's note
+    assert run_at_once(second.lift_ban("192.0.2.3"))
+    first.decide(NOW, "192.0.2.3", [Check(gate, key)])
+    assert run_at_once(second.find_keys(NOW, KeySelection(address="192.0.2.3"))) == [key]
+    assert run_at_once(second.reset_keys(NOW, [key])) == 1
+    assert run_at_once(first.find_keys(NOW, KeySelection(address="192.0.2.3"))) == []
+    assert not first.decide(NOW, "192.0.2.3", [Check(gate, key)]).hits[-1].over_limit
+
+
+# -- keys' text and the bounds ------------------------------------------------------------
+
+
+def test_long_keys_are_listed_from_the_labels_zone_and_the_longest_can_still_be_named() -> None:
+    store = node_store()
+    spec = CheckSpec("path", WindowCounter(5, 60.0, 60.0), 5.0, True)
+    short = (("path", ("path",)), "/a")
+    long = (("path", ("path",)), "/" + "l" * 300)
+    longest = (("path", ("path",)), "/" + "x" * (LABEL_VALUE + 10))
+    for key in (short, long, longest):
+        store.decide(NOW, "", [Check(spec, key)])
+    listed = run_at_once(store.find_keys(NOW, KeySelection(rule="path")))
+    assert sorted(listed) == sorted([short, long])
+    assert run_at_once(store.find_keys(NOW, KeySelection(key=longest))) == [longest]
+    [state] = run_at_once(store.describe_keys(NOW, [(longest, spec.limiter, 5.0)]))
+    assert state is not None and state.quota is not None and state.quota.remaining == 4
+    assert run_at_once(store.reset_keys(NOW, [long, longest])) == 2
+    assert run_at_once(store.find_keys(NOW, KeySelection(rule="path"))) == [short]
+
+
+def test_the_zones_hold_at_most_their_records_and_evict_the_least_recently_used() -> None:
+    store = node_store(max_keys=256)
+    spec = CheckSpec("r", WindowCounter(5, 60.0, 60.0), 5.0, True)
+    for n in range(5000):
+        store.decide(NOW, f"10.0.{n // 250}.{n % 250}", [Check(spec, (("r", ("ip",)), f"10.0.{n // 250}.{n % 250}"))])
+    assert len(store.zones.states) <= store.zones.states.capacity <= 256
+    assert len(store.zones.bans) == 0
+    assert store.tracked_keys() == len(store.zones.states)
+
+
+def test_states_stay_readable_after_they_stop_mattering_then_are_gone() -> None:
+    clock = [NOW]
+    store = node_store(clock=lambda: clock[0])
+    slots = CheckSpec("c", ConcurrencyLimiter(2, 5.0), 2.0, True)
+    key = (("c", ("ip",)), "a")
+    store.decide(NOW, "a", [Check(slots, key, "lease")])
+    clock[0] = NOW + 10  # the lease ended, as the memory store still knows
+    assert run_at_once(store.release("lease", [key])) == 1
+    store.decide(NOW, "a", [Check(slots, key, "other")])
+    clock[0] = NOW + 5 + STALE_KEPT + 1
+    assert run_at_once(store.release("other", [key])) == 0
+
+
+def test_a_concurrency_limit_raised_past_the_records_size_runs_at_that_size(caplog: pytest.LogCaptureFixture) -> None:
+    store = node_store(largest_concurrency=2)
+    slots = store.zones.lease_slots
+    spec = CheckSpec("c", ConcurrencyLimiter(slots + 10, 60.0), float(slots + 10), True)
+    key = (("c", ("ip",)), "a")
+    with caplog.at_level(logging.WARNING, logger="sluice"):
+        admitted = sum(not store.decide(NOW, "a", [Check(spec, key, f"l{n}")]).hits[-1].over_limit
+                       for n in range(slots + 20))
+    assert admitted == slots
+    assert sum("runs as" in record.getMessage() for record in caplog.records) == 1
+
+
+def test_a_new_max_keys_is_told_to_wait_for_a_restart(caplog: pytest.LogCaptureFixture) -> None:
+    store = node_store(max_keys=1000)
+    with caplog.at_level(logging.WARNING, logger="sluice"):
+        store.configure(1000, "other")
+        assert not caplog.records and store.node == "other"
+        store.configure(5000, "other")
+    assert "until Sluice restarts" in caplog.records[0].getMessage()
+
+
+def test_a_record_is_at_most_128_bytes_a_key() -> None:
+    sizes = zone_sizes(100_000, 16)
+    zone = PureZone.private(1024, sizes["states"].value_size, 16)
+    assert zone.record_size <= 128
+    assert records.lease_value_bytes(16) < sizes["leases"].value_size
+
+
+# -- records ---------------------------------------------------------------------------
+
+finite = st.floats(-1e12, 1e12, allow_nan=False)
+
+
+@given(window=st.integers(-(1 << 62), 1 << 62), previous=st.integers(0, 1 << 40), current=st.integers(0, 1 << 40),
+       penalty=st.one_of(finite, st.just(float("-inf"))))
+def test_a_window_state_keeps_every_field(window: int, previous: int, current: int, penalty: float) -> None:
+    limiter = WindowCounter(3, 10.0, 5.0)
+    state = WindowState(window, previous, current, penalty, limiter)
+    assert records.decode_state(records.encode_state(state, 16), limiter) == state
+
+
+@given(tokens=finite, last=st.one_of(st.none(), finite), penalty=finite,
+       excess=st.integers(0, 1 << 50), last_ms=st.one_of(st.none(), st.integers(0, 1 << 50)))
+def test_bucket_states_keep_every_field(tokens: float, last: float | None, penalty: float, excess: int,
+                                        last_ms: int | None) -> None:
+    token, leaky = TokenBucket(3, 1.0, 1, None), LeakyBucket(Rate(1, 1), 2, None, None)
+    assert records.decode_state(records.encode_state(TokenState(tokens, last, penalty, token), 16), token) == \
+        TokenState(tokens, last, penalty, token)
+    assert records.decode_state(records.encode_state(LeakyState(excess, last_ms, penalty, leaky), 16), leaky) == \
+        LeakyState(excess, last_ms, penalty, leaky)
+
+
+short_ids = st.text(max_size=9).filter(lambda lease: len(lease.encode()) <= 9)
+engine_ids = st.binary(min_size=9, max_size=9).map(bytes.hex)  # os.urandom(9).hex(), as the engine makes them
+
+
+@given(held=st.dictionaries(st.one_of(short_ids, engine_ids), finite, max_size=8),
+       longer=st.text(min_size=10).filter(lambda lease: len(lease) != 18))
+def test_a_lease_state_keeps_its_leases_ids(held: dict[str, float], longer: str) -> None:
+    limiter = ConcurrencyLimiter(8, 60.0)
+    value = records.encode_state(LeaseState(dict(held), limiter), 16)
+    assert records.state_length(value) == len(value)
+    assert records.decode_state(value, limiter) == LeaseState(held, limiter)
+    # A longer id of another form is kept as a hash no report names: the
+    # slot ends with its lease.
+    kept = records.decode_state(records.encode_state(LeaseState({longer: 1.0}, limiter), 16), limiter)
+    assert list(kept.held.values()) == [1.0] and longer not in kept.held
+
+
+def test_a_state_of_another_algorithm_belongs_to_a_stand_in_and_a_lease_state_to_at_most_its_slots() -> None:
+    window, token = WindowCounter(3, 10.0, 5.0), TokenBucket(3, 1.0, 1, None)
+    state = records.decode_state(records.encode_state(WindowState(1, 2, 3, 4.0, window), 16), token)
+    assert isinstance(state, WindowState) and type(state.limiter) is WindowCounter and state.limiter is not window
+    held = {f"l{n}": float(n) for n in range(20)}
+    kept = records.decode_state(records.encode_state(LeaseState(held, ConcurrencyLimiter(20, 9.0)), 4), None)
+    assert kept.held == {"l16": 16.0, "l17": 17.0, "l18": 18.0, "l19": 19.0} and kept.limiter.leases
+
+
+@given(address=st.text(max_size=100), rule_id=st.text(st.characters(max_codepoint=127), max_size=64),
+       node=st.text(max_size=300), reason=st.text(max_size=256), shadow=st.booleans(), step=st.integers(0, 1000),
+       times=st.tuples(finite, finite, finite))
+def test_a_ban_record_keeps_its_fields_and_shortens_only_its_node_and_reason(
+        address: str, rule_id: str, node: str, reason: str, shadow: bool, step: int,
+        times: tuple[float, float, float]) -> None:
+    record = BanRecord(address, rule_id, node, *times, shadow=shadow, step=step, reason=reason)
+    if len(address.encode()) > 100:
+        return  # no address is longer (sidecar.networkbans.MAX_ADDRESS_CHARS), nor a key of one
+    value = records.encode_ban(record, 224)
+    assert len(value) <= 224
+    back = records.decode_ban(value)
+    assert (back.address, back.rule_id, back.started_wall, back.expires, back.duration, back.shadow, back.step) == \
+        (address, rule_id, *times, shadow, step)
+    assert node.startswith(back.node) and reason.startswith(back.reason)
+    if len(value) < 224 - 4:
+        assert (back.node, back.reason) == (node, reason)
+
+
+@given(key=st.tuples(st.tuples(st.text(), st.lists(st.text(), max_size=3).map(tuple)),
+                     st.one_of(st.text(), st.tuples(st.text(), st.text()))))
+def test_a_keys_text_reads_back_as_the_key(key: Any) -> None:
+    assert records.parse_key(records.key_text(key)) == key
+
+
+@pytest.mark.parametrize("text", [b"", b"nonsense", b"(1, 2)", b"(('r', ('ip',)), 3)", b"\xff",
+                                  b"(('r', ('ip',)), ('a', 'b', 'c'))", b"__import__('os')"])
+def test_text_that_is_no_key_reads_as_none(text: bytes) -> None:
+    assert records.parse_key(text) is None
+
+
+# -- the zones' files, and serve -------------------------------------------------------------
+
+
+def test_the_zones_are_private_files_attached_by_name_and_removed(tmp_path: Path) -> None:
+    prefix = str(tmp_path / "sluice-test")
+    zones = NodeZones.create(prefix, 1000, 4, zone_type=PureZone)
+    files = sorted(tmp_path.iterdir())
+    assert len(files) == 7 and all(stat.S_IMODE(file.stat().st_mode) == 0o600 for file in files)
+    with pytest.raises(FileExistsError):
+        NodeZones.create(prefix, 1000, 4, zone_type=PureZone)
+    assert sorted(tmp_path.iterdir()) == files  # the second attempt left the first's alone
+    worker = node_store(zones=NodeZones.attach(prefix, zone_type=PureZone))
+    assert worker.zones.lease_slots == 16 and worker.zones.max_keys == zones.max_keys
+    zones.unlink()
+    assert not list(tmp_path.iterdir())
+    worker.zones.close()
+    zones.close()
+    with pytest.raises((OSError, ValueError)):
+        NodeZones.attach(prefix, zone_type=PureZone)
+
+
+def test_serve_refuses_several_workers_on_the_memory_backend_with_the_pure_core(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sidecar import cli, core
+
+    monkeypatch.setattr(core, "PURE", True)
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("rules:\n  - id: r\n    match: {path: {prefix: /}}\n    limit: {requests: 1, per: 1s}\n"
+                     "    action: block\n")
+    result = CliRunner().invoke(cli.main, ["serve", "--config", str(rules), "--workers", "2", "--port", "1"])
+    assert result.exit_code == 2
+    assert result.output.count("\n") == 1
+    assert "--workers > 1 with the memory backend needs the compiled core (this is the pure-Python core" \
+        in result.output
+
+
+def test_a_store_opened_by_name_is_the_node_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sidecar import shm
+    from sidecar.store import open_store
+
+    monkeypatch.setattr(shm, "Zone", PureZone, raising=False)
+    prefix = str(tmp_path / "sluice-open")
+    zones = NodeZones.create(prefix, 1000, zone_type=PureZone)
+    store = open_store("memory", "", 1000, "node", lambda: NOW, zones=prefix)
+    assert isinstance(store, NodeStore) and store.answers_at_once
+    assert isinstance(open_store("memory", "", 1000, "node", lambda: NOW), MemoryStore)
+    zones.unlink()
+
