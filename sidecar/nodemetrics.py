@@ -65,9 +65,10 @@ GAUGE_MODES = {
     "process_max_fds": "livemin",
     # The youngest worker's start: a worker that restarted shows.
     "process_start_time_seconds": "livemax",
-    # The memory store's, which runs one worker only (serve refuses more).
-    "sluice_active_bans": "livesum",
-    "sluice_tracked_keys": "livesum",
+    # The memory store's: with several workers, the node's one table, which
+    # every worker reads whole.
+    "sluice_active_bans": "livemax",
+    "sluice_tracked_keys": "livemax",
 }
 
 
