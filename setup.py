@@ -37,10 +37,14 @@ from setuptools.command.sdist import sdist
 PACKAGE = "sidecar"
 MANIFEST = f"{PACKAGE}/_core_manifest.json"
 ROOT = Path(__file__).resolve().parent
-# Settings of every compiled module: Python 3 semantics, and Python's own
+# Settings of every compiled module: Python 3 semantics; Python's own
 # arithmetic (floor division and modulo, ZeroDivisionError) unless a module
-# asks for C's with a cython.cdivision decorator.
-DIRECTIVES = {"language_level": "3", "embedsignature": False, "always_allow_keywords": True}
+# asks for C's with a cython.cdivision decorator; and C types from the .pxd
+# files only, never from the .py's annotations (a ``float`` annotation
+# would make a C double of an argument, refusing None and turning an int
+# into a float: the compiled module must take what its .py takes).
+DIRECTIVES = {"language_level": "3", "embedsignature": False, "always_allow_keywords": True,
+              "annotation_typing": False}
 
 
 def core_sources(root: Path) -> Iterator[tuple[str, Path, list[Path]]]:

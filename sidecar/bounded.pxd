@@ -1,1 +1,20 @@
-# Types of sidecar/bounded.py for its compiled build (see setup.py).
+# Types of sidecar/bounded.py for its compiled build (see setup.py): the
+# bounded map is an extension type over a dict.
+cimport cython
+
+
+cdef class BoundedMap:
+    cdef public object max_keys
+    cdef public object _expires_at
+    cdef public object _clock
+    cdef public dict data
+    cdef public dict _wheel
+    cdef public list _slots
+    cdef public Py_ssize_t _filed
+
+    @cython.locals(data=dict)
+    cpdef get(self, key)
+    @cython.locals(data=dict)
+    cpdef add(self, key, value, expires=*)
+    @cython.locals(keys=list)
+    cpdef _file(self, key, double expires)

@@ -1,1 +1,15 @@
-# Types of sidecar/policy.py for its compiled build (see setup.py).
+# Types of sidecar/policy.py for its compiled build (see setup.py): the
+# policy is an extension type, its loop over a request's checks typed.
+cimport cython
+
+from sidecar.state cimport Check, CheckSpec, Evaluation
+
+
+cdef class Policy:
+    cdef public object table
+    cdef public object node
+    cdef public object wall_clock
+
+    @cython.locals(check=Check, spec=CheckSpec, evaluation=Evaluation, refused=bint, hits=list, deferred=list,
+                   stored=bint)
+    cpdef Evaluation evaluate(self, double now, address, checks, bint can_delay=*, bint quotas=*)

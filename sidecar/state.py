@@ -112,7 +112,7 @@ class PenaltyBan:
         return (*self.limiter.redis_args(self.threshold), lua_number(self.duration))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)  # not slotted: the compiled core makes an extension type of it (state.pxd)
 class CheckSpec:
     """What one matching rule asks of the store, whatever the request's key.
 
@@ -237,7 +237,7 @@ class BanRecord:
         return not self.rule_id
 
 
-@dataclass(slots=True)
+@dataclass  # not slotted: the compiled core makes an extension type of it (state.pxd)
 class Evaluation:
     """What the store decided: an active ban, or per-check hits in order.
 

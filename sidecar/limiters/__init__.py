@@ -28,6 +28,26 @@ if TYPE_CHECKING:
 NO_PENALTY = -math.inf
 
 
+# The limiters' states are slotted classes written out rather than
+# dataclasses: the compiled core makes extension types of them (each
+# limiter's .pxd), which a slotted dataclass cannot become. They print and
+# compare as the dataclasses they were, through these two.
+
+def record_repr(record: Any) -> str:
+    """``WindowState(window=3, previous=0, ...)``: a record's fields in order."""
+    fields = ", ".join(f"{name}={getattr(record, name)!r}" for name in record.__match_args__)
+    return f"{type(record).__qualname__}({fields})"
+
+
+def record_equal(record: Any, other: Any) -> bool:
+    """Records of the same class with equal fields, in order, are equal."""
+    if other.__class__ is not record.__class__:
+        unlike: bool = NotImplemented  # the other operand's __eq__ is asked
+        return unlike
+    names = record.__match_args__
+    return tuple(getattr(record, name) for name in names) == tuple(getattr(other, name) for name in names)
+
+
 class Quota(NamedTuple):
     """What a key has left: requests (or tokens) remaining before the
     limit, seconds until it resets, and the window it is counted over, as

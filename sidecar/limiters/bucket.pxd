@@ -1,1 +1,12 @@
-# Types of sidecar/limiters/bucket.py for its compiled build (see setup.py).
+# Types of sidecar/limiters/bucket.py for its compiled build (see setup.py):
+# the buckets' base is an extension type. The .py stays the reference.
+cimport cython
+
+
+cdef class Bucket:
+    cdef public object penalty
+    cdef public double per_second
+    cdef public tuple _lua_args
+
+    cpdef refuse(self, state, double now, double wait)
+    cpdef peek(self, state, double now)

@@ -1,1 +1,19 @@
-# Types of sidecar/limiters/concurrent.py for its compiled build (see setup.py).
+# Types of sidecar/limiters/concurrent.py for its compiled build (see setup.py):
+# the state and the concurrency limiter are extension types.
+cimport cython
+
+
+cdef class LeaseState:
+    cdef public dict held
+    cdef public object limiter
+
+
+cdef class ConcurrencyLimiter:
+    cdef public object limit
+    cdef public double lease
+    cdef public tuple _lua_limit
+
+    cpdef LeaseState new_state(self)
+    @cython.locals(held=dict)
+    cpdef _refusal(self, LeaseState state, double now)
+    cpdef assess(self, LeaseState state, double now, lease=*, amount=*)

@@ -15,24 +15,45 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from pydantic import Field, field_validator
 
 from sidecar.config import Duration, LimitModel, Rule, format_duration
-from sidecar.limiters import NO_PENALTY, UNDER_LIMIT, Hit, Quota, RuleLimit, lua_number, registry
+from sidecar.limiters import (
+    NO_PENALTY,
+    UNDER_LIMIT,
+    Hit,
+    Quota,
+    RuleLimit,
+    lua_number,
+    record_equal,
+    record_repr,
+    registry,
+)
 
 CONCURRENT = registry.lua_kind("C", "window", "concurrent")
 
 _anonymous = itertools.count()
 
 
-@dataclass(slots=True)
 class LeaseState:
-    held: dict[str, float]  # lease id -> when its lease ends, in the order taken
-    # The limiter the state belongs to: a reload may give the key another.
-    limiter: Any = None
+    """The leases a key holds (a record: see ``sidecar.limiters.record_repr``)."""
+
+    __slots__ = __match_args__ = ("held", "limiter")
+
+    def __init__(self, held: dict[str, float], limiter: Any = None) -> None:
+        self.held = held  # lease id -> when its lease ends, in the order taken
+        # The limiter the state belongs to: a reload may give the key another.
+        self.limiter = limiter
+
+    def __repr__(self) -> str:
+        return record_repr(self)
+
+    def __eq__(self, other: object) -> bool:
+        return record_equal(self, other)
+
+    __hash__ = None  # type: ignore[assignment]  # changed in place, as a dataclass's
 
 
 class ConcurrencyLimiter:

@@ -1,1 +1,23 @@
-# Types of sidecar/limiters/leaky.py for its compiled build (see setup.py).
+# Types of sidecar/limiters/leaky.py for its compiled build (see setup.py):
+# the state and the leaky bucket are extension types. The arithmetic stays
+# on Python ints, nginx's integer for integer.
+cimport cython
+
+from sidecar.limiters.bucket cimport Bucket
+
+
+cdef class LeakyState:
+    cdef public object excess
+    cdef public object last
+    cdef public double penalty_until
+    cdef public object limiter
+
+
+cdef class LeakyBucket(Bucket):
+    cdef public object rate
+    cdef public object burst
+    cdef public object delay
+    cdef public bint holds
+
+    cpdef LeakyState new_state(self)
+    cpdef assess(self, LeakyState state, double now, lease=*, amount=*)

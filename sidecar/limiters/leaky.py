@@ -2,28 +2,38 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar
 
 from pydantic import Field, PlainValidator, model_validator
 
 from sidecar.config import Rate, parse_rate
-from sidecar.limiters import NO_PENALTY, Hit, Quota, RuleLimit, registry
+from sidecar.limiters import NO_PENALTY, Hit, Quota, RuleLimit, record_equal, record_repr, registry
 from sidecar.limiters.bucket import Bucket, BucketLimit, in_penalty
 
 LEAKY = registry.lua_kind("L", "window", "buckets", "leaky")
 
 
-@dataclass(slots=True)
 class LeakyState:
     """nginx's two numbers per key: excess in thousandths of a request and
-    the time of the last accounted request in milliseconds."""
+    the time of the last accounted request in milliseconds (a record: see
+    ``sidecar.limiters.record_repr``)."""
 
-    excess: int
-    last: int | None  # None: a key never seen
-    penalty_until: float
-    # The limiter the state belongs to: a reload may give the key another.
-    limiter: Any = None
+    __slots__ = __match_args__ = ("excess", "last", "penalty_until", "limiter")
+
+    def __init__(self, excess: int, last: int | None, penalty_until: float, limiter: Any = None) -> None:
+        self.excess = excess
+        self.last = last  # None: a key never seen
+        self.penalty_until = penalty_until
+        # The limiter the state belongs to: a reload may give the key another.
+        self.limiter = limiter
+
+    def __repr__(self) -> str:
+        return record_repr(self)
+
+    def __eq__(self, other: object) -> bool:
+        return record_equal(self, other)
+
+    __hash__ = None  # type: ignore[assignment]  # changed in place, as a dataclass's
 
 
 class LeakyBucket(Bucket):

@@ -1,1 +1,24 @@
-# Types of sidecar/limiters/token.py for its compiled build (see setup.py).
+# Types of sidecar/limiters/token.py for its compiled build (see setup.py):
+# the state and the token bucket are extension types, tokens and times C doubles.
+cimport cython
+
+from sidecar.limiters.bucket cimport Bucket
+
+
+cdef class TokenState:
+    cdef public double tokens
+    cdef public object last
+    cdef public double penalty_until
+    cdef public object limiter
+
+
+cdef class TokenBucket(Bucket):
+    cdef public object capacity
+    cdef public double refill
+    cdef public object cost
+
+    cpdef TokenState new_state(self)
+    @cython.locals(last=double)
+    cpdef double tokens_at(self, TokenState state, double now) except? -1.0
+    @cython.locals(tokens=double, cost=double)
+    cpdef assess(self, TokenState state, double now, lease=*, amount=*)

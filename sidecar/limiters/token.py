@@ -2,26 +2,38 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar
 
 from pydantic import Field, PlainValidator, model_validator
 
 from sidecar.config import parse_refill
-from sidecar.limiters import NO_PENALTY, Hit, Quota, RuleLimit, lua_number, registry
+from sidecar.limiters import NO_PENALTY, Hit, Quota, RuleLimit, lua_number, record_equal, record_repr, registry
 from sidecar.limiters.bucket import Bucket, BucketLimit, in_penalty
 from sidecar.plurals import plural
 
 TOKEN = registry.lua_kind("T", "window", "buckets", "token")
 
 
-@dataclass(slots=True)
 class TokenState:
-    tokens: float
-    last: float | None
-    penalty_until: float
-    # The limiter the state belongs to: a reload may give the key another.
-    limiter: Any = None
+    """The tokens left, when they were counted (None: a key never seen) and
+    the end of the penalty period (a record: see ``sidecar.limiters.record_repr``)."""
+
+    __slots__ = __match_args__ = ("tokens", "last", "penalty_until", "limiter")
+
+    def __init__(self, tokens: float, last: float | None, penalty_until: float, limiter: Any = None) -> None:
+        self.tokens = tokens
+        self.last = last
+        self.penalty_until = penalty_until
+        # The limiter the state belongs to: a reload may give the key another.
+        self.limiter = limiter
+
+    def __repr__(self) -> str:
+        return record_repr(self)
+
+    def __eq__(self, other: object) -> bool:
+        return record_equal(self, other)
+
+    __hash__ = None  # type: ignore[assignment]  # changed in place, as a dataclass's
 
 
 class TokenBucket(Bucket):

@@ -8,27 +8,47 @@ budget per period (``score-budget``); and the Rate Limit Service's
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
 from sidecar.config import Duration, LimitModel, format_duration
-from sidecar.limiters import NO_PENALTY, UNDER_LIMIT, Hit, Quota, RuleLimit, lua_number, registry
+from sidecar.limiters import (
+    NO_PENALTY,
+    UNDER_LIMIT,
+    Hit,
+    Quota,
+    RuleLimit,
+    lua_number,
+    record_equal,
+    record_repr,
+    registry,
+)
 
 WINDOW = registry.lua_kind("W", "window")
 
 
-@dataclass(slots=True)
 class WindowState:
-    """Two counters per key plus the end of the penalty period."""
+    """Two counters per key plus the end of the penalty period (a record:
+    see ``sidecar.limiters.record_repr``)."""
 
-    window: int  # index of the current window: floor(now / period)
-    previous: int
-    current: int
-    penalty_until: float
-    # The limiter the state belongs to: a reload may give the key another.
-    limiter: Any = None
+    __slots__ = __match_args__ = ("window", "previous", "current", "penalty_until", "limiter")
+
+    def __init__(self, window: int, previous: int, current: int, penalty_until: float, limiter: Any = None) -> None:
+        self.window = window  # index of the current window: floor(now / period)
+        self.previous = previous
+        self.current = current
+        self.penalty_until = penalty_until
+        # The limiter the state belongs to: a reload may give the key another.
+        self.limiter = limiter
+
+    def __repr__(self) -> str:
+        return record_repr(self)
+
+    def __eq__(self, other: object) -> bool:
+        return record_equal(self, other)
+
+    __hash__ = None  # type: ignore[assignment]  # changed in place, as a dataclass's
 
 
 class WindowCounter:
