@@ -11,7 +11,7 @@ a real lock in each stripe's lock slot:
   of waiting forever) and error-checking (locking twice from one thread is
   an error, not a hang);
 - ``EOWNERDEAD``: the dead owner may have been halfway through a write, so
-  the stripe is rebuilt from its live records (``_rebuild_stripe``, as
+  the stripe's undo copy is put back and the stripe rebuilt from its live records (``_rebuild_stripe``, as
   ``pure_zone.Zone._rebuild``), the mutex is marked consistent and the
   recovery is counted in the zone's header;
 - a lock is first tried without waiting; only when it is busy does the
@@ -54,7 +54,7 @@ cdef extern from *:
 
     typedef struct {
         sz_lock_slot lock;
-        uint32_t newest, oldest, free_head, fresh, used;
+        uint32_t newest, oldest, free_head, fresh, used, undo;
     } sz_stripe;
 
     typedef struct {
@@ -68,6 +68,7 @@ cdef extern from *:
     _Static_assert(sizeof(sz_record) == 40, "a record's header is 40 bytes (pure_zone.RECORD)");
     _Static_assert(sizeof(pthread_mutex_t) <= 64, "a mutex fits its lock slot (pure_zone.LOCK_SLOT)");
     _Static_assert(offsetof(sz_stripe, newest) == 64, "a stripe's fields follow its lock slot");
+    _Static_assert(sizeof(sz_stripe) <= 128, "a stripe's header fits pure_zone.STRIPE_HEADER");
     _Static_assert(offsetof(sz_header, ready) == 56, "pure_zone.READY_AT");
     _Static_assert(offsetof(sz_header, generation) == 64, "pure_zone.GENERATION_AT");
 
@@ -136,7 +137,7 @@ cdef extern from *:
 
     ctypedef struct sz_stripe:
         sz_lock_slot lock
-        uint32_t newest, oldest, free_head, fresh, used
+        uint32_t newest, oldest, free_head, fresh, used, undo
 
     ctypedef struct sz_header:
         char magic[8]
@@ -197,7 +198,7 @@ cdef class Zone:
     cdef sz_header *_header
     cdef readonly object path
     cdef readonly Py_ssize_t capacity, value_size, stripes, per_stripe, record_size, file_size
-    cdef Py_ssize_t _stripe_size, _records_at
+    cdef Py_ssize_t _stripe_size, _buckets_at, _records_at
     cdef uint64_t _bucket_mask
     cdef Py_ssize_t _held  # locks this object holds or waits for, every thread together
 
@@ -271,6 +272,7 @@ cdef class Zone:
         self.record_size = found.record_size
         self.file_size = found.file_size
         self._stripe_size = found.stripe_size
+        self._buckets_at = found.buckets_at
         self._records_at = found.records_at
         self._bucket_mask = found.bucket_count - 1
         return 0
@@ -299,7 +301,7 @@ cdef class Zone:
         """Unmap the zone; every later operation raises ValueError. Closing
         while this object holds or waits for a lock is a mistake (RuntimeError)."""
         if self._held:
-            raise RuntimeError(f"closing a zone with {self._held} stripe locks held or awaited")
+            raise RuntimeError(f"closing a zone with stripes still locked ({self._held} held or awaited)")
         self._unmap()
 
     def unlink(self):
@@ -451,7 +453,7 @@ cdef class Zone:
         cdef sz_stripe *stripe = self._locked_stripe(self._stripe_index(key))
         cdef uint32_t found = self._find(stripe, key)
         if found != NIL:
-            self._write(self._record(stripe, found), key, value, expires)
+            self._replace(stripe, found, key, value, expires)
             self._to_front(stripe, found)
             return
         found = self._take(stripe, now)
@@ -538,7 +540,7 @@ cdef class Zone:
     cdef inline uint32_t *_bucket(self, sz_stripe *stripe, const unsigned char *digest) noexcept:
         cdef uint64_t low
         memcpy(&low, digest + 8, 8)
-        return <uint32_t *>(<unsigned char *>stripe + STRIPE_HEADER) + (low & self._bucket_mask)
+        return <uint32_t *>(<unsigned char *>stripe + self._buckets_at) + (low & self._bucket_mask)
 
     cdef inline Py_ssize_t _length(self, sz_record *record) noexcept:
         return record.length if record.length <= self.value_size else self.value_size
@@ -562,6 +564,16 @@ cdef class Zone:
         record.length = <uint16_t>length
         memcpy(<unsigned char *>record + RECORD_HEADER, PyBytes_AS_STRING(value), length)
         sz_set_state(record, LIVE)
+
+    cdef inline void _replace(self, sz_stripe *stripe, uint32_t index, const unsigned char *digest, bytes value,
+                              double expires) noexcept:
+        """Write a live record anew, its old contents in the undo copy
+        meanwhile: a rebuild after a death halfway puts them back."""
+        cdef sz_record *record = self._record(stripe, index)
+        memcpy(<unsigned char *>stripe + STRIPE_HEADER, record, self.record_size)
+        sz_store32(&stripe.undo, index)
+        self._write(record, digest, value, expires)
+        sz_store32(&stripe.undo, NIL)
 
     cdef uint32_t _take(self, sz_stripe *stripe, double now) noexcept:
         cdef uint32_t found = stripe.free_head
@@ -651,6 +663,9 @@ cdef class Zone:
         cdef uint32_t fresh = stripe.fresh if stripe.fresh <= <uint32_t>self.per_stripe else <uint32_t>self.per_stripe
         cdef uint32_t head = NIL, tail = NIL, at, following, index, free = NIL, step
         cdef sz_record *record
+        if 1 <= stripe.undo <= fresh:
+            memcpy(self._record(stripe, stripe.undo), <unsigned char *>stripe + STRIPE_HEADER, self.record_size)
+        stripe.undo = NIL
         for index in range(1, fresh + 1):
             self._record(stripe, index).mark = 0
         at = stripe.newest
@@ -692,7 +707,7 @@ cdef class Zone:
     cdef void _relink(self, sz_stripe *stripe, uint32_t head) noexcept:
         """Buckets, chains and the LRU list anew from the records kept, in
         their order; a digest seen already loses its mark, to be freed."""
-        memset(<unsigned char *>stripe + STRIPE_HEADER, 0, (self._bucket_mask + 1) * 4)
+        memset(<unsigned char *>stripe + self._buckets_at, 0, (self._bucket_mask + 1) * 4)
         cdef uint32_t newest = NIL, newer = NIL, used = 0, at = head, following
         cdef uint32_t *bucket
         cdef sz_record *record

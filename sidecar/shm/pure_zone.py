@@ -20,8 +20,9 @@ The layout, in native byte order (a zone never leaves its machine):
 - ``stripes`` stripes of ``stripe_size`` bytes, each: a lock slot
   (``LOCK_SLOT`` bytes, a ``pthread_mutex_t`` in the compiled zone), the
   stripe's own fields (the newest and oldest record, the free list, how many
-  records were ever taken, how many are in use), its hash buckets, then
-  ``per_stripe`` records.
+  records were ever taken, how many are in use, which record the undo copy
+  is of), the undo copy (one record), its hash buckets, then ``per_stripe``
+  records.
 - a record: its 16-byte digest, its expiry, its newer and older neighbour in
   the LRU list, the next record of its hash bucket (or of the free list),
   the value's length, its state (free, live, being written) and a mark
@@ -30,7 +31,10 @@ The layout, in native byte order (a zone never leaves its machine):
 Links are record index + 1, so that 0 is "none" and a zeroed file is a valid
 empty zone. A record is written between two changes of its state (being
 written, then live), so when a lock's owner dies, the stripe is rebuilt from
-its live records alone (``_rebuild``): a record torn halfway is dropped.
+its live records alone (``_rebuild``): a new record torn halfway is dropped.
+A record replaced in place (a counter updated) is first copied to the
+stripe's undo copy, which the rebuild puts back: a count survives the death
+of the process that was updating it, as it was before the update.
 
 A stripe that needs a record and has none free takes the least recently
 used expired record among its ``EXPIRED_SCAN`` least recently used, else
@@ -75,9 +79,9 @@ COUNTERS_AT = 64
 GENERATION_AT, RECOVERIES_AT, EVICTIONS_AT = 64, 72, 80
 READY_AT = 56
 # A stripe's fields after its lock slot: newest, oldest, free list head,
-# records ever taken (fresh), records in use.
-STRIPE_FIELDS = struct.Struct("=IIIII")
-NEWEST, OLDEST, FREE_HEAD, FRESH, USED = range(5)
+# records ever taken (fresh), records in use, the record the undo copy is of.
+STRIPE_FIELDS = struct.Struct("=IIIIII")
+NEWEST, OLDEST, FREE_HEAD, FRESH, USED, UNDO = range(6)
 # A record's header: digest, expires, newer, older, chain, length, state, mark.
 RECORD = struct.Struct("=16sdIIIHBB")
 EXPIRES_AT, NEWER_AT, OLDER_AT, CHAIN_AT, LENGTH_AT, STATE_AT, MARK_AT = 16, 24, 28, 32, 36, 38, 39
@@ -119,9 +123,14 @@ class Layout:
         return 1 << max(0, (self.per_stripe + 1) // 2 - 1).bit_length()
 
     @property
+    def buckets_at(self) -> int:
+        """Where a stripe's buckets start, after its header and undo copy."""
+        return STRIPE_HEADER + _round_up(self.record_size, ALIGN)
+
+    @property
     def records_at(self) -> int:
         """Where a stripe's records start, from the stripe's start."""
-        return STRIPE_HEADER + _round_up(self.bucket_count * 4, ALIGN)
+        return self.buckets_at + _round_up(self.bucket_count * 4, ALIGN)
 
     @property
     def stripe_size(self) -> int:
@@ -413,8 +422,7 @@ class Zone:
         base = self._stripe_base(self.stripe_of(digest))
         found = self._find(buffer, base, digest)
         if found != NIL:
-            record = self._record_at(base, found - 1)
-            self._write(buffer, record, digest, value, expires)
+            self._replace(buffer, base, found, digest, value, expires)
             self._to_front(buffer, base, found)
             return
         found = self._take(buffer, base, now)
@@ -498,7 +506,7 @@ class Zone:
         return base + self._layout.records_at + index * self.record_size
 
     def _bucket_at(self, base: int, digest: bytes) -> int:
-        return base + STRIPE_HEADER + 4 * (int.from_bytes(digest[8:], sys.byteorder) & self._bucket_mask)
+        return base + self._layout.buckets_at + 4 * (int.from_bytes(digest[8:], sys.byteorder) & self._bucket_mask)
 
     @staticmethod
     def _field(buffer: bytearray | mmap.mmap, base: int, field: int) -> int:
@@ -536,6 +544,17 @@ class Zone:
         struct.pack_into("=H", buffer, record + LENGTH_AT, len(value))
         buffer[record + RECORD_HEADER:record + RECORD_HEADER + len(value)] = value
         buffer[record + STATE_AT] = LIVE
+
+    def _replace(self, buffer: bytearray | mmap.mmap, base: int, index: int, digest: bytes, value: bytes,
+                 expires: float) -> None:
+        """Write a live record anew, its old contents in the undo copy
+        meanwhile: a rebuild after a death halfway puts them back."""
+        record = self._record_at(base, index - 1)
+        undo = base + STRIPE_HEADER
+        buffer[undo:undo + self.record_size] = buffer[record:record + self.record_size]
+        self._set_field(buffer, base, UNDO, index)
+        self._write(buffer, record, digest, value, expires)
+        self._set_field(buffer, base, UNDO, NIL)
 
     def _take(self, buffer: bytearray | mmap.mmap, base: int, now: float) -> int:
         """A record for a new digest: a free one, one never used, an expired
@@ -622,17 +641,23 @@ class Zone:
         """Make a stripe consistent from its live records alone, whatever its
         links say: what the compiled zone does when a lock's owner died.
 
-        The LRU list is walked from the newest while it leads to live records
-        not yet seen; live records it does not reach follow, oldest, in index
-        order. Of two live records of one digest the newer stays. Buckets,
-        chains, the LRU list, the free list (ascending) and the count are
-        then written anew. A record being written, or whose length or expiry
-        cannot be, is dropped. Uses no memory beyond the stripe: each record's
+        A record being replaced gets its undo copy back first. The LRU list
+        is walked from the newest while it leads to live records not yet
+        seen; live records it does not reach follow, oldest, in index order.
+        Of two live records of one digest the first in that order stays.
+        Buckets, chains, the LRU list, the free list (ascending) and the
+        count are then written anew. A record being written, or whose length
+        or expiry cannot be, is dropped. Uses no memory beyond the stripe: each record's
         mark, and its chain link as the order being built.
         """
         buffer = self._memory()
         base = self._stripe_base(stripe)
         fresh = min(self._field(buffer, base, FRESH), self.per_stripe)
+        undone = self._field(buffer, base, UNDO)
+        if 1 <= undone <= fresh:
+            record, undo = self._record_at(base, undone - 1), base + STRIPE_HEADER
+            buffer[record:record + self.record_size] = buffer[undo:undo + self.record_size]
+        self._set_field(buffer, base, UNDO, NIL)
         head = tail = NIL
 
         def keep(index: int) -> None:
@@ -680,7 +705,7 @@ class Zone:
         """Buckets, chains and the LRU list anew from the order of records
         kept (linked through their chain links from ``head``); a digest seen
         already loses its mark, to be freed."""
-        buckets_at, buckets_size = base + STRIPE_HEADER, 4 * (self._bucket_mask + 1)
+        buckets_at, buckets_size = base + self._layout.buckets_at, 4 * (self._bucket_mask + 1)
         buffer[buckets_at:buckets_at + buckets_size] = bytes(buckets_size)
         newest = newer = NIL
         used = 0
