@@ -3,11 +3,16 @@
 #
 #   docker build -t sluice-ratelimit:0.2.0 .
 #
-# The dependencies are installed from requirements.lock, pinned with their
-# hashes, in a layer of their own: a change to Sluice's code rebuilds only
-# the last layers. Regenerate the lock after changing pyproject.toml's
-# dependencies (see its header, and docs/architecture.md, "The lock file").
-FROM python:3.11-slim
+# Three stages: the base (Python, Sluice's user and its dependencies), the
+# builder (a C compiler over the base: it builds Sluice's wheel with its
+# compiled core) and the image, the base with that wheel installed, which
+# ships no compiler. The dependencies are installed from requirements.lock,
+# pinned with their hashes, in a layer of their own: a change to Sluice's
+# code rebuilds only the last layers. Regenerate the lock after changing
+# pyproject.toml's dependencies (see its header, and docs/architecture.md,
+# "The lock file"); requirements-build.lock, the build's Cython and
+# setuptools, after changing its build-system requires (see its header).
+FROM python:3.11-slim AS base
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -24,15 +29,32 @@ COPY requirements.lock /tmp/requirements.lock
 RUN pip install --require-hashes --only-binary=:all: -r /tmp/requirements.lock \
  && rm /tmp/requirements.lock
 
-# Sluice itself, without dependencies (all installed above). What it is
-# built from, and nothing else (see .dockerignore): the nginx and Envoy
-# templates are the top-level nginx/ and envoy/ folders, which
-# sidecar/templates links to (COPY keeps the links; the build follows them).
-COPY pyproject.toml README.md LICENSE /src/
+
+# Sluice's wheel, with its compiled core (Cython's C of the package's typed
+# modules, see setup.py), built by Debian's gcc with the pinned Cython and
+# setuptools. What it is built from, and nothing else (see .dockerignore):
+# the nginx and Envoy templates are the top-level nginx/ and envoy/ folders,
+# which sidecar/templates links to (COPY keeps the links; the build follows them).
+FROM base AS builder
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
+COPY requirements-build.lock /tmp/requirements-build.lock
+RUN pip install --require-hashes --only-binary=:all: -r /tmp/requirements-build.lock
+COPY pyproject.toml setup.py README.md LICENSE /src/
 COPY nginx /src/nginx
 COPY envoy /src/envoy
 COPY sidecar /src/sidecar
-RUN pip install --no-deps /src && rm -rf /src
+RUN pip wheel --no-deps --no-build-isolation --wheel-dir /wheels /src
+
+
+FROM base
+# Sluice itself, without dependencies (all installed above), from the
+# builder's wheel, mounted for this step only: no compiler, no wheel and
+# no source in the image.
+RUN --mount=type=bind,from=builder,source=/wheels,target=/tmp/wheels \
+    pip install --no-deps /tmp/wheels/*.whl \
+ && python -c "import sidecar.core as core; print(core.which()); raise SystemExit(core.PURE)"
 # The demo application of compose.yaml and of deploy/kubernetes (`python
 # /opt/sluice/demo_upstream.py --port 9000`): a development tool of the
 # repository (devstack/), which the package and its wheel do not carry;
