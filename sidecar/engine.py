@@ -196,12 +196,15 @@ class Engine:
     def resolve_client(self, peer: str, forwarded_for: str | None) -> ClientAddress:
         client = self.ruleset.resolver.resolve(peer, forwarded_for)
         if client is UNKNOWN_CLIENT:
-            # Counted as the empty value, in a metric always and in
-            # the log at most once per minute.
-            self.metrics.invalid_address.inc()
-            self._bad_address_log.warning("client address missing or invalid (%r); counting it as the "
-                                          "empty value (reported once per minute)", peer[:100])
+            self._unknown_client(peer)
         return client
+
+    def _unknown_client(self, peer: str) -> None:
+        """Counted as the empty value, in a metric always and in the log at
+        most once per minute."""
+        self.metrics.invalid_address.inc()
+        self._bad_address_log.warning("client address missing or invalid (%r); counting it as the "
+                                      "empty value (reported once per minute)", peer[:100])
 
     # -- the decision -----------------------------------------------------
 
@@ -211,7 +214,11 @@ class Engine:
         described (its client ``UNRESOLVED``) has its client resolved first,
         once."""
         if request.client is UNRESOLVED:
-            request.client = self.resolve_client(request.peer, request.forwarded_for)
+            # resolve_client, written out: this runs for every check.
+            client = self.ruleset.resolver.resolve(request.peer, request.forwarded_for)
+            if client is UNKNOWN_CLIENT:
+                self._unknown_client(request.peer)
+            request.client = client
         # Over a store decided at once (this node's memory) a late check is
         # decided in full all the same: the decision costs a few µs beside
         # the check's own reading and writing, and counts exactly.
@@ -226,15 +233,15 @@ class Engine:
         decision: Decision | None = None
         try:
             now = self.clock()
-            evaluation = await self.store.evaluate(now, request.client.key, prepared[1],
-                                                   can_delay=held, quotas=self.ruleset.draft_headers)
-            decision = self._conclude(request, *prepared, evaluation)
-            if decision.outcome is ALLOW and not self.store.answers_at_once:
-                # The shared store admitted it: so does this node's count of
-                # late checks, which then starts from this node's share.
-                self._count_here(now, *prepared, admitted=True)
-        except StoreUnavailable as exc:
-            decision = self._unavailable(exc)
+            evaluated = await self._evaluate(now, request.client.key, prepared[1], held, self.ruleset.draft_headers)
+            if isinstance(evaluated, Decision):
+                decision = evaluated  # the store did not answer
+            else:
+                decision = self._conclude(request, *prepared, evaluated)
+                if decision.outcome is ALLOW and not self.store.answers_at_once:
+                    # The shared store admitted it: so does this node's count of
+                    # late checks, which then starts from this node's share.
+                    self._count_here(now, *prepared, admitted=True)
         finally:
             if held:
                 self._release_unless_held(decision)
@@ -258,13 +265,10 @@ class Engine:
         metrics.checks.value += 1
         if not checks:
             return Tally(Evaluation(), [])
-        try:
-            evaluation = await self.store.evaluate(self.clock(), client, checks, can_delay=False, quotas=True)
-        except StoreUnavailable as exc:
-            return Tally(Evaluation(), [], failed=self._unavailable(exc).outcome)
+        evaluation = await self._evaluate(self.clock(), client, checks, False, True)
+        if isinstance(evaluation, Decision):
+            return Tally(Evaluation(), [], failed=evaluation.outcome)
         banned = evaluation.ban is not None and not evaluation.new_ban
-        if banned:
-            metrics.banned_requests.inc()
         hits = evaluation.hits
         evaluated = len(hits)
         over: list[bool] = []
@@ -277,6 +281,21 @@ class Engine:
                                    "ban" if check.ban_duration is not None else "block")
                 self.log.rls(domain, check.rule_id, check.key, observed, banned or evaluation.new_ban)
         return Tally(evaluation, over, banned)
+
+    async def _evaluate(self, now: float, client: str, checks: Sequence[Check], can_delay: bool,
+                        quotas: bool) -> Evaluation | Decision:
+        """The one step of every decision that asks the store (``decide``'s
+        and ``decide_checks``'): its evaluation of ``checks`` for the client
+        key ``client``, in one call, with a client refused by a ban issued
+        before counted; or, when the store did not answer, the decision
+        ``state.fail`` gives (fail open or closed; counted and logged)."""
+        try:
+            evaluation = await self.store.evaluate(now, client, checks, can_delay=can_delay, quotas=quotas)
+        except StoreUnavailable as exc:
+            return self._unavailable(exc)
+        if evaluation.ban is not None and not evaluation.new_ban:
+            self.metrics.banned_requests.inc()
+        return evaluation
 
     # -- overload (sidecar.overload) ------------------------------------------
 
@@ -441,7 +460,8 @@ class Engine:
         # Networks are looked up by the address's value (sidecar.clientip.NetworkSet):
         # a new client's address object is never made for them.
         client = request.client
-        if ruleset.exempt and ruleset.exempt.holds(client):
+        exempt = ruleset.exempt
+        if exempt.networks and exempt.holds(client):  # the tuple, not the set's __bool__: one call less
             return ALLOWED
         if network_bans and network_bans.find_client(client, self.clock()) is not None:
             metrics.banned_requests.inc()
@@ -465,8 +485,8 @@ class Engine:
         ruleset = self.ruleset
         metrics = self.metrics
         if evaluation.ban is not None and not evaluation.new_ban:
-            # Banned: no evaluation, no counting, no per-request log.
-            metrics.banned_requests.inc()
+            # Banned (counted by _evaluate): no evaluation, no counting, no
+            # per-request log.
             self._refused_by_ban(request, evaluation.ban)
             return CLOSED
 
