@@ -24,6 +24,7 @@ from sidecar import config
 from sidecar.challenge import SOLUTION_PATH, IssuedChallenge
 
 if TYPE_CHECKING:
+    from sidecar.engine import Decision
     from sidecar.limiters import Quota
 
 _VARIABLE = re.compile(r"\$\{\{\s*(remote_addr|http_host|request_id)\s*\}\}")
@@ -313,6 +314,22 @@ def over_limit_headers(limit: int, reset: int) -> list[tuple[str, str]]:
     """The headers every over-limit response carries."""
     return [("X-RateLimit", "true"), ("X-RateLimit-Limit", str(limit)),
             ("X-RateLimit-Reset", str(reset))]
+
+
+def allow_headers(decision: Decision) -> list[tuple[str, str]]:
+    """The fields of an allow: over-limit headers in observe mode, and the
+    pending-counts token the proxy hands back with the response report,
+    and the draft RateLimit fields."""
+    rule = decision.rule
+    headers = [] if rule is None else over_limit_headers(decision.limit, decision.reset)
+    if rule is not None and rule.shadow:
+        headers.append(("X-RateLimit-Shadow", "true"))
+    if decision.pending is not None:
+        headers.append(("X-Sluice-Pending", decision.pending))
+    if decision.quota is not None:
+        headers.append(("RateLimit-Policy", decision.quota[0]))
+        headers.append(("RateLimit", decision.quota[1]))
+    return headers
 
 
 def retry_after_seconds(wait: float) -> int:

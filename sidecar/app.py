@@ -7,10 +7,24 @@ validation. Every failure inside a check is answered as
 *allow* (fail open) and counted; a rate limiter's bug must never
 become the protected site's outage.
 
-The HTTP protocol (sidecar.server) answers checks itself through
-``check_for``, before ASGI: with the memory store at once
-(``check_at_once``: no task, no ASGI messages), with a shared store in a
-task of its own (``check_later``).
+Each check route is a ``CheckDoor``, made once when the application starts:
+its front door bound to the engine, to the way the store answers and to
+whether the next auth service is asked (``--then-auth``). The HTTP protocol
+(sidecar.server) finds a check's door in ``check_doors`` and asks it once
+(``CheckDoor.answer``), before ASGI:
+
+* over a store that answers at once (the memory store), ``AtOnceDoor``
+  answers in the protocol's callback, in one straight line: the front door
+  describes the request, the engine decides, the front door answers
+  (``Check.at_once``), and the door counts the answer; no task, no ASGI
+  messages. A check passes through each module on its way once.
+* over a store that is awaited (Redis), ``AwaitedDoor`` gives the protocol
+  the coroutine it awaits in a task of its own.
+
+Either answers a refusal the engine keeps for the client's every request
+from its stored bytes, without a decision, and hands the protocol back to
+the ASGI path (None) for what must wait there: a request a leaky bucket
+holds, one the next auth service is asked about.
 """
 
 from __future__ import annotations
@@ -18,26 +32,28 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
 from sidecar.admin import Admin
 from sidecar.asgi import Receive, Scope, Send
-from sidecar.at_once import run_at_once
+from sidecar.at_once import waitless
 from sidecar.chain import NGINX_CHAINED_CHECK, ThenAuth, asks_next, routes_with_then_auth
 from sidecar.engine import ALLOW, Decision, Engine
+from sidecar.exchange import encode_reply
 from sidecar.frontdoors import ROUTES
 from sidecar.frontdoors.common import (
     Check,
+    Endpoint,
     Reply,
-    RouteTable,
     header_map,
     respond,
     wait_unless_disconnected,
 )
-from sidecar.overload import STORED_FRONT_DOORS, AddressRefusals, LoopWatch, StoredKey, stored_key
+from sidecar.frontdoors.routes import RouteTable
+from sidecar.overload import STORED_FRONT_DOORS, STORED_KEY_FIELDS, LoopWatch, stored_key
 from sidecar.ratelog import RateLimitedLog
-from sidecar.request import CheckRequest
-from sidecar.server import encode_reply
+from sidecar.request import CheckRequest, new_request_id
 from sidecar.service import build_api
 
 if TYPE_CHECKING:
@@ -47,9 +63,9 @@ log = logging.getLogger("sluice")
 
 
 # The answer to a check that failed inside Sluice: allow (fail open).
-FAIL_OPEN: Reply = (200, [], b"")
+FAIL_OPEN = Reply(200, [], b"")
 # Where the HTTP protocol leaves a check it decided at once but that a leaky
-# bucket holds: the ASGI path then waits and answers (see check_at_once).
+# bucket holds: the ASGI path then waits and answers (see AtOnceDoor.reply).
 HELD = "sluice.held"
 # Where it leaves a check it admitted that the next auth service is to be
 # asked about (sidecar.chain): the ASGI path asks and answers.
@@ -73,69 +89,130 @@ class SluiceApp:
             listener = GrpcListener(self, *grpc, reuse_port=share_report_port, rls=rls)
         self.api = build_api(engine, report_udp, admin, share_report_port, health, listener)
         self._error_log = RateLimitedLog(log, 10)
-        self._routes = RouteTable(ROUTES if then_auth is None else routes_with_then_auth(ROUTES))
-        self._decisions = engine.metrics.decisions
+        # Each check route's door, made once; the ASGI path finds doors and
+        # endpoints by path, the HTTP protocol its doors (check_doors).
+        routes: list[tuple[str, CheckDoor | Endpoint, bool]] = []
+        for route in ROUTES if then_auth is None else routes_with_then_auth(ROUTES):
+            handler = route.handler
+            routes.append((route.path, self._door(handler) if isinstance(handler, Check) else handler,
+                           route.prefix))
+        self._routes = RouteTable(routes)
+        self.check_doors = RouteTable([(path, handler, prefix) for path, handler, prefix in routes
+                                       if isinstance(handler, CheckDoor)])
+        self._awaited_doors: dict[Check, AwaitedDoor] = {}
         # How far the serving loop is behind, for late checks
         # (sidecar.overload); the HTTP protocol starts it on its loop.
         self.watch = LoopWatch()
         engine.loop_behind = self.watch.behind
 
+    def _door(self, check: Check) -> CheckDoor:
+        """``check``'s door: answered at once when the store answers at
+        once and the front door has its ``at_once``, else awaited."""
+        if self.engine.store.answers_at_once and check.at_once is not None:
+            return AtOnceDoor(self, check)
+        return AwaitedDoor(self, check)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             held = scope.get(HELD)
             if held is not None:
-                await self._answer_after_hold(receive, send, *held)
+                door, request, decision = held
+                await door.after_hold(receive, send, request, decision)
                 return
             chained = scope.get(THEN_AUTH)
             if chained is not None:
-                await respond(send, *await self._then_auth(NGINX_CHAINED_CHECK, *chained))
+                assert self.then_auth is not None
+                await respond(send, *await self.then_auth.answer(*chained))
                 return
             handler = self._routes.find(scope["path"])
             if handler is not None:
-                if isinstance(handler, Check):
-                    await self._check(scope, receive, send, handler)
+                if isinstance(handler, CheckDoor):
+                    await handler.asgi(scope, receive, send)
                 else:
                     await handler(self, scope, receive, send)
                 return
         await self.api(scope, receive, send)
 
-    @property
-    def answers_at_once(self) -> bool:
-        """Whether a check is decided without waiting (the memory store)."""
-        return self.engine.store.answers_at_once
+    def check_for(self, path: str) -> CheckDoor | None:
+        """The door of the check route at ``path``, if there is one."""
+        return self.check_doors.find(path)
 
-    def check_for(self, path: str) -> Check | None:
-        """The check front door at ``path`` when the HTTP protocol may answer
-        it itself (sidecar.server): at once with the memory store
-        (``check_at_once``), or after awaiting a shared store
-        (``check_later``) when no rule can hold a request."""
-        if not self.engine.store.answers_at_once and self.engine.ruleset.holds:
-            return None  # a held request waits on the ASGI path, which sees the client leave
-        handler = self._routes.find(path)
-        return handler if isinstance(handler, Check) else None
+    async def check_later(self, check: Check, scope: Scope, headers: dict[str, str]) -> Reply:
+        """The reply to a check of a front door served elsewhere (gRPC),
+        the engine awaited."""
+        door = self._awaited_doors.get(check)
+        if door is None:
+            door = self._awaited_doors[check] = AwaitedDoor(self, check)
+        return await door.later(scope, headers)
 
-    @property
-    def stored_refusals(self) -> AddressRefusals:
-        """Refusals whose answers the HTTP protocol sends again (``refused_at_once``)."""
-        return self.engine.address_refusals
+    def internal_error(self) -> None:
+        self.engine.metrics.errors.inc()
+        self._error_log.error("check failed inside Sluice; the request was allowed (fail open)",
+                              exc_info=True)
 
-    def refused_at_once(self, check: Check, key: StoredKey, request_id: bytes) -> bytes | None:
+
+# What a door answers the HTTP protocol: a stored refusal's bytes, the
+# front door's reply, a coroutine that gives it, or None when the ASGI path
+# is to answer (see sidecar.server.CheckDoor).
+DoorAnswer = bytes | Reply | Awaitable[Reply] | None
+
+
+class CheckDoor:
+    """One check route of the application, bound when it starts: its front
+    door (``check``), the engine, the counters its answers go to, and
+    whether the next auth service is asked after an allow (``chains``:
+    only nginx's check, with ``--then-auth``)."""
+
+    __slots__ = ("app", "engine", "check", "front_door", "decisions", "latency", "refusals", "stores", "chains")
+
+    def __init__(self, app: SluiceApp, check: Check) -> None:
+        engine = app.engine
+        self.app = app
+        self.engine = engine
+        self.check = check
+        self.front_door = check.front_door
+        self.decisions = engine.metrics.decisions
+        self.latency = engine.metrics.latency
+        self.refusals = engine.address_refusals
+        # Whether its refusals that hold for the client's every request are
+        # kept, and answered again from their bytes (sidecar.overload).
+        self.stores = check.front_door in STORED_FRONT_DOORS
+        self.chains = app.then_auth is not None and check is NGINX_CHAINED_CHECK
+
+    def answer(self, scope: Scope, keep_alive: bool, default_headers: list[tuple[bytes, bytes]]) -> DoorAnswer:
+        """What the HTTP protocol sends for a check (see ``DoorAnswer``)."""
+        raise NotImplementedError
+
+    # -- stored refusals ---------------------------------------------------------
+
+    def _stored(self, scope: Scope) -> bytes | None:
         """The stored answer of a refusal that still holds for the client
         these fields name (``StoredKey``), counted as its decision was; None
-        when there is none and the check is decided."""
+        when there is none and the check is decided. Only when the header
+        fields that make the key come once each; the protocol asks only on a
+        connection kept alive and without default header fields, as the
+        bytes were written for one."""
+        raw: list[tuple[bytes, bytes]] = scope["headers"]
+        fields = dict(raw)
+        if len(fields) != len(raw):
+            return None
+        # As request_id_of: the proxy's, or a new one.
+        request_id = fields.get(b"x-request-id") or new_request_id().encode("ascii")
+        peer, forwarded, original_host, host, accept = (fields.get(name) for name in _STORED_KEY_FIELDS)
+        key = (self.front_door, scope["method"], _text(peer), _text(forwarded), _text(original_host), _text(host),
+               _text(accept))
         engine = self.engine
-        stored = engine.address_refusals.recall(key, request_id, engine.clock())
+        stored = self.refusals.recall(key, request_id, engine.clock())
         if stored is None:
             return None
         engine.refused_again(stored)
-        self._decisions[check.front_door, stored.outcome] += 1
+        self.decisions[self.front_door, stored.outcome] += 1
         return stored.bytes_for(request_id)
 
-    def _store_refusal(self, check: Check, request: CheckRequest, decision: Decision, reply: Reply,
-                       method: str) -> None:
+    def _store_refusal(self, request: CheckRequest, decision: Decision, reply: Reply, method: str) -> None:
         """Keep the answer of a refusal that holds for every request of the
         client, as the HTTP protocol writes it on a connection kept alive."""
-        if check.front_door not in STORED_FRONT_DOORS:
+        if not self.stores:
             return
         content, keep_alive = encode_reply(reply, method, True, [])
         if not keep_alive:
@@ -143,55 +220,66 @@ class SluiceApp:
         rule_id, action, log_key = request.refused_as
         engine = self.engine
         until = request.refused_until
-        if request.proxy_expires and check.front_door == "nginx":
+        if request.proxy_expires and self.front_door == "nginx":
             # The answer names the last second nginx may keep it, which a
             # decision names one later from the next second on.
             until = min(until, engine.clock() + 1 - engine.wall_clock() % 1)
-        engine.address_refusals.remember(stored_key(check.front_door, method, request.headers),
-                                         request.request_id, content, until, rule_id, action, decision.outcome,
-                                         log_key)
+        self.refusals.remember(stored_key(self.front_door, method, request.headers), request.request_id, content,
+                               until, rule_id, action, decision.outcome, log_key)
 
-    def check_at_once(self, check: Check, scope: Scope, headers: dict[str, str]) -> Reply | None:
-        """The reply to a check, decided and answered without awaiting (see
-        ``check_for``); None when a leaky bucket holds the request, which
-        ``scope[HELD]`` then carries to the ASGI path to wait and answer, or
-        when the next auth service is to be asked (``scope[THEN_AUTH]``)."""
-        decided = run_at_once(self._decide(check, scope, headers))
-        if decided is None:
-            return self._unless_chained(check, scope, headers, self._fail_open(check))
-        request, decision = decided
-        if decision.delay > 0:
-            scope[HELD] = (check, request, decision)
+    # -- decided, then answered (the paths that await the engine) ------------------
+
+    async def _decided(self, scope: Scope, headers: dict[str, str]) -> tuple[CheckRequest, Decision] | None:
+        """The front door's request and the engine's decision; None when
+        that failed inside Sluice (counted and logged; the caller fails open)."""
+        started = time.perf_counter()
+        try:
+            request = self.check.describe(scope, headers)
+            decision = await self.engine.decide(request)
+        except Exception:
+            self.app.internal_error()
             return None
-        reply = self._answer(check, request, decision, scope.get("method"))
-        return self._unless_chained(check, scope, headers, reply)
+        self.latency.observe(time.perf_counter() - started)
+        return request, decision
 
-    def _unless_chained(self, check: Check, scope: Scope, headers: dict[str, str], reply: Reply) -> Reply | None:
-        """``reply``, or None when the next auth service is to be asked about it first."""
-        if not self._chains(check, headers, reply):
-            return reply
-        scope[THEN_AUTH] = (headers, reply)
-        return None
+    def _answer(self, request: CheckRequest, decision: Decision, method: str | None = None) -> Reply:
+        """The front door's reply, counted; a refusal that holds for the
+        client's every request is kept too, for the check's ``method``."""
+        try:
+            reply = self.check.answer(request, decision)
+            if request.refused_until and method is not None:
+                self._store_refusal(request, decision, reply, method)
+        except Exception:
+            self.app.internal_error()
+            return self._fail_open()
+        self.decisions[self.front_door, decision.outcome] += 1
+        return reply
 
-    def _chains(self, check: Check, headers: dict[str, str], reply: Reply) -> bool:
-        """Whether ``reply`` admits a check that the next auth service is
-        asked about (``sluice serve --then-auth``): nginx's, from a location
-        that asks it, and only when Sluice let it in (a failure inside
-        Sluice included: it lets the request in, never past authentication)."""
-        return check is NGINX_CHAINED_CHECK and 200 <= reply[0] < 300 and asks_next(headers)
+    def _fail_open(self) -> Reply:
+        """The answer to a check that failed inside Sluice (counted and
+        logged already): allow."""
+        self.decisions[self.front_door, ALLOW] += 1
+        return FAIL_OPEN
 
-    async def _then_auth(self, check: Check, headers: dict[str, str], reply: Reply) -> Reply:
-        """``reply``, or the next auth service's answer when it is asked (``_chains``)."""
-        if self.then_auth is None or not self._chains(check, headers, reply):
-            return reply
-        return await self.then_auth.answer(headers, reply)
+    def _asks_next(self, headers: dict[str, str], reply: Reply) -> bool:
+        """Whether ``reply``, from a door that ``chains``, admits a check
+        that the next auth service is asked about: from a location that
+        asks it, and only when Sluice let it in (a failure inside Sluice
+        included: it lets the request in, never past authentication)."""
+        return 200 <= reply.status < 300 and asks_next(headers)
 
-    async def check_later(self, check: Check, scope: Scope, headers: dict[str, str]) -> Reply:
-        """The reply to a check over a store that is awaited (see
-        ``check_for``)."""
-        decided = await self._decide(check, scope, headers)
+    async def _next_auth(self, headers: dict[str, str], reply: Reply) -> Reply:
+        """``reply``, or the next auth service's answer when it is asked."""
+        if self.chains and self._asks_next(headers, reply):
+            assert self.app.then_auth is not None
+            return await self.app.then_auth.answer(headers, reply)
+        return reply
+
+    async def later(self, scope: Scope, headers: dict[str, str]) -> Reply:
+        """The reply to a check over a store that is awaited."""
+        decided = await self._decided(scope, headers)
         if decided is None:
-            return await self._then_auth(check, headers, self._fail_open(check))
+            return await self._next_auth(headers, self._fail_open())
         request, decision = decided
         if decision.delay > 0:
             # Only after a reload made a rule hold while this check was
@@ -200,36 +288,22 @@ class SluiceApp:
                 await asyncio.sleep(decision.delay)
             finally:
                 self.engine.release_hold()
-        return await self._then_auth(check, headers, self._answer(check, request, decision, scope.get("method")))
+        return await self._next_auth(headers, self._answer(request, decision, scope.get("method")))
 
-    async def _check(self, scope: Scope, receive: Receive, send: Send, check: Check) -> None:
+    async def asgi(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The check on the ASGI path."""
         headers = header_map(scope)
-        decided = await self._decide(check, scope, headers)
+        decided = await self._decided(scope, headers)
         if decided is None:
-            await respond(send, *await self._then_auth(check, headers, self._fail_open(check)))
+            reply = self._fail_open()
         elif decided[1].delay > 0:
-            await self._answer_after_hold(receive, send, check, *decided)
+            await self.after_hold(receive, send, *decided)
+            return
         else:
-            reply = self._answer(check, *decided, scope.get("method"))
-            await respond(send, *await self._then_auth(check, headers, reply))
+            reply = self._answer(*decided, scope.get("method"))
+        await respond(send, *await self._next_auth(headers, reply))
 
-    async def _decide(self, check: Check, scope: Scope, headers: dict[str, str]
-                      ) -> tuple[CheckRequest, Decision] | None:
-        """The front door's request and the engine's decision; None when
-        that failed inside Sluice (counted and logged; the caller fails open)."""
-        engine = self.engine
-        started = time.perf_counter()
-        try:
-            request = check.describe(scope, headers)
-            decision = await engine.decide(request)
-        except Exception:
-            self.internal_error()
-            return None
-        engine.metrics.latency.observe(time.perf_counter() - started)
-        return request, decision
-
-    async def _answer_after_hold(self, receive: Receive, send: Send, check: Check,
-                                 request: CheckRequest, decision: Decision) -> None:
+    async def after_hold(self, receive: Receive, send: Send, request: CheckRequest, decision: Decision) -> None:
         """A leaky bucket admitted the request at a later slot: the proxy
         waits for our answer. The decision took a hold slot; it is
         given back when the wait ends or the proxy goes away."""
@@ -238,31 +312,78 @@ class SluiceApp:
                 return
         finally:
             self.engine.release_hold()
-        await respond(send, *await self._then_auth(check, request.headers, self._answer(check, request, decision)))
+        await respond(send, *await self._next_auth(request.headers, self._answer(request, decision)))
 
-    def _answer(self, check: Check, request: CheckRequest, decision: Decision, method: str | None = None) -> Reply:
-        """The front door's reply; a refusal that holds for the client's
-        every request is kept too, for the check's ``method``."""
+
+class AtOnceDoor(CheckDoor):
+    """A check route over a store that answers at once: the check decided
+    and answered inside the protocol's callback, in one pass through the
+    front door (``Check.at_once``) with the engine's decision run at once
+    (``decide``)."""
+
+    __slots__ = ("at_once", "decide")
+
+    def __init__(self, app: SluiceApp, check: Check) -> None:
+        super().__init__(app, check)
+        assert check.at_once is not None
+        self.at_once = check.at_once
+        self.decide = waitless(self.engine.decide)
+
+    def answer(self, scope: Scope, keep_alive: bool, default_headers: list[tuple[bytes, bytes]]) -> DoorAnswer:
+        if keep_alive and self.stores and not default_headers and self.refusals:
+            stored = self._stored(scope)
+            if stored is not None:
+                return stored
+        return self.reply(scope, header_map(scope))
+
+    def reply(self, scope: Scope, headers: dict[str, str]) -> Reply | None:
+        """The reply to a check, decided and answered without awaiting; None
+        when a leaky bucket holds the request, which ``scope[HELD]`` then
+        carries to the ASGI path to wait and answer, or when the next auth
+        service is to be asked (``scope[THEN_AUTH]``)."""
+        started = time.perf_counter()
         try:
-            reply = check.answer(request, decision)
-            if request.refused_until and method is not None:
-                self._store_refusal(check, request, decision, reply, method)
+            request, decision, reply = self.at_once(scope, headers, self.decide)
+            self.latency.observe(time.perf_counter() - started)
+            if decision.delay > 0:
+                # Its answer is the front door's again after the wait.
+                scope[HELD] = (self, request, decision)
+                return None
+            if request.refused_until:
+                self._store_refusal(request, decision, reply, scope["method"])
         except Exception:
-            self.internal_error()
-            return self._fail_open(check)
-        self._decisions[check.front_door, decision.outcome] += 1
+            self.app.internal_error()
+            reply = self._fail_open()
+        else:
+            self.decisions[self.front_door, decision.outcome] += 1
+        if self.chains and self._asks_next(headers, reply):
+            scope[THEN_AUTH] = (headers, reply)
+            return None
         return reply
 
-    def _fail_open(self, check: Check) -> Reply:
-        """The answer to a check that failed inside Sluice (counted and
-        logged already): allow."""
-        self._decisions[check.front_door, ALLOW] += 1
-        return FAIL_OPEN
 
-    def internal_error(self) -> None:
-        self.engine.metrics.errors.inc()
-        self._error_log.error("check failed inside Sluice; the request was allowed (fail open)",
-                              exc_info=True)
+class AwaitedDoor(CheckDoor):
+    """A check route over a store that is awaited: the protocol awaits the
+    door's coroutine in a task; a rule that may hold a request sends the
+    check to the ASGI path, which sees the client leave while it waits."""
+
+    __slots__ = ()
+
+    def answer(self, scope: Scope, keep_alive: bool, default_headers: list[tuple[bytes, bytes]]) -> DoorAnswer:
+        if self.engine.ruleset.holds:
+            return None
+        if keep_alive and self.stores and not default_headers and self.refusals:
+            stored = self._stored(scope)
+            if stored is not None:
+                return stored
+        return self.later(scope, header_map(scope))
+
+
+_STORED_KEY_FIELDS = tuple(name.encode("ascii") for name in STORED_KEY_FIELDS)
+
+
+def _text(value: bytes | None) -> str | None:
+    return value.decode("latin-1") if value is not None else None
 
 
 def create_app(engine: Engine, report_udp: tuple[str, int] | None = None,

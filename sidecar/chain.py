@@ -43,8 +43,9 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from sidecar.actions import BlockPage, PageTemplate
+from sidecar.asgi import Scope
 from sidecar.engine import CLOSE, DENY, Decision
-from sidecar.frontdoors.common import Check, Reply, Route
+from sidecar.frontdoors.common import Check, Checked, Decide, Reply, Route
 from sidecar.frontdoors.nginx import (
     NGINX_AUTH_PATH,
     NGINX_DENY_STATUS,
@@ -54,6 +55,7 @@ from sidecar.frontdoors.nginx import (
     DenyToken,
     answer_nginx,
     describe_nginx,
+    nginx_at_once,
 )
 from sidecar.ratelog import RateLimitedLog
 from sidecar.request import CheckRequest
@@ -411,12 +413,25 @@ def answer_before_next_auth(request: CheckRequest, decision: Decision) -> Reply:
     its answer, for the site's own ``error_page 401``."""
     if decision.outcome != CLOSE:
         return answer_nginx(request, decision)
+    return _close_before_next_auth(request)
+
+
+def before_next_auth_at_once(scope: Scope, headers: dict[str, str], decide: Decide) -> Checked:
+    """``NGINX_CHAINED_CHECK`` in one pass (``Check.at_once``): nginx's
+    own, with a close told as ``answer_before_next_auth`` tells it."""
+    request, decision, reply = nginx_at_once(scope, headers, decide)
+    if decision.outcome == CLOSE:
+        reply = _close_before_next_auth(request)
+    return request, decision, reply
+
+
+def _close_before_next_auth(request: CheckRequest) -> Reply:
     closing = Decision(outcome=DENY, page=_CLOSE_PAGE)
     headers = [("X-Sluice-Deny", DenyToken.encode(closing, request.client.text)),
                (PAGE_STATUS_HEADER, str(CLOSE_PAGE_STATUS))]
     if request.proxy_expires:
         headers.append((PROXY_EXPIRES_HEADER, f"@{request.proxy_expires}"))
-    return NGINX_DENY_STATUS, headers, b""
+    return Reply(NGINX_DENY_STATUS, headers, b"")
 
 
 # The field of nginx's check that says whether its location asks the next
@@ -432,7 +447,7 @@ def asks_next(headers: dict[str, str]) -> bool:
 
 
 # nginx's check, when the next service is asked after Sluice's allow.
-NGINX_CHAINED_CHECK = Check("nginx", describe_nginx, answer_before_next_auth)
+NGINX_CHAINED_CHECK = Check("nginx", describe_nginx, answer_before_next_auth, before_next_auth_at_once)
 
 
 def routes_with_then_auth(routes: Iterable[Route]) -> tuple[Route, ...]:
@@ -480,16 +495,16 @@ class ThenAuth:
     async def answer(self, headers: dict[str, str], reply: Reply) -> Reply:
         """What nginx is told of a check Sluice admitted with ``reply``,
         whose fields are ``headers``."""
-        own = reply[1]
+        own = reply.headers
         try:
             answer = await self.client.ask(self.request(headers))
             status = answer.status
             if 200 <= status < 300:
                 self.metrics.answers["allow"] += 1
-                return 200, [*own, *passed_fields(answer)], b""
+                return Reply(200, [*own, *passed_fields(answer)], b"")
             if status == 401:
                 self.metrics.answers["unauthenticated"] += 1
-                return 401, [*own, *passed_fields(answer)], b""
+                return Reply(401, [*own, *passed_fields(answer)], b"")
             if status == 403:
                 self.metrics.answers["forbidden"] += 1
                 return refusal(_FORBIDDEN_PAGE, headers, [*own, *passed_fields(answer)])
@@ -527,4 +542,4 @@ def refusal(page: BlockPage, headers: dict[str, str], fields: list[tuple[str, st
     if page.one_line is not None and request_id.isprintable():
         body = page.one_line.render("", "", request_id)
         answer += [(PAGE_STATUS_HEADER, str(page.status)), (PAGE_HEADER, body.decode("latin-1"))]
-    return NGINX_DENY_STATUS, answer, b""
+    return Reply(NGINX_DENY_STATUS, answer, b"")

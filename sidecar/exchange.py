@@ -1,6 +1,8 @@
-"""One request of Sluice's HTTP connection answered by the ASGI application.
+"""One request of Sluice's HTTP connection answered by the ASGI application,
+and the HTTP/1.1 of the answers the connection writes itself.
 
-Checks are answered by the connection itself (sidecar.server); every other
+Checks are answered by the connection itself (sidecar.server, in the bytes
+``encode_reply`` writes); every other
 request (health, metrics, the admin API, the deny page, a check a leaky
 bucket holds, a check behind an unfinished answer on the same connection)
 is handed to the application as ASGI 3 (spec version 2.3): ``AsgiExchange``
@@ -19,9 +21,12 @@ import http
 import logging
 import re
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from sidecar.asgi import Message, Receive, Scope, Send
+
+if TYPE_CHECKING:
+    from sidecar.frontdoors.common import Reply
 
 # An ASGI 3 application. It should return None; what else it returns is
 # reported (as uvicorn reports it), hence ``object``.
@@ -59,6 +64,37 @@ def closing_answer(status: int, message: bytes, default_headers: list[tuple[byte
     content.extend([b"content-type: text/plain; charset=utf-8\r\ncontent-length: ", b"%d" % len(message),
                     b"\r\nconnection: close\r\n\r\n", message])
     return b"".join(content)
+
+
+def encode_headers(headers: list[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
+    """A front door's header fields as ASGI and HTTP/1.1 carry them."""
+    return [(name.lower().encode("latin-1"), value.encode("latin-1", "replace"))
+            for name, value in headers]
+
+
+def encode_reply(reply: Reply, method: str, keep_alive: bool,
+                 default_headers: list[tuple[bytes, bytes]]) -> tuple[bytes, bool]:
+    """A check's answer as HTTP/1.1, and whether the connection stays open
+    after it."""
+    status, headers, body = reply
+    content = [STATUS_LINE[status]]
+    asks_close = False
+    for raw_name, raw_value in default_headers:
+        content.extend([raw_name, b": ", raw_value, b"\r\n"])
+    for name, value in headers:  # as encode_headers encodes them, written out
+        raw_name, raw_value = name.lower().encode("latin-1"), value.encode("latin-1", "replace")
+        if HEADER_VALUE_FORBIDDEN.search(raw_value):
+            raw_value = b""  # never a forged header line; no value of ours has one
+        if raw_name == b"connection" and b"close" in raw_value.lower():
+            keep_alive, asks_close = False, True
+        content.extend([raw_name, b": ", raw_value, b"\r\n"])
+    content.extend([b"content-length: ", str(len(body)).encode("ascii"), b"\r\n"])
+    if not keep_alive and not asks_close:
+        content.append(b"connection: close\r\n")
+    content.append(b"\r\n")
+    if body and method != "HEAD":
+        content.append(body)
+    return b"".join(content), keep_alive
 
 
 class Connection(Protocol):

@@ -22,7 +22,8 @@ and outcome.
 A check is late when both hold:
 
 * the proxy stamped it with the time it sent it (``X-Sluice-Sent``: nginx's
-  ``$msec``, Envoy's ``%START_TIME%``), and it reached Sluice more than
+  ``$msec``, Envoy's ``%START_TIME%``; read by ``sidecar.request.parse_sent``
+  when the request is described), and it reached Sluice more than
   ``overload.after`` later (the rules file; 250 ms by default);
 * Sluice's own event loop is behind (``LoopWatch``) by at least a quarter
   of that. A client cannot make its own checks late by sending an old
@@ -40,8 +41,6 @@ import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
-# The proxy's stamp of when it sent the check (the shipped templates set it).
-SENT_HEADER = "x-sluice-sent"
 # How often the loop watch's timer should run.
 TICK_SECONDS = 0.02
 # A stamp is trusted when the loop is behind by this share of overload.after.
@@ -76,18 +75,6 @@ class LoopWatch:
         if self._loop is None:
             return 0.0
         return max(0.0, self._clock() - self._last - TICK_SECONDS)
-
-
-def parse_sent(value: str | None) -> float:
-    """The proxy's send stamp (Unix seconds, as ``1700000000.123``); 0.0
-    for none or anything else (never trusted blindly: see the module)."""
-    if not value or len(value) > 24:
-        return 0.0
-    try:
-        sent = float(value)
-    except ValueError:
-        return 0.0
-    return sent if math.isfinite(sent) and sent > 0 else 0.0
 
 
 class RefusalMemory:

@@ -1,21 +1,28 @@
 """The neutral description of one request, whichever proxy asked about it.
 
-Adapters (nginx, Envoy, forward-auth) build a ``CheckRequest`` at the edge;
-nothing beyond it knows which proxy sent the request (STYLE: adapters at the
-edges). Cookies and query parameters are parsed only when a rule asks.
+Adapters (nginx, Envoy, forward-auth) build a ``CheckRequest`` at the edge,
+with ``check_request`` for what every proxy sends the same way; nothing
+beyond it knows which proxy sent the request (STYLE: adapters at the edges).
+Cookies and query parameters are parsed only when a rule asks.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import posixpath
 from collections.abc import Hashable
 from urllib.parse import unquote
 
+from sidecar.challenge import FINGERPRINT_HEADER
 from sidecar.clientip import ClientAddress
 
 # The client of a request described by a front door and not yet decided
 # (see CheckRequest): never the same object as a resolved client.
 UNRESOLVED = ClientAddress(None, "")
+# The proxy's stamp of when it sent the check (the shipped templates set
+# it), for late checks (sidecar.overload).
+SENT_HEADER = "x-sluice-sent"
 
 
 def normalise_path(raw_path: str) -> str:
@@ -107,6 +114,45 @@ class CheckRequest:
         if self._query is None:
             self._query = parse_query(self.query_string)
         return self._query
+
+
+def check_request(headers: dict[str, str], method: str, host: str | None, uri: str, peer: str) -> CheckRequest:
+    """A CheckRequest with what every proxy sends the same way: the headers,
+    the request id, the TLS fingerprint, the time the proxy sent it, and
+    the client as the proxy names it (``peer``, the address the request
+    came from, and X-Forwarded-For), which the engine resolves. ``host``
+    None: the check's own Host field, without its port.
+
+    Everything a front door's description needs of this module is done in
+    this one call: a check passes through the module once."""
+    if host is None:
+        host = strip_port(headers.get("host", ""))
+    return CheckRequest(method=method, host=host, uri=uri, headers=headers, client=UNRESOLVED,
+                        request_id=headers.get("x-request-id") or new_request_id(),
+                        tls_fingerprint=headers.get(FINGERPRINT_HEADER, ""),
+                        sent=parse_sent(headers.get(SENT_HEADER)),
+                        peer=peer, forwarded_for=headers.get("x-forwarded-for"))
+
+
+def new_request_id() -> str:
+    return os.urandom(10).hex()
+
+
+def request_id_of(headers: dict[str, str]) -> str:
+    """The proxy's request id, or a new one."""
+    return headers.get("x-request-id") or new_request_id()
+
+
+def parse_sent(value: str | None) -> float:
+    """The proxy's send stamp (Unix seconds, as ``1700000000.123``); 0.0
+    for none or anything else (never trusted blindly: see sidecar.overload)."""
+    if not value or len(value) > 24:
+        return 0.0
+    try:
+        sent = float(value)
+    except ValueError:
+        return 0.0
+    return sent if math.isfinite(sent) and sent > 0 else 0.0
 
 
 def parse_query(query_string: str) -> dict[str, str]:

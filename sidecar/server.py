@@ -12,14 +12,16 @@ tests/unit/test_server.py runs a real ``uvicorn.Server`` over it, so that
 an upgrade of uvicorn that changes the seam fails there.
 
 A check is answered by the protocol itself when nothing else is in progress
-on the connection: decided and written inside the parser's callback when
-the state store answers at once (the memory store), after awaiting the
-store in a task of its own otherwise; no ASGI messages either way. Every
-other request is an ``AsgiExchange`` (sidecar.exchange): health, metrics,
-the admin API, a check a leaky bucket holds, a check behind an unfinished
-answer on the same connection. Answers go out in the order of the requests
-(pipelining, RFC 9112 section 9.3.2); a connection stays open between
-requests until ``timeout_keep_alive`` seconds pass without one.
+on the connection: the application's door for the check's route (its
+``check_doors``, sidecar.app) is asked once, when the request ends, and
+answers at once inside the parser's callback (the memory store), or with a
+coroutine the protocol awaits in a task of its own (a shared store); no
+ASGI messages either way. Every other request is an ``AsgiExchange``
+(sidecar.exchange): health, metrics, the admin API, a check a leaky bucket
+holds, a check behind an unfinished answer on the same connection. Answers
+go out in the order of the requests (pipelining, RFC 9112 section 9.3.2); a
+connection stays open between requests until ``timeout_keep_alive`` seconds
+pass without one.
 
 Request heads are bounded. httptools would keep a request's head (request
 line and header fields) in memory until its end, however long it gets: a
@@ -60,14 +62,16 @@ import functools
 import gc
 import logging
 import urllib.parse
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
 import httptools
 
 from sidecar.asgi import Scope
-from sidecar.exchange import HEADER_VALUE_FORBIDDEN, STATUS_LINE, App, AsgiExchange, closing_answer
-from sidecar.frontdoors.common import Check, Reply, encode_headers, header_map, new_request_id
-from sidecar.overload import STORED_KEY_FIELDS, AddressRefusals, LoopWatch, StoredKey
+from sidecar.exchange import App, AsgiExchange, closing_answer, encode_reply
+from sidecar.frontdoors.common import Reply
+from sidecar.frontdoors.routes import RouteTable
+from sidecar.overload import LoopWatch
 from sidecar.ratelog import RateLimitedLog
 
 if TYPE_CHECKING:
@@ -87,28 +91,28 @@ log = logging.getLogger("sluice")
 _refusal_log = RateLimitedLog(log, 60.0)
 
 
+class CheckDoor(Protocol):
+    """One check route of the application (sidecar.app.CheckDoor), asked
+    once per check, when the request has ended."""
+
+    def answer(self, scope: Scope, keep_alive: bool, default_headers: list[tuple[bytes, bytes]]
+               ) -> bytes | Reply | Awaitable[Reply] | None:
+        """A stored answer's bytes, written as they are (only on a
+        connection kept alive and without ``default_headers``); the front
+        door's reply, written at once; a coroutine that gives it, awaited
+        in a task; or None: the ASGI path answers (a request a leaky bucket
+        holds, one the next auth service is asked about)."""
+
+
 class CheckService(Protocol):
     """What the protocol asks of an application that has checks (sidecar.app.SluiceApp)."""
 
-    @property
-    def answers_at_once(self) -> bool: ...
-
-    @property
-    def stored_refusals(self) -> AddressRefusals: ...
-
     watch: LoopWatch
-
-    def check_for(self, path: str) -> Check | None: ...
-
-    def check_at_once(self, check: Check, scope: Scope, headers: dict[str, str]) -> Reply | None: ...
-
-    async def check_later(self, check: Check, scope: Scope, headers: dict[str, str]) -> Reply: ...
-
-    def refused_at_once(self, check: Check, key: StoredKey, request_id: bytes) -> bytes | None: ...
+    check_doors: RouteTable[CheckDoor]
 
 
 def has_checks(app: object) -> TypeGuard[CheckService]:
-    return hasattr(app, "check_for")
+    return hasattr(app, "check_doors")
 
 
 class HeadTooLarge(Exception):
@@ -154,6 +158,7 @@ class LimitedHttpProtocol(asyncio.Protocol):
         self.max_headers = max_headers
         # The application's own check routes, when it has them (sidecar.app).
         self.checks = self.app if has_checks(self.app) else None
+        self.doors = self.checks.check_doors if self.checks is not None else None
         self.parser: Any = httptools.HttpRequestParser(self)
         try:
             # Answer the first of several pipelined requests even when it
@@ -176,7 +181,7 @@ class LimitedHttpProtocol(asyncio.Protocol):
         self._expect_continue = False
         self._keep_alive = True
         self._scope: Scope = {}
-        self._check: Check | None = None  # a check the protocol answers
+        self._door: CheckDoor | None = None  # the door of a check the protocol answers
         self._exchange: AsgiExchange | None = None  # or the exchange its body goes to
         # The answer being written, and the exchanges waiting behind it.
         self._responding: AsgiExchange | PendingCheck | None = None
@@ -330,10 +335,10 @@ class LimitedHttpProtocol(asyncio.Protocol):
             "server": self.server, "client": self.client, "scheme": self.scheme, "root_path": "",
             "headers": self._headers, "state": self.app_state.copy(), "method": parser.get_method().decode("ascii"),
             "path": path, "raw_path": raw_path, "query_string": url.query or b""}
-        if self._responding is None and self.checks is not None and not self._expect_continue \
+        if self._responding is None and self.doors is not None and not self._expect_continue \
                 and not parser.should_upgrade():
-            self._check = self.checks.check_for(path)
-            if self._check is not None:
+            self._door = self.doors.find(path)
+            if self._door is not None:
                 return
         self._exchange = exchange = AsgiExchange(scope, self, keep_alive, self._expect_continue)
         if self._responding is None:
@@ -355,72 +360,48 @@ class LimitedHttpProtocol(asyncio.Protocol):
         if exchange is not None:
             exchange.request_complete()
             return
-        check, self._check = self._check, None
-        if check is not None:
-            self._answer(check, self._scope)
+        door, self._door = self._door, None
+        if door is not None:
+            self._answer(door, self._scope)
 
     # -- checks answered by the protocol ----------------------------------------
 
-    def _answer(self, check: Check, scope: Scope) -> None:
-        checks = self.checks
-        assert checks is not None
-        if checks.stored_refusals and self._answer_stored(checks, check, scope):
-            return
-        if not checks.answers_at_once:
-            self._answer_later(checks, check, scope)
-            return
-        reply = checks.check_at_once(check, scope, header_map(scope))
-        if reply is None:
+    def _answer(self, door: CheckDoor, scope: Scope) -> None:
+        """Ask the check's door, once, and write what it answers (see
+        ``CheckDoor.answer``)."""
+        keep_alive = self._keep_alive
+        answer = door.answer(scope, keep_alive, self.server_state.default_headers)
+        if isinstance(answer, Reply):
+            self._send(answer, scope["method"], keep_alive)
+        elif answer is None:
             # Held by a leaky bucket (or to be asked of the next auth
             # service): the ASGI path waits and answers, in order with what
             # follows on this connection.
-            exchange = AsgiExchange(scope, self, self._keep_alive, False)
+            exchange = AsgiExchange(scope, self, keep_alive, False)
             exchange.request_complete()
             self._start(exchange)
             return
-        self._send(reply, scope["method"], self._keep_alive)
+        elif isinstance(answer, bytes):
+            self.transport.write(answer)  # a stored refusal's
+        else:
+            # Awaited in a task; what follows on the connection waits behind it.
+            pending = PendingCheck(keep_alive)
+            self._responding = pending
+            self._track(self.loop.create_task(self._finish(answer, scope["method"], pending)))
+            return
         self._answered()
 
-    def _answer_stored(self, checks: CheckService, check: Check, scope: Scope) -> bool:
-        """Answer a check from a stored refusal of its client, without a
-        decision; False when there is none for it (the check is decided).
-        Only on a connection kept alive, when the header fields that make the
-        key come once each, as the protocol writes answers itself."""
-        if self.default_headers or not self._keep_alive:
-            return False
-        fields = dict(self._headers)
-        if len(fields) != len(self._headers):
-            return False
-        # As request_id_of: the proxy's, or a new one.
-        request_id = fields.get(b"x-request-id") or new_request_id().encode("ascii")
-        peer, forwarded, original_host, host, accept = (fields.get(name) for name in _STORED_KEY_FIELDS)
-        key = (check.front_door, scope["method"], _text(peer), _text(forwarded), _text(original_host), _text(host),
-               _text(accept))
-        answer = checks.refused_at_once(check, key, request_id)
-        if answer is None:
-            return False
-        self.transport.write(answer)
-        self._answered()
-        return True
-
-    def _answer_later(self, checks: CheckService, check: Check, scope: Scope) -> None:
-        """Await the decision in a task; what follows on the connection
-        waits behind it."""
-        pending = PendingCheck(self._keep_alive)
-        self._responding = pending
-        self._track(self.loop.create_task(self._finish(checks, check, scope, pending)))
-
-    async def _finish(self, checks: CheckService, check: Check, scope: Scope, pending: PendingCheck) -> None:
-        reply = await checks.check_later(check, scope, header_map(scope))
+    async def _finish(self, answer: Awaitable[Reply], method: str, pending: PendingCheck) -> None:
+        reply = await answer
         pending.response_complete = True
         if self.transport.is_closing():
             return  # counted, as on the ASGI path; nobody to tell
-        self._send(reply, scope["method"], pending.keep_alive)
+        self._send(reply, method, pending.keep_alive)
         self._answered()
 
     def _send(self, reply: Reply, method: str, keep_alive: bool) -> None:
         """Write the answer, and close the connection when it ends with it."""
-        content, keep_alive = encode_reply(reply, method, keep_alive, self.default_headers)
+        content, keep_alive = encode_reply(reply, method, keep_alive, self.server_state.default_headers)
         self.transport.write(content)
         if not keep_alive:
             self.transport.close()
@@ -521,13 +502,6 @@ class LimitedHttpProtocol(asyncio.Protocol):
             transport.close()
 
 
-_STORED_KEY_FIELDS = tuple(name.encode("ascii") for name in STORED_KEY_FIELDS)
-
-
-def _text(value: bytes | None) -> str | None:
-    return value.decode("latin-1") if value is not None else None
-
-
 def _remote_address(transport: asyncio.Transport) -> tuple[str, int] | None:
     """The peer's (host, port); None for a Unix socket's peer."""
     sock = transport.get_extra_info("socket")
@@ -548,30 +522,6 @@ def _local_address(transport: asyncio.Transport) -> tuple[str, int | None] | Non
     if isinstance(info, (tuple, list)) and len(info) >= 2:
         return (str(info[0]), int(info[1]))
     return (info, None) if isinstance(info, str) else None
-
-
-def encode_reply(reply: Reply, method: str, keep_alive: bool,
-                 default_headers: list[tuple[bytes, bytes]]) -> tuple[bytes, bool]:
-    """A check's answer as HTTP/1.1, and whether the connection stays open
-    after it."""
-    status, headers, body = reply
-    content = [STATUS_LINE[status]]
-    asks_close = False
-    for name, value in default_headers:
-        content.extend([name, b": ", value, b"\r\n"])
-    for name, value in encode_headers(headers):
-        if HEADER_VALUE_FORBIDDEN.search(value):
-            value = b""  # never a forged header line; no value of ours has one
-        if name == b"connection" and b"close" in value.lower():
-            keep_alive, asks_close = False, True
-        content.extend([name, b": ", value, b"\r\n"])
-    content.extend([b"content-length: ", str(len(body)).encode("ascii"), b"\r\n"])
-    if not keep_alive and not asks_close:
-        content.append(b"connection: close\r\n")
-    content.append(b"\r\n")
-    if body and method != "HEAD":
-        content.append(body)
-    return b"".join(content), keep_alive
 
 
 # Young objects between two collections of the youngest generation (Python's

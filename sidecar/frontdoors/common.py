@@ -1,21 +1,21 @@
-"""What the front doors share: the route table's types, reading an ASGI
-request, writing an answer, and the parts of a ``CheckRequest`` and of a
-refusal that every proxy fills the same way."""
+"""What the front doors share: the routes' types, reading an ASGI request,
+writing an answer, and the parts of a refusal that every proxy fills the
+same way. (What every proxy sends the same way is read by
+``sidecar.request.check_request``; a route table is ``sidecar.frontdoors.routes``.)"""
 
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
-from sidecar.actions import BlockPage, Refusal, deny_headers, over_limit_headers, page_body, prefers_json
+from sidecar.actions import BlockPage, Refusal, deny_headers, page_body, prefers_json
 from sidecar.asgi import Receive, Scope, Send
-from sidecar.challenge import FINGERPRINT_HEADER, IssuedChallenge
+from sidecar.challenge import IssuedChallenge
 from sidecar.engine import Decision, Engine
-from sidecar.overload import SENT_HEADER, parse_sent
-from sidecar.request import UNRESOLVED, CheckRequest
+from sidecar.exchange import encode_headers
+from sidecar.request import CheckRequest
 
 
 class Service(Protocol):
@@ -27,24 +27,48 @@ class Service(Protocol):
     def internal_error(self) -> None: ...
 
 
-# What a front door answers: status, header fields and body.
-Reply = tuple[int, list[tuple[str, str]], bytes]
+class Reply(NamedTuple):
+    """What a front door answers: status, header fields and body."""
+
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes
+
+
 # A check front door: the proxy's request as one CheckRequest, and the
 # engine's Decision as the proxy's answer. Both are plain functions of what
-# they are given, so that the same front door is served through ASGI or
-# straight from the HTTP protocol (sidecar.server); neither calls the
-# engine (the engine resolves the client the request names).
+# they are given, so that the same front door is served through ASGI, over
+# a store that is awaited, or straight from the HTTP protocol
+# (sidecar.server); neither calls the engine (the engine resolves the
+# client the request names).
 Describe = Callable[[Scope, dict[str, str]], CheckRequest]
 Answer = Callable[[CheckRequest, Decision], Reply]
+# A decision that never waits (the engine's over a store that answers at
+# once), given to a front door's ``AtOnce``.
+Decide = Callable[[CheckRequest], Decision]
+# The whole check in one pass through the front door's module: described,
+# decided by the ``Decide`` it is given, answered. The request and the
+# decision come back with the answer, for what the application does with
+# them (counting, refusals kept, a hold, the next auth service).
+Checked = tuple[CheckRequest, Decision, Reply]
+AtOnce = Callable[[Scope, dict[str, str], Decide], Checked]
 # Any other endpoint on the bare ASGI path (deny page, solution, report).
 Endpoint = Callable[[Service, Scope, Receive, Send], Awaitable[None]]
 
 
 @dataclass(frozen=True)
 class Check:
+    """A check front door: its label, its ``describe`` and ``answer``, and
+    ``at_once``, the two with a decision between them, written out in the
+    front door's own module so that a check the HTTP protocol answers at
+    once enters the module once (the paths that await the store call
+    ``describe`` and ``answer`` one by one; a door served only on them has
+    no ``at_once``)."""
+
     front_door: str  # the label of its answers in sluice_decisions_total
     describe: Describe
     answer: Answer
+    at_once: AtOnce | None = None
 
 
 @dataclass(frozen=True)
@@ -55,32 +79,6 @@ class Route:
     path: str
     handler: Check | Endpoint
     prefix: bool = False
-
-
-class RouteTable:
-    """The front doors' routes, answered before any framework code runs."""
-
-    def __init__(self, routes: Iterable[Route]) -> None:
-        self.exact: dict[str, Check | Endpoint] = {}
-        self.prefixes: list[tuple[str, Check | Endpoint]] = []
-        seen: set[str] = set()
-        for route in routes:
-            if route.path in seen:
-                raise ValueError(f"two front doors answer {route.path}")
-            seen.add(route.path)
-            if route.prefix:
-                self.prefixes.append((route.path, route.handler))
-            else:
-                self.exact[route.path] = route.handler
-
-    def find(self, path: str) -> Check | Endpoint | None:
-        handler = self.exact.get(path)
-        if handler is not None:
-            return handler
-        for prefix, handler in self.prefixes:
-            if path.startswith(prefix) and (len(path) == len(prefix) or path[len(prefix)] == "/"):
-                return handler
-        return None
 
 
 def header_map(scope: Scope) -> dict[str, str]:
@@ -109,52 +107,12 @@ def join_fields(fields: Iterable[tuple[str, str]]) -> dict[str, str]:
     return headers
 
 
-def new_request_id() -> str:
-    return os.urandom(10).hex()
-
-
-def request_id_of(headers: dict[str, str]) -> str:
-    """The proxy's request id, or a new one."""
-    return headers.get("x-request-id") or new_request_id()
-
-
-def check_request(headers: dict[str, str], method: str, host: str, uri: str, peer: str) -> CheckRequest:
-    """A CheckRequest with what every proxy sends the same way: the headers,
-    the request id, the TLS fingerprint, the time the proxy sent it, and
-    the client as the proxy names it (``peer``, the address the request
-    came from, and X-Forwarded-For), which the engine resolves."""
-    return CheckRequest(method=method, host=host, uri=uri, headers=headers, client=UNRESOLVED,
-                        request_id=request_id_of(headers),
-                        tls_fingerprint=headers.get(FINGERPRINT_HEADER, ""),
-                        sent=parse_sent(headers.get(SENT_HEADER)),
-                        peer=peer, forwarded_for=headers.get("x-forwarded-for"))
-
-
-def encode_headers(headers: list[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
-    return [(name.lower().encode("latin-1"), value.encode("latin-1", "replace"))
-            for name, value in headers]
-
-
 async def respond(send: Send, status: int, headers: list[tuple[str, str]], body: bytes = b"") -> None:
+    """A front door's answer as ASGI messages."""
     raw = encode_headers(headers)
     raw.append((b"content-length", str(len(body)).encode()))
     await send({"type": "http.response.start", "status": status, "headers": raw})
     await send({"type": "http.response.body", "body": body})
-
-
-def allow_headers(decision: Decision) -> list[tuple[str, str]]:
-    """Over-limit headers in observe mode, and the pending-counts token the
-    proxy hands back with the response report."""
-    rule = decision.rule
-    headers = [] if rule is None else over_limit_headers(decision.limit, decision.reset)
-    if rule is not None and rule.shadow:
-        headers.append(("X-RateLimit-Shadow", "true"))
-    if decision.pending is not None:
-        headers.append(("X-Sluice-Pending", decision.pending))
-    if decision.quota is not None:
-        headers.append(("RateLimit-Policy", decision.quota[0]))
-        headers.append(("RateLimit", decision.quota[1]))
-    return headers
 
 
 async def wait_unless_disconnected(receive: Receive, seconds: float) -> bool:
@@ -187,7 +145,7 @@ def render_deny(request: CheckRequest, decision: Decision) -> Reply:
     content_type, body = page_body(page, refusal, page.sends_json(client_prefers_json(request)))
     headers = deny_headers(decision.limit, decision.reset, decision.retry_after, request.request_id,
                            content_type, page.json == "if_preferred")
-    return page.status, headers, body
+    return Reply(page.status, headers, body)
 
 
 def render_page(page: BlockPage, remote_addr: str, host: str, request_id: str,

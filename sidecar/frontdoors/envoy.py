@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from sidecar.asgi import Scope
 from sidecar.engine import DENY, Decision
-from sidecar.frontdoors.common import Check, Reply, Route, check_request, render_deny
+from sidecar.frontdoors.common import Check, Checked, Decide, Reply, Route, render_deny
 from sidecar.frontdoors.forward_auth import answer_in_full
-from sidecar.request import CheckRequest, strip_port
+from sidecar.request import CheckRequest, check_request
 
 # Envoy's HTTP ext_authz appends the original path to a prefix.
 ENVOY_AUTH_PREFIX = "/v1/envoy/auth"
@@ -28,7 +28,7 @@ def describe_envoy(scope: Scope, headers: dict[str, str]) -> CheckRequest:
     return check_request(
         headers,
         method=scope["method"],
-        host=strip_port(headers.get("host", "")),
+        host=None,  # Host, without its port
         uri=uri,
         peer=headers.get("x-sluice-client-addr", ""),
     )
@@ -41,7 +41,14 @@ def answer_envoy(request: CheckRequest, decision: Decision) -> Reply:
     if status >= 500:
         headers.append((ENVOY_STATUS_HEADER, str(status)))
         status = 403
-    return status, headers, body
+    return Reply(status, headers, body)
 
 
-ROUTES = (Route(ENVOY_AUTH_PREFIX, Check("envoy", describe_envoy, answer_envoy), prefix=True),)
+def envoy_at_once(scope: Scope, headers: dict[str, str], decide: Decide) -> Checked:
+    """Envoy's HTTP check in one pass through this module (``Check.at_once``)."""
+    request = describe_envoy(scope, headers)
+    decision = decide(request)
+    return request, decision, answer_envoy(request, decision)
+
+
+ROUTES = (Route(ENVOY_AUTH_PREFIX, Check("envoy", describe_envoy, answer_envoy, envoy_at_once), prefix=True),)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from sidecar.actions import allow_headers
 from sidecar.asgi import Scope
 from sidecar.engine import ALLOW, CLOSE, Decision
-from sidecar.frontdoors.common import Check, Reply, Route, allow_headers, check_request, render_deny
-from sidecar.request import CheckRequest, strip_port
+from sidecar.frontdoors.common import Check, Checked, Decide, Reply, Route, render_deny
+from sidecar.request import CheckRequest, check_request, strip_port
 
 FORWARD_AUTH_PATH = "/v1/check"
 
@@ -26,12 +27,20 @@ def answer_in_full(request: CheckRequest, decision: Decision) -> Reply:
     """For proxies that pass a refusal to the client as it is (forward-auth,
     Envoy ext_authz): status, headers and page in this one answer."""
     if decision.outcome == ALLOW:
-        return 200, allow_headers(decision), b""
+        return Reply(200, allow_headers(decision), b"")
     if decision.outcome == CLOSE:
         # Neither a forward-auth subrequest nor ext_authz can close the
         # client's connection: an empty 403 asking for a close.
-        return 403, [("Connection", "close"), ("Cache-Control", "no-store")], b""
+        return Reply(403, [("Connection", "close"), ("Cache-Control", "no-store")], b"")
     return render_deny(request, decision)
 
 
-ROUTES = (Route(FORWARD_AUTH_PATH, Check("forward_auth", describe_forward_auth, answer_in_full)),)
+def forward_auth_at_once(scope: Scope, headers: dict[str, str], decide: Decide) -> Checked:
+    """A forward-auth check in one pass through this module (``Check.at_once``)."""
+    request = describe_forward_auth(scope, headers)
+    decision = decide(request)
+    return request, decision, answer_in_full(request, decision)
+
+
+ROUTES = (Route(FORWARD_AUTH_PATH,
+                Check("forward_auth", describe_forward_auth, answer_in_full, forward_auth_at_once)),)

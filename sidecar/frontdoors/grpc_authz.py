@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import grpc
 
 from sidecar.asgi import Scope
-from sidecar.frontdoors.common import Check, Reply, check_request, join_fields
+from sidecar.frontdoors.common import Check, Reply, join_fields
 from sidecar.frontdoors.forward_auth import answer_in_full
 from sidecar.frontdoors.messages import (
     CHECK_METHOD,
@@ -30,7 +30,7 @@ from sidecar.frontdoors.messages import (
     reader,
 )
 from sidecar.frontdoors.messages import CheckRequest as CheckRequestMessage
-from sidecar.request import CheckRequest, strip_port
+from sidecar.request import CheckRequest, check_request, strip_port
 
 # google.rpc.Code values of CheckResponse.status.
 RPC_OK = 0
@@ -76,6 +76,8 @@ def describe_grpc(scope: Scope, headers: dict[str, str]) -> CheckRequest:
     return request
 
 
+# Served by the gRPC port only, always through the awaited path
+# (``SluiceApp.check_later``): no ``at_once``.
 GRPC_CHECK = Check("envoy_grpc", describe_grpc, answer_in_full)
 
 
@@ -134,7 +136,7 @@ def check_handler(service: CheckingService) -> Any:
             return check_response(reply)
         except Exception:
             service.internal_error()
-            return check_response((200, [], b""))
+            return check_response(Reply(200, [], b""))
 
     method = grpc.unary_unary_rpc_method_handler(check, request_deserializer=reader(CheckRequestMessage),
                                                  response_serializer=CheckResponse.SerializeToString)

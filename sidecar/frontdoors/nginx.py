@@ -23,7 +23,7 @@ import logging
 import re
 from typing import NamedTuple
 
-from sidecar.actions import BlockPage, Refusal, deny_headers, over_limit_headers, page_body
+from sidecar.actions import BlockPage, Refusal, allow_headers, deny_headers, over_limit_headers, page_body
 from sidecar.asgi import Receive, Scope, Send
 from sidecar.challenge import MAX_CHALLENGE_LENGTH, IssuedChallenge
 from sidecar.clientip import parse_address
@@ -31,18 +31,17 @@ from sidecar.config import RULE_ID_RE
 from sidecar.engine import ALLOW, CLOSE, Decision
 from sidecar.frontdoors.common import (
     Check,
+    Checked,
+    Decide,
     Reply,
     Route,
     Service,
-    allow_headers,
-    check_request,
     client_prefers_json,
     header_map,
-    request_id_of,
     respond,
 )
 from sidecar.ratelog import RateLimitedLog
-from sidecar.request import CheckRequest, strip_port
+from sidecar.request import CheckRequest, check_request, request_id_of
 from sidecar.rules import CompiledRule
 
 log = logging.getLogger("sluice")
@@ -158,7 +157,7 @@ def describe_nginx(scope: Scope, headers: dict[str, str]) -> CheckRequest:
     return check_request(
         headers,
         method=headers.get("x-original-method", "GET"),
-        host=headers.get("x-original-host") or strip_port(headers.get("host", "")),
+        host=headers.get("x-original-host") or None,  # None: Host, without its port
         uri=headers.get("x-original-uri", "/"),
         peer=headers.get("x-sluice-client-addr", ""),
     )
@@ -166,12 +165,12 @@ def describe_nginx(scope: Scope, headers: dict[str, str]) -> CheckRequest:
 
 def answer_nginx(request: CheckRequest, decision: Decision) -> Reply:
     if decision.outcome == ALLOW:
-        return 200, allow_headers(decision), b""
+        return Reply(200, allow_headers(decision), b"")
     # A refusal that holds for every request of the client: nginx may
     # answer it from its cache until then (sluice-server.conf).
     cached = [(PROXY_EXPIRES_HEADER, f"@{request.proxy_expires}")] if request.proxy_expires else []
     if decision.outcome == CLOSE:
-        return NGINX_CLOSE_STATUS, cached, b""
+        return Reply(NGINX_CLOSE_STATUS, cached, b"")
     # The token lets nginx fetch the page when it cannot send it itself;
     # the over-limit fields and Retry-After are added by @sluice_deny.
     page = decision.page
@@ -186,7 +185,14 @@ def answer_nginx(request: CheckRequest, decision: Decision) -> Reply:
         else None
     if inline is not None:
         headers += [(PAGE_STATUS_HEADER, str(page.status)), (PAGE_HEADER, inline)]
-    return NGINX_DENY_STATUS, headers, b""
+    return Reply(NGINX_DENY_STATUS, headers, b"")
+
+
+def nginx_at_once(scope: Scope, headers: dict[str, str], decide: Decide) -> Checked:
+    """nginx's check in one pass through this module (``Check.at_once``)."""
+    request = describe_nginx(scope, headers)
+    decision = decide(request)
+    return request, decision, answer_nginx(request, decision)
 
 
 def _deny_page(rule: CompiledRule | None, status: int, challenge: IssuedChallenge | None
@@ -234,6 +240,6 @@ async def deny_page(service: Service, scope: Scope, receive: Receive, send: Send
 
 
 ROUTES = (
-    Route(NGINX_AUTH_PATH, Check("nginx", describe_nginx, answer_nginx)),
+    Route(NGINX_AUTH_PATH, Check("nginx", describe_nginx, answer_nginx, nginx_at_once)),
     Route(NGINX_DENY_PATH, deny_page),
 )

@@ -13,8 +13,8 @@ from sidecar.at_once import run_at_once
 from sidecar.config import ConfigError
 from sidecar.engine import ALLOW, CLOSE, DENY
 from sidecar.frontdoors.nginx import MAX_INLINE_PAGE, PAGE_HEADER, PAGE_STATUS_HEADER, answer_nginx, inline_page
-from sidecar.overload import TICK_SECONDS, LoopWatch, RefusalMemory, parse_sent
-from sidecar.request import CheckRequest
+from sidecar.overload import TICK_SECONDS, LoopWatch, RefusalMemory
+from sidecar.request import CheckRequest, parse_sent
 
 from .conftest import Harness, ruleset_from
 

@@ -11,8 +11,8 @@ import logging
 
 import pytest
 
+from sidecar.actions import allow_headers
 from sidecar.engine import ALLOW, CLOSE, DENY
-from sidecar.frontdoors.common import allow_headers
 
 from .conftest import Harness, ruleset_from
 

@@ -1,0 +1,164 @@
+"""A check through Sluice's HTTP protocol (nginx's, Envoy's) enters each
+of Sluice's modules at most once: down the call stack and back up, no
+module asked twice, no callback into a module the check is still in.
+
+The check is real: raw HTTP bytes, as the shipped templates send them, fed
+to ``LimitedHttpProtocol`` over the memory store and one window rule.
+``sys.setprofile`` records each Python frame entered during it; a module is
+*entered* when a frame of its file starts from a frame of another of
+Sluice's files (frames of the standard library, of third-party packages and
+of the rules' compiled matcher are skipped over: the nearest of Sluice's
+frames below them is the caller). The files entered, in order, are the
+check's path; each may come once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+import pytest
+from uvicorn.config import Config
+from uvicorn.server import ServerState
+
+import sidecar
+from sidecar import clientip, request
+from sidecar.app import SluiceApp
+from sidecar.engine import Engine
+from sidecar.server import LimitedHttpProtocol
+from tests.unit.conftest import FakeClock, ruleset_from
+
+PACKAGE = os.path.dirname(os.path.abspath(sidecar.__file__)) + os.sep
+
+RULES = """
+rules:
+  - id: everyone
+    key: [ip]
+    limit: {requests: 1000000, per: 1h}
+    action: block
+"""
+
+# What sluice-server.conf's check location sends (its empty fields, which
+# nginx leaves out, left out).
+NGINX_CHECK = (b"GET /v1/nginx/auth HTTP/1.1\r\nHost: 127.0.0.1:8181\r\n"
+               b"X-Sluice-Client-Addr: 192.0.2.7\r\nX-Original-Method: GET\r\nX-Original-URI: /shop/cart?id=3\r\n"
+               b"X-Original-Host: shop.example\r\nX-Request-Id: 0123456789abcdef0123456789abcdef\r\n"
+               b"X-Sluice-Scheme: https\r\nX-Sluice-Then-Auth: off\r\nX-Sluice-Sent: 1800000000.125\r\n"
+               b"User-Agent: curl/8.5.0\r\nAccept: */*\r\n\r\n")
+# What the shipped Envoy template's HTTP ext_authz sends.
+ENVOY_CHECK = (b"GET /v1/envoy/auth/shop/cart?id=3 HTTP/1.1\r\nHost: shop.example\r\n"
+               b"X-Sluice-Client-Addr: 192.0.2.8\r\nX-Request-Id: 3b1f2c4e-9a7d-4e21-8c55-0f6a2b9d1e07\r\n"
+               b"X-Sluice-Sent: 1800000000.125\r\nUser-Agent: curl/8.5.0\r\nAccept: */*\r\n\r\n")
+
+
+class Transport(asyncio.Transport):
+    """Where the protocol writes its answers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: list[bytes] = []
+
+    def write(self, data: Any) -> None:
+        self.written.append(bytes(data))
+
+    def is_closing(self) -> bool:
+        return False
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return {"sockname": ("127.0.0.1", 8181), "peername": ("127.0.0.1", 40000)}.get(name, default)
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+def sluice_file(frame: FrameType | None) -> tuple[str | None, FrameType | None]:
+    """The file (relative to the package) of the nearest of Sluice's frames
+    from ``frame`` down, and that frame."""
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if filename.startswith(PACKAGE):
+            return filename[len(PACKAGE):], frame
+        frame = frame.f_back
+    return None, None
+
+
+def files_entered(run: Callable[[], object]) -> list[str]:
+    """The files of Sluice's modules entered while ``run`` runs, in order:
+    each time a frame of one starts from a frame of another (or of none)."""
+    entered: list[str] = []
+
+    def profile(frame: FrameType, event: str, arg: object) -> None:
+        if event != "call":
+            return
+        callee, _ = sluice_file(frame)
+        if callee is None:
+            return
+        caller, _ = sluice_file(frame.f_back)
+        if caller != callee:
+            entered.append(callee)
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return entered
+
+
+def entered_again(entered: list[str]) -> list[str]:
+    """The files entered more than once."""
+    return sorted({name for name in entered if entered.count(name) > 1})
+
+
+def connection() -> tuple[LimitedHttpProtocol, Transport]:
+    """Sluice's protocol on one connection, over the memory store."""
+    engine = Engine(ruleset_from(RULES), clock=FakeClock())
+    config = Config(app=SluiceApp(engine), lifespan="off", log_level="warning", proxy_headers=False)
+    config.load()
+    protocol = LimitedHttpProtocol(config=config, server_state=ServerState(), app_state={},
+                                   _loop=asyncio.new_event_loop())
+    transport = Transport()
+    protocol.connection_made(transport)
+    return protocol, transport
+
+
+@pytest.mark.parametrize(("check", "front_door"), [(NGINX_CHECK, "frontdoors/nginx.py"),
+                                                   (ENVOY_CHECK, "frontdoors/envoy.py")], ids=["nginx", "envoy"])
+def test_a_check_enters_each_module_once_down_and_back_up(check: bytes, front_door: str) -> None:
+    protocol, transport = connection()
+    protocol.data_received(check)  # the first: what is made once (caches, counters) is made
+    del transport.written[:]
+
+    entered = files_entered(lambda: protocol.data_received(check))
+
+    assert transport.written == [b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"]
+    # The check's whole way, protocol to answer, was traced...
+    assert entered[0] == "server.py"
+    for module in ("app.py", front_door, "request.py", "engine.py", "clientip.py", "exchange.py"):
+        assert module in entered, entered
+    # ...no module on it was entered twice...
+    assert entered_again(entered) == [], entered
+    # ...and without --then-auth, nothing of the next auth service's runs.
+    assert "chain.py" not in entered
+
+
+def test_a_module_entered_twice_is_found() -> None:
+    """The trace sees a check that goes back and forth between modules:
+    request.py, left for clientip.py, entered again."""
+
+    def back_and_forth() -> None:
+        request.strip_port("shop.example:443")
+        clientip.parse_address("192.0.2.7")
+        request.strip_port("shop.example")
+
+    entered = files_entered(back_and_forth)
+
+    assert entered == ["request.py", "clientip.py", "request.py"]
+    assert entered_again(entered) == ["request.py"]
