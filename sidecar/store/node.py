@@ -68,18 +68,26 @@ log = logging.getLogger("sluice")
 
 # Seconds a state stays readable after it stops mattering (see the module's docstring).
 STALE_KEPT = 3600.0
-# Bytes of value per record. A state's record: its state (33 bytes at most
-# for a window, 25 for a bucket) and its key's text, 128 bytes a record in
-# all (the zone's 40 bytes of header included).
-STATE_VALUE = 88
-BAN_VALUE = 224  # a ban record: an address of 100 characters and a rule id of 64 fit whole
-LABEL_VALUE = 1024  # a key's text longer than this is not listed
+# Bytes of value per record. A state's record: its state (33 bytes at most,
+# a window's) and its key's text when it fits in the 47 bytes left (a rule
+# keyed by the address: "(('login', ('ip',)), '2001:db8:85a3:8d3::/64')"),
+# 120 bytes a record in all with the zone's 40 bytes of header, and under
+# 128 a key with the zone's hash buckets and stripe headers.
+STATE_VALUE = 80
+TEXT_ROOM = STATE_VALUE - 33
+# A ban record: any client key or network (43 characters at most) and a
+# rule id of 64 fit whole, beside 12 bytes of the node's name and reason,
+# which a shorter rule id leaves more room for (192 bytes a record).
+BAN_VALUE = 152
+LABEL_VALUE = 256  # a key's text longer than this is not listed
+# The leases zone: as many keys as the states zone, within these bytes.
+LEASE_ZONE_BYTES = 8 << 20
 LEASE_TEXT = 64  # room for the key's text in a lease state's record
 # Fewest leases a lease state holds, whatever the rules at start.
 LEAST_LEASE_SLOTS = 16
 # A zone's stripes: each its own lock; at least this many records each.
 MOST_STRIPES = 64
-LEAST_PER_STRIPE = 16
+LEAST_PER_STRIPE = 64
 NETWORK_BANS = 4096  # network bans by hand a node holds
 # The lock order: zones in this order, each zone's stripes in increasing order.
 ZONE_ORDER = ("bans", "notes", "states", "leases", "labels", "shadow", "networks")
@@ -136,12 +144,12 @@ def zone_sizes(max_keys: int, lease_slots: int) -> dict[str, ZoneSize]:
     """Each zone's records and bytes of value, for ``max_keys`` keys (the
     rules file's ``state.max_keys``) and leases of ``lease_slots``."""
     lease_value = records.lease_value_bytes(lease_slots) + LEASE_TEXT
-    # The leases zone: as many keys as the others, within 64 MiB.
-    lease_keys = max(LEAST_PER_STRIPE, min(max_keys, (64 << 20) // (lease_value + 48)))
+    lease_keys = max(LEAST_PER_STRIPE, min(max_keys, LEASE_ZONE_BYTES // (lease_value + 48)))
     some = max(1024, max_keys // 8)
+    labelled = max(1024, max_keys // 4)  # keys whose text is longer than TEXT_ROOM
     return {"bans": zone_size(max_keys, BAN_VALUE), "notes": zone_size(max_keys, records.note_bytes()),
             "states": zone_size(max_keys, STATE_VALUE), "leases": zone_size(lease_keys, lease_value),
-            "labels": zone_size(some, LABEL_VALUE), "shadow": zone_size(some, BAN_VALUE),
+            "labels": zone_size(labelled, LABEL_VALUE), "shadow": zone_size(some, BAN_VALUE),
             "networks": zone_size(NETWORK_BANS, BAN_VALUE)}
 
 
@@ -274,8 +282,6 @@ class NodeTable:
         self._bans: dict[str, list[Any]] = {}  # address -> [digest, record, read, changed]
         self._notes: dict[Note, list[Any]] = {}  # name -> [digest, (value, until), read, changed]
         self._locks: dict[str, set[int]] = {}
-        self._room = STATE_VALUE
-        self._lease_room = zones.leases.value_size
 
     # -- planning ------------------------------------------------------------------
 
@@ -343,9 +349,7 @@ class NodeTable:
                 self.plan_note((BAN_STEP, address, spec.rule_id))
 
     def _text_room(self, slot: _Slot) -> int:
-        if slot.zone is self.zones.leases:
-            return LEASE_TEXT
-        return self._room - 33  # the longest state of the states zone: a window's
+        return LEASE_TEXT if slot.zone is self.zones.leases else TEXT_ROOM
 
     # -- the transaction ------------------------------------------------------------
 
@@ -377,6 +381,9 @@ class NodeTable:
     def _commit(self) -> None:
         now = self.now
         zones = self.zones
+        # What can fail to encode (a plug-in's note) fails before any write.
+        encoded_notes = {name: records.encode_note(name, note[0])
+                         for name, (_, note, _, changed) in self._notes.items() if changed}
         for slot in self._slots.values():
             if slot.forgotten and slot.state is None:
                 slot.zone.delete(slot.digest)
@@ -398,7 +405,7 @@ class NodeTable:
         for name, (digest, note, _, changed) in self._notes.items():
             if changed:
                 value, until = note
-                zones.notes.put(digest, records.encode_note(name, value), until, now)
+                zones.notes.put(digest, encoded_notes[name], until, now)
 
     def _put_state(self, slot: _Slot, value: bytes, expires: float, now: float) -> None:
         """The state and its key's text: in its record when the text fits

@@ -244,17 +244,20 @@ def ban_name(address: str) -> bytes:
 
 
 def encode_ban(record: BanRecord, room: int) -> bytes:
-    """A ban record in at most ``room`` bytes: the node's name and the
-    reason are shortened to fit (at a character boundary); the address and
-    the rule id always fit a record of the bans zone."""
+    """A ban record in at most ``room`` bytes. Texts are shortened to fit
+    (at a character boundary), the reason first, then the node's name: in
+    a record of the bans zone, any client key or network (43 characters at
+    most) and any rule id (64) fit whole; the record is found by its
+    address's digest whatever its text says."""
     head = _BAN.pack(record.started_wall, record.expires, record.duration, record.shadow, record.step)
-    texts = [record.address.encode(), record.rule_id.encode(), record.node.encode(), record.reason.encode()]
-    left = room - len(head) - BAN_TEXTS - len(texts[0]) - len(texts[1])
-    if left < 0 or len(texts[0]) > 255 or len(texts[1]) > 255:
-        raise ValueError(f"a ban of {record.address[:100]!r} by {record.rule_id[:100]!r} does not fit "
-                         f"{room} bytes")
-    texts[2] = _shortened(texts[2], min(left, 255))
-    texts[3] = _shortened(texts[3], min(left - len(texts[2]), 255))
+    texts = [_shortened(text.encode(), 255) for text in
+             (record.address, record.rule_id, record.node, record.reason)]
+    left = room - len(head) - BAN_TEXTS
+    for index in (3, 2, 1, 0):
+        over = sum(map(len, texts)) - left
+        if over <= 0:
+            break
+        texts[index] = _shortened(texts[index], len(texts[index]) - over)
     return head + b"".join(bytes((len(text),)) + text for text in texts)
 
 

@@ -19,6 +19,7 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sidecar import shm
 from sidecar.at_once import run_at_once
 from sidecar.config import Rate
 from sidecar.counters import KeySelection
@@ -28,18 +29,32 @@ from sidecar.limiters.token import TokenBucket, TokenState
 from sidecar.limiters.window import WindowCounter, WindowState
 from sidecar.policy import BAN_STEP, COUNTED_PENALTY
 from sidecar.shm.pure_zone import Zone as PureZone
+from sidecar.shm.pure_zone import layout
 from sidecar.state import AutoBan, BanIncrement, BanRecord, Check, CheckSpec, PenaltyBan, ResponseCount
 from sidecar.store import records
 from sidecar.store.memory import MemoryStore
-from sidecar.store.node import LABEL_VALUE, STALE_KEPT, NodeStore, NodeTable, NodeZones, NotPlanned, zone_sizes
+from sidecar.store.node import (
+    BAN_VALUE,
+    LABEL_VALUE,
+    STALE_KEPT,
+    NodeStore,
+    NodeTable,
+    NodeZones,
+    NotPlanned,
+    zone_sizes,
+)
 from tests.unit.policy_traces import START, Step, replay, traces
 
 NOW = START
 
 
+# The pure twin always; the compiled zone too where it is built.
+ZONE_TYPES = [PureZone, *([shm.Zone] if shm.COMPILED else [])]
+
+
 def node_store(max_keys: int = 1000, largest_concurrency: int = 2, clock: Callable[[], float] = lambda: NOW,
-               zones: NodeZones | None = None) -> NodeStore:
-    zones = zones if zones is not None else NodeZones.private(max_keys, largest_concurrency, zone_type=PureZone)
+               zones: NodeZones | None = None, zone_type: Any = PureZone) -> NodeStore:
+    zones = zones if zones is not None else NodeZones.private(max_keys, largest_concurrency, zone_type=zone_type)
     return NodeStore(zones, "node", clock=clock, wall_clock=lambda: 1_700_000_000.0)
 
 
@@ -50,12 +65,13 @@ def memory_store(clock: Callable[[], float] = lambda: NOW) -> MemoryStore:
 # -- deciding as the memory store -----------------------------------------------
 
 
+@pytest.mark.parametrize("zone_type", ZONE_TYPES, ids=lambda zone: zone.__module__)
 @settings(max_examples=300, deadline=None)
 @given(trace=traces)
-def test_the_node_store_decides_as_the_memory_store(trace: list[Step]) -> None:
+def test_the_node_store_decides_as_the_memory_store(zone_type: Any, trace: list[Step]) -> None:
     """Every kind of check, ban, note, response and release of the policy's
     traces, answer for answer, while nothing is evicted."""
-    assert run_at_once(replay(node_store(), trace)) == run_at_once(replay(memory_store(), trace))
+    assert run_at_once(replay(node_store(zone_type=zone_type), trace)) == run_at_once(replay(memory_store(), trace))
 
 
 def window_limiters() -> st.SearchStrategy[Any]:
@@ -154,13 +170,14 @@ async def play(store: Any, specs: list[CheckSpec], trace: list[tuple[float, Ask 
     return answers
 
 
+@pytest.mark.parametrize("zone_type", ZONE_TYPES, ids=lambda zone: zone.__module__)
 @settings(max_examples=300, deadline=None)
 @given(case=rule_sets_and_traces())
 def test_the_node_store_decides_as_the_memory_store_for_random_rule_sets(
-        case: tuple[list[CheckSpec], list[tuple[float, Ask | Report]]]) -> None:
+        zone_type: Any, case: tuple[list[CheckSpec], list[tuple[float, Ask | Report]]]) -> None:
     specs, trace = case
     largest = max((spec.limiter.limit for spec in specs if isinstance(spec.limiter, ConcurrencyLimiter)), default=0)
-    on_node = run_at_once(play(node_store(largest_concurrency=largest), specs, trace))
+    on_node = run_at_once(play(node_store(largest_concurrency=largest, zone_type=zone_type), specs, trace))
     assert on_node == run_at_once(play(memory_store(), specs, trace))
 
 
@@ -345,7 +362,7 @@ def test_long_keys_are_listed_from_the_labels_zone_and_the_longest_can_still_be_
     store = node_store()
     spec = CheckSpec("path", WindowCounter(5, 60.0, 60.0), 5.0, True)
     short = (("path", ("path",)), "/a")
-    long = (("path", ("path",)), "/" + "l" * 300)
+    long = (("path", ("path",)), "/" + "l" * 150)
     longest = (("path", ("path",)), "/" + "x" * (LABEL_VALUE + 10))
     for key in (short, long, longest):
         store.decide(NOW, "", [Check(spec, key)])
@@ -402,10 +419,15 @@ def test_a_new_max_keys_is_told_to_wait_for_a_restart(caplog: pytest.LogCaptureF
     assert "until Sluice restarts" in caplog.records[0].getMessage()
 
 
-def test_a_record_is_at_most_128_bytes_a_key() -> None:
-    sizes = zone_sizes(100_000, 16)
-    zone = PureZone.private(1024, sizes["states"].value_size, 16)
-    assert zone.record_size <= 128
+@pytest.mark.parametrize("max_keys", [5000, 100_000, 1_000_000])
+def test_a_tracked_key_takes_at_most_128_bytes(max_keys: int) -> None:
+    """A state's record, with its share of the zone's hash buckets and
+    stripe headers (a few hundred bytes a zone and a stripe, which a
+    smaller table shares among fewer keys); every zone's size is fixed by
+    max_keys alone."""
+    sizes = zone_sizes(max_keys, 16)
+    assert layout(*sizes["states"]).bytes_per_key <= 128
+    assert sizes["states"].capacity >= max_keys and sizes["bans"].capacity >= max_keys
     assert records.lease_value_bytes(16) < sizes["leases"].value_size
 
 
@@ -459,23 +481,33 @@ def test_a_state_of_another_algorithm_belongs_to_a_stand_in_and_a_lease_state_to
     assert kept.held == {"l16": 16.0, "l17": 17.0, "l18": 18.0, "l19": 19.0} and kept.limiter.leases
 
 
-@given(address=st.text(max_size=100), rule_id=st.text(st.characters(max_codepoint=127), max_size=64),
+@given(address=st.text(max_size=43).filter(lambda text: len(text.encode()) <= 43),
+       rule_id=st.text(st.characters(max_codepoint=127), max_size=64),
        node=st.text(max_size=300), reason=st.text(max_size=256), shadow=st.booleans(), step=st.integers(0, 1000),
        times=st.tuples(finite, finite, finite))
 def test_a_ban_record_keeps_its_fields_and_shortens_only_its_node_and_reason(
         address: str, rule_id: str, node: str, reason: str, shadow: bool, step: int,
         times: tuple[float, float, float]) -> None:
+    """Any client key or network (43 characters at most) and rule id (64)
+    fit a record of the bans zone whole."""
     record = BanRecord(address, rule_id, node, *times, shadow=shadow, step=step, reason=reason)
-    if len(address.encode()) > 100:
-        return  # no address is longer (sidecar.networkbans.MAX_ADDRESS_CHARS), nor a key of one
-    value = records.encode_ban(record, 224)
-    assert len(value) <= 224
+    value = records.encode_ban(record, BAN_VALUE)
+    assert len(value) <= BAN_VALUE
     back = records.decode_ban(value)
     assert (back.address, back.rule_id, back.started_wall, back.expires, back.duration, back.shadow, back.step) == \
         (address, rule_id, *times, shadow, step)
     assert node.startswith(back.node) and reason.startswith(back.reason)
-    if len(value) < 224 - 4:
+    if len(value) < BAN_VALUE - 4:
         assert (back.node, back.reason) == (node, reason)
+
+
+@given(texts=st.lists(st.text(max_size=400), min_size=4, max_size=4), room=st.integers(33, 400))
+def test_a_ban_record_always_fits_its_room(texts: list[str], room: int) -> None:
+    value = records.encode_ban(BanRecord(texts[0], texts[1], texts[2], 1.0, 2.0, 3.0, reason=texts[3]), room)
+    assert len(value) <= room
+    back = records.decode_ban(value)
+    assert all(whole.startswith(part) for whole, part in zip(texts, (back.address, back.rule_id, back.node,
+                                                                     back.reason)))
 
 
 @given(key=st.tuples(st.tuples(st.text(), st.lists(st.text(), max_size=3).map(tuple)),
@@ -516,14 +548,15 @@ def test_serve_refuses_several_workers_on_the_memory_backend_with_the_pure_core(
     from sidecar import cli, core
 
     monkeypatch.setattr(core, "PURE", True)
+    monkeypatch.setattr(core, "which", lambda: "pure-Python core (SLUICE_PURE_PYTHON=1)")
     rules = tmp_path / "rules.yaml"
     rules.write_text("rules:\n  - id: r\n    match: {path: {prefix: /}}\n    limit: {requests: 1, per: 1s}\n"
                      "    action: block\n")
     result = CliRunner().invoke(cli.main, ["serve", "--config", str(rules), "--workers", "2", "--port", "1"])
     assert result.exit_code == 2
     assert result.output.count("\n") == 1
-    assert "--workers > 1 with the memory backend needs the compiled core (this is the pure-Python core" \
-        in result.output
+    assert "--workers > 1 with the memory backend needs the compiled core (this is the pure-Python core " \
+        "(SLUICE_PURE_PYTHON=1))" in result.output
 
 
 def test_a_store_opened_by_name_is_the_node_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
