@@ -62,7 +62,7 @@ cdef extern from *:
         uint32_t version, locks, header_size, stripes, per_stripe, value_size, record_size, bucket_count;
         uint64_t stripe_size, file_size;
         uint32_t ready, reserved;
-        uint64_t generation, recoveries, evictions;
+        uint64_t generation, recoveries, evictions, waits;
     } sz_header;
 
     _Static_assert(sizeof(sz_record) == 40, "a record's header is 40 bytes (pure_zone.RECORD)");
@@ -71,6 +71,7 @@ cdef extern from *:
     _Static_assert(sizeof(sz_stripe) <= 128, "a stripe's header fits pure_zone.STRIPE_HEADER");
     _Static_assert(offsetof(sz_header, ready) == 56, "pure_zone.READY_AT");
     _Static_assert(offsetof(sz_header, generation) == 64, "pure_zone.GENERATION_AT");
+    _Static_assert(offsetof(sz_header, waits) == 88, "pure_zone.WAITS_AT");
 
     /* A mutex in memory that several processes map: robust (the next locker
        learns that its owner died) and error-checking (a thread locking it
@@ -142,7 +143,7 @@ cdef extern from *:
     ctypedef struct sz_header:
         char magic[8]
         uint32_t locks, ready
-        uint64_t generation, recoveries, evictions
+        uint64_t generation, recoveries, evictions, waits
 
     int EOWNERDEAD, EDEADLK, ENOTRECOVERABLE
 
@@ -391,6 +392,7 @@ cdef class Zone:
         self._held += 1
         cdef int rc = pthread_mutex_trylock(mutex)
         if rc == EBUSY:
+            sz_increment(&self._header.waits)
             with nogil:
                 rc = pthread_mutex_lock(mutex)
         if rc == EOWNERDEAD:
@@ -520,6 +522,13 @@ cdef class Zone:
         """Unexpired records evicted to make room, zone-wide."""
         self._check_open()
         return sz_load64(&self._header.evictions)
+
+    @property
+    def waits(self):
+        """Locks that were busy when asked for, zone-wide: how often workers
+        meet on a stripe (each such lock was waited for without the GIL)."""
+        self._check_open()
+        return sz_load64(&self._header.waits)
 
     def generation(self):
         """A number the store bumps when something every worker must reload changed."""

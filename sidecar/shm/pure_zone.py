@@ -14,9 +14,9 @@ reads any zone file for tests (``verify``).
 The layout, in native byte order (a zone never leaves its machine):
 
 - the zone's header (``HEADER_SIZE`` bytes): its magic, version, the kind of
-  locks it carries, the layout's numbers, and three counters on a cache
+  locks it carries, the layout's numbers, and four counters on a cache
   line of their own (a generation the store bumps, locks recovered, LRU
-  evictions);
+  evictions, locks that had to wait);
 - ``stripes`` stripes of ``stripe_size`` bytes, each: a lock slot
   (``LOCK_SLOT`` bytes, a ``pthread_mutex_t`` in the compiled zone), the
   stripe's own fields (the newest and oldest record, the free list, how many
@@ -76,7 +76,7 @@ NIL = 0
 # size, ready (set last when made), reserved.
 LAYOUT = struct.Struct("=8sIIIIIIIIQQII")
 COUNTERS_AT = 64
-GENERATION_AT, RECOVERIES_AT, EVICTIONS_AT = 64, 72, 80
+GENERATION_AT, RECOVERIES_AT, EVICTIONS_AT, WAITS_AT = 64, 72, 80, 88
 READY_AT = 56
 # A stripe's fields after its lock slot: newest, oldest, free list head,
 # records ever taken (fresh), records in use, the record the undo copy is of.
@@ -485,6 +485,12 @@ class Zone:
     def evictions(self) -> int:
         """Unexpired records evicted to make room, zone-wide."""
         return int(_U64.unpack_from(self._memory(), EVICTIONS_AT)[0])
+
+    @property
+    def waits(self) -> int:
+        """Locks that were busy when asked for, zone-wide: how often workers
+        meet on a stripe (never here: this twin does not wait)."""
+        return int(_U64.unpack_from(self._memory(), WAITS_AT)[0])
 
     def generation(self) -> int:
         """A number the store bumps when something every worker must reload changed."""
