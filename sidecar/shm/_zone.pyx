@@ -210,11 +210,12 @@ cdef class Zone:
     # -- making, attaching, closing --------------------------------------
 
     @staticmethod
-    def create(str path, capacity, value_size, stripes):
+    def create(path, capacity, value_size, stripes):
         """A new zone file at ``path`` (which must not exist; mode 0600,
         /dev/shm/... in production), its memory reserved now, its mutexes
         made."""
         found = pure_zone.layout(capacity, value_size, stripes)
+        path = os.fspath(path)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         cdef Zone zone = Zone.__new__(Zone)
         try:
@@ -230,10 +231,11 @@ cdef class Zone:
         return zone
 
     @staticmethod
-    def attach(str path):
+    def attach(path):
         """The zone at ``path``, made by another process's ``create``: its
         header checked (magic, version, layout, the file's size)."""
         cdef Zone zone = Zone.__new__(Zone)
+        path = os.fspath(path)
         fd = os.open(path, os.O_RDWR)
         try:
             size = os.fstat(fd).st_size

@@ -274,10 +274,11 @@ class Zone:
     # -- making, attaching, closing --------------------------------------
 
     @staticmethod
-    def create(path: str, capacity: int, value_size: int, stripes: int) -> Zone:
+    def create(path: str | os.PathLike[str], capacity: int, value_size: int, stripes: int) -> Zone:
         """A new zone file at ``path`` (which must not exist; mode 0600), its
         memory reserved now: a full tmpfs fails here, not on a later write."""
         found = layout(capacity, value_size, stripes)
+        path = os.fspath(path)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             reserve(fd, found.file_size)
@@ -292,10 +293,11 @@ class Zone:
         return Zone(mapped, found, path)
 
     @staticmethod
-    def attach(path: str) -> Zone:
+    def attach(path: str | os.PathLike[str]) -> Zone:
         """The zone at ``path``, made by this twin or the compiled zone. This
         twin takes no real lock: attach to a zone that no other process is
         using (tests, inspection)."""
+        path = os.fspath(path)
         fd = os.open(path, os.O_RDWR)
         try:
             size = os.fstat(fd).st_size
@@ -653,8 +655,8 @@ class Zone:
         Of two live records of one digest the first in that order stays.
         Buckets, chains, the LRU list, the free list (ascending) and the
         count are then written anew. A record being written, or whose length
-        or expiry cannot be, is dropped. Uses no memory beyond the stripe: each record's
-        mark, and its chain link as the order being built.
+        or expiry cannot be, is dropped. Uses no memory beyond the stripe:
+        each record's mark, and its chain link as the order being built.
         """
         buffer = self._memory()
         base = self._stripe_base(stripe)

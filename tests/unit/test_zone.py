@@ -252,8 +252,9 @@ def test_a_key_costs_at_most_132_bytes_with_88_byte_values_everything_counted():
 
 @pytest.mark.parametrize("zone_class", ZONES)
 def test_the_capacity_held_is_whole_records_per_stripe(tmp_path, zone_class):
-    zone = zone_class.create(str(tmp_path / "zone"), 103, 16, 4)
+    zone = zone_class.create(tmp_path / "zone", 103, 16, 4)  # a path-like will do
     assert (zone.capacity, zone.per_stripe, zone.stripes, zone.value_size) == (100, 25, 4, 16)
+    assert zone.path == str(tmp_path / "zone")
     assert os.path.getsize(tmp_path / "zone") == zone.file_size == pure_zone.layout(103, 16, 4).file_size
     zone.close()
 
