@@ -121,6 +121,11 @@ class BuildCore(build_ext):
 
     made_by: str | None = None
 
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        if not self.parallel:  # a dozen modules: one per core
+            self.parallel = os.cpu_count() or 1
+
     def run(self) -> None:
         self.failures: list[str] = []
         try:

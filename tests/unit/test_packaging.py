@@ -62,3 +62,40 @@ def test_the_project_urls_point_into_the_repository() -> None:
     assert urls["Changelog"].endswith("/CHANGELOG.md") and (REPO / "CHANGELOG.md").is_file()
     assert urls["Documentation"].endswith("/docs")
     assert urls["Issues"] == f"{REPOSITORY}/issues"
+
+
+# -- the compiled core (setup.py) ---------------------------------------------
+
+
+def test_the_build_requires_cython_beside_setuptools() -> None:
+    requires = {Requirement(text).name.lower(): Requirement(text) for text in PYPROJECT["build-system"]["requires"]}
+
+    assert set(requires) == {"setuptools", "cython"}
+    assert "2.9.9" not in requires["cython"].specifier and "3.0.0" in requires["cython"].specifier
+
+
+def test_the_wheel_carries_the_core_s_manifest_and_its_sources_and_no_c() -> None:
+    setuptools = PYPROJECT["tool"]["setuptools"]
+    data = setuptools["package-data"]["sidecar"]
+
+    # sidecar.core checks every source the manifest names, .pxd and .pyx included.
+    assert {"_core_manifest.json", "*.pxd", "*/*.pxd", "*.pyx", "*/*.pyx"} <= set(data)
+    assert setuptools["exclude-package-data"] == {"*": ["*.c"]}
+    pxd_files = list((REPO / "sidecar").rglob("*.pxd"))
+    assert pxd_files and all(len(path.relative_to(REPO / "sidecar").parts) <= 2 for path in pxd_files)
+
+
+def test_the_sdist_carries_setup_py_and_the_type_files_and_no_build_in_place() -> None:
+    lines = (REPO / "MANIFEST.in").read_text().splitlines()
+
+    assert "include setup.py" in lines
+    assert "recursive-include sidecar *.pxd *.pyx" in lines
+    assert "exclude sidecar/_core_manifest.json" in lines and "global-exclude *.so" in lines
+
+
+def test_a_build_in_place_is_ignored_by_git_and_by_the_image() -> None:
+    ignored = (REPO / ".gitignore").read_text().splitlines()
+    docker = (REPO / ".dockerignore").read_text().splitlines()
+
+    assert {"/sidecar/**/*.c", "/sidecar/**/*.so", "/sidecar/_core_manifest.json"} <= set(ignored)
+    assert {"**/*.c", "**/*.so", "sidecar/_core_manifest.json", "!setup.py"} <= set(docker)
