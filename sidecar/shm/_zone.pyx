@@ -262,8 +262,9 @@ cdef class Zone:
         cdef size_t size = found.file_size
         cdef int flags = MAP_SHARED if fd >= 0 else MAP_SHARED | MAP_ANONYMOUS
         cdef void *memory = mmap(NULL, size, PROT_READ | PROT_WRITE, flags, fd, 0)
+        cdef int error = errno
         if memory == MAP_FAILED:
-            raise OSError(errno, f"mapping a zone of {size} bytes: {os.strerror(errno)}")
+            raise OSError(error, f"mapping a zone of {size} bytes: {os.strerror(error)}")
         self._base = <unsigned char *>memory
         self._mapped = size
         self._header = <sz_header *>memory

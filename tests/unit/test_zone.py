@@ -15,7 +15,10 @@ import importlib.machinery
 import importlib.util
 import math
 import mmap
+import multiprocessing
 import os
+import resource
+import signal
 import struct
 import sys
 from collections import OrderedDict
@@ -287,6 +290,33 @@ def test_a_zone_file_is_new_and_private_to_its_owner(tmp_path, zone_class):
     zone.unlink()
     assert not path.exists()
     zone.unlink()  # already gone: nothing to do
+
+
+def make_beyond_a_file_size_limit(compiled: bool, path: str, answers) -> None:
+    """In a process of its own: make a zone bigger than the files this
+    process may write (as a full /dev/shm would refuse it), say what happened."""
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        (CompiledZone if compiled else PureZone).create(path, 100_000, 88, 64)
+    except OSError as error:
+        answers.put((type(error).__name__, str(error)))
+    else:
+        answers.put(("made", ""))
+
+
+@pytest.mark.parametrize("zone_class", ZONES)
+def test_a_zone_whose_memory_cannot_be_reserved_fails_at_once_and_leaves_no_file(tmp_path, zone_class):
+    spawn = multiprocessing.get_context("spawn")
+    answers = spawn.Queue()
+    path = str(tmp_path / "zone")
+    process = spawn.Process(target=make_beyond_a_file_size_limit, args=(zone_class is CompiledZone, path, answers))
+    process.start()
+    process.join(60)
+    kind, message = answers.get(timeout=5)
+    size = pure_zone.layout(100_000, 88, 64).file_size
+    assert kind == "OSError" and message == f"[Errno 27] reserving {size} bytes for a zone: File too large"
+    assert not os.path.exists(path)
 
 
 @needs_compiled
