@@ -254,18 +254,24 @@ class NotPlanned(RuntimeError):
 class _Slot:
     """A key's state within one transaction."""
 
-    __slots__ = ("digest", "zone", "limiter", "text", "state", "raw", "read", "changed", "forgotten")
+    __slots__ = ("digest", "zone", "limiter", "text", "room", "state", "raw", "read", "changed", "forgotten")
 
-    def __init__(self, digest: bytes, zone: Zone, limiter: Limiter | None, text: bytes) -> None:
+    def __init__(self, digest: bytes, zone: Zone, limiter: Limiter | None, text: bytes, room: int) -> None:
         self.digest = digest
         self.zone = zone
         self.limiter = limiter  # the limiter the caller counts the key with (None: any)
         self.text = text
+        self.room = room  # bytes of its record the key's text may take
         self.state: Any = None
-        self.raw: bytes | None = None  # the state's bytes as read
+        self.raw: bytes | None = None  # the record as read
         self.read = False
         self.changed = False
         self.forgotten = False
+
+
+# Keys whose digest and text a worker remembers (a key's repr and digest
+# cost more than the rest of its read): forgotten all at once when full.
+NAMES_KEPT = 16_384
 
 
 class NodeTable:
@@ -281,7 +287,16 @@ class NodeTable:
         self._slots: dict[Hashable, _Slot] = {}
         self._bans: dict[str, list[Any]] = {}  # address -> [digest, record, read, changed]
         self._notes: dict[Note, list[Any]] = {}  # name -> [digest, (value, until), read, changed]
-        self._locks: dict[str, set[int]] = {}
+        self._names: dict[Hashable, tuple[bytes, bytes]] = {}  # key -> (digest, text)
+        self._ban_names: dict[str, bytes] = {}  # address -> digest
+        # The stripes to lock, zone by zone in the lock order.
+        self._order: list[Zone] = [zones.zones[name] for name in ZONE_ORDER]
+        self._stripes: list[set[int]] = [set() for _ in ZONE_ORDER]
+        (self._ban_stripes, self._note_stripes, self._state_stripes, self._lease_stripes,
+         self._label_stripes) = self._stripes[:5]
+        self._states = zones.states
+        self._leases = zones.leases
+        self._labels = zones.labels
 
     # -- planning ------------------------------------------------------------------
 
@@ -290,14 +305,16 @@ class NodeTable:
         self._slots.clear()
         self._bans.clear()
         self._notes.clear()
-        self._locks = {}
+        for stripes in self._stripes:
+            stripes.clear()
 
-    def _lock(self, name: str, zone: Zone, digest: bytes) -> None:
-        stripes = self._locks.get(name)
-        if stripes is None:
-            self._locks[name] = {zone.stripe_of(digest)}
-        else:
-            stripes.add(zone.stripe_of(digest))
+    def _name(self, key: Hashable) -> tuple[bytes, bytes]:
+        names = self._names
+        if len(names) >= NAMES_KEPT:
+            names.clear()
+        text = key_text(key)
+        named = names[key] = (digest_of(text), text)
+        return named
 
     def plan_key(self, key: Hashable, limiter: Limiter | None, leases: bool | None = None) -> _Slot:
         """A key the transaction may read or write: in the leases zone when
@@ -305,122 +322,118 @@ class NodeTable:
         slot = self._slots.get(key)
         if slot is not None:
             return slot
-        text = key_text(key)
-        digest = digest_of(text)
+        named = self._names.get(key)
+        digest, text = named if named is not None else self._name(key)
         if leases is None:
             leases = limiter is not None and limiter.leases
-        zones = self.zones
-        name, zone = ("leases", zones.leases) if leases else ("states", zones.states)
-        slot = self._slots[key] = _Slot(digest, zone, limiter, text)
-        self._lock(name, zone, digest)
-        if len(text) > self._text_room(slot):
-            self._lock("labels", zones.labels, digest)
+        if leases:
+            zone, room = self._leases, LEASE_TEXT
+            self._lease_stripes.add(zone.stripe_of(digest))
+        else:
+            zone, room = self._states, TEXT_ROOM
+            self._state_stripes.add(zone.stripe_of(digest))
+        if len(text) > room:
+            self._label_stripes.add(self._labels.stripe_of(digest))
+        slot = self._slots[key] = _Slot(digest, zone, limiter, text, room)
         return slot
 
     def plan_ban(self, address: str) -> None:
         if address not in self._bans:
-            digest = records.ban_name(address)
+            digest = self._ban_names.get(address)
+            if digest is None:
+                if len(self._ban_names) >= NAMES_KEPT:
+                    self._ban_names.clear()
+                digest = self._ban_names[address] = records.ban_name(address)
             self._bans[address] = [digest, None, False, False]
-            self._lock("bans", self.zones.bans, digest)
+            self._ban_stripes.add(self.zones.bans.stripe_of(digest))
 
     def plan_note(self, name: Note) -> None:
         if name not in self._notes:
             digest = records.note_name(name)
             self._notes[name] = [digest, None, False, False]
-            self._lock("notes", self.zones.notes, digest)
+            self._note_stripes.add(self.zones.notes.stripe_of(digest))
 
     def plan_checks(self, address: str, checks: Sequence[Check]) -> None:
         """Everything ``Policy.evaluate`` may touch for these checks (see
         ``_refused``, ``_unsolved_penalty`` and ``_escalated`` there)."""
         self.plan_ban(address)
+        plan_key = self.plan_key
         for check in checks:
             spec = check.spec
-            self.plan_key(check.key, spec.limiter)
+            plan_key(check.key, spec.limiter)
             if not address:
                 continue
-            auto_ban = spec.auto_ban
-            if auto_ban is not None:
-                self.plan_key(auto_ban.key(address), auto_ban.limiter)
-            penalty_ban = spec.penalty_ban
-            if penalty_ban is not None:
-                self.plan_key(penalty_ban.key(spec.rule_id, address), penalty_ban.limiter)
+            if spec.auto_ban is not None:
+                plan_key(spec.auto_ban.key(address), spec.auto_ban.limiter)
+            if spec.penalty_ban is not None:
+                plan_key(spec.penalty_ban.key(spec.rule_id, address), spec.penalty_ban.limiter)
                 self.plan_note((COUNTED_PENALTY, address, spec.rule_id))
             if spec.ban_increment is not None:
                 self.plan_note((BAN_STEP, address, spec.rule_id))
-
-    def _text_room(self, slot: _Slot) -> int:
-        return LEASE_TEXT if slot.zone is self.zones.leases else TEXT_ROOM
 
     # -- the transaction ------------------------------------------------------------
 
     def run(self, action: Callable[..., Any], *args: Any) -> Any:
         """``action(*args)`` with the planned stripes locked, then every
         change written; nothing is written when it raises."""
-        locked = self._locked()
-        zones = self.zones.zones
         taken: list[tuple[Zone, list[int]]] = []
         try:
-            for name, stripes in locked:
-                zone = zones[name]
-                zone.lock(stripes)
-                taken.append((zone, stripes))
+            for zone, stripes in zip(self._order, self._stripes):
+                if stripes:
+                    locked = sorted(stripes)
+                    zone.lock(locked)
+                    taken.append((zone, locked))
             result = action(*args)
             self._commit()
             return result
         finally:
-            for zone, stripes in reversed(taken):
-                zone.unlock(stripes)
+            for zone, locked in reversed(taken):
+                zone.unlock(locked)
             self._slots.clear()
             self._bans.clear()
             self._notes.clear()
 
-    def _locked(self) -> list[tuple[str, list[int]]]:
-        locks = self._locks
-        return [(name, sorted(locks[name])) for name in ZONE_ORDER if name in locks]
-
     def _commit(self) -> None:
         now = self.now
         zones = self.zones
+        notes = self._notes
         # What can fail to encode (a plug-in's note) fails before any write.
         encoded_notes = {name: records.encode_note(name, note[0])
-                         for name, (_, note, _, changed) in self._notes.items() if changed}
+                         for name, (_, note, _, changed) in notes.items() if changed} if notes else None
+        lease_slots = zones.lease_slots
         for slot in self._slots.values():
-            if slot.forgotten and slot.state is None:
-                slot.zone.delete(slot.digest)
-                if len(slot.text) > self._text_room(slot):
-                    zones.labels.delete(slot.digest)
-                continue
             state = slot.state
-            if state is None or not (slot.read or slot.changed):
+            if state is None:
+                if slot.forgotten:
+                    slot.zone.delete(slot.digest)
+                    if len(slot.text) > slot.room:
+                        self._labels.delete(slot.digest)
                 continue
-            value = records.encode_state(state, zones.lease_slots)
-            if value == slot.raw and not slot.forgotten:
-                continue
+            value = records.encode_state(state, lease_slots)
+            text = slot.text
+            labelled = len(text) > slot.room
+            # The key's text in the record when it fits the room planned
+            # for it, else in the labels zone (whose stripe was locked
+            # then). A plug-in's state too long to leave the room keeps no
+            # text: its key is not listed.
+            if not labelled and len(value) + len(text) <= slot.zone.value_size:
+                value += text
+            else:
+                value = bytes((value[0] | ELSEWHERE,)) + value[1:]
+            if not (slot.changed or slot.forgotten) and value == slot.raw:
+                continue  # read, not changed
             expires = state.limiter.expires_at(state)
             kept = expires + STALE_KEPT if expires > -math.inf else now + STALE_KEPT
-            self._put_state(slot, value, kept, now)
+            slot.zone.put(slot.digest, value, kept, now)
+            if labelled and len(text) <= LABEL_VALUE:
+                self._labels.put(slot.digest, text, kept, now)  # as long as the state
         for digest, record, _, changed in self._bans.values():
             if changed:
                 zones.bans.put(digest, records.encode_ban(record, zones.bans.value_size), record.expires, now)
-        for name, (digest, note, _, changed) in self._notes.items():
-            if changed:
-                value, until = note
-                zones.notes.put(digest, encoded_notes[name], until, now)
-
-    def _put_state(self, slot: _Slot, value: bytes, expires: float, now: float) -> None:
-        """The state and its key's text: in its record when the text fits
-        the room planned for it, else in the labels zone (whose stripe was
-        locked then). A plug-in's state too long to leave the planned room
-        keeps no text: its key is not listed."""
-        text = slot.text
-        zone = slot.zone
-        labelled = len(text) > self._text_room(slot)
-        if not labelled and len(value) + len(text) <= zone.value_size:
-            zone.put(slot.digest, value + text, expires, now)
-            return
-        zone.put(slot.digest, bytes((value[0] | ELSEWHERE,)) + value[1:], expires, now)
-        if labelled and len(text) <= LABEL_VALUE:
-            self.zones.labels.put(slot.digest, text, expires, now)
+        if encoded_notes:
+            for name, (digest, note, _, changed) in notes.items():
+                if changed:
+                    zones.notes.put(digest, encoded_notes[name], note[1], now)
 
     # -- the primitives ----------------------------------------------------------------
 
@@ -432,12 +445,8 @@ class NodeTable:
             slot.read = True
             value = slot.zone.get(slot.digest, self.now)
             if value is not None:
-                state = records.decode_state(value, slot.limiter)
-                slot.state = state
-                if state is not None:
-                    slot.raw = value[:records.state_length(value)]
-                    if slot.raw[0] & ELSEWHERE:
-                        slot.raw = bytes((slot.raw[0] & ~ELSEWHERE,)) + slot.raw[1:]
+                slot.state = records.decode_state(value, slot.limiter)
+                slot.raw = value
         return slot
 
     def state(self, key: Hashable) -> Any:

@@ -115,25 +115,36 @@ def kind_of(limiter: Limiter | None) -> int:
     return _KINDS.get(type(limiter), OTHER)
 
 
+_pack_window, _pack_token, _pack_leaky = _WINDOW.pack, _TOKEN.pack, _LEAKY.pack
+
+
 def encode_state(state: Any, lease_slots: int) -> bytes:
     """A state's bytes, without the key's text. A lease state keeps at most
     ``lease_slots`` leases (the latest to end): the store caps concurrency
     limits at that many before it decides."""
-    kind = kind_of(state.limiter)
-    if kind == WINDOW:
-        return _WINDOW.pack(WINDOW, state.window, state.previous, state.current, state.penalty_until)
-    if kind == TOKEN:
-        return _TOKEN.pack(TOKEN, state.tokens, math.nan if state.last is None else state.last,
-                           state.penalty_until)
-    if kind == LEAKY:
-        return _LEAKY.pack(LEAKY, state.excess, NO_LAST if state.last is None else state.last,
-                           state.penalty_until)
-    if kind == LEASES:
-        held = state.held
-        if len(held) > lease_slots:
-            held = dict(sorted(held.items(), key=lambda lease: lease[1])[-lease_slots:])
-        return _LEASES.pack(LEASES, len(held)) + b"".join(_LEASE.pack(*_lease_id(lease), ends)
-                                                           for lease, ends in held.items())
+    kind = type(state)
+    if kind is WindowState:
+        return _pack_window(WINDOW, state.window, state.previous, state.current, state.penalty_until)
+    if kind is TokenState:
+        last = state.last
+        return _pack_token(TOKEN, state.tokens, math.nan if last is None else last, state.penalty_until)
+    if kind is LeakyState:
+        last = state.last
+        return _pack_leaky(LEAKY, state.excess, NO_LAST if last is None else last, state.penalty_until)
+    if kind is LeaseState:
+        return _encode_leases(state.held, lease_slots)
+    return _encode_other(state)
+
+
+def _encode_leases(held: dict[str, float], lease_slots: int) -> bytes:
+    if len(held) > lease_slots:
+        held = dict(sorted(held.items(), key=lambda lease: lease[1])[-lease_slots:])
+    return _LEASES.pack(LEASES, len(held)) + b"".join(_LEASE.pack(*_lease_id(lease), ends)
+                                                       for lease, ends in held.items())
+
+
+def _encode_other(state: Any) -> bytes:
+    """A plug-in's state: its dataclass's fields but the limiter, marshalled."""
     fields = marshal.dumps((_code(state.limiter),
                             tuple(getattr(state, field.name) for field in dataclasses.fields(state)
                                   if field.name != "limiter")))
@@ -158,25 +169,30 @@ def decode_state(value: bytes, limiter: Limiter | None) -> Any:
     starts the key anew); None for a plug-in's state no limiter of the
     caller's can read."""
     kind = value[0] & KIND_MASK
-    if kind_of(limiter) != kind:
-        limiter = _STAND_INS.get(kind)
+    own = type(limiter)
     if kind == WINDOW:
         _, window, previous, current, penalty_until = _WINDOW.unpack_from(value)
-        return WindowState(window, previous, current, penalty_until, limiter)
+        return WindowState(window, previous, current, penalty_until,
+                           limiter if own is WindowCounter else _STAND_INS[WINDOW])
     if kind == TOKEN:
         _, tokens, last, penalty_until = _TOKEN.unpack_from(value)
-        return TokenState(tokens, None if math.isnan(last) else last, penalty_until, limiter)
+        return TokenState(tokens, None if math.isnan(last) else last, penalty_until,
+                          limiter if own is TokenBucket else _STAND_INS[TOKEN])
     if kind == LEAKY:
         _, excess, last, penalty_until = _LEAKY.unpack_from(value)
-        return LeakyState(excess, None if last == NO_LAST else last, penalty_until, limiter)
+        return LeakyState(excess, None if last == NO_LAST else last, penalty_until,
+                          limiter if own is LeakyBucket else _STAND_INS[LEAKY])
     if kind == LEASES:
-        count = _LEASES.unpack_from(value)[1]
-        held = {}
-        for n in range(count):
-            form, packed, ends = _LEASE.unpack_from(value, _LEASES.size + n * LEASE_BYTES)
-            held[_lease_text(form, packed)] = ends
-        return LeaseState(held, limiter)
-    return _decode_other(value, limiter)
+        return LeaseState(_decode_leases(value), limiter if own is ConcurrencyLimiter else _STAND_INS[LEASES])
+    return _decode_other(value, None if kind_of(limiter) in _STAND_INS else limiter)
+
+
+def _decode_leases(value: bytes) -> dict[str, float]:
+    held = {}
+    for n in range(_LEASES.unpack_from(value)[1]):
+        form, packed, ends = _LEASE.unpack_from(value, _LEASES.size + n * LEASE_BYTES)
+        held[_lease_text(form, packed)] = ends
+    return held
 
 
 def _decode_other(value: bytes, limiter: Limiter | None) -> Any:

@@ -1,0 +1,206 @@
+"""What does sharing one table cost? ``sluice serve --workers 2`` on the
+memory backend (the node-wide table in shared memory, sidecar.store.node)
+against ``--workers 1`` (the process's own memory store), in one run.
+
+1. In process: the ten rules of bench/bench_engine.py decided by an engine
+   over the memory store and by one over the node-wide store (the compiled
+   zone, private to the process), for one client and for 100,000 rotating
+   clients, passes interleaved: what a decision's transaction costs (the
+   digests, the stripes' locks, reading and writing the states' bytes).
+2. Through nginx (the shipped template, one nginx worker) with ``wrk -t2
+   -c32`` and bench/rotate.lua, as bench/bench_core.py does: Sluice with one
+   worker and with two, rotating 100,000 client addresses and with one
+   client (whose checks all lock the same stripes: the contention figure).
+   Beside them, two workers that each decide over zones of their own
+   (``private``: the same transactions, nothing shared between the workers,
+   made so by this bench's sitecustomize, which only it installs): what two
+   processes cost on this machine, apart from what sharing costs.
+   Every figure is the CPU time per check of the sidecar's processes (the
+   parent and its workers; utime + stime from /proc), over passes
+   interleaved with the others; the ratios are of the same run.
+
+Usage: ``.venv/bin/python bench/bench_workers.py [--seconds 5] [--rounds 3]``.
+Needs the compiled core (``--workers 2`` on the memory backend refuses to
+run without it), nginx and wrk (``make bench`` installs them). Loopback
+only; every pass is bounded in time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+sys.path.insert(0, str(ROOT))
+
+from bench_check import Bench, Config, children_of, ensure_wrk, free_port, http_ok  # noqa: E402
+from bench_engine import TEN_RULES, address, requests_for, time_decisions  # noqa: E402
+from bench_protocol import measure, ratio_text  # noqa: E402
+
+from sidecar import core  # noqa: E402
+from sidecar.config import parse_rules_text  # noqa: E402
+from sidecar.engine import Engine  # noqa: E402
+from sidecar.rules import compile_rules  # noqa: E402
+from sidecar.store.node import NodeStore, NodeZones  # noqa: E402
+
+ONE_CLIENT, MANY = 1, 100_000
+
+
+def in_process(passes: int, batch: int = 20_000) -> dict[str, list[float]]:
+    """µs per decision of each pass: memory store and node-wide store, one
+    client and rotating clients, interleaved."""
+    ruleset = compile_rules(parse_rules_text(TEN_RULES, "bench", ROOT))
+    largest = max((getattr(rule.limiter, "limit", 0) for rule in ruleset.rules if rule.limiter.leases), default=0)
+    engines = {"memory": Engine(ruleset),
+               "node": Engine(ruleset, store=NodeStore(NodeZones.private(ruleset.max_keys, largest),
+                                                       ruleset.node))}
+    rotating = [address(i) for i in range(MANY)]
+    figures: dict[str, list[float]] = {}
+    gc.collect()
+    for number in range(passes):
+        for clients in ("one", "rotating"):
+            start = number * batch % MANY
+            addresses = [rotating[0]] * batch if clients == "one" else rotating[start:start + batch]
+            order = list(engines.items()) if number % 2 == 0 else list(reversed(engines.items()))
+            for name, engine in order:
+                requests = requests_for(engine, addresses)
+                figures.setdefault(f"{name}-{clients}", []).append(time_decisions(engine, requests))
+    return figures
+
+
+def report_in_process(figures: dict[str, list[float]]) -> None:
+    print("\nIn process, ten rules (µs per decision, median of passes; each pass's in brackets):")
+    for name, values in figures.items():
+        print(f"  {name:<18} {statistics.median(values):7.2f} [{' '.join(f'{v:.1f}' for v in values)}]")
+    for clients in ("one", "rotating"):
+        rounds = sorted(node / memory for node, memory in zip(figures[f"node-{clients}"],
+                                                              figures[f"memory-{clients}"]))
+        extra = statistics.median(figures[f"node-{clients}"]) - statistics.median(figures[f"memory-{clients}"])
+        print(f"  node / memory, {clients:<8} client(s): median {statistics.median(rounds):5.2f}x "
+              f"({rounds[0]:.2f}-{rounds[-1]:.2f}), {extra:+.1f} µs a decision")
+
+
+# Installed on the bench's Sluice processes' path: with PRIVATE_ZONES set, a
+# worker attaches to the node's zones as serve made them, then decides over
+# zones of its own of the same sizes instead.
+PRIVATE_ZONES = "SLUICE_BENCH_PRIVATE_ZONES"
+SITECUSTOMIZE = f"""
+import os
+
+if os.environ.get("{PRIVATE_ZONES}") == "1":
+    from sidecar.store import node
+
+    def private(prefix, zone_type=None, attach=node.NodeZones.attach):
+        made = attach(prefix, zone_type)
+        own = node.NodeZones.private(made.max_keys, made.lease_slots)
+        made.close()
+        return own
+
+    node.NodeZones.attach = private
+"""
+
+
+def start_sluice(bench: Bench, name: str, workers: int, private: bool = False) -> list[int] | str:
+    """A Sluice's pids (its workers' too) and port, or why it did not start."""
+    port = free_port()
+    argv = [bench.python, "-m", "sidecar", "serve", "--config", str(bench.rules), "--host", "127.0.0.1",
+            "--port", str(port), "--hook-udp", "off", "--log-level", "warning", "--workers", str(workers)]
+    try:
+        process = bench.procs.start(name, argv, lambda: http_ok(f"http://127.0.0.1:{port}/healthz"),
+                                    env={PRIVATE_ZONES: "1"} if private else {})
+    except SystemExit as exc:
+        return str(exc).splitlines()[-1] if str(exc) else "did not start"
+    pids = [process.pid]
+    if workers > 1:
+        deadline = time.monotonic() + 10
+        while len(children := children_of(process.pid)) < workers and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids += children
+    return pids + [port]
+
+
+def through_nginx(seconds: int, rounds: int) -> tuple[list[Config], dict[str, list[float]], dict[str, str]]:
+    configs: list[Config] = []
+    per_pass: dict[str, list[float]] = {}
+    not_run: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="sluice-bench-") as tmp:
+        bench = Bench(Path(tmp))
+        site = Path(tmp) / "site"
+        site.mkdir()
+        (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(site)]))
+        try:
+            bench.start_upstream()
+            for name, workers, addresses, private in (
+                    ("workers-1", 1, MANY, False), ("workers-2", 2, MANY, False),
+                    ("workers-2-private", 2, MANY, True),
+                    ("workers-1-one-client", 1, ONE_CLIENT, False),
+                    ("workers-2-one-client", 2, ONE_CLIENT, False),
+                    ("workers-2-private-one-client", 2, ONE_CLIENT, True)):
+                started_as = start_sluice(bench, name, workers, private)
+                if isinstance(started_as, str):
+                    not_run[name] = started_as
+                    continue
+                *pids, port = started_as
+                _, nginx_port = bench.start_nginx(f"nginx-{name}", port)
+                configs.append(Config(name, f"http://127.0.0.1:{nginx_port}", {"sidecar": pids},
+                                      addresses=addresses))
+            print("warm-up: 1 s per configuration", flush=True)
+            for config in configs:
+                config.measure(1, keep=False)
+            for number in range(rounds):
+                print(f"round {number + 1}/{rounds}", flush=True)
+                for config in configs if number % 2 == 0 else reversed(configs):
+                    measure(bench, config, seconds, per_pass)
+                    print(f"    {config.name:<30} {config.passes[-1].rate:8.0f} req/s", flush=True)
+        finally:
+            bench.procs.stop()
+    return configs, per_pass, not_run
+
+
+def report_through_nginx(configs: list[Config], per_pass: dict[str, list[float]], not_run: dict[str, str]) -> None:
+    print("\nThrough nginx, ten rules: sidecar CPU per check (µs, over all passes; each pass's in brackets):")
+    for config in configs:
+        passes = " ".join(f"{figure:.1f}" for figure in per_pass[config.name])
+        print(f"  {config.name:<30} {config.us_per_request('sidecar'):7.1f} µs [{passes}]   "
+              f"{statistics.median(config.rates()):7.0f} req/s")
+    for name, why in not_run.items():
+        print(f"  {name:<30} not run: {why}")
+    by_name = {config.name: config for config in configs}
+    print("\nRatios of sidecar CPU per check (same run):")
+    for label, a, b, target in (
+            ("--workers 2 / --workers 1, 100,000 clients", "workers-2", "workers-1", "<= 1.1"),
+            ("--workers 2 / --workers 1, one client", "workers-2-one-client", "workers-1-one-client", ""),
+            ("sharing: shared / private zones, 100,000", "workers-2", "workers-2-private", ""),
+            ("sharing: shared / private zones, one client", "workers-2-one-client",
+             "workers-2-private-one-client", ""),
+            ("two processes: private zones / one worker", "workers-2-private", "workers-1", "")):
+        if a in by_name and b in by_name:
+            goal = f"   (target {target})" if target else ""
+            print(f"  {label:<46} {ratio_text(by_name, per_pass, a, b)}{goal}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=int, default=5, help="length of each pass through nginx (default 5)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved passes per configuration (default 3)")
+    parser.add_argument("--in-process-only", action="store_true", help="only the in-process part")
+    args = parser.parse_args()
+    started = time.monotonic()
+    print(f"bench_workers: {core.which()}", flush=True)
+    report_in_process(in_process(max(3, args.rounds * 2)))
+    if not args.in_process_only:
+        ensure_wrk()
+        report_through_nginx(*through_nginx(args.seconds, args.rounds))
+    print(f"\n(bench_workers took {time.monotonic() - started:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+# Types of sidecar/store/node.py for its compiled build (see setup.py): a
+# transaction's table and its slots are extension types, so that a
+# decision's reads and writes of the zones cost few Python calls.
+cimport cython
+
+from sidecar.state cimport Check, CheckSpec
+
+
+cdef class _Slot:
+    cdef public bytes digest
+    cdef public object zone
+    cdef public object limiter
+    cdef public bytes text
+    cdef public Py_ssize_t room
+    cdef public object state
+    cdef public object raw
+    cdef public bint read
+    cdef public bint changed
+    cdef public bint forgotten
+
+
+cdef class NodeTable:
+    cdef public object zones
+    cdef public double now
+    cdef public dict _slots
+    cdef public dict _bans
+    cdef public dict _notes
+    cdef public dict _names
+    cdef public dict _ban_names
+    cdef public list _order
+    cdef public list _stripes
+    cdef public set _ban_stripes
+    cdef public set _note_stripes
+    cdef public set _state_stripes
+    cdef public set _lease_stripes
+    cdef public set _label_stripes
+    cdef public object _states
+    cdef public object _leases
+    cdef public object _labels
+
+    @cython.locals(slot=_Slot, room=Py_ssize_t)
+    cpdef _Slot plan_key(self, key, limiter, leases=*)
+    @cython.locals(check=Check, spec=CheckSpec)
+    cpdef plan_checks(self, address, checks)
+    @cython.locals(slot=_Slot, labelled=bint, now=double, expires=double, kept=double)
+    cpdef _commit(self)
+    @cython.locals(slot=_Slot)
+    cpdef _Slot _slot(self, key)
