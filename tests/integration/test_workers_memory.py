@@ -10,8 +10,10 @@ nginx.
   open, as the shipped configuration intends for a Sluice it cannot
   reach), the count goes on, and the parent starts a new worker that sees
   it;
+- a response counted by a response-phase rule, and a concurrency slot
+  given back, whichever worker nginx's report reaches;
 - what an administrator does through one worker (a reload, a ban) every
-  worker does;
+  worker does; SIGHUP to serve replaces the workers, counts kept;
 - the table's files are private to the user and removed at exit.
 
 The table needs the compiled core (its process-shared locks): with the
@@ -59,6 +61,7 @@ LIMITS = {
     "leaky": f"{{rate: 1r/m, burst: {BUDGET - 1}, nodelay: true}}",
     "slots": f"{{concurrent: {BUDGET}, lease: 60s}}",
 }
+FAILURES = 20
 # Admitted requests of the concurrency limit stay at the upstream this
 # long, holding their slots, while the rest of the burst is decided.
 SLOT_HOLD_SECONDS = 10
@@ -82,6 +85,17 @@ rules:
     limit: {{requests: {BUDGET}, per: 60s}}
     action: ban
     ban: {{duration: 10m}}
+  - id: failures
+    match: {{header: {{name: x-limit, equals: failures}}}}
+    key: ["header:x-k"]
+    limit: {{requests: {FAILURES}, per: 1h}}
+    count_on: {{status: [401]}}
+    action: block
+  - id: one-slot
+    match: {{header: {{name: x-limit, equals: one-slot}}}}
+    key: ["header:x-k"]
+    limit: {{concurrent: 1, lease: 60s}}
+    action: block
 """
 
 
@@ -178,10 +192,10 @@ def test_two_workers_admit_exactly_the_budget_of_two_thousand_checks(stack: Work
     assert sluice_metric(stack, "sluice_internal_errors_total") == 0
 
 
-def request_through_nginx(port: int, headers: dict[str, str], source: str) -> int:
+def request_through_nginx(port: int, headers: dict[str, str], source: str, path: str = "/flood") -> int:
     connection = http.client.HTTPConnection(LOOPBACK, port, timeout=10, source_address=(source, 0))
     try:
-        connection.request("GET", "/flood", headers=headers)
+        connection.request("GET", path, headers=headers)
         response = connection.getresponse()
         response.read()
         return response.status
@@ -280,6 +294,58 @@ def serving(stack: Stack, pid: int) -> bool:
     return bool(started) and any("Application startup complete" in line for line in lines[started[0] + 1:])
 
 
+# -- what responses count, which any worker may be told ---------------------------------
+
+REPORT_DEADLINE_SECONDS = 5.0
+ALLOWED_BY_NGINX = 'front_door="nginx",outcome="allow"'
+
+
+def reported(stack: Stack) -> float:
+    """Responses reported to Sluice, over its workers (a scrape of one worker
+    answers for all)."""
+    return sluice_metric(stack, "sluice_responses_reported_total")
+
+
+def reported_request(stack: Stack, path: str, headers: dict[str, str], source: str) -> int:
+    """A request through nginx whose response nginx reports: its status,
+    once Sluice has the report (whichever worker took it)."""
+    before = reported(stack)
+    status = request_through_nginx(stack.ports.nginx, headers, source, path)
+    wait_until(lambda: reported(stack) > before, f"the report of {path}", REPORT_DEADLINE_SECONDS)
+    return status
+
+
+def test_responses_count_in_the_one_table_whichever_worker_takes_the_report(stack: WorkersStack) -> None:
+    """A request decided by one worker and its report taken by another (the
+    kernel deals nginx's report datagrams to one worker, its checks to
+    both) count as one: the rule refuses after exactly its budget."""
+    headers = {"x-limit": "failures", "x-k": uuid.uuid4().hex}
+    source = fresh_client_address()
+    statuses = [reported_request(stack, "/flood?status=401", headers, source) for _ in range(FAILURES)]
+    statuses += [request_through_nginx(stack.ports.nginx, headers, source) for _ in range(5)]
+    assert statuses == [401] * FAILURES + [429] * 5
+
+
+def test_a_slot_taken_through_one_worker_is_given_back_through_either(stack: WorkersStack) -> None:
+    headers = {"x-limit": "one-slot", "x-k": uuid.uuid4().hex}
+    source = fresh_client_address()
+    # Each request takes the key's one slot; its report gives it back, so
+    # the next one is admitted whichever worker decides it.
+    assert [reported_request(stack, "/flood", headers, source) for _ in range(20)] == [200] * 20
+    admitted = sluice_metric(stack, "sluice_decisions_total", ALLOWED_BY_NGINX)
+    held = threading.Thread(target=request_through_nginx,
+                            args=(stack.ports.nginx, headers, source, "/flood?sleep=3"))
+    held.start()
+    try:
+        wait_until(lambda: sluice_metric(stack, "sluice_decisions_total", ALLOWED_BY_NGINX) > admitted,
+                   "the held request admitted", 3)
+        assert request_through_nginx(stack.ports.nginx, headers, source) == 429
+    finally:
+        held.join()
+    wait_until(lambda: request_through_nginx(stack.ports.nginx, headers, source) == 200,
+               "the slot given back by the held request's report", REPORT_DEADLINE_SECONDS)
+
+
 def check_straight_to_sluice(stack: Stack, headers: dict[str, str]) -> int:
     connection = http.client.HTTPConnection(LOOPBACK, stack.ports.sluice, timeout=5)
     try:
@@ -350,6 +416,25 @@ def test_a_reload_asked_of_one_worker_reloads_every_worker(serve: SluiceServe) -
     # Twenty fresh connections reach both workers (each is one or the
     # other, as the kernel deals them).
     wait_until(lambda: one_admitted() == [200] + [429] * 20, "every worker running the reloaded rules", 5)
+
+
+def test_sighup_replaces_every_worker_with_the_new_rules_and_the_counts_kept(serve: SluiceServe) -> None:
+    """uvicorn's parent answers SIGHUP by starting new workers one by one
+    (each new one serving before the old one stops): they read the rules
+    file anew and attach to the same table."""
+    assert serve.process is not None
+    counted = {"x-k": uuid.uuid4().hex}
+    assert [request(serve.port, "GET", "/v1/check", counted)[0] for _ in range(BUDGET)] == [200] * BUDGET
+    before = children_running(serve.process.pid, "spawn_main")
+    serve.rules.write_text(serve.rules.read_text() + ONE_MORE_RULE)
+    os.kill(serve.process.pid, signal.SIGHUP)
+    wait_until(lambda: not children_running(serve.process.pid, "spawn_main") & before
+               and len(children_running(serve.process.pid, "spawn_main")) == WORKERS,
+               "both workers replaced", 30)
+    one = {"x-one": uuid.uuid4().hex}
+    assert [request(serve.port, "GET", "/v1/check", one)[0] for _ in range(21)] == [200] + [429] * 20
+    # The key counted to its budget before the restart is over it after.
+    assert {request(serve.port, "GET", "/v1/check", counted)[0] for _ in range(20)} == {429}
 
 
 def test_a_ban_by_hand_through_one_worker_is_every_workers(serve: SluiceServe) -> None:
