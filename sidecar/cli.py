@@ -570,11 +570,14 @@ def _node_zones(ruleset: Ruleset) -> NodeZones:
     """The table in shared memory that every worker of the memory backend
     counts in, made before they start (they attach to it by name, from the
     settings) and removed by ``serve`` when they have stopped."""
-    from sidecar.store.node import NodeZones, zones_prefix
+    from sidecar.store.node import NodeZones, remove_orphans, zones_directory, zones_prefix
 
     largest = max((getattr(rule.limiter, "limit", 0) for rule in ruleset.rules if rule.limiter.leases), default=0)
+    directory = zones_directory()
+    for orphan in remove_orphans(directory):
+        logging.getLogger("sluice").info("removed %s, left by a serve that was killed", orphan)
     try:
-        zones = NodeZones.create(zones_prefix(), ruleset.max_keys, largest)
+        zones = NodeZones.create(zones_prefix(directory), ruleset.max_keys, largest)
     except (OSError, ValueError) as exc:
         _fail(f"--workers: no shared memory for the node's table of {ruleset.max_keys:,} keys ({exc}); "
               "free some in /dev/shm (a container: --shm-size), or lower state.max_keys")

@@ -46,6 +46,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast
@@ -237,14 +238,55 @@ def _zone_type() -> Any:
     return CompiledOrPure
 
 
-def zones_prefix(directory: str = "/dev/shm") -> str:
-    """Where a new node's zones go: ``/dev/shm/sluice-PID-RANDOM`` (the
-    temporary directory where there is no /dev/shm)."""
-    if not os.path.isdir(directory):
-        import tempfile
+def zones_directory(directory: str = "/dev/shm") -> str:
+    """Where a node's zones go: /dev/shm, or the temporary directory where
+    there is none."""
+    if os.path.isdir(directory):
+        return directory
+    import tempfile
 
-        directory = tempfile.gettempdir()
+    return tempfile.gettempdir()
+
+
+def zones_prefix(directory: str) -> str:
+    """The name of a new node's zones: ``DIRECTORY/sluice-PID-RANDOM``."""
     return os.path.join(directory, f"sluice-{os.getpid()}-{os.urandom(6).hex()}")
+
+
+_ZONE_FILE = re.compile(r"sluice-(\d+)-[0-9a-f]{12}-(?:" + "|".join(ZONE_ORDER) + ")")
+
+
+def remove_orphans(directory: str) -> list[str]:
+    """Remove the zone files of this user in ``directory`` whose serve is
+    gone without removing them (killed outright); the files removed. A file
+    whose process id is in use again is left alone."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        found = _ZONE_FILE.fullmatch(name)
+        if found is None or _running(int(found.group(1))):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            if os.stat(path).st_uid == os.getuid():
+                os.unlink(path)
+                removed.append(path)
+        except OSError:
+            continue
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # another user's: running
+    return True
 
 
 class NotPlanned(RuntimeError):

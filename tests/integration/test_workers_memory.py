@@ -366,7 +366,7 @@ def serve(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SluiceSer
     only a reload asked of it reloads."""
     monkeypatch.setenv("SLUICE_WATCH_INTERVAL", "0")
     rules = tmp_path / "rules.yaml"
-    rules.write_text("state: {backend: memory}\nrules:\n" + ONE_RULE.format(requests=BUDGET))
+    rules.write_text("state: {backend: memory, max_keys: 20000}\nrules:\n" + ONE_RULE.format(requests=BUDGET))
     with SluiceServe(rules, workers=WORKERS) as sluice:
         yield sluice
 

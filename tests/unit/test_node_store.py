@@ -8,6 +8,7 @@ real workers are the integration tests' (test_workers_memory.py)."""
 from __future__ import annotations
 
 import logging
+import os
 import stat
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,10 +38,12 @@ from sidecar.store.node import (
     BAN_VALUE,
     LABEL_VALUE,
     STALE_KEPT,
+    ZONE_ORDER,
     NodeStore,
     NodeTable,
     NodeZones,
     NotPlanned,
+    remove_orphans,
     zone_sizes,
 )
 from tests.unit.policy_traces import START, Step, replay, traces
@@ -541,6 +544,21 @@ def test_the_zones_are_private_files_attached_by_name_and_removed(tmp_path: Path
     zones.close()
     with pytest.raises((OSError, ValueError)):
         NodeZones.attach(prefix, zone_type=PureZone)
+
+
+def test_zone_files_left_by_a_serve_that_is_gone_are_removed_and_no_others(tmp_path: Path) -> None:
+    gone = 2 ** 22 + 1  # above pid_max's default: no process has it
+    for pid in (gone, os.getpid()):
+        NodeZones.create(str(tmp_path / f"sluice-{pid}-0123456789ab"), 1000, zone_type=PureZone).close()
+    (tmp_path / f"sluice-{gone}-0123456789ab-other").write_text("not a zone of ours")
+    (tmp_path / "unrelated").write_text("")
+    removed = remove_orphans(str(tmp_path))
+    assert sorted(Path(path).name for path in removed) == sorted(f"sluice-{gone}-0123456789ab-{name}"
+                                                                 for name in ZONE_ORDER)
+    assert sorted(file.name for file in tmp_path.iterdir()) == sorted(
+        [f"sluice-{gone}-0123456789ab-other", "unrelated",
+         *(f"sluice-{os.getpid()}-0123456789ab-{name}" for name in ZONE_ORDER)])
+    assert remove_orphans(str(tmp_path / "missing")) == []
 
 
 def test_serve_refuses_several_workers_on_the_memory_backend_with_the_pure_core(
