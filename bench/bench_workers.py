@@ -11,10 +11,14 @@ against ``--workers 1`` (the process's own memory store), in one run.
    -c32`` and bench/rotate.lua, as bench/bench_core.py does: Sluice with one
    worker and with two, rotating 100,000 client addresses and with one
    client (whose checks all lock the same stripes: the contention figure).
-   Beside them, two workers that each decide over zones of their own
-   (``private``: the same transactions, nothing shared between the workers,
-   made so by this bench's sitecustomize, which only it installs): what two
-   processes cost on this machine, apart from what sharing costs.
+   Beside them, made so by this bench's sitecustomize (which only it
+   installs), two workers that each decide over zones of their own
+   (``private``: the same transactions, nothing shared between the
+   workers), and two workers that each keep a memory store of their own
+   (``own-memory``: what serve refuses, each worker counting alone). So the
+   cost of ``--workers 2`` splits into what two processes cost on this
+   machine (own memory / one worker), what the zones' transactions cost
+   (private / own memory) and what sharing costs (shared / private).
    Every figure is the CPU time per check of the sidecar's processes (the
    parent and its workers; utime + stime from /proc), over passes
    interleaved with the others; the ratios are of the same run.
@@ -35,6 +39,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -48,7 +53,7 @@ from sidecar import core  # noqa: E402
 from sidecar.config import parse_rules_text  # noqa: E402
 from sidecar.engine import Engine  # noqa: E402
 from sidecar.rules import compile_rules  # noqa: E402
-from sidecar.store.node import NodeStore, NodeZones  # noqa: E402
+from sidecar.store.node import NodeStore, NodeZones, zones_directory  # noqa: E402
 
 ONE_CLIENT, MANY = 1, 100_000
 
@@ -87,14 +92,15 @@ def report_in_process(figures: dict[str, list[float]]) -> None:
               f"({rounds[0]:.2f}-{rounds[-1]:.2f}), {extra:+.1f} µs a decision")
 
 
-# Installed on the bench's Sluice processes' path: with PRIVATE_ZONES set, a
-# worker attaches to the node's zones as serve made them, then decides over
-# zones of its own of the same sizes instead.
-PRIVATE_ZONES = "SLUICE_BENCH_PRIVATE_ZONES"
+# Installed on the bench's Sluice processes' path. With OWN_STATE set to
+# "zones", a worker attaches to the node's zones as serve made them, then
+# decides over zones of its own of the same sizes instead; set to "memory",
+# it keeps a memory store of its own.
+OWN_STATE = "SLUICE_BENCH_OWN_STATE"
 SITECUSTOMIZE = f"""
 import os
 
-if os.environ.get("{PRIVATE_ZONES}") == "1":
+if os.environ.get("{OWN_STATE}") == "zones":
     from sidecar.store import node
 
     def private(prefix, zone_type=None, attach=node.NodeZones.attach):
@@ -104,17 +110,26 @@ if os.environ.get("{PRIVATE_ZONES}") == "1":
         return own
 
     node.NodeZones.attach = private
+elif os.environ.get("{OWN_STATE}") == "memory":
+    from sidecar import store
+    from sidecar.store import memory
+
+    def own_memory(backend, url, max_keys, name, clock, *arguments, **options):
+        return memory.MemoryStore(max_keys, name, clock)
+
+    store.open_store = own_memory
 """
 
 
-def start_sluice(bench: Bench, name: str, workers: int, private: bool = False) -> list[int] | str:
-    """A Sluice's pids (its workers' too) and port, or why it did not start."""
+def start_sluice(bench: Bench, name: str, workers: int, own: str = "") -> list[int] | str:
+    """A Sluice's pids (its workers' too) and port, or why it did not start;
+    ``own``: each worker's own state instead of the node's (see SITECUSTOMIZE)."""
     port = free_port()
     argv = [bench.python, "-m", "sidecar", "serve", "--config", str(bench.rules), "--host", "127.0.0.1",
             "--port", str(port), "--hook-udp", "off", "--log-level", "warning", "--workers", str(workers)]
     try:
         process = bench.procs.start(name, argv, lambda: http_ok(f"http://127.0.0.1:{port}/healthz"),
-                                    env={PRIVATE_ZONES: "1"} if private else {})
+                                    env={OWN_STATE: own} if own else {})
     except SystemExit as exc:
         return str(exc).splitlines()[-1] if str(exc) else "did not start"
     pids = [process.pid]
@@ -126,10 +141,24 @@ def start_sluice(bench: Bench, name: str, workers: int, private: bool = False) -
     return pids + [port]
 
 
+def shared_zones(parent: int) -> list[Any]:
+    """The zones a Sluice's workers share, attached here (the compiled zone
+    reads its counters without a lock)."""
+    from sidecar.shm import Zone
+
+    return [Zone.attach(str(path)) for path in sorted(Path(zones_directory()).glob(f"sluice-{parent}-*"))]
+
+
+def waits(zones: list[Any]) -> int:
+    """Locks the workers found busy when they asked, over the zones."""
+    return sum(int(zone.waits) for zone in zones)
+
+
 def through_nginx(seconds: int, rounds: int) -> tuple[list[Config], dict[str, list[float]], dict[str, str]]:
     configs: list[Config] = []
     per_pass: dict[str, list[float]] = {}
     not_run: dict[str, str] = {}
+    busy: dict[str, list[Any]] = {}  # each shared configuration's zones
     with tempfile.TemporaryDirectory(prefix="sluice-bench-") as tmp:
         bench = Bench(Path(tmp))
         site = Path(tmp) / "site"
@@ -138,17 +167,19 @@ def through_nginx(seconds: int, rounds: int) -> tuple[list[Config], dict[str, li
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(site)]))
         try:
             bench.start_upstream()
-            for name, workers, addresses, private in (
-                    ("workers-1", 1, MANY, False), ("workers-2", 2, MANY, False),
-                    ("workers-2-private", 2, MANY, True),
-                    ("workers-1-one-client", 1, ONE_CLIENT, False),
-                    ("workers-2-one-client", 2, ONE_CLIENT, False),
-                    ("workers-2-private-one-client", 2, ONE_CLIENT, True)):
-                started_as = start_sluice(bench, name, workers, private)
+            for name, workers, addresses, own in (
+                    ("workers-1", 1, MANY, ""), ("workers-2", 2, MANY, ""),
+                    ("workers-2-private", 2, MANY, "zones"), ("workers-2-own-memory", 2, MANY, "memory"),
+                    ("workers-1-one-client", 1, ONE_CLIENT, ""),
+                    ("workers-2-one-client", 2, ONE_CLIENT, ""),
+                    ("workers-2-private-one-client", 2, ONE_CLIENT, "zones")):
+                started_as = start_sluice(bench, name, workers, own)
                 if isinstance(started_as, str):
                     not_run[name] = started_as
                     continue
                 *pids, port = started_as
+                if workers > 1 and not own:
+                    busy[name] = shared_zones(pids[0])
                 _, nginx_port = bench.start_nginx(f"nginx-{name}", port)
                 configs.append(Config(name, f"http://127.0.0.1:{nginx_port}", {"sidecar": pids},
                                       addresses=addresses))
@@ -158,11 +189,22 @@ def through_nginx(seconds: int, rounds: int) -> tuple[list[Config], dict[str, li
             for number in range(rounds):
                 print(f"round {number + 1}/{rounds}", flush=True)
                 for config in configs if number % 2 == 0 else reversed(configs):
+                    before = waits(busy.get(config.name, []))
                     measure(bench, config, seconds, per_pass)
+                    if config.name in busy:
+                        CONTENTION.setdefault(config.name, []).append(
+                            (waits(busy[config.name]) - before) / max(1, config.passes[-1].requests))
                     print(f"    {config.name:<30} {config.passes[-1].rate:8.0f} req/s", flush=True)
         finally:
+            for zones in busy.values():
+                for zone in zones:
+                    zone.close()
             bench.procs.stop()
     return configs, per_pass, not_run
+
+
+# Locks found busy per check, each pass's, by shared configuration.
+CONTENTION: dict[str, list[float]] = {}
 
 
 def report_through_nginx(configs: list[Config], per_pass: dict[str, list[float]], not_run: dict[str, str]) -> None:
@@ -173,6 +215,8 @@ def report_through_nginx(configs: list[Config], per_pass: dict[str, list[float]]
               f"{statistics.median(config.rates()):7.0f} req/s")
     for name, why in not_run.items():
         print(f"  {name:<30} not run: {why}")
+    for name, figures in CONTENTION.items():
+        print(f"  {name:<30} locks found busy: {' '.join(f'{figure:.3f}' for figure in figures)} a check")
     by_name = {config.name: config for config in configs}
     print("\nRatios of sidecar CPU per check (same run):")
     for label, a, b, target in (
@@ -181,7 +225,8 @@ def report_through_nginx(configs: list[Config], per_pass: dict[str, list[float]]
             ("sharing: shared / private zones, 100,000", "workers-2", "workers-2-private", ""),
             ("sharing: shared / private zones, one client", "workers-2-one-client",
              "workers-2-private-one-client", ""),
-            ("two processes: private zones / one worker", "workers-2-private", "workers-1", "")):
+            ("the zones' transactions: private / own memory", "workers-2-private", "workers-2-own-memory", ""),
+            ("two processes: own memory / one worker", "workers-2-own-memory", "workers-1", "")):
         if a in by_name and b in by_name:
             goal = f"   (target {target})" if target else ""
             print(f"  {label:<46} {ratio_text(by_name, per_pass, a, b)}{goal}")
