@@ -12,6 +12,7 @@ cdef class _Slot:
     cdef public object limiter
     cdef public bytes text
     cdef public Py_ssize_t room
+    cdef public object prefix
     cdef public object state
     cdef public object raw
     cdef public bint read
@@ -27,6 +28,7 @@ cdef class NodeTable:
     cdef public dict _notes
     cdef public dict _names
     cdef public dict _ban_names
+    cdef public set _known_prefixes
     cdef public list _order
     cdef public list _stripes
     cdef public set _ban_stripes
@@ -34,6 +36,7 @@ cdef class NodeTable:
     cdef public set _state_stripes
     cdef public set _lease_stripes
     cdef public set _label_stripes
+    cdef public set _prefix_stripes
     cdef public object _states
     cdef public object _leases
     cdef public object _labels

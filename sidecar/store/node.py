@@ -91,7 +91,12 @@ MOST_STRIPES = 64
 LEAST_PER_STRIPE = 64
 NETWORK_BANS = 4096  # network bans by hand a node holds
 # The lock order: zones in this order, each zone's stripes in increasing order.
-ZONE_ORDER = ("bans", "notes", "states", "leases", "labels", "shadow", "networks")
+ZONE_ORDER = ("bans", "notes", "states", "leases", "labels", "shadow", "networks", "prefixes")
+# Key prefixes (a rule id and its dimensions' names) a node holds: a
+# ruleset's rules, their challenge and penalty counters, and the Rate Limit
+# Service's descriptors.
+PREFIXES = 4096
+PREFIX_VALUE = 256  # a longer prefix's keys are not listed
 
 
 class Zone(Protocol):
@@ -151,7 +156,7 @@ def zone_sizes(max_keys: int, lease_slots: int) -> dict[str, ZoneSize]:
     return {"bans": zone_size(max_keys, BAN_VALUE), "notes": zone_size(max_keys, records.note_bytes()),
             "states": zone_size(max_keys, STATE_VALUE), "leases": zone_size(lease_keys, lease_value),
             "labels": zone_size(labelled, LABEL_VALUE), "shadow": zone_size(some, BAN_VALUE),
-            "networks": zone_size(NETWORK_BANS, BAN_VALUE)}
+            "networks": zone_size(NETWORK_BANS, BAN_VALUE), "prefixes": zone_size(PREFIXES, PREFIX_VALUE)}
 
 
 class NodeZones:
@@ -168,6 +173,7 @@ class NodeZones:
         self.labels = zones["labels"]
         self.shadow = zones["shadow"]
         self.networks = zones["networks"]
+        self.prefixes = zones["prefixes"]
         # A lease state's slots, from the size of the leases zone's values.
         self.lease_slots = (self.leases.value_size - LEASE_TEXT - records.lease_value_bytes(0)) \
             // records.LEASE_BYTES
@@ -296,14 +302,17 @@ class NotPlanned(RuntimeError):
 class _Slot:
     """A key's state within one transaction."""
 
-    __slots__ = ("digest", "zone", "limiter", "text", "room", "state", "raw", "read", "changed", "forgotten")
+    __slots__ = ("digest", "zone", "limiter", "text", "room", "prefix", "state", "raw", "read", "changed",
+                 "forgotten")
 
-    def __init__(self, digest: bytes, zone: Zone, limiter: Limiter | None, text: bytes, room: int) -> None:
+    def __init__(self, digest: bytes, zone: Zone, limiter: Limiter | None, text: bytes, room: int,
+                 prefix: bytes | None) -> None:
         self.digest = digest
         self.zone = zone
         self.limiter = limiter  # the limiter the caller counts the key with (None: any)
         self.text = text
         self.room = room  # bytes of its record the key's text may take
+        self.prefix = prefix  # its prefix's text, when this worker has not written it yet
         self.state: Any = None
         self.raw: bytes | None = None  # the record as read
         self.read = False
@@ -329,13 +338,15 @@ class NodeTable:
         self._slots: dict[Hashable, _Slot] = {}
         self._bans: dict[str, list[Any]] = {}  # address -> [digest, record, read, changed]
         self._notes: dict[Note, list[Any]] = {}  # name -> [digest, (value, until), read, changed]
-        self._names: dict[Hashable, tuple[bytes, bytes]] = {}  # key -> (digest, text)
+        self._names: dict[Hashable, tuple[bytes, bytes, bytes]] = {}  # key -> (digest, text, prefix's text)
+        self._known_prefixes: set[bytes] = set()  # the codes of prefixes this worker wrote
         self._ban_names: dict[str, bytes] = {}  # address -> digest
         # The stripes to lock, zone by zone in the lock order.
         self._order: list[Zone] = [zones.zones[name] for name in ZONE_ORDER]
         self._stripes: list[set[int]] = [set() for _ in ZONE_ORDER]
         (self._ban_stripes, self._note_stripes, self._state_stripes, self._lease_stripes,
          self._label_stripes) = self._stripes[:5]
+        self._prefix_stripes = self._stripes[ZONE_ORDER.index("prefixes")]
         self._states = zones.states
         self._leases = zones.leases
         self._labels = zones.labels
@@ -350,12 +361,12 @@ class NodeTable:
         for stripes in self._stripes:
             stripes.clear()
 
-    def _name(self, key: Hashable) -> tuple[bytes, bytes]:
+    def _name(self, key: Hashable) -> tuple[bytes, bytes, bytes]:
         names = self._names
         if len(names) >= NAMES_KEPT:
             names.clear()
         text = key_text(key)
-        named = names[key] = (digest_of(text), text)
+        named = names[key] = (digest_of(text), text, records.prefix_of(key)[1])
         return named
 
     def plan_key(self, key: Hashable, limiter: Limiter | None, leases: bool | None = None) -> _Slot:
@@ -365,7 +376,7 @@ class NodeTable:
         if slot is not None:
             return slot
         named = self._names.get(key)
-        digest, text = named if named is not None else self._name(key)
+        digest, text, prefix = named if named is not None else self._name(key)
         if leases is None:
             leases = limiter is not None and limiter.leases
         if leases:
@@ -376,7 +387,11 @@ class NodeTable:
             self._state_stripes.add(zone.stripe_of(digest))
         if len(text) > room:
             self._label_stripes.add(self._labels.stripe_of(digest))
-        slot = self._slots[key] = _Slot(digest, zone, limiter, text, room)
+        if text[:records.PREFIX_CODE_BYTES] in self._known_prefixes:
+            slot = self._slots[key] = _Slot(digest, zone, limiter, text, room, None)
+        else:
+            self._prefix_stripes.add(self.zones.prefixes.stripe_of(digest_of(prefix)))
+            slot = self._slots[key] = _Slot(digest, zone, limiter, text, room, prefix)
         return slot
 
     def plan_ban(self, address: str) -> None:
@@ -469,6 +484,8 @@ class NodeTable:
             slot.zone.put(slot.digest, value, kept, now)
             if labelled and len(text) <= LABEL_VALUE:
                 self._labels.put(slot.digest, text, kept, now)  # as long as the state
+            if slot.prefix is not None:
+                self._write_prefix(slot.prefix, text[:records.PREFIX_CODE_BYTES], now)
         for digest, record, _, changed in self._bans.values():
             if changed:
                 zones.bans.put(digest, records.encode_ban(record, zones.bans.value_size), record.expires, now)
@@ -476,6 +493,12 @@ class NodeTable:
             for name, (digest, note, _, changed) in notes.items():
                 if changed:
                     zones.notes.put(digest, encoded_notes[name], note[1], now)
+
+    def _write_prefix(self, prefix: bytes, code: bytes, now: float) -> None:
+        """Keep a key prefix for the admin API's listings (once per worker)."""
+        if len(prefix) <= PREFIX_VALUE:
+            self.zones.prefixes.put(digest_of(prefix), prefix, math.inf, now)
+        self._known_prefixes.add(code)
 
     # -- the primitives ----------------------------------------------------------------
 
@@ -845,8 +868,11 @@ class NodeStore:
             return [key] if self._stored(now, key) else []
         found: list[CountingKey] = []
         seen: set[bytes] = set()
-        hint = _text_hint(selection)
-        for key in self._keys(now, hint, seen):
+        prefixes = self._prefixes(now)
+        codes = None if selection.rule is None else \
+            {code for code, prefix in prefixes.items() if prefix[0] == selection.rule}
+        hint = None if selection.address is None else repr(selection.address).encode()
+        for key in self._keys(now, prefixes, codes, hint, seen):
             if selection.holds(key):
                 found.append(key)
                 if limit is not None and len(found) >= limit:
@@ -858,8 +884,26 @@ class NodeStore:
         digest = [digest_of(key_text(key))]
         return any(self._in_force_of(zone, digest, now) for zone in (self.zones.states, self.zones.leases))
 
-    def _keys(self, now: float, hint: bytes | None, seen: set[bytes]) -> Iterator[CountingKey]:
-        """The keys of every state in force, whose text holds ``hint``."""
+    def _prefixes(self, now: float) -> dict[bytes, Any]:
+        """Every key prefix the workers wrote, by code."""
+        zone = self.zones.prefixes
+        found: dict[bytes, Any] = {}
+        for stripe in _all_stripes(zone):
+            zone.lock([stripe])
+            try:
+                texts = [value for _, value, _ in zone.scan(stripe, now)]
+            finally:
+                zone.unlock([stripe])
+            for text in texts:
+                prefix = records.parse_prefix(text)
+                if prefix is not None:
+                    found[records.prefix_of((prefix,))[0]] = prefix
+        return found
+
+    def _keys(self, now: float, prefixes: dict[bytes, Any], codes: set[bytes] | None, hint: bytes | None,
+              seen: set[bytes]) -> Iterator[CountingKey]:
+        """The keys of every state in force: of a prefix of ``codes`` (None:
+        any), whose values' text holds ``hint``."""
         zones = self.zones
         for zone in (zones.states, zones.leases):
             for stripe in _all_stripes(zone):
@@ -874,9 +918,10 @@ class NodeStore:
                         continue
                     seen.add(digest)
                     text = self._text_of(digest, value, now)
-                    if text is None or hint is not None and hint not in text:
+                    if text is None or codes is not None and text[:records.PREFIX_CODE_BYTES] not in codes \
+                            or hint is not None and hint not in text[records.PREFIX_CODE_BYTES:]:
                         continue
-                    key = records.parse_key(text)
+                    key = records.parse_key(text, prefixes)
                     if key is not None:
                         yield key
 
@@ -943,13 +988,3 @@ class NodeStore:
     async def close(self) -> None:
         """Nothing to close: the zones stay attached until the process ends
         (the parent removes their files)."""
-
-
-def _text_hint(selection: KeySelection) -> bytes | None:
-    """Text that every key the selection names has in its ``key_text``: a
-    cheap filter before a key's text is read back."""
-    if selection.address is not None:
-        return repr(selection.address).encode()
-    if selection.rule is not None:
-        return repr(selection.rule).encode()
-    return None

@@ -10,11 +10,13 @@ when the request is decided. Each known algorithm has a fixed layout
 (``struct``), chosen by the state's type; a limiter only the rules' plug-ins
 know is kept as its dataclass's fields through ``marshal``.
 
-A state's record is its bytes followed by the key's text (``repr`` of the
-key tuple, which ``parse_key`` reads back), when the text fits in what is
-left of the record: the admin API lists keys by reading that text. A key
-too long for its record has the ``ELSEWHERE`` flag, and its text is kept in
-the labels zone under the same digest.
+A state's record is its bytes followed by the key's text, when the text
+fits in what is left of the record: the admin API lists keys by reading it.
+The text is the 8-byte code of the key's prefix (its rule id and dimension
+names, kept once in the prefixes zone) and the ``repr`` of the key's values
+(``key_text``, which ``parse_key`` reads back), so that a key of one or two
+short values fits. A key too long for its record has the ``ELSEWHERE``
+flag, and its text is kept in the labels zone under the same digest.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import marshal
 import math
 import struct
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, cast
 
 from sidecar.config import Rate
 from sidecar.keys import CountingKey
@@ -50,27 +52,59 @@ def digest_of(text: bytes) -> bytes:
 
 # -- counting keys -------------------------------------------------------------
 
+PREFIX_CODE_BYTES = 8
+# Each key prefix's code and text, as worked out once (a ruleset has a few
+# prefixes; forgotten all at once past this many).
+_PREFIXES: dict[Hashable, tuple[bytes, bytes]] = {}
+PREFIXES_KEPT = 4096
+
+
+def prefix_of(key: Hashable) -> tuple[bytes, bytes]:
+    """The code and the text of a counting key's prefix: its rule id and
+    dimension names, ``repr`` of them and 8 bytes of its BLAKE2b."""
+    prefix = cast(CountingKey, key)[0]
+    known = _PREFIXES.get(prefix)
+    if known is None:
+        if len(_PREFIXES) >= PREFIXES_KEPT:
+            _PREFIXES.clear()
+        text = repr(prefix).encode()
+        known = _PREFIXES[prefix] = (_blake2b(text, digest_size=PREFIX_CODE_BYTES).digest(), text)
+    return known
+
+
 def key_text(key: Hashable) -> bytes:
-    """A counting key as text: its tuple's ``repr`` (text values are quoted
-    and escaped, so it is unambiguous and always UTF-8)."""
-    return repr(key).encode()
+    """A counting key as text: its prefix's code, then the ``repr`` of its
+    values (text values are quoted and escaped: unambiguous, always UTF-8)."""
+    return prefix_of(key)[0] + repr(cast(CountingKey, key)[1:]).encode()
 
 
-def parse_key(text: bytes) -> CountingKey | None:
-    """The counting key ``key_text`` wrote, or None for anything else."""
-    try:
-        value = ast.literal_eval(text.decode())
-    except (ValueError, SyntaxError, UnicodeDecodeError, MemoryError, RecursionError):
+def parse_prefix(text: bytes) -> Any:
+    """The key prefix ``prefix_of`` wrote, or None for anything else."""
+    value = _literal(text)
+    return value if _is_prefix(value) else None
+
+
+def parse_key(text: bytes, prefixes: dict[bytes, Any]) -> CountingKey | None:
+    """The counting key ``key_text`` wrote, its prefix found by its code in
+    ``prefixes``; None for anything else."""
+    prefix = prefixes.get(text[:PREFIX_CODE_BYTES])
+    values = _literal(text[PREFIX_CODE_BYTES:])
+    if prefix is None or not isinstance(values, tuple):
         return None
-    if not isinstance(value, tuple) or not value or not _is_prefix(value[0]):
-        return None
-    for part in value[1:]:
+    for part in values:
         if isinstance(part, tuple):
             if len(part) != 2 or not all(isinstance(item, str) for item in part):
                 return None
         elif not isinstance(part, str):
             return None
-    return value
+    return (prefix, *values)
+
+
+def _literal(text: bytes) -> Any:
+    try:
+        return ast.literal_eval(text.decode())
+    except (ValueError, SyntaxError, UnicodeDecodeError, MemoryError, RecursionError, TypeError):
+        return None
 
 
 def _is_prefix(value: Any) -> bool:
