@@ -14,7 +14,9 @@ attaches to them (each worker) and removes them (the parent, at exit):
   of leases fixed at start (the rules' largest concurrency limit);
 - ``bans``, ``notes``: the addresses' ban records and what bans react to;
 - ``labels``: the text of keys too long for their state's record;
-- ``shadow``, ``networks``: shadow rules' would-be bans, and network bans.
+- ``shadow``, ``networks``: shadow rules' would-be bans, and network bans;
+- ``prefixes``: the key prefixes (a rule id and its dimensions' names) that
+  keys' texts name by an 8-byte code, for the admin API's listings.
 
 A decision is one transaction (``NodeTable``): the store works out every
 record the policy may touch for the request (the checks' keys, the
