@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
-from sidecar import version
+from sidecar import core, version
 from sidecar.addresses import Address
 from sidecar.cli_admin import admin as admin_commands
 from sidecar.config import ConfigError
@@ -76,7 +76,7 @@ def _is_loopback(host: str) -> bool:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
-@click.version_option(version=version(), prog_name="sluice", message="%(prog)s %(version)s")
+@click.version_option(version=version(), prog_name="sluice", message=f"%(prog)s %(version)s, {core.which()}")
 def main() -> None:
     """Sluice: rate-limiting external authorization for nginx and Envoy.
 

@@ -27,10 +27,12 @@ from sidecar.rules import Ruleset, load_ruleset
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_version_is_the_distribution_s() -> None:
+def test_version_is_the_distribution_s_and_names_the_core() -> None:
+    from sidecar import core
+
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     result = CliRunner().invoke(cli.main, ["--version"])
-    assert result.exit_code == 0 and result.output == f"sluice {project['version']}\n"
+    assert result.exit_code == 0 and result.output == f"sluice {project['version']}, {core.which()}\n"
     assert project["name"] == DISTRIBUTION
 
 
