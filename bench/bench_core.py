@@ -35,7 +35,7 @@ ROOT = BENCH.parent
 sys.path.insert(0, str(ROOT))
 
 from bench_check import Bench, Config, children_of, ensure_wrk, free_port, http_ok  # noqa: E402
-from bench_protocol import measure, ratio_text  # noqa: E402
+from bench_protocol import interleaved, ratio_text  # noqa: E402
 from bench_revisions import compiled_core_built  # noqa: E402
 
 ONE_CLIENT, MANY, MOST = 1, 100_000, 1_000_000
@@ -99,14 +99,7 @@ def main() -> None:
                     continue
                 *pids, port = started_as
                 behind_nginx(name, pids, port, addresses)
-            print("warm-up: 1 s per configuration", flush=True)
-            for config in configs:
-                config.measure(1, keep=False)
-            for number in range(args.rounds):
-                print(f"round {number + 1}/{args.rounds}", flush=True)
-                for config in configs if number % 2 == 0 else reversed(configs):
-                    measure(bench, config, args.seconds, per_pass)
-                    print(f"    {config.name:<20} {config.passes[-1].rate:8.0f} req/s", flush=True)
+            interleaved(bench, configs, args.rounds, args.seconds, per_pass)
         finally:
             bench.procs.stop()
     report(configs, per_pass, not_run)

@@ -111,18 +111,26 @@ def main() -> None:
                     sidecar, sidecar_port = start_sluice(bench, name, rules, protocol)
                     _, nginx_port = bench.start_nginx(f"nginx-{name}", sidecar_port)
                     configs.append(Config(name, f"http://127.0.0.1:{nginx_port}", {"sidecar": sidecar}))
-            print("warm-up: 1 s per configuration", flush=True)
-            for config in configs:
-                config.measure(1, keep=False)
-            for number in range(args.rounds):
-                print(f"round {number + 1}/{args.rounds}", flush=True)
-                for config in configs if number % 2 == 0 else reversed(configs):
-                    measure(bench, config, args.seconds, per_pass)
-                    print(f"    {config.name:<28} {config.passes[-1].rate:8.0f} req/s", flush=True)
+            interleaved(bench, configs, args.rounds, args.seconds, per_pass)
         finally:
             bench.procs.stop()
     report(configs, list(protocols), per_pass)
     print(f"\n(bench_protocol took {time.monotonic() - started:.0f} s)")
+
+
+def interleaved(bench: Bench, configs: list[Config], rounds: int, seconds: float,
+                per_pass: dict[str, list[float]]) -> None:
+    """A 1 s warm-up of each configuration, then ``rounds`` passes of each,
+    the order reversed every other round; each pass's CPU per request in
+    ``per_pass``."""
+    print("warm-up: 1 s per configuration", flush=True)
+    for config in configs:
+        config.measure(1, keep=False)
+    for number in range(rounds):
+        print(f"round {number + 1}/{rounds}", flush=True)
+        for config in configs if number % 2 == 0 else reversed(configs):
+            measure(bench, config, seconds, per_pass)
+            print(f"    {config.name:<28} {config.passes[-1].rate:8.0f} req/s", flush=True)
 
 
 def measure(bench: Bench, config: Config, seconds: float, per_pass: dict[str, list[float]]) -> None:

@@ -36,7 +36,7 @@ ROOT = BENCH.parent
 sys.path.insert(0, str(ROOT))
 
 from bench_check import Bench, Config, ensure_wrk, free_port, http_ok  # noqa: E402  (bench/ is the script's directory)
-from bench_protocol import measure, ratio_text  # noqa: E402
+from bench_protocol import interleaved, ratio_text  # noqa: E402
 
 # What a revision's Sluice is made of: its package and the templates it links to.
 TREES = ("sidecar", "nginx", "envoy")
@@ -98,14 +98,7 @@ def main() -> None:
                 sidecar, sidecar_port = start_sluice(bench, f"sluice-{number}", package, pure)
                 _, nginx_port = bench.start_nginx(f"nginx-{number}", sidecar_port)
                 configs.append(Config(name, f"http://127.0.0.1:{nginx_port}", {"sidecar": sidecar}))
-            print("warm-up: 1 s per configuration", flush=True)
-            for config in configs:
-                config.measure(1, keep=False)
-            for number in range(args.rounds):
-                print(f"round {number + 1}/{args.rounds}", flush=True)
-                for config in configs if number % 2 == 0 else reversed(configs):
-                    measure(bench, config, args.seconds, per_pass)
-                    print(f"    {config.name:<24} {config.passes[-1].rate:8.0f} req/s", flush=True)
+            interleaved(bench, configs, args.rounds, args.seconds, per_pass)
         finally:
             bench.procs.stop()
     print("\nSidecar CPU per check (µs, over all passes; each pass's in brackets):")
