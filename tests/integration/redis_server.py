@@ -125,6 +125,14 @@ class SentinelGroup:
                 if time.monotonic() > deadline:
                     raise RuntimeError("the sentinels did not find the replica and each other")
                 time.sleep(0.05)
+            # After its first sync a replica is sent its master's writes
+            # only once it has acknowledged the sync, up to a second later:
+            # a master killed before then leaves a replica with nothing.
+            master = self.servers[0].client()
+            master.set("sluice-test:streaming", "1")
+            if master.wait(1, 10_000) < 1:
+                raise RuntimeError("the replica was not sent its master's writes within 10 s")
+            master.delete("sluice-test:streaming")
         except BaseException:
             self.stop()  # nothing left running
             raise
