@@ -32,6 +32,7 @@ process's pass of (6), printed as JSON.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import json
 import os
@@ -281,10 +282,11 @@ def memory_per_key(keys: int = 100_000) -> float:
     return per_key
 
 
-class _Transport:
+class _Transport(asyncio.Transport):
     """What the HTTP protocol asks of its transport; the answers are dropped."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.closing = False
 
     def write(self, data: bytes) -> None:
@@ -322,8 +324,6 @@ def front_door(passes: int = 8, batch: int = 20_000) -> dict[str, float]:
     process (no socket, no event loop turn): what reading the check,
     deciding and writing the answer cost in Python, without a rule and with
     the ten rules under rotation (the fastest of ``passes``)."""
-    import asyncio
-
     import uvloop
     from uvicorn.config import Config
     from uvicorn.server import ServerState

@@ -31,8 +31,6 @@ from importlib.resources.abc import Traversable
 from pathlib import Path
 
 from sidecar.config import ConfigError
-from sidecar.limiters.bucket import Bucket
-from sidecar.limiters.window import WindowCounter
 from sidecar.rules import Ruleset, default_ruleset, load_ruleset
 
 # The repository's nginx/ and envoy/ folders, the one copy of the templates:
@@ -227,13 +225,8 @@ def guard_rate(ruleset: Ruleset | None) -> float:
     lets through: GUARD_HEADROOM times the fastest sustained rate of any rule
     (a window's threshold per period, a bucket's refill), and at least
     GUARD_MIN_RATE."""
-    fastest = 0.0
-    for rule in ruleset.rules if ruleset is not None else ():
-        limiter = rule.limiter
-        if isinstance(limiter, WindowCounter):
-            fastest = max(fastest, limiter.threshold / limiter.period)
-        elif isinstance(limiter, Bucket):
-            fastest = max(fastest, limiter.per_second)
+    fastest = max((rule.limiter.sustained_rate() for rule in ruleset.rules), default=0.0) \
+        if ruleset is not None else 0.0
     return max(GUARD_MIN_RATE, math.ceil(fastest * GUARD_HEADROOM))
 
 

@@ -12,8 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from sidecar.config import AutoBan as AutoBanConfig
-from sidecar.config import BanIncrement as BanIncrementConfig
+from sidecar.config import AutoBanConfig, BanIncrementConfig
 from sidecar.keys import CountingKey
 from sidecar.limiters import Hit, Quota, lua_number
 from sidecar.limiters.base import Limiter

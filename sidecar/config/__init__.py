@@ -29,10 +29,10 @@ from sidecar.config.loader import LoadedRules, load_rules_file, parse_rules_text
 from sidecar.config.models import (
     BUILTIN_PAGE_TYPES,
     Action,
-    AutoBan,
+    AutoBanConfig,
     Backend,
     BanAction,
-    BanIncrement,
+    BanIncrementConfig,
     BlockAction,
     ChallengeAction,
     ChallengeConfig,
@@ -90,7 +90,7 @@ __all__ = [
     "format_duration", "parse_dimension", "parse_duration", "parse_host_port", "parse_network", "parse_rate",
     "parse_refill", "parse_regex", "read_text_file", "resolve_file",
     # models
-    "BUILTIN_PAGE_TYPES", "Action", "AutoBan", "Backend", "BanAction", "BanIncrement", "BlockAction",
+    "BUILTIN_PAGE_TYPES", "Action", "AutoBanConfig", "Backend", "BanAction", "BanIncrementConfig", "BlockAction",
     "ChallengeAction", "ChallengeConfig", "ClientIPConfig", "ClusterConfig", "Condition", "CountOn",
     "DecisionLogConfig", "FailMode", "IPTest", "Limit", "LimitModel", "LogKeys", "NamedTest", "NamedTests",
     "OverloadConfig", "OverloadMode", "Override", "ResetOn", "ResponseHeaderTest", "Rule", "RulesFile",

@@ -248,7 +248,7 @@ class BlockAction(Strict):
         return self
 
 
-class BanIncrement(Strict):
+class BanIncrementConfig(Strict):
     """Escalating bans, as fail2ban's ``bantime.increment``: a repeat ban of
     an address by the same rule, within ``remember`` after its last ban by
     that rule ended, lasts ``factor`` times the last one, up to ``max``."""
@@ -274,7 +274,7 @@ class BanIncrement(Strict):
 
 class BanAction(Strict):
     duration: Duration = 3600.0
-    increment: BanIncrement | None = None
+    increment: BanIncrementConfig | None = None
 
     @field_validator("duration")
     @classmethod
@@ -285,7 +285,8 @@ class BanAction(Strict):
 
     @field_validator("increment")
     @classmethod
-    def _max_at_least_duration(cls, value: BanIncrement | None, info: ValidationInfo) -> BanIncrement | None:
+    def _max_at_least_duration(cls, value: BanIncrementConfig | None,
+                               info: ValidationInfo) -> BanIncrementConfig | None:
         duration = info.data.get("duration")
         if value is not None and duration is not None and value.max_ < duration:
             raise ValueError(f"max {format_duration(value.max_)} is shorter than the ban's duration "
@@ -506,7 +507,7 @@ class VerifiedBots(Strict):
     user_agent: Regex | None = None
 
 
-class AutoBan(Strict):
+class AutoBanConfig(Strict):
     challenges: int = Field(100, ge=1)
     per: Duration = 60.0
     ban: Duration = 300.0
@@ -514,7 +515,7 @@ class AutoBan(Strict):
 
 class ChallengeConfig(Strict):
     secret_file: str | None = None
-    auto_ban: AutoBan = AutoBan()
+    auto_ban: AutoBanConfig = AutoBanConfig()
     # Leading zero bits of the proof of work: 2**D hashes on average. 16 is
     # about a second in a browser; every bit more doubles it.
     difficulty: int = Field(16, ge=1, le=24)

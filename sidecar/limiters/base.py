@@ -38,6 +38,10 @@ class Limiter(Protocol):
     def peak_period(self) -> float:
         """The span over which replay measures a key's peak traffic."""
 
+    def sustained_rate(self) -> float:
+        """Requests a second a key is admitted in the long run (0: no rate,
+        as a concurrency limit has none); the proxies' guard is sized from it."""
+
     def describe(self) -> str:
         """The limit in words, as replay reports it."""
 

@@ -75,6 +75,10 @@ class Bucket:
         """A second, or a minute when the bucket gives back less than one per second."""
         return 1.0 if self.per_second >= 1 else 60.0
 
+    def sustained_rate(self) -> float:
+        """What the bucket gives back a second."""
+        return self.per_second
+
     def with_penalty(self, text: str) -> str:
         """A description, and the penalty when the rule sets one."""
         return text if self.penalty is None else f"{text}, penalty {format_duration(self.penalty)}"

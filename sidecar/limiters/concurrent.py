@@ -133,6 +133,10 @@ class ConcurrencyLimiter:
         """A request is in flight for its lease at most: after that it counts no more."""
         return self.lease
 
+    def sustained_rate(self) -> float:
+        """None: requests in flight at once, not a rate."""
+        return 0.0
+
     def describe(self) -> str:
         return f"{self.limit} concurrent, lease {format_duration(self.lease)}"
 

@@ -195,6 +195,10 @@ class WindowCounter:
     def peak_period(self) -> float:
         return self.period
 
+    def sustained_rate(self) -> float:
+        """The threshold per period."""
+        return float(self.threshold) / self.period
+
     def describe(self) -> str:
         if self.exceed:
             text = f"score {self.threshold} per {format_duration(self.period)}"

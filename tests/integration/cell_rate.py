@@ -83,6 +83,9 @@ class CellRate:
     def peak_period(self) -> float:
         return self.period
 
+    def sustained_rate(self) -> float:
+        return self.cells / self.period
+
     def describe(self) -> str:
         return f"{self.cells} cells per {format_duration(self.period)}"
 

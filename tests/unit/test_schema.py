@@ -78,7 +78,7 @@ def test_sluice_schema_says_in_one_line_when_it_cannot_write(tmp_path: Path) -> 
 
 def test_the_schema_keeps_the_models_descriptions() -> None:
     definitions = SCHEMA["definitions"]
-    assert "fail2ban" in definitions["BanIncrement"]["description"]
+    assert "fail2ban" in definitions["BanIncrementConfig"]["description"]
     assert "10s" in definitions["WindowLimit"]["properties"]["per"]["description"]
 
 
