@@ -8,6 +8,7 @@ output the real nginx and Envoy accept)."""
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import subprocess
 import sys
@@ -124,6 +125,23 @@ def test_the_wheel_built_from_the_sdist_carries_the_templates_and_the_license(di
     assert [name.rpartition("/")[2] for name in licenses] == ["LICENSE"]
     # pyproject.toml as the backend reads it: no deprecated license table or classifier.
     assert "deprecated" not in dist.log.lower()
+
+
+def test_the_wheel_carries_a_compiled_extension_for_every_module_of_its_core(dist: Dist) -> None:
+    with zipfile.ZipFile(dist.wheel) as wheel:
+        names = wheel.namelist()
+        manifest = json.loads(wheel.read("sidecar/_core_manifest.json"))
+    extensions = {name.split(".")[0].replace("/", ".") for name in names if name.endswith(".so")}
+    # Every module the manifest names, from the limiters to the shared-memory zone.
+    assert set(manifest["modules"]) == extensions
+    assert {"sidecar.policy", "sidecar.store.node", "sidecar.shm._zone"} <= extensions
+    for module, sources in manifest["modules"].items():
+        # ...each beside its sources, whose hashes the package checks at import.
+        assert all(source in names for source in sources), module
+
+
+def test_the_installed_wheel_runs_its_compiled_core(installed: Installed) -> None:
+    assert "compiled core" in installed.sluice("--version").stdout
 
 
 def test_the_installed_package_is_the_wheel_s_not_the_checkout_s(installed: Installed) -> None:
