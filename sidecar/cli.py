@@ -506,8 +506,8 @@ def serve(config: str | None, demo_rules: bool, host: str, port: int, uds: str |
 
     configure_logging(log_level)
     log = logging.getLogger("sluice")
-    log.info("%s from %s, node %s%s", plural(len(ruleset.rules), "rule"), ruleset.source, ruleset.node,
-             f", {workers} workers" if workers > 1 else "")
+    log.info("%s from %s, node %s%s, %s", plural(len(ruleset.rules), "rule"), ruleset.source, ruleset.node,
+             f", {workers} workers" if workers > 1 else "", core.which())
     for warning in ruleset.warnings:
         log.warning("%s", warning)
 
@@ -559,8 +559,6 @@ def serve(config: str | None, demo_rules: bool, host: str, port: int, uds: str |
 def _needs_compiled_core() -> None:
     """Exit 2 unless the compiled core runs: the workers' shared table
     needs its process-shared locks."""
-    from sidecar import core
-
     if core.PURE:
         _fail(f"--workers > 1 with the memory backend needs the compiled core (this is the {core.which()}): "
               "install Sluice with a C compiler, or run one worker, or use state.backend: redis", 2)

@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar import DISTRIBUTION, addresses, cli
+from sidecar import DISTRIBUTION, addresses, cli, core
 from sidecar.rendering import ENVOY_GUARD_ADDRESSES, ENVOY_MAX_TOKENS
 from sidecar.rules import Ruleset, load_ruleset
 
@@ -358,6 +358,8 @@ def test_serve_demo_rules_are_the_example_rules_make_run_uses(served: list) -> N
     assert described(demo) == described(load_ruleset(str(ROOT / "examples" / "default.yaml")))
     assert described(run["app"]["ruleset"]) == described(demo) and len(demo.rules) == 2
     assert "2 rules from " in result.output
+    # ...and which core decides, as sluice --version says it.
+    assert core.which() in result.output
 
 
 def described(ruleset: Ruleset) -> list[tuple[str, str, str]]:
