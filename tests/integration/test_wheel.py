@@ -68,12 +68,13 @@ class Installed:
         self.work = root / "work"
         self.work.mkdir()
         self.venv = root / "venv"
-        subprocess.run([sys.executable, "-m", "venv", str(self.venv)], check=True, timeout=120)
-        subprocess.run([str(self.venv / "bin" / "pip"), "install", "--quiet", str(wheel)],
-                       check=True, capture_output=True, timeout=600)
-        # Nothing of the checkout or the test run leaks in.
+        # Nothing of the checkout or the test run leaks in (a PYTHONPATH to
+        # the checkout would make pip find Sluice installed already).
         self.env = {key: value for key, value in os.environ.items()
                     if key not in ("PYTHONPATH", "VIRTUAL_ENV") and not key.startswith("SLUICE_")}
+        subprocess.run([sys.executable, "-m", "venv", str(self.venv)], check=True, timeout=120, env=self.env)
+        subprocess.run([str(self.venv / "bin" / "pip"), "install", "--quiet", str(wheel)],
+                       check=True, capture_output=True, timeout=600, env=self.env)
         self.env["PATH"] = f"{self.venv / 'bin'}:{os.environ.get('PATH', '')}"
 
     def sluice(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
