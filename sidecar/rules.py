@@ -704,12 +704,14 @@ def compile_rules(loaded: LoadedRules, shadow: bool = False) -> Ruleset:
     client_ip = model.client_ip
     verified_bots = tuple(VerifiedBot(NetworkSet(b.cidrs), b.user_agent) for b in model.verified_bots)
     match, match_source = compile_matcher(compiled_from, verified_bots, loaded)
+    # The resolver tells each client it makes whether it is exempt.
+    exempt = NetworkSet(model.exempt)
     return Ruleset(
         rules=tuple(rules),
         by_id={rule.id: rule for rule in rules},
         resolver=ClientIPResolver(tuple(client_ip.trusted_proxies), client_ip.ipv4_prefix,
-                                  client_ip.ipv6_prefix),
-        exempt=NetworkSet(model.exempt),
+                                  client_ip.ipv6_prefix, exempt=exempt),
+        exempt=exempt,
         verified_bots=verified_bots,
         node=model.node or socket.gethostname(),
         max_keys=model.state.max_keys,
