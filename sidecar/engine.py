@@ -11,7 +11,8 @@ import logging
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections import _count_elements  # type: ignore[attr-defined]  # Counter.update's C loop
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from sidecar.actions import BlockPage, draft_fields, retry_after_seconds
@@ -44,6 +45,8 @@ from sidecar.store.local import PlainEvaluation, plain_evaluation
 from sidecar.tokens import Tokens
 
 log = logging.getLogger("sluice")
+# Add one to a Counter for each of the keys (Counter.update without its checks).
+count_elements: Callable[[dict[str, int], Iterable[str]], None] = _count_elements
 
 
 class Outcome(enum.StrEnum):
@@ -551,15 +554,18 @@ class Engine:
         # The concurrency slots the store took: one per leasing check within
         # its limit, as the request is not refused.
         slots: list[SlotEntry] = []
-        rule_hits = metrics.rule_hits
+        # The ids of the rules that counted the request, added to
+        # metrics.rule_hits at once (count_elements: a C loop, where a
+        # Counter's += is a Python call each).
+        counted: list[str] = []
         for rule, check, hit in zip(matched, checks, evaluation.hits):
             if not hit.over_limit:
                 if rule.plain:
-                    rule_hits[rule.id] += 1
+                    counted.append(rule.id)
                     continue
                 spec, key = check.spec, check.key
                 if rule.counts:
-                    rule_hits[rule.id] += 1
+                    counted.append(rule.id)
                     if rule.reset_on is not None:
                         # A response it names clears the key, when it is reported.
                         pending.append((rule.id, spec.threshold, key_values(key)))
@@ -578,10 +584,12 @@ class Engine:
                 continue
             metrics.over_limit(rule.id, rule.action)
             if check.stops:
+                count_elements(metrics.rule_hits, counted)
                 return self._refuse(request, rule, check, hit, limit, reset, evaluation)
             if rule.action == "log" and observed is None:
                 observed = Decision(outcome=ALLOW, rule=rule, limit=limit, reset=reset)
             self.log.matched(request, rule, check, "observe" if rule.action == "log" else "verified-bot")
+        count_elements(metrics.rule_hits, counted)
         token = None
         if pending or slots:
             # The report gives the slots back; without a token they end
