@@ -418,8 +418,9 @@ class ClientIPResolver:
         exempt = self.exempt
         if client is not None and exempt is not None:
             client.exempt_by = exempt
-            numeric = client.numeric
-            client.exempt = numeric is not None and exempt.holds_value(*numeric)
+            if exempt.networks:  # none (the common case): not exempt, nothing to look up
+                numeric = client.numeric
+                client.exempt = numeric is not None and exempt.holds_value(*numeric)
         return entry
 
     def _parse(self, field: str) -> _Entry:
