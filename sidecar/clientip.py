@@ -49,9 +49,14 @@ class ClientAddress:
     (several times as much for IPv6), is made only if something asks for
     ``address`` (a refusal's page, which shows it), so a flood of new
     addresses never makes one. Treat it as immutable.
+
+    A client the resolver made is also told whether the ruleset's exempt
+    networks hold it (``exempt_by``, the set it was looked up in, and
+    ``exempt``): looked up once per address the resolver remembers, not
+    once per request (``exempt_in``).
     """
 
-    __slots__ = ("key", "_address", "_ipv4", "_ipv6")
+    __slots__ = ("key", "_address", "_ipv4", "_ipv6", "exempt_by", "exempt")
 
     def __init__(self, address: IPAddress | None, key: str, ipv4: int = -1, ipv6: int = -1) -> None:
         self.key = key
@@ -59,6 +64,8 @@ class ClientAddress:
         # The address's value, when ``address`` is yet to be made.
         self._ipv4 = ipv4
         self._ipv6 = ipv6
+        self.exempt_by: NetworkSet | None = None
+        self.exempt = False
 
     @property
     def address(self) -> IPAddress | None:
@@ -106,6 +113,14 @@ class ClientAddress:
 
     def __repr__(self) -> str:
         return f"ClientAddress({self.address!r}, {self.key!r})"
+
+    def exempt_in(self, networks: NetworkSet) -> bool:
+        """Whether ``networks`` (the exempt networks) hold the address: as
+        the resolver found when it made the client for these networks, else
+        looked up now."""
+        if self.exempt_by is networks:
+            return self.exempt
+        return networks.holds(self)
 
 
 UNKNOWN_CLIENT = ClientAddress(None, "")
@@ -288,8 +303,12 @@ class ClientIPResolver:
         ipv4_prefix: int = 32,
         ipv6_prefix: int = 64,
         cache_size: int = 4096,
+        exempt: NetworkSet | None = None,
     ) -> None:
         self.trusted_proxies = NetworkSet(trusted_proxies)
+        # The ruleset's exempt networks: each client made is told whether
+        # they hold it (ClientAddress.exempt_in).
+        self.exempt = exempt
         self.ipv4_prefix = ipv4_prefix
         self.ipv6_prefix = ipv6_prefix
         self.cache_size = cache_size
@@ -392,6 +411,19 @@ class ClientIPResolver:
         return self._classify(text[begin:percent] + "%z")
 
     def _classify(self, field: str) -> _Entry:
+        """What one field (or the peer) is; a client made is told whether
+        the exempt networks hold it."""
+        entry = self._parse(field)
+        client = entry[0]
+        exempt = self.exempt
+        if client is not None and exempt is not None:
+            client.exempt_by = exempt
+            if exempt.networks:  # none (the common case): not exempt, nothing to look up
+                numeric = client.numeric
+                client.exempt = numeric is not None and exempt.holds_value(*numeric)
+        return entry
+
+    def _parse(self, field: str) -> _Entry:
         text = field.strip()
         if not text:
             return _BLANK

@@ -11,7 +11,8 @@ import logging
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections import _count_elements  # type: ignore[attr-defined]  # Counter.update's C loop
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from sidecar.actions import BlockPage, draft_fields, retry_after_seconds
@@ -40,9 +41,12 @@ from sidecar.responses import ResponsePhase
 from sidecar.rules import CompiledRule, Ruleset
 from sidecar.state import BanRecord, Check, Clock, Evaluation, epoch_clock
 from sidecar.store import StateStore, StoreUnavailable, open_local_counts, open_store
+from sidecar.store.local import PlainEvaluation, plain_evaluation
 from sidecar.tokens import Tokens
 
 log = logging.getLogger("sluice")
+# Add one to a Counter for each of the keys (Counter.update without its checks).
+count_elements: Callable[[dict[str, int], Iterable[str]], None] = _count_elements
 
 
 class Outcome(enum.StrEnum):
@@ -148,6 +152,10 @@ class Engine:
         self.loop_behind: Clock = lambda: 0.0
         # Answers the HTTP protocol sends again without a decision.
         self.address_refusals = AddressRefusals(ruleset.max_keys)
+        # The store whose policy decide_now calls as a plain function, and
+        # that function (None: its evaluate is run as a coroutine).
+        self._plain_for: object = None
+        self._plain: PlainEvaluation | None = None
 
     @property
     def pending(self) -> PendingTokens:
@@ -212,17 +220,13 @@ class Engine:
         """The decision for one request: one call to the store, or none for
         a check that came too late (see ``late``). A request a front door
         described (its client ``UNRESOLVED``) has its client resolved first,
-        once."""
+        once. Over a store that answers at once (this node's memory) it is
+        ``decide_now``: no coroutine of its own, nor of the store's."""
+        if self.store.answers_at_once:
+            return self.decide_now(request)
         if request.client is UNRESOLVED:
-            # resolve_client, written out: this runs for every check.
-            client = self.ruleset.resolver.resolve(request.peer, request.forwarded_for)
-            if client is UNKNOWN_CLIENT:
-                self._unknown_client(request.peer)
-            request.client = client
-        # Over a store decided at once (this node's memory) a late check is
-        # decided in full all the same: the decision costs a few µs beside
-        # the check's own reading and writing, and counts exactly.
-        if request.sent and not self.store.answers_at_once and self.late(request.sent):
+            self._resolve(request)
+        if request.sent and self.late(request.sent):
             return self._overloaded(request)
         prepared = self._prepare(request)
         if isinstance(prepared, Decision):
@@ -238,7 +242,7 @@ class Engine:
                 decision = evaluated  # the store did not answer
             else:
                 decision = self._conclude(request, *prepared, evaluated)
-                if decision.outcome is ALLOW and not self.store.answers_at_once:
+                if decision.outcome is ALLOW:
                     # The shared store admitted it: so does this node's count of
                     # late checks, which then starts from this node's share.
                     self._count_here(now, *prepared, admitted=True)
@@ -248,9 +252,43 @@ class Engine:
         return decision
 
     def decide_now(self, request: CheckRequest) -> Decision:
-        """``decide`` without an event loop, over a store that answers at
-        once (the memory store): for replay and tests."""
-        return run_at_once(self.decide(request))
+        """``decide`` as a plain function, over a store that answers at
+        once (the memory store): what the HTTP protocol runs for every
+        check, and replay and tests. Over such a store a late check is
+        decided in full all the same: the decision costs a few µs beside
+        the check's own reading and writing, and counts exactly. Over a
+        shared store, ``decide``'s coroutine run at once (it must not wait)."""
+        store = self.store
+        if not store.answers_at_once:
+            return run_at_once(self.decide(request))
+        if request.client is UNRESOLVED:
+            self._resolve(request)
+        prepared = self._prepare(request)
+        if isinstance(prepared, Decision):
+            return prepared
+        matched, checks = prepared
+        ruleset = self.ruleset
+        held = self._reserve_hold(checks) if ruleset.holds else False
+        decision: Decision | None = None
+        try:
+            evaluated = self._evaluate_now(store, self.clock(), request.client.key, checks, held,
+                                           ruleset.draft_headers)
+            if isinstance(evaluated, Decision):
+                decision = evaluated  # the store did not answer
+            else:
+                decision = self._conclude(request, matched, checks, evaluated)
+        finally:
+            if held:
+                self._release_unless_held(decision)
+        return decision
+
+    def _resolve(self, request: CheckRequest) -> None:
+        """The client of a request a front door described (``UNRESOLVED``):
+        ``resolve_client``, written out (this runs for every check)."""
+        client = self.ruleset.resolver.resolve(request.peer, request.forwarded_for)
+        if client is UNKNOWN_CLIENT:
+            self._unknown_client(request.peer)
+        request.client = client
 
     async def decide_checks(self, checks: list[Check], client: str, shadow: Sequence[bool],
                             domain: str) -> Tally:
@@ -291,6 +329,25 @@ class Engine:
         ``state.fail`` gives (fail open or closed; counted and logged)."""
         try:
             evaluation = await self.store.evaluate(now, client, checks, can_delay=can_delay, quotas=quotas)
+        except StoreUnavailable as exc:
+            return self._unavailable(exc)
+        if evaluation.ban is not None and not evaluation.new_ban:
+            self.metrics.banned_requests.inc()
+        return evaluation
+
+    def _evaluate_now(self, store: StateStore, now: float, client: str, checks: Sequence[Check],
+                      can_delay: bool, quotas: bool) -> Evaluation | Decision:
+        """``_evaluate`` over a store that answers at once: its policy
+        called as a plain function when the store's ``evaluate`` is the
+        policy's own (``plain_evaluation``), else its coroutine run at once."""
+        if store is not self._plain_for:
+            self._plain_for, self._plain = store, plain_evaluation(store)
+        plain = self._plain
+        try:
+            if plain is not None:
+                evaluation = plain(now, client, checks, can_delay, quotas)
+            else:
+                evaluation = run_at_once(store.evaluate(now, client, checks, can_delay=can_delay, quotas=quotas))
         except StoreUnavailable as exc:
             return self._unavailable(exc)
         if evaluation.ban is not None and not evaluation.new_ban:
@@ -461,7 +518,9 @@ class Engine:
         # a new client's address object is never made for them.
         client = request.client
         exempt = ruleset.exempt
-        if exempt.networks and exempt.holds(client):  # the tuple, not the set's __bool__: one call less
+        # The tuple, not the set's __bool__: one call less. A client the
+        # ruleset's resolver made knows whether it is exempt (no lookup).
+        if exempt.networks and (client.exempt if client.exempt_by is exempt else client.exempt_in(exempt)):
             return ALLOWED
         if network_bans and network_bans.find_client(client, self.clock()) is not None:
             metrics.banned_requests.inc()
@@ -495,15 +554,18 @@ class Engine:
         # The concurrency slots the store took: one per leasing check within
         # its limit, as the request is not refused.
         slots: list[SlotEntry] = []
-        rule_hits = metrics.rule_hits
+        # The ids of the rules that counted the request, added to
+        # metrics.rule_hits at once (count_elements: a C loop, where a
+        # Counter's += is a Python call each).
+        counted: list[str] = []
         for rule, check, hit in zip(matched, checks, evaluation.hits):
             if not hit.over_limit:
                 if rule.plain:
-                    rule_hits[rule.id] += 1
+                    counted.append(rule.id)
                     continue
                 spec, key = check.spec, check.key
                 if rule.counts:
-                    rule_hits[rule.id] += 1
+                    counted.append(rule.id)
                     if rule.reset_on is not None:
                         # A response it names clears the key, when it is reported.
                         pending.append((rule.id, spec.threshold, key_values(key)))
@@ -522,10 +584,12 @@ class Engine:
                 continue
             metrics.over_limit(rule.id, rule.action)
             if check.stops:
+                count_elements(metrics.rule_hits, counted)
                 return self._refuse(request, rule, check, hit, limit, reset, evaluation)
             if rule.action == "log" and observed is None:
                 observed = Decision(outcome=ALLOW, rule=rule, limit=limit, reset=reset)
             self.log.matched(request, rule, check, "observe" if rule.action == "log" else "verified-bot")
+        count_elements(metrics.rule_hits, counted)
         token = None
         if pending or slots:
             # The report gives the slots back; without a token they end

@@ -262,8 +262,12 @@ _SIMPLE_DIMENSIONS: dict[str, str] = {
 }
 
 
-def _dimension_value(dimension: str, source: _Expression) -> str:
-    """The expression of a dimension's value (a missing one is "")."""
+def _dimension_value(dimension: str, source: _Expression, client_key: str = "request.client.key") -> str:
+    """The expression of a dimension's value (a missing one is "");
+    ``client_key`` is the expression of the client's key (the matcher reads
+    it once, into a local)."""
+    if dimension == "ip":
+        return client_key
     if dimension in _SIMPLE_DIMENSIONS:
         return _SIMPLE_DIMENSIONS[dimension]
     kind, _, name = dimension.partition(":")
@@ -273,7 +277,7 @@ def _dimension_value(dimension: str, source: _Expression) -> str:
     # session:COOKIE falls back to the client address; the two are tagged so
     # that a cookie whose value equals an address is still another key.
     value = source.value()
-    return (f"(('ip', request.client.key) if ({value} := request.cookies.get({source.constant(name)})) is None "
+    return (f"(('ip', {client_key}) if ({value} := request.cookies.get({source.constant(name)})) is None "
             f"else ('cookie', {value}))")
 
 
@@ -289,10 +293,11 @@ def compile_key(rule_id: str, dimensions: list[str]) -> tuple[KeyPrefix, KeyBuil
     return prefix, cast(KeyBuilder, source.function(_key(prefix, source)))
 
 
-def _key(prefix: KeyPrefix, source: _Expression, name: str | None = None) -> str:
+def _key(prefix: KeyPrefix, source: _Expression, name: str | None = None,
+         client_key: str = "request.client.key") -> str:
     """The expression of a key with ``prefix`` (bound to ``name``, if given),
-    from the request."""
-    values = ", ".join(_dimension_value(dimension, source) for dimension in prefix[1])
+    from the request (``client_key``: see ``_dimension_value``)."""
+    values = ", ".join(_dimension_value(dimension, source, client_key) for dimension in prefix[1])
     return f"({source.constant(prefix, name)}, {values})"
 
 
@@ -531,7 +536,8 @@ _MATCHER_HEAD = """\
 # at once. Values from the file are the constants c1, c2, ...: each line's
 # comment gives its rule, its line in the file and what it tests.
 def match(request, matched, checks, lease, has_credential):
-    add_rule, add_check = matched.append, checks.append
+    # The ip dimension's value (client_key) is read once, here.
+    add_rule, add_check, client_key = matched.append, checks.append, request.client.key
     verified = None  # whether the request is a verified bot's, once asked
 """
 
@@ -609,7 +615,7 @@ def _rule_lines(rule: CompiledRule, model: config.Rule, loc: Loc, verified_bots:
     if rule.overrides:
         lines.append(f"{indent}spec = {name}.spec_for(request.client, spec)  # {rule.id}: the threshold of the "
                      f"first override holding the client ({_lines_said(override_lines)})")
-    key = _key(rule.key_prefix, source, names.format("key"))
+    key = _key(rule.key_prefix, source, names.format("key"), client_key="client_key")
     lines += [f"{indent}add_rule({name})",
               f"{indent}add_check(Check({spec}, {key}, lease))"
               f"  # {rule.id} (line {line_of(loc + ('key',))}): key {', '.join(rule.key_prefix[1])}"
@@ -704,12 +710,14 @@ def compile_rules(loaded: LoadedRules, shadow: bool = False) -> Ruleset:
     client_ip = model.client_ip
     verified_bots = tuple(VerifiedBot(NetworkSet(b.cidrs), b.user_agent) for b in model.verified_bots)
     match, match_source = compile_matcher(compiled_from, verified_bots, loaded)
+    # The resolver tells each client it makes whether it is exempt.
+    exempt = NetworkSet(model.exempt)
     return Ruleset(
         rules=tuple(rules),
         by_id={rule.id: rule for rule in rules},
         resolver=ClientIPResolver(tuple(client_ip.trusted_proxies), client_ip.ipv4_prefix,
-                                  client_ip.ipv6_prefix),
-        exempt=NetworkSet(model.exempt),
+                                  client_ip.ipv6_prefix, exempt=exempt),
+        exempt=exempt,
         verified_bots=verified_bots,
         node=model.node or socket.gethostname(),
         max_keys=model.state.max_keys,

@@ -20,6 +20,9 @@ from sidecar.networkbans import NetworkBans
 from sidecar.policy import Policy, StateTable
 from sidecar.state import Check, Evaluation, ResponseCount
 
+# A store's evaluate as a plain function: (now, address, checks, can_delay, quotas).
+PlainEvaluation = Callable[[float, str, Sequence[Check], bool, bool], Evaluation]
+
 
 class LocalStore:
     """The policy over ``table``; every operation answers at once: its
@@ -53,3 +56,14 @@ class LocalStore:
 
     def may_be_banned(self) -> bool:
         return True  # the table is asked with every request
+
+
+def plain_evaluation(store: object) -> PlainEvaluation | None:
+    """``store.evaluate`` as a plain function, when it is ``LocalStore``'s
+    own: its policy's ``evaluate``, without a coroutine (the engine's
+    ``decide_now``). None for any other store, and for a local store whose
+    class overrides ``evaluate`` (to record what it decided, or to fail):
+    that one is asked through its coroutine."""
+    if isinstance(store, LocalStore) and getattr(type(store), "evaluate", None) is LocalStore.evaluate:
+        return store.policy.evaluate
+    return None

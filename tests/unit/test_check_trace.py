@@ -26,7 +26,7 @@ from uvicorn.config import Config
 from uvicorn.server import ServerState
 
 import sidecar
-from sidecar import clientip, request
+from sidecar import actions, request
 from sidecar.app import SluiceApp
 from sidecar.engine import Engine
 from sidecar.server import LimitedHttpProtocol
@@ -112,6 +112,14 @@ def files_entered(run: Callable[[], object]) -> list[str]:
     return entered
 
 
+def traced(module: str) -> bool:
+    """Whether the trace sees a module's frames: not when it runs as a
+    module of the compiled core (sidecar.core), whose functions make no
+    Python frames."""
+    name = "sidecar." + module.removesuffix(".py").replace("/", ".")
+    return str(sys.modules[name].__file__).endswith(".py")
+
+
 def entered_again(entered: list[str]) -> list[str]:
     """The files entered more than once."""
     return sorted({name for name in entered if entered.count(name) > 1})
@@ -142,7 +150,7 @@ def test_a_check_enters_each_module_once_down_and_back_up(check: bytes, front_do
     # The check's whole way, protocol to answer, was traced...
     assert entered[0] == "server.py"
     for module in ("app.py", front_door, "request.py", "engine.py", "clientip.py", "exchange.py"):
-        assert module in entered, entered
+        assert module in entered or not traced(module), entered
     # ...no module on it was entered twice...
     assert entered_again(entered) == [], entered
     # ...and without --then-auth, nothing of the next auth service's runs.
@@ -151,14 +159,14 @@ def test_a_check_enters_each_module_once_down_and_back_up(check: bytes, front_do
 
 def test_a_module_entered_twice_is_found() -> None:
     """The trace sees a check that goes back and forth between modules:
-    request.py, left for clientip.py, entered again."""
+    request.py, left for actions.py, entered again."""
 
     def back_and_forth() -> None:
         request.strip_port("shop.example:443")
-        clientip.parse_address("192.0.2.7")
+        actions.retry_after_seconds(1.5)
         request.strip_port("shop.example")
 
     entered = files_entered(back_and_forth)
 
-    assert entered == ["request.py", "clientip.py", "request.py"]
+    assert entered == ["request.py", "actions.py", "request.py"]
     assert entered_again(entered) == ["request.py"]

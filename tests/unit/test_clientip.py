@@ -655,3 +655,35 @@ def test_a_client_read_from_its_value_is_written_as_ipaddress_writes_it(ipv4: in
     assert [client.text for client in clients] == [str(IPv4Address(ipv4)), str(IPv6Address(ipv6))]
     assert clients[0]._address is None
     assert (clients[1]._address is None) == (ipv6 > 0xFFFFFFFF)
+
+
+# --------------------------------------------------------------------------
+# Exemption, told by the resolver
+# --------------------------------------------------------------------------
+
+
+@given(networks_and_address(), st.sampled_from([(32, 64), (24, 48), (32, 128)]), st.booleans())
+def test_a_client_the_resolver_makes_knows_whether_the_exempt_networks_hold_it(case, prefixes, mapped) -> None:
+    """The resolver looks an address up in the exempt networks once, when
+    it makes the client: the answer is the ipaddress reference's, for the
+    full address (not its key's network), from the cache too; other
+    networks are looked up when asked."""
+    networks, address = case
+    exempt = NetworkSet(networks)
+    expected = any(address.version == network.version and address in network for network in networks)
+    text = f"::ffff:{address}" if mapped and address.version == 4 else str(address)
+    resolver = ClientIPResolver((), *prefixes, cache_size=4, exempt=exempt)
+    for _ in range(2):  # made, then from the cache
+        client = resolver.resolve(text, None)
+        assert client.exempt_by is exempt
+        assert client.exempt == client.exempt_in(exempt) == expected
+    other = NetworkSet([ip_network("0.0.0.0/0"), ip_network("::/0")])
+    assert client.exempt_in(other) and client.exempt_in(NetworkSet()) is False
+
+
+def test_a_client_made_without_exempt_networks_is_looked_up_when_asked() -> None:
+    exempt = NetworkSet([ip_network("10.0.0.0/8")])
+    client = ClientIPResolver().resolve("10.1.2.3", None)
+    assert client.exempt_by is None and client.exempt_in(exempt)
+    assert not ClientIPResolver(exempt=exempt).resolve("11.1.2.3", None).exempt_in(exempt)
+    assert not ClientIPResolver(exempt=exempt).resolve("junk", None).exempt_in(exempt)  # the unknown client

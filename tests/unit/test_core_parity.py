@@ -98,7 +98,7 @@ def test_the_compiled_policy_answers_every_step_as_the_pure_one(twins: tuple[Twi
 
 
 # Rule sets: each kind of limit, each action a kind takes, keys of one or two
-# dimensions, some rules only for a path; standard or draft headers.
+# dimensions, some rules only for a path; standard or draft headers; exempt networks.
 WINDOWS = st.fixed_dictionaries({"requests": st.integers(0, 4), "per": st.sampled_from(["1s", "3s", "10s"]),
                                  "window": st.sampled_from(["sliding", "fixed"])})
 TOKENS = st.fixed_dictionaries({"tokens": st.integers(1, 4), "refill": st.sampled_from(["1/s", "3/s", "1/m"])})
@@ -124,6 +124,8 @@ def rules(draw: st.DrawFn) -> dict[str, Any]:
 def rule_sets(draw: st.DrawFn) -> str:
     chosen = draw(st.lists(rules(), min_size=1, max_size=5))
     document = {"headers": draw(st.sampled_from(["standard", "draft"])),
+                # Exempt networks: none, or holding some of the clients (see checks).
+                "exempt": draw(st.sampled_from([[], ["192.0.2.2/32"], ["2001:db8::/32", "192.0.2.0/24"]])),
                 "rules": [{"id": f"rule-{n}", **rule} for n, rule in enumerate(chosen)]}
     return json.dumps(document)  # JSON is YAML
 

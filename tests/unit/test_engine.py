@@ -4,9 +4,10 @@ import json
 import logging
 
 from sidecar.at_once import run_at_once
+from sidecar.clientip import NetworkSet
 from sidecar.engine import ALLOW, CLOSE, DENY
 
-from .conftest import Harness
+from .conftest import Harness, ruleset_from
 
 AXISNOW = """
 rules:
@@ -217,6 +218,36 @@ rules:
     assert h.outcomes(10, ip="2001:db8::5") == [ALLOW] * 10
     assert h.engine.store.tracked_keys() == 0
     assert h.outcomes(2, ip="11.0.0.1") == [ALLOW, DENY]
+
+
+def test_an_exempt_client_is_decided_as_the_resolver_found_and_looked_up_anew_after_a_reload(monkeypatch):
+    """The resolver tells a client it makes whether the exempt networks hold
+    it, and the engine asks them nothing more; a client made for other
+    rules (before a reload) is looked up in the new networks."""
+    h = Harness(EXEMPT_RULES.format(exempt="10.0.0.0/8"))
+    inside, outside = h.request(ip="10.1.2.3"), h.request(ip="11.1.2.3")
+    assert (inside.client.exempt, outside.client.exempt) == (True, False)
+
+    def unasked(networks, client):
+        raise AssertionError("the exempt networks were asked")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(NetworkSet, "holds", unasked)
+        assert [h.engine.decide_now(inside).outcome for _ in range(3)] == [ALLOW] * 3
+        assert [h.engine.decide_now(outside).outcome for _ in range(2)] == [ALLOW, DENY]
+    h.engine.reload(ruleset_from(EXEMPT_RULES.format(exempt="11.0.0.0/8")))
+    assert h.engine.decide_now(outside).outcome == ALLOW  # exempt now, though made before
+    assert [h.engine.decide_now(inside).outcome for _ in range(2)] == [ALLOW, DENY]
+
+
+EXEMPT_RULES = """
+exempt: [{exempt}]
+rules:
+  - id: all
+    key: [ip]
+    limit: {{requests: 1, per: 60s}}
+    action: block
+"""
 
 
 def test_override_multiplies_threshold_for_listed_networks():
