@@ -112,15 +112,17 @@ def read_head(data: bytes, start: int, max_headers: int) -> Head | None:
         count += 1
         if count > max_headers:
             return None
-        name = data[name_start:name_end].lower()
+        # Each read as text straight from the data, its bytes from the text
+        # (all of it ASCII here): fewer objects made than slicing.
+        text = data[name_start:name_end].decode("latin-1").lower()
+        name = text.encode("latin-1")
         if data[name_start] in b"cCtTuUeEpP" and name in FRAMING_FIELDS:
             return None
-        value = data[value_start:value_end]
-        headers.append((name, value))
+        value_text = data[value_start:value_end].decode("latin-1")
+        headers.append((name, value_text.encode("latin-1")))
         if fields is not None:
-            text = name.decode("latin-1")
             if text in fields:
                 fields = None  # a name repeated: header_map joins its values
             else:
-                fields[text] = value.decode("latin-1")
+                fields[text] = value_text
     return method, data[target_start:target_end], headers, fields, position
