@@ -43,6 +43,7 @@ from sidecar.engine import ALLOW, Decision, Engine
 from sidecar.exchange import encode_reply
 from sidecar.frontdoors import ROUTES
 from sidecar.frontdoors.common import (
+    HEADER_MAP,
     Check,
     Endpoint,
     Reply,
@@ -336,7 +337,8 @@ class AtOnceDoor(CheckDoor):
             stored = self._stored(scope)
             if stored is not None:
                 return stored
-        return self.reply(scope, header_map(scope))
+        headers: dict[str, str] | None = scope.get(HEADER_MAP)  # as header_map, when the protocol made it
+        return self.reply(scope, header_map(scope) if headers is None else headers)
 
     def reply(self, scope: Scope, headers: dict[str, str]) -> Reply | None:
         """The reply to a check, decided and answered without awaiting; None

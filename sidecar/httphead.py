@@ -35,11 +35,13 @@ from __future__ import annotations
 # them is httptools' to read.
 FRAMING_FIELDS = frozenset({b"content-length", b"transfer-encoding", b"upgrade", b"expect", b"connection",
                             b"proxy-connection"})
-# A head read: its method, request target, header fields (names in lower
-# case, values as sent), the same fields as text by name when no name comes
-# twice (what sidecar.frontdoors.common.header_map makes of them; None
-# otherwise), and the offset just past its end.
-Head = tuple[str, bytes, list[tuple[bytes, bytes]], "dict[str, str] | None", int]
+# A head read: its method; its target's path as text (percent escapes not
+# yet decoded), as bytes, and its query (b"" for none), as httptools'
+# parse_url splits the target; its header fields (names in lower case,
+# values as sent); the same fields as text by name when no name comes twice
+# (what sidecar.frontdoors.common.header_map makes of them; None otherwise);
+# and the offset just past its end.
+Head = tuple[str, str, bytes, bytes, list[tuple[bytes, bytes]], "dict[str, str] | None", int]
 
 _REQUEST_VERSION = b" HTTP/1.1\r\n"
 
@@ -76,9 +78,14 @@ def read_head(data: bytes, start: int, max_headers: int) -> Head | None:
     target_start = position
     if position >= end or data[position] != 47:  # "/"
         return None
+    path_end = -1  # where the query starts, at the first "?"
     while position < end and is_target(data[position]):
+        if path_end < 0 and data[position] == 63:  # "?"
+            path_end = position
         position += 1
     target_end = position
+    if path_end < 0:
+        path_end = target_end
     if not data.startswith(_REQUEST_VERSION, position):
         return None
     position += 11
@@ -125,4 +132,6 @@ def read_head(data: bytes, start: int, max_headers: int) -> Head | None:
                 fields = None  # a name repeated: header_map joins its values
             else:
                 fields[text] = value_text
-    return method, data[target_start:target_end], headers, fields, position
+    path = data[target_start:path_end].decode("ascii")
+    query = data[path_end + 1:target_end] if path_end + 1 < target_end else b""
+    return method, path, path.encode("ascii"), query, headers, fields, position

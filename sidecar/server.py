@@ -293,14 +293,12 @@ class LimitedHttpProtocol(asyncio.Protocol):
             if self._responding is not None or self.transport.is_closing():
                 break  # behind an unfinished answer, or after the last: the parser's
             head = read_head(data, start, self.max_headers)
-            if head is None or head[4] > window:
+            if head is None or head[6] > window:
                 break
-            method, target, headers, fields, head_end = head
-            raw_path, _, query = target.partition(b"?")
-            path = raw_path.decode("ascii")
+            method, path, raw_path, query, headers, fields, head_end = head
             if "%" in path:
                 path = urllib.parse.unquote(path)
-            door = doors.find(path)
+            door = doors.exact.get(path) or doors.find(path)
             if door is None:
                 break  # not a check: the parser reads it for the ASGI path
             start = head_end
@@ -433,9 +431,15 @@ class LimitedHttpProtocol(asyncio.Protocol):
         """Ask the check's door, once, and write what it answers (see
         ``CheckDoor.answer``)."""
         keep_alive = self._keep_alive
-        answer = door.answer(scope, keep_alive, self.server_state.default_headers)
+        default_headers = self.server_state.default_headers
+        answer = door.answer(scope, keep_alive, default_headers)
+        transport = self.transport
         if isinstance(answer, Reply):
-            self._send(answer, scope["method"], keep_alive)
+            # As _send, written out: this runs for nearly every check.
+            content, keep_alive = encode_reply(answer, scope["method"], keep_alive, default_headers)
+            transport.write(content)
+            if not keep_alive:
+                transport.close()
         elif answer is None:
             # Held by a leaky bucket (or to be asked of the next auth
             # service): the ASGI path waits and answers, in order with what
@@ -445,14 +449,18 @@ class LimitedHttpProtocol(asyncio.Protocol):
             self._start(exchange)
             return
         elif isinstance(answer, bytes):
-            self.transport.write(answer)  # a stored refusal's
+            transport.write(answer)  # a stored refusal's
         else:
             # Awaited in a task; what follows on the connection waits behind it.
             pending = PendingCheck(keep_alive)
             self._responding = pending
             self._track(self.loop.create_task(self._finish(answer, scope["method"], pending)))
             return
-        self._answered()
+        # As _answered, written out.
+        self.response_complete()
+        if self.write_paused and not transport.is_closing():
+            self._reading_paused_for_writes = True
+            self.pause_reading()
 
     async def _finish(self, answer: Awaitable[Reply], method: str, pending: PendingCheck) -> None:
         reply = await answer

@@ -79,13 +79,16 @@ def assert_read_as_httptools(data: bytes) -> None:
     head = read_head(data, 0, 100)
     if head is None:
         return
-    method, target, headers, fields, end = head
+    method, path, raw_path, query, headers, fields, end = head
     whole = Reader(data[:end])
     assert not whole.refused
     assert len(whole.requests) == 1 and whole.requests[0].complete
     request = whole.requests[0]
-    assert (whole.methods[0], request.url, request.headers, request.body) == \
-        (method.encode("ascii"), target, headers, b"")
+    assert (whole.methods[0], request.headers, request.body) == (method.encode("ascii"), headers, b"")
+    # The target, split as the protocol splits httptools' (parse_url).
+    url = httptools.parse_url(request.url)
+    assert (url.path, url.query or b"") == (raw_path, query)
+    assert path == raw_path.decode("ascii")
     assert whole.keep_alive == [True]
     if fields is not None:
         assert fields == {name.decode("latin-1"): value.decode("latin-1") for name, value in headers}
@@ -165,11 +168,13 @@ def test_a_mutated_check_is_read_as_httptools_reads_it_or_left_to_it(data: bytes
 
 
 def test_a_check_is_read_whole_with_its_fields_by_name() -> None:
-    method, target, headers, fields, end = read_head(CHECK + CHECK, 0, 100) or pytest.fail("not read")
-    assert (method, target, end) == ("GET", b"/v1/nginx/auth", len(CHECK))
+    method, path, raw_path, query, headers, fields, end = read_head(CHECK + CHECK, 0, 100) or pytest.fail("not read")
+    assert (method, path, raw_path, query, end) == ("GET", "/v1/nginx/auth", b"/v1/nginx/auth", b"", len(CHECK))
     assert headers[0] == (b"host", b"sluice") and (b"x-sluice-tls-fingerprint", b"") in headers
     assert fields is not None and fields["x-original-uri"] == "/shop/cart?id=3"
-    assert read_head(CHECK + CHECK, end, 100) == (method, target, headers, fields, 2 * len(CHECK))
+    assert read_head(CHECK + CHECK, end, 100) == (method, path, raw_path, query, headers, fields, 2 * len(CHECK))
+    assert read_head(CHECK.replace(b"auth", b"auth?a=1?b"), 0, 100)[1:4] == ("/v1/nginx/auth", b"/v1/nginx/auth",
+                                                                           b"a=1?b")
 
 
 @pytest.mark.parametrize("field", sorted(FRAMING_FIELDS))
