@@ -66,6 +66,8 @@ def read_head(data: bytes, start: int, max_headers: int) -> Head | None:
     ``data``, of at most ``max_headers`` fields, and of the kind this module
     reads; None otherwise (httptools reads it)."""
     end = len(data)
+    if start < 0:
+        return None
     position = start
     if data.startswith(b"GET ", position):
         method = "GET"
