@@ -505,7 +505,8 @@ class LimitedHttpProtocol(asyncio.Protocol):
         self._responding = None
         if self.transport.is_closing():
             return
-        self.resume_reading()
+        if self.read_paused:
+            self.resume_reading()
         if self._waiting:
             self._start(self._waiting.popleft())
         else:
