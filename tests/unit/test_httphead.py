@@ -299,3 +299,21 @@ def test_the_protocol_answers_the_same_reading_heads_or_not(requests: list[bytes
         with_reader = answers(reads, True, monkeypatch)
         without = answers(reads, False, monkeypatch)
     assert with_reader == without
+
+
+@pytest.mark.parametrize("reads_heads", [True, False])
+def test_a_read_of_whole_checks_never_reaches_the_parser_when_heads_are_read(
+        reads_heads: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The comparison above compares two different readings: with the
+    reader, checks read whole are answered without one parser callback."""
+    urls: list[bytes] = []
+    on_url = LimitedHttpProtocol.on_url
+
+    def counted(protocol: LimitedHttpProtocol, url: bytes) -> None:
+        urls.append(url)
+        on_url(protocol, url)
+
+    monkeypatch.setattr(LimitedHttpProtocol, "on_url", counted)
+    written, _ = answers([CHECK + CHECK.replace(b"GET", b"HEAD")], reads_heads, monkeypatch)
+    assert len(written) == 2 and all(answer.startswith(b"HTTP/1.1 200 OK\r\n") for answer in written)
+    assert urls == ([] if reads_heads else [b"/v1/nginx/auth", b"/v1/nginx/auth"])
