@@ -43,6 +43,7 @@ from sidecar.engine import ALLOW, Decision, Engine
 from sidecar.exchange import encode_reply
 from sidecar.frontdoors import ROUTES
 from sidecar.frontdoors.common import (
+    HEADER_MAP,
     Check,
     Endpoint,
     Reply,
@@ -188,7 +189,9 @@ class CheckDoor:
     def _stored(self, scope: Scope) -> bytes | None:
         """The stored answer of a refusal that still holds for the client
         these fields name (``StoredKey``), counted as its decision was; None
-        when there is none and the check is decided. Only when the header
+        when there is none and the check is decided. It enters the module of
+        stored refusals once, and the engine once (which counts it, the
+        front door's answer included). Only when the header
         fields that make the key come once each; the protocol asks only on a
         connection kept alive and without default header fields, as the
         bytes were written for one."""
@@ -202,12 +205,12 @@ class CheckDoor:
         key = (self.front_door, scope["method"], _text(peer), _text(forwarded), _text(original_host), _text(host),
                _text(accept))
         engine = self.engine
-        stored = self.refusals.recall(key, request_id, engine.clock())
-        if stored is None:
+        again = self.refusals.answer_again(key, request_id, engine.clock())
+        if again is None:
             return None
-        engine.refused_again(stored)
-        self.decisions[self.front_door, stored.outcome] += 1
-        return stored.bytes_for(request_id)
+        stored, content = again
+        engine.refused_again(stored, self.front_door)
+        return content
 
     def _store_refusal(self, request: CheckRequest, decision: Decision, reply: Reply, method: str) -> None:
         """Keep the answer of a refusal that holds for every request of the
@@ -330,11 +333,12 @@ class AtOnceDoor(CheckDoor):
         self.decide = waitless(self.engine.decide)
 
     def answer(self, scope: Scope, keep_alive: bool, default_headers: list[tuple[bytes, bytes]]) -> DoorAnswer:
-        if keep_alive and self.stores and not default_headers and self.refusals:
+        if keep_alive and self.stores and not default_headers and self.refusals.entries:
             stored = self._stored(scope)
             if stored is not None:
                 return stored
-        return self.reply(scope, header_map(scope))
+        headers: dict[str, str] | None = scope.get(HEADER_MAP)  # as header_map, when the protocol made it
+        return self.reply(scope, header_map(scope) if headers is None else headers)
 
     def reply(self, scope: Scope, headers: dict[str, str]) -> Reply | None:
         """The reply to a check, decided and answered without awaiting; None
@@ -372,7 +376,7 @@ class AwaitedDoor(CheckDoor):
     def answer(self, scope: Scope, keep_alive: bool, default_headers: list[tuple[bytes, bytes]]) -> DoorAnswer:
         if self.engine.ruleset.holds:
             return None
-        if keep_alive and self.stores and not default_headers and self.refusals:
+        if keep_alive and self.stores and not default_headers and self.refusals.entries:
             stored = self._stored(scope)
             if stored is not None:
                 return stored

@@ -188,16 +188,14 @@ class Engine:
         counted: this node's memory, bounded like the store."""
         return open_local_counts(ruleset.max_keys, ruleset.node, self.clock, self.wall_clock)
 
-    def refused_again(self, stored: StoredRefusal) -> None:
-        """Count a stored refusal sent again as its decision was counted."""
-        metrics = self.metrics
-        metrics.checks.value += 1
-        metrics.latency.observe(0.0)
+    def refused_again(self, stored: StoredRefusal, front_door: str) -> None:
+        """Count a stored refusal sent again as its decision was counted,
+        the front door's answer included: one call into the metrics, and
+        one into the decision log for a rule's refusal."""
+        self.metrics.refused_again(stored.rule_id, stored.action, front_door,  # type: ignore[arg-type]
+                                   stored.outcome)
         if stored.rule_id:
-            metrics.over_limit(stored.rule_id, stored.action)  # type: ignore[arg-type]
             self.log.folded(stored.log_key)
-        else:
-            metrics.banned_requests.inc()
 
     # -- client address ---------------------------------------------------
 

@@ -51,6 +51,10 @@ def _status_line(status: int) -> bytes:
 
 
 STATUS_LINE = {status: _status_line(status) for status in range(100, 600)}
+# The whole answer of a status with no header field and no body, on a
+# connection kept open without default header fields: what nearly every
+# allowed check gets, written once here.
+BARE_ANSWER = {status: line + b"content-length: 0\r\n\r\n" for status, line in STATUS_LINE.items()}
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 log = logging.getLogger("sluice")
@@ -77,6 +81,8 @@ def encode_reply(reply: Reply, method: str, keep_alive: bool,
     """A check's answer as HTTP/1.1, and whether the connection stays open
     after it."""
     status, headers, body = reply
+    if not headers and not body and keep_alive and not default_headers:
+        return BARE_ANSWER[status], True
     content = [STATUS_LINE[status]]
     asks_close = False
     for raw_name, raw_value in default_headers:

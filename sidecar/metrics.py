@@ -152,6 +152,18 @@ class Metrics(Collector):
     def hit(self, rule_id: str) -> None:
         self.rule_hits[rule_id] += 1
 
+    def refused_again(self, rule_id: str, action: Action, front_door: str, outcome: str) -> None:
+        """A stored refusal sent again (sidecar.overload.StoredRefusal),
+        counted in one call as its decision was: a check, its latency (none),
+        the rule's refusal or the ban's, and the front door's answer."""
+        self.checks.value += 1
+        self.latency.observe(0.0)
+        if rule_id:
+            self.over_limit(rule_id, action)
+        else:
+            self.banned_requests.inc()
+        self.decisions[front_door, outcome] += 1
+
     def over_limit(self, rule_id: str, action: Action) -> None:
         tally = self._over.get((rule_id, action))
         if tally is None:

@@ -182,24 +182,28 @@ class AddressRefusals:
     first rule of the file when it matches every request, is keyed by the
     address alone and over its limit. Looked up by the fields of the check
     that name the client and shape the answer (``StoredKey``), at most
-    ``capacity`` of them, the oldest forgotten first."""
+    ``capacity`` of them, the oldest forgotten first.
+
+    ``entries`` is public so that a check door tells an empty store from
+    its truth value without a call into this module (a check enters each
+    module at most once: tests/unit/test_check_trace.py)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._entries: collections.OrderedDict[Hashable, StoredRefusal] = collections.OrderedDict()
+        self.entries: collections.OrderedDict[Hashable, StoredRefusal] = collections.OrderedDict()
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self.entries)
 
     def clear(self) -> None:
-        self._entries.clear()
+        self.entries.clear()
 
     def remember(self, key: Hashable, request_id: str, answer: bytes, until: float, rule_id: str,
                  action: str, outcome: str, log_key: Hashable | None) -> None:
         if not _SPLICEABLE_ID.fullmatch(request_id):
             return
         parts = tuple(answer.split(request_id.encode("ascii")))
-        entries = self._entries
+        entries = self.entries
         entries[key] = StoredRefusal(until, len(request_id), parts, rule_id, action, outcome, log_key)
         entries.move_to_end(key)
         while len(entries) > self.capacity:
@@ -208,12 +212,18 @@ class AddressRefusals:
     def recall(self, key: Hashable, request_id: bytes, now: float) -> StoredRefusal | None:
         """The stored refusal for ``key`` if it still holds and takes this
         request id."""
-        stored = self._entries.get(key)
+        stored = self.entries.get(key)
         if stored is None:
             return None
         if now >= stored.until:
-            del self._entries[key]
+            del self.entries[key]
             return None
         if len(request_id) != stored.id_length or not _SPLICEABLE_ID.fullmatch(request_id.decode("latin-1")):
             return None
         return stored
+
+    def answer_again(self, key: Hashable, request_id: bytes, now: float) -> tuple[StoredRefusal, bytes] | None:
+        """The stored refusal for ``key`` (as ``recall``) with the bytes of
+        its answer for this request id, in one call."""
+        stored = self.recall(key, request_id, now)
+        return None if stored is None else (stored, request_id.join(stored.parts))

@@ -127,10 +127,10 @@ def check_request(headers: dict[str, str], method: str, host: str | None, uri: s
     this one call: a check passes through the module once."""
     if host is None:
         host = strip_port(headers.get("host", ""))
-    return CheckRequest(method=method, host=host, uri=uri, headers=headers, client=UNRESOLVED,
-                        request_id=headers.get("x-request-id") or new_request_id(),
+    sent = headers.get(SENT_HEADER)
+    return CheckRequest(method, host, uri, headers, UNRESOLVED, headers.get("x-request-id") or new_request_id(),
                         tls_fingerprint=headers.get(FINGERPRINT_HEADER, ""),
-                        sent=parse_sent(headers.get(SENT_HEADER)),
+                        sent=parse_sent(sent) if sent else 0.0,
                         peer=peer, forwarded_for=headers.get("x-forwarded-for"))
 
 

@@ -67,10 +67,12 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
 import httptools
 
+from sidecar import core
 from sidecar.asgi import Scope
 from sidecar.exchange import App, AsgiExchange, closing_answer, encode_reply
-from sidecar.frontdoors.common import Reply
+from sidecar.frontdoors.common import HEADER_MAP, Reply
 from sidecar.frontdoors.routes import RouteTable
+from sidecar.httphead import read_head
 from sidecar.overload import LoopWatch
 from sidecar.ratelog import RateLimitedLog
 
@@ -86,6 +88,11 @@ DEFAULT_MAX_HEADERS = 16_384
 # After a 431, what the client still sends is read and dropped for this long,
 # so that the answer is not lost to a TCP reset; then the connection closes.
 LINGER_SECONDS = 2.0
+
+# Whether a read's whole check heads are read by sidecar.httphead before
+# httptools: with the compiled core only, where it reads a head in C (its
+# pure-Python twin, byte by byte, costs more than httptools' callbacks).
+READS_HEADS = not core.PURE
 
 log = logging.getLogger("sluice")
 _refusal_log = RateLimitedLog(log, 60.0)
@@ -174,6 +181,9 @@ class LimitedHttpProtocol(asyncio.Protocol):
         self._head_budget: int | None = max_header_bytes
         self._header_count = 0
         self._refused = False
+        # Whether the parser is between two requests (none begun): only
+        # then may sidecar.httphead read the next heads instead.
+        self._between_requests = True
         self._linger: asyncio.TimerHandle | None = None
         # The request being read: its head, and what answers it.
         self._url = b""
@@ -248,6 +258,8 @@ class LimitedHttpProtocol(asyncio.Protocol):
             return  # lingering after a 431: dropped unread
         self._idle_since = None
         rest: Any = data
+        if READS_HEADS and self._between_requests and self.doors is not None and type(data) is bytes:
+            rest = self._read_checks(data)
         while rest:
             budget = self._head_budget
             if budget is None or len(rest) <= budget:
@@ -263,20 +275,67 @@ class LimitedHttpProtocol(asyncio.Protocol):
             if not self._feed(chunk):
                 return
 
+    def _read_checks(self, data: bytes) -> bytes | None:
+        """Answer the checks whose heads ``data`` holds whole and
+        sidecar.httphead reads (a GET or HEAD, no body, the connection kept
+        open), each as the parser's callbacks would; what it does not read
+        goes to the parser as ``data_received`` gives it: within the head
+        budget, the rest of that piece at once (its bytes after a request's
+        end are not counted), and what is left is returned (None: nothing,
+        or the connection is done for)."""
+        budget = self._head_budget
+        assert budget is not None  # between requests
+        window = min(len(data), budget)
+        doors = self.doors
+        assert doors is not None
+        start = 0
+        while start < window:
+            if self._responding is not None or self.transport.is_closing():
+                break  # behind an unfinished answer, or after the last: the parser's
+            head = read_head(data, start, self.max_headers)
+            if head is None or head[6] > window:
+                break
+            method, path, raw_path, query, headers, fields, head_end = head
+            if "%" in path:
+                path = urllib.parse.unquote(path)
+            door = doors.exact.get(path) or doors.find(path)
+            if door is None:
+                break  # not a check: the parser reads it for the ASGI path
+            start = head_end
+            self._keep_alive = True
+            scope: Scope = {
+                "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                "server": self.server, "client": self.client, "scheme": self.scheme, "root_path": "",
+                "headers": headers, "state": self.app_state.copy(), "method": method, "path": path,
+                "raw_path": raw_path, "query_string": query}
+            if fields is not None:
+                scope[HEADER_MAP] = fields
+            self._answer(door, scope)
+        if start == 0:
+            return data
+        # As the parser's on_message_complete leaves it.
+        self._head_budget = self.max_header_bytes
+        if start < window and not self._feed(data[start:window]):
+            return None
+        return data[window:] if window < len(data) else None
+
     def _feed(self, chunk: Any) -> bool:
         """Give the parser one piece; False when the connection is done for."""
         try:
             self.parser.feed_data(chunk)
         except httptools.HttpParserCallbackError as exc:
+            self._between_requests = False
             if isinstance(exc.__context__, HeadTooLarge):
                 self._refuse(str(exc.__context__))
             elif not isinstance(exc.__context__, ConnectionEnding):
                 self._bad_request()
             return False
         except httptools.HttpParserError:
+            self._between_requests = False
             self._bad_request()
             return False
         except httptools.HttpParserUpgrade:
+            self._between_requests = False  # the parser reads nothing more
             # The parser stops at an upgrade; Sluice speaks no other protocol.
             log.warning("Unsupported upgrade request.")
             return False
@@ -303,6 +362,7 @@ class LimitedHttpProtocol(asyncio.Protocol):
     def on_message_begin(self) -> None:
         if self.transport.is_closing():
             raise ConnectionEnding
+        self._between_requests = False
         self._url = b""
         self._headers = []
         self._header_count = 0
@@ -356,6 +416,7 @@ class LimitedHttpProtocol(asyncio.Protocol):
         # The next head starts now. (Bytes of it that came in the same read
         # as the end of this request are not counted: at most one read.)
         self._head_budget = self.max_header_bytes
+        self._between_requests = True
         exchange, self._exchange = self._exchange, None
         if exchange is not None:
             exchange.request_complete()
@@ -370,9 +431,15 @@ class LimitedHttpProtocol(asyncio.Protocol):
         """Ask the check's door, once, and write what it answers (see
         ``CheckDoor.answer``)."""
         keep_alive = self._keep_alive
-        answer = door.answer(scope, keep_alive, self.server_state.default_headers)
+        default_headers = self.server_state.default_headers
+        answer = door.answer(scope, keep_alive, default_headers)
+        transport = self.transport
         if isinstance(answer, Reply):
-            self._send(answer, scope["method"], keep_alive)
+            # As _send, written out: this runs for nearly every check.
+            content, keep_alive = encode_reply(answer, scope["method"], keep_alive, default_headers)
+            transport.write(content)
+            if not keep_alive:
+                transport.close()
         elif answer is None:
             # Held by a leaky bucket (or to be asked of the next auth
             # service): the ASGI path waits and answers, in order with what
@@ -382,14 +449,18 @@ class LimitedHttpProtocol(asyncio.Protocol):
             self._start(exchange)
             return
         elif isinstance(answer, bytes):
-            self.transport.write(answer)  # a stored refusal's
+            transport.write(answer)  # a stored refusal's
         else:
             # Awaited in a task; what follows on the connection waits behind it.
             pending = PendingCheck(keep_alive)
             self._responding = pending
             self._track(self.loop.create_task(self._finish(answer, scope["method"], pending)))
             return
-        self._answered()
+        # As _answered, written out.
+        self.response_complete()
+        if self.write_paused and not transport.is_closing():
+            self._reading_paused_for_writes = True
+            self.pause_reading()
 
     async def _finish(self, answer: Awaitable[Reply], method: str, pending: PendingCheck) -> None:
         reply = await answer
@@ -434,7 +505,8 @@ class LimitedHttpProtocol(asyncio.Protocol):
         self._responding = None
         if self.transport.is_closing():
             return
-        self.resume_reading()
+        if self.read_paused:
+            self.resume_reading()
         if self._waiting:
             self._start(self._waiting.popleft())
         else:

@@ -81,12 +81,20 @@ class Route:
     prefix: bool = False
 
 
+# Where the HTTP protocol leaves a check's header map when it read the
+# head itself (sidecar.httphead makes it with the fields, as header_map would).
+HEADER_MAP = "sluice.header_map"
+
+
 def header_map(scope: Scope) -> dict[str, str]:
     """Request headers by lower-case name; repeated headers are joined.
 
     Built in one comprehension, which is ``join_fields`` exactly when no
     name comes twice (the case of nearly every check): only then are the
     fields joined one by one."""
+    made: dict[str, str] | None = scope.get(HEADER_MAP)
+    if made is not None:
+        return made
     fields = scope["headers"]
     headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in fields}
     if len(headers) < len(fields):  # a name repeated: its values joined, in order

@@ -23,7 +23,15 @@ import logging
 import re
 from typing import NamedTuple
 
-from sidecar.actions import BlockPage, Refusal, allow_headers, deny_headers, over_limit_headers, page_body
+from sidecar.actions import (
+    BlockPage,
+    Refusal,
+    allow_headers,
+    deny_headers,
+    over_limit_headers,
+    page_body,
+)
+from sidecar.actions import prefers_json as prefers_accepted_json
 from sidecar.asgi import Receive, Scope, Send
 from sidecar.challenge import MAX_CHALLENGE_LENGTH, IssuedChallenge
 from sidecar.clientip import parse_address
@@ -36,7 +44,6 @@ from sidecar.frontdoors.common import (
     Reply,
     Route,
     Service,
-    client_prefers_json,
     header_map,
     respond,
 )
@@ -61,13 +68,16 @@ PROXY_EXPIRES_HEADER = "X-Accel-Expires"
 MAX_INLINE_PAGE = 8 * 1024
 
 
-def inline_page(page: BlockPage, request: CheckRequest) -> str | None:
+def inline_page(page: BlockPage, request: CheckRequest, client_text: str | None = None) -> str | None:
     """The page for ``request`` as one header field's value, or None when
-    nginx must fetch it instead (see the module)."""
+    nginx must fetch it instead (see the module). ``client_text``: the
+    client's address as text, when the caller has read it already."""
     template = page.one_line
     if template is None or not (request.host.isprintable() and request.request_id.isprintable()):
         return None
-    body = template.render(request.client.text, request.host, request.request_id)
+    if client_text is None:
+        client_text = request.client.text
+    body = template.render(client_text, request.host, request.request_id)
     return body.decode("latin-1") if len(body) <= MAX_INLINE_PAGE else None
 
 
@@ -175,14 +185,17 @@ def answer_nginx(request: CheckRequest, decision: Decision) -> Reply:
     # the over-limit fields and Retry-After are added by @sluice_deny.
     page = decision.page
     assert page is not None
-    prefers_json = client_prefers_json(request)
-    headers = [("X-Sluice-Deny", DenyToken.encode(decision, request.client.text, prefers_json)),
+    # Read once each: the client's text (sidecar.clientip) and whether it
+    # prefers JSON (sidecar.actions, as client_prefers_json reads it).
+    client_text = request.client.text
+    prefers_json = prefers_accepted_json(request.headers.get("accept", ""))
+    headers = [("X-Sluice-Deny", DenyToken.encode(decision, client_text, prefers_json)),
                *over_limit_headers(decision.limit, decision.reset),
                ("Retry-After", str(decision.retry_after)), *cached]
     if page.json == "if_preferred":
         headers.append(("Vary", "Accept"))  # for nginx's cache of refusals
-    inline = inline_page(page, request) if decision.challenge is None and not page.sends_json(prefers_json) \
-        else None
+    inline = inline_page(page, request, client_text) \
+        if decision.challenge is None and not page.sends_json(prefers_json) else None
     if inline is not None:
         headers += [(PAGE_STATUS_HEADER, str(page.status)), (PAGE_HEADER, inline)]
     return Reply(NGINX_DENY_STATUS, headers, b"")

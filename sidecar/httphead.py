@@ -1,0 +1,139 @@
+"""A check's request head read in one call, for the heads that need no more.
+
+A check from nginx or Envoy is a GET with a dozen header fields and no body.
+httptools reads it through some fourteen Python callbacks (the request
+line, each field, the end of the head and of the message); ``read_head``
+reads such a head in one call, and the compiled core runs it in C (the
+``.pxd`` beside this file). sidecar.server gives a read's complete heads to
+it first, and every other head, or any head it is not sure of, to
+httptools exactly as before.
+
+It is deliberately narrow, and never more lenient than httptools: a head it
+reads is one httptools reads the same way (method, request target, header
+fields, keep-alive), and anything else it leaves alone, returning None. It
+reads only
+
+* ``GET`` or ``HEAD``, one space, an origin-form target (``/`` then
+  letters, digits and ``-._~!$&'()*+,;=:@/?%``), one space, ``HTTP/1.1``;
+* header fields written ``name: value`` with a token for a name, optional
+  spaces or tabs before the value, a value of visible ASCII with inner
+  spaces and tabs, nothing after it, and CRLF after each line and the head;
+* no field that frames a body or changes the connection: Content-Length,
+  Transfer-Encoding, Upgrade, Expect, Connection and Proxy-Connection send
+  the head to httptools (which decides the request's length and whether the
+  connection stays open), so a request with a body is never split by this
+  reader (no request smuggling).
+
+Such a request has no body and keeps the connection open (HTTP/1.1 without
+a Connection field). tests/unit/test_httphead.py holds the reader to
+httptools on generated and mutated heads.
+"""
+
+from __future__ import annotations
+
+# The fields that frame a body or change the connection: a head with any of
+# them is httptools' to read.
+FRAMING_FIELDS = frozenset({b"content-length", b"transfer-encoding", b"upgrade", b"expect", b"connection",
+                            b"proxy-connection"})
+# A head read: its method; its target's path as text (percent escapes not
+# yet decoded), as bytes, and its query (b"" for none), as httptools'
+# parse_url splits the target; its header fields (names in lower case,
+# values as sent); the same fields as text by name when no name comes twice
+# (what sidecar.frontdoors.common.header_map makes of them; None otherwise);
+# and the offset just past its end.
+Head = tuple[str, str, bytes, bytes, list[tuple[bytes, bytes]], "dict[str, str] | None", int]
+
+_REQUEST_VERSION = b" HTTP/1.1\r\n"
+
+
+def is_token(byte: int) -> bool:
+    """A byte of a header field's name (RFC 9110 section 5.6.2: tchar)."""
+    return 48 <= byte <= 57 or 65 <= byte <= 90 or 97 <= byte <= 122 or byte in b"!#$%&'*+-.^_`|~"
+
+
+def is_target(byte: int) -> bool:
+    """A byte of the origin-form request targets read here."""
+    return 48 <= byte <= 57 or 65 <= byte <= 90 or 97 <= byte <= 122 or byte in b"-._~!$&'()*+,;=:@/?%"
+
+
+def is_value(byte: int) -> bool:
+    """A byte of a header field's value read here: visible ASCII, space, tab."""
+    return 32 <= byte <= 126 or byte == 9
+
+
+def read_head(data: bytes, start: int, max_headers: int) -> Head | None:
+    """The request head that starts at ``data[start]`` when it is whole in
+    ``data``, of at most ``max_headers`` fields, and of the kind this module
+    reads; None otherwise (httptools reads it)."""
+    end = len(data)
+    if start < 0:
+        return None
+    position = start
+    if data.startswith(b"GET ", position):
+        method = "GET"
+        position += 4
+    elif data.startswith(b"HEAD ", position):
+        method = "HEAD"
+        position += 5
+    else:
+        return None
+    target_start = position
+    if position >= end or data[position] != 47:  # "/"
+        return None
+    path_end = -1  # where the query starts, at the first "?"
+    while position < end and is_target(data[position]):
+        if path_end < 0 and data[position] == 63:  # "?"
+            path_end = position
+        position += 1
+    target_end = position
+    if path_end < 0:
+        path_end = target_end
+    if not data.startswith(_REQUEST_VERSION, position):
+        return None
+    position += 11
+    headers: list[tuple[bytes, bytes]] = []
+    fields: dict[str, str] | None = {}
+    count = 0
+    while True:
+        if position + 1 >= end:
+            return None  # the head goes on past this read
+        if data[position] == 13 and data[position + 1] == 10:
+            position += 2
+            break
+        name_start = position
+        while position < end and is_token(data[position]):
+            position += 1
+        if position == name_start or position >= end or data[position] != 58:  # ":"
+            return None
+        name_end = position
+        position += 1
+        while position < end and (data[position] == 32 or data[position] == 9):
+            position += 1
+        value_start = position
+        while position < end and is_value(data[position]):
+            position += 1
+        value_end = position
+        if position + 1 >= end or data[position] != 13 or data[position + 1] != 10:
+            return None
+        if value_end > value_start and (data[value_end - 1] == 32 or data[value_end - 1] == 9):
+            return None  # trailing whitespace: left to httptools
+        position += 2
+        count += 1
+        if count > max_headers:
+            return None
+        # Each read as text straight from the data, its bytes from the text
+        # (all of it ASCII here): fewer objects made than slicing.
+        text = data[name_start:name_end].decode("latin-1").lower()
+        name = text.encode("latin-1")
+        if data[name_start] in b"cCtTuUeEpP" and name in FRAMING_FIELDS:
+            return None
+        value_text = data[value_start:value_end].decode("latin-1")
+        headers.append((name, value_text.encode("latin-1")))
+        if fields is not None:
+            if text in fields:
+                fields = None  # a name repeated: header_map joins its values
+            else:
+                fields[text] = value_text
+    path = data[target_start:path_end].decode("ascii")
+    query = data[path_end + 1:target_end] if path_end + 1 < target_end else b""
+    return method, path, path.encode("ascii"), query, headers, fields, position
