@@ -6,12 +6,28 @@ cimport cython
 from sidecar.state cimport Check, CheckSpec
 
 
+cdef class _Name:
+    cdef public bytes digest
+    cdef public bytes text
+    cdef public bytes code
+    cdef public bytes prefix_text
+    cdef public bint leases
+    cdef public Py_ssize_t room
+    cdef public bint labelled
+    cdef public Py_ssize_t stripe
+    cdef public Py_ssize_t label_stripe
+    cdef public Py_ssize_t planned
+    cdef public Py_ssize_t slot
+
+
 cdef class _Slot:
+    cdef public object key
     cdef public bytes digest
     cdef public object zone
     cdef public object limiter
     cdef public bytes text
     cdef public Py_ssize_t room
+    cdef public bint labelled
     cdef public object prefix
     cdef public object state
     cdef public object raw
@@ -19,11 +35,16 @@ cdef class _Slot:
     cdef public bint changed
     cdef public bint forgotten
 
+    cpdef plan(self, key, _Name name, zone, limiter, prefix)
+    cpdef clear(self)
+
 
 cdef class NodeTable:
     cdef public object zones
     cdef public double now
-    cdef public dict _slots
+    cdef public Py_ssize_t _transaction
+    cdef public list _slots
+    cdef public Py_ssize_t _used
     cdef public dict _bans
     cdef public dict _notes
     cdef public dict _names
@@ -41,11 +62,15 @@ cdef class NodeTable:
     cdef public object _leases
     cdef public object _labels
 
-    @cython.locals(slot=_Slot, room=Py_ssize_t)
+    @cython.locals(slot=_Slot, name=_Name)
     cpdef _Slot plan_key(self, key, limiter, leases=*)
     @cython.locals(check=Check, spec=CheckSpec)
     cpdef plan_checks(self, address, checks)
-    @cython.locals(slot=_Slot, labelled=bint, now=double, expires=double, kept=double)
+    @cython.locals(slot=_Slot, slots=list, index=Py_ssize_t, labelled=bint, now=double, expires=double, kept=double)
     cpdef _commit(self)
-    @cython.locals(slot=_Slot)
+    @cython.locals(slot=_Slot, slots=list, index=Py_ssize_t, name=_Name)
     cpdef _Slot _slot(self, key)
+    @cython.locals(slot=_Slot, slots=list, index=Py_ssize_t)
+    cpdef _end(self)
+    @cython.locals(name=_Name, room=Py_ssize_t)
+    cpdef _Name _name(self, key, bint leases)
