@@ -596,3 +596,48 @@ def test_a_store_opened_by_name_is_the_node_store(tmp_path: Path, monkeypatch: p
     assert isinstance(open_store("memory", "", 1000, "node", lambda: NOW), MemoryStore)
     zones.unlink()
 
+
+
+# -- the table's counters -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("zone_type", ZONE_TYPES, ids=lambda zone: zone.__module__)
+@settings(max_examples=10, deadline=None)
+@given(keys=st.integers(min_value=1, max_value=300))
+def test_the_store_counts_each_zone_s_evictions_and_records(zone_type: Any, keys: int) -> None:
+    store = node_store(max_keys=64, zone_type=zone_type)
+    capacity = store.zones.states.capacity
+    assert store.zones.states.stripes == 1  # one stripe: the least recently used key goes first
+    limiter = WindowCounter(10, 60.0, 0.0)
+    for number in range(keys):
+        store.count_now((("r", ("ip",)), f"10.0.0.{number}"), limiter, NOW, 10, 1)
+    figures = store.zone_statistics()
+    assert set(figures) == set(ZONE_ORDER)
+    assert figures["states"] == {"recoveries": 0, "evictions": max(0, keys - capacity), "waits": 0,
+                                 "records": min(keys, capacity), "capacity": capacity}
+    assert all(figure["evictions"] == 0 for name, figure in figures.items() if name != "states")
+
+
+@pytest.mark.skipif(not shm.COMPILED, reason="the pure twin takes no lock between threads")
+def test_the_store_counts_a_lock_found_busy() -> None:
+    import threading
+    import time
+
+    store = node_store(zone_type=shm.Zone)
+    key = (("r", ("ip",)), "10.0.0.1")
+    states = store.zones.states
+    stripe = [states.stripe_of(records.digest_of(records.key_text(key)))]
+    counted: list[Any] = []
+    states.lock(stripe)
+    try:
+        counter = threading.Thread(target=lambda: counted.append(
+            store.count_now(key, WindowCounter(10, 60.0, 0.0), NOW, 10, 1)), daemon=True)
+        counter.start()
+        deadline = time.monotonic() + 10
+        while store.zone_statistics()["states"]["waits"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)  # the other thread asks for the lock this one holds
+    finally:
+        states.unlock(stripe)
+    counter.join(10)
+    assert len(counted) == 1 and not counted[0].over_limit
+    assert store.zone_statistics()["states"]["waits"] == 1
