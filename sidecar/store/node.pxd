@@ -6,6 +6,7 @@ cimport cython
 from sidecar.state cimport Check, CheckSpec
 
 
+@cython.final
 cdef class _Name:
     cdef public bytes digest
     cdef public bytes text
@@ -20,6 +21,7 @@ cdef class _Name:
     cdef public Py_ssize_t slot
 
 
+@cython.final
 cdef class _Slot:
     cdef public object key
     cdef public bytes digest
@@ -39,6 +41,7 @@ cdef class _Slot:
     cpdef clear(self)
 
 
+@cython.final
 cdef class NodeTable:
     cdef public object zones
     cdef public double now
@@ -48,6 +51,7 @@ cdef class NodeTable:
     cdef public dict _bans
     cdef public dict _notes
     cdef public dict _names
+    cdef public dict _decoded
     cdef public dict _ban_names
     cdef public set _known_prefixes
     cdef public list _order
@@ -66,10 +70,13 @@ cdef class NodeTable:
     cpdef _Slot plan_key(self, key, limiter, leases=*)
     @cython.locals(check=Check, spec=CheckSpec)
     cpdef plan_checks(self, address, checks)
-    @cython.locals(slot=_Slot, slots=list, index=Py_ssize_t, labelled=bint, now=double, expires=double, kept=double)
+    @cython.locals(slot=_Slot, slots=list, decoded=dict, index=Py_ssize_t, labelled=bint, now=double,
+                   expires=double, kept=double)
     cpdef _commit(self)
-    @cython.locals(slot=_Slot, slots=list, index=Py_ssize_t, name=_Name)
+    @cython.locals(slot=_Slot, slots=list, index=Py_ssize_t, name=_Name, known=tuple)
     cpdef _Slot _slot(self, key)
+    @cython.locals(slot=_Slot, slots=list, decoded=dict, index=Py_ssize_t)
+    cpdef _drop_decoded(self)
     @cython.locals(slot=_Slot, slots=list, index=Py_ssize_t)
     cpdef _end(self)
     @cython.locals(name=_Name, room=Py_ssize_t)

@@ -391,6 +391,10 @@ class _Slot:
 # Keys whose digest and text a worker remembers (a key's repr and digest
 # cost more than the rest of its read): forgotten all at once when full.
 NAMES_KEPT = 16_384
+# States a worker keeps decoded beside the bytes it last read or wrote for
+# them: a record read back unchanged (a busy key's, most often) is not
+# decoded again. Forgotten all at once when full.
+DECODED_KEPT = 1024
 
 
 class NodeTable:
@@ -409,6 +413,7 @@ class NodeTable:
         self._bans: dict[str, list[Any]] = {}  # address -> [digest, record, read, changed]
         self._notes: dict[Note, list[Any]] = {}  # name -> [digest, (value, until), read, changed]
         self._names: dict[Hashable, _Name] = {}  # key -> what the worker worked out about it
+        self._decoded: dict[bytes, tuple[bytes, Any]] = {}  # digest -> (its record's bytes, their state)
         self._known_prefixes: set[bytes] = set()  # the codes of prefixes this worker wrote
         self._ban_names: dict[str, bytes] = {}  # address -> digest
         # The stripes to lock, zone by zone in the lock order.
@@ -433,6 +438,8 @@ class NodeTable:
             stripes.clear()
         if len(self._names) >= NAMES_KEPT:
             self._names.clear()  # between transactions: no key planned is forgotten
+        if len(self._decoded) >= DECODED_KEPT:
+            self._decoded.clear()
 
     def _name(self, key: Hashable, leases: bool) -> _Name:
         """What the worker keeps about a key, worked out anew (its text's
@@ -525,10 +532,21 @@ class NodeTable:
             result = action(*args)
             self._commit()
             return result
+        except BaseException:
+            self._drop_decoded()  # the action may have changed states it did not write
+            raise
         finally:
             for zone, locked in reversed(taken):
                 zone.unlock(locked)
             self._end()
+
+    def _drop_decoded(self) -> None:
+        """Forget the decoded states of the transaction's keys."""
+        decoded = self._decoded
+        slots = self._slots
+        for index in range(self._used):
+            slot = slots[index]
+            decoded.pop(slot.digest, None)
 
     def _end(self) -> None:
         """No key is planned any more, and no state is kept alive past its transaction."""
@@ -550,10 +568,12 @@ class NodeTable:
                          for name, (_, note, _, changed) in notes.items() if changed} if notes else None
         lease_slots = zones.lease_slots
         slots = self._slots
+        decoded = self._decoded
         for index in range(self._used):
             slot = slots[index]
             state = slot.state
             if state is None:
+                decoded.pop(slot.digest, None)
                 if slot.forgotten:
                     slot.zone.delete(slot.digest)
                     if slot.labelled:
@@ -571,10 +591,12 @@ class NodeTable:
             else:
                 value = bytes((value[0] | ELSEWHERE,)) + value[1:]
             if not (slot.changed or slot.forgotten) and value == slot.raw:
+                decoded[slot.digest] = (value, state)
                 continue  # read, not changed
             expires = state.limiter.expires_at(state)
             kept = expires + STALE_KEPT if expires > -math.inf else now + STALE_KEPT
             slot.zone.put(slot.digest, value, kept, now)
+            decoded[slot.digest] = (value, state)
             if labelled and len(text) <= LABEL_VALUE:
                 self._labels.put(slot.digest, text, kept, now)  # as long as the state
             if slot.prefix is not None:
@@ -610,7 +632,11 @@ class NodeTable:
             slot.read = True
             value = slot.zone.get(slot.digest, self.now)
             if value is not None:
-                slot.state = records.decode_state(value, slot.limiter)
+                known = self._decoded.get(slot.digest)
+                if known is not None and known[0] == value and known[1].limiter is slot.limiter:
+                    slot.state = known[1]  # as decoding the bytes would make it, and cheaper
+                else:
+                    slot.state = records.decode_state(value, slot.limiter)
                 slot.raw = value
         return slot
 

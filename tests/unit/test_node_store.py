@@ -281,6 +281,51 @@ def test_a_record_the_store_did_not_lock_is_refused_and_a_failed_action_writes_n
     assert table.run(table.state, key) is None
 
 
+@pytest.mark.parametrize("zone_type", ZONE_TYPES, ids=lambda zone: zone.__module__)
+@settings(max_examples=20, deadline=None)
+@given(hits=st.lists(st.tuples(st.floats(min_value=0.0, max_value=30.0), st.booleans()), min_size=1, max_size=12))
+def test_a_state_kept_decoded_is_the_record_s_even_after_a_failed_action_changed_it(
+        zone_type: Any, hits: list[tuple[float, bool]]) -> None:
+    # A worker keeps the states it decoded beside their bytes; an action that
+    # changed a state and then failed wrote nothing, so the next read is the
+    # record's as written last: only the hits that did not fail counted.
+    zones = NodeZones.private(1000, zone_type=zone_type)
+    table = NodeTable(zones)
+    window = WindowCounter(3, 10.0, 5.0)
+    key = (("r", ("ip",)), "192.0.2.1")
+    expected = None
+    at = NOW
+
+    def count(fail: bool) -> None:
+        state = table.state(key)
+        if state is None:
+            state = window.new_state()
+            table.keep(key, state)
+        window.hit(state, at, 3, 1)
+        if fail:
+            raise ZeroDivisionError
+
+    def encoded(state: Any) -> bytes | None:
+        return None if state is None else records.encode_state(state, zones.lease_slots)
+
+    for later, fail in hits:
+        at += later
+        table.begin(at)
+        table.plan_key(key, window)
+        try:
+            table.run(count, fail)
+        except ZeroDivisionError:
+            pass
+        if not fail:
+            expected = expected if expected is not None else window.new_state()
+            window.hit(expected, at, 3, 1)
+        table.begin(at)
+        table.plan_key(key, window)
+        state, raw = table.run(lambda: (table.state(key), table._slot(key).raw))
+        assert encoded(state) == encoded(expected)
+        assert encoded(state) == encoded(None if raw is None else records.decode_state(raw, window))
+
+
 # -- two workers over one table -------------------------------------------------------
 
 
