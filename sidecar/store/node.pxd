@@ -26,6 +26,7 @@ cdef class _Slot:
     cdef public object key
     cdef public bytes digest
     cdef public object zone
+    cdef public Py_ssize_t value_size
     cdef public object limiter
     cdef public bytes text
     cdef public Py_ssize_t room
@@ -37,7 +38,7 @@ cdef class _Slot:
     cdef public bint changed
     cdef public bint forgotten
 
-    cpdef plan(self, key, _Name name, zone, limiter, prefix)
+    cpdef plan(self, key, _Name name, zone, Py_ssize_t value_size, limiter, prefix)
     cpdef clear(self)
 
 
@@ -65,8 +66,10 @@ cdef class NodeTable:
     cdef public object _states
     cdef public object _leases
     cdef public object _labels
+    cdef public Py_ssize_t _state_value_size
+    cdef public Py_ssize_t _lease_value_size
 
-    @cython.locals(slot=_Slot, name=_Name)
+    @cython.locals(slot=_Slot, name=_Name, value_size=Py_ssize_t)
     cpdef _Slot plan_key(self, key, limiter, leases=*)
     @cython.locals(check=Check, spec=CheckSpec)
     cpdef plan_checks(self, address, checks)

@@ -71,6 +71,7 @@ log = logging.getLogger("sluice")
 
 # Seconds a state stays readable after it stops mattering (see the module's docstring).
 STALE_KEPT = 3600.0
+NEVER = -math.inf  # a state that never stops mattering says so
 # Bytes of value per record. A state's record: its state (33 bytes at most,
 # a window's) and its key's text when it fits in the 47 bytes left (a rule
 # keyed by the address: "(('login', ('ip',)), '2001:db8:85a3:8d3::/64')"),
@@ -346,13 +347,14 @@ class _Slot:
     """A key's record within one transaction. A table reuses its slots from
     one transaction to the next (``plan`` makes one a key's)."""
 
-    __slots__ = ("key", "digest", "zone", "limiter", "text", "room", "labelled", "prefix", "state", "raw", "read",
-                 "changed", "forgotten")
+    __slots__ = ("key", "digest", "zone", "value_size", "limiter", "text", "room", "labelled", "prefix", "state",
+                 "raw", "read", "changed", "forgotten")
 
     def __init__(self) -> None:
         self.key: Hashable = None
         self.digest = b""
         self.zone: Any = None
+        self.value_size = 0  # bytes of value its zone's records hold
         self.limiter: Limiter | None = None  # the limiter the caller counts the key with (None: any)
         self.text = b""
         self.room = 0
@@ -364,11 +366,13 @@ class _Slot:
         self.changed = False
         self.forgotten = False
 
-    def plan(self, key: Hashable, name: _Name, zone: Zone, limiter: Limiter | None, prefix: bytes | None) -> None:
+    def plan(self, key: Hashable, name: _Name, zone: Zone, value_size: int, limiter: Limiter | None,
+             prefix: bytes | None) -> None:
         """Make the slot ``key``'s in a new transaction: nothing read yet."""
         self.key = key
         self.digest = name.digest
         self.zone = zone
+        self.value_size = value_size
         self.limiter = limiter
         self.text = name.text
         self.room = name.room
@@ -425,6 +429,8 @@ class NodeTable:
         self._states = zones.states
         self._leases = zones.leases
         self._labels = zones.labels
+        self._state_value_size = zones.states.value_size
+        self._lease_value_size = zones.leases.value_size
 
     # -- planning ------------------------------------------------------------------
 
@@ -463,10 +469,10 @@ class NodeTable:
         if name is None or name.leases != leases:
             name = self._name(key, leases)
         if leases:
-            zone = self._leases
+            zone, value_size = self._leases, self._lease_value_size
             self._lease_stripes.add(name.stripe)
         else:
-            zone = self._states
+            zone, value_size = self._states, self._state_value_size
             self._state_stripes.add(name.stripe)
         if name.labelled:
             self._label_stripes.add(name.label_stripe)
@@ -480,7 +486,7 @@ class NodeTable:
         name.planned = self._transaction
         name.slot = self._used
         self._used += 1
-        slot.plan(key, name, zone, limiter, prefix)
+        slot.plan(key, name, zone, value_size, limiter, prefix)
         return slot
 
     def plan_ban(self, address: str) -> None:
@@ -586,7 +592,7 @@ class NodeTable:
             # for it, else in the labels zone (whose stripe was locked
             # then). A plug-in's state too long to leave the room keeps no
             # text: its key is not listed.
-            if not labelled and len(value) + len(text) <= slot.zone.value_size:
+            if not labelled and len(value) + len(text) <= slot.value_size:
                 value += text
             else:
                 value = bytes((value[0] | ELSEWHERE,)) + value[1:]
@@ -594,7 +600,7 @@ class NodeTable:
                 decoded[slot.digest] = (value, state)
                 continue  # read, not changed
             expires = state.limiter.expires_at(state)
-            kept = expires + STALE_KEPT if expires > -math.inf else now + STALE_KEPT
+            kept = expires + STALE_KEPT if expires > NEVER else now + STALE_KEPT
             slot.zone.put(slot.digest, value, kept, now)
             decoded[slot.digest] = (value, state)
             if labelled and len(text) <= LABEL_VALUE:
