@@ -37,7 +37,12 @@ cdef class _Slot:
     cdef public bint read
     cdef public bint changed
     cdef public bint forgotten
+    cdef public object kept_digest
+    cdef public object kept_value
+    cdef public object kept_state
 
+    cpdef keep_decoded(self, bytes value, state)
+    cpdef decoded(self, bytes value)
     cpdef plan(self, key, _Name name, zone, Py_ssize_t value_size, limiter, prefix)
     cpdef clear(self)
 
@@ -52,7 +57,6 @@ cdef class NodeTable:
     cdef public dict _bans
     cdef public dict _notes
     cdef public dict _names
-    cdef public dict _decoded
     cdef public dict _ban_names
     cdef public set _known_prefixes
     cdef public list _order
@@ -73,12 +77,12 @@ cdef class NodeTable:
     cpdef _Slot plan_key(self, key, limiter, leases=*)
     @cython.locals(check=Check, spec=CheckSpec)
     cpdef plan_checks(self, address, checks)
-    @cython.locals(slot=_Slot, slots=list, decoded=dict, index=Py_ssize_t, labelled=bint, now=double,
-                   expires=double, kept=double)
+    @cython.locals(slot=_Slot, slots=list, index=Py_ssize_t, labelled=bint, now=double, expires=double,
+                   kept=double)
     cpdef _commit(self)
-    @cython.locals(slot=_Slot, slots=list, index=Py_ssize_t, name=_Name, known=tuple)
+    @cython.locals(slot=_Slot, slots=list, index=Py_ssize_t, name=_Name)
     cpdef _Slot _slot(self, key)
-    @cython.locals(slot=_Slot, slots=list, decoded=dict, index=Py_ssize_t)
+    @cython.locals(slot=_Slot, slots=list, index=Py_ssize_t)
     cpdef _drop_decoded(self)
     @cython.locals(slot=_Slot, slots=list, index=Py_ssize_t)
     cpdef _end(self)

@@ -345,10 +345,13 @@ class _Name:
 
 class _Slot:
     """A key's record within one transaction. A table reuses its slots from
-    one transaction to the next (``plan`` makes one a key's)."""
+    one transaction to the next (``plan`` makes one a key's), and a slot
+    keeps the last state it wrote or read beside that record's bytes
+    (``kept_*``): a request like the last one plans its keys in the same
+    slots, and a busy key's record read back unchanged is not decoded again."""
 
     __slots__ = ("key", "digest", "zone", "value_size", "limiter", "text", "room", "labelled", "prefix", "state",
-                 "raw", "read", "changed", "forgotten")
+                 "raw", "read", "changed", "forgotten", "kept_digest", "kept_value", "kept_state")
 
     def __init__(self) -> None:
         self.key: Hashable = None
@@ -365,6 +368,9 @@ class _Slot:
         self.read = False
         self.changed = False
         self.forgotten = False
+        self.kept_digest: bytes | None = None  # the digest of the record kept
+        self.kept_value: bytes | None = None  # its bytes
+        self.kept_state: Any = None  # the state they hold (None: nothing kept)
 
     def plan(self, key: Hashable, name: _Name, zone: Zone, value_size: int, limiter: Limiter | None,
              prefix: bytes | None) -> None:
@@ -384,6 +390,21 @@ class _Slot:
         self.changed = False
         self.forgotten = False
 
+    def keep_decoded(self, value: bytes, state: Any) -> None:
+        """Keep ``state`` as the one ``value``, now the record's, holds."""
+        self.kept_digest = self.digest
+        self.kept_value = value
+        self.kept_state = state
+
+    def decoded(self, value: bytes) -> Any:
+        """The state kept for ``value`` read from the slot's record, as
+        decoding the bytes would make it; None when none is kept."""
+        kept = self.kept_state
+        if kept is not None and self.kept_digest is self.digest and kept.limiter is self.limiter \
+                and self.kept_value == value:
+            return kept
+        return None
+
     def clear(self) -> None:
         """Keep no key, limiter nor state alive past the transaction."""
         self.key = None
@@ -395,10 +416,6 @@ class _Slot:
 # Keys whose digest and text a worker remembers (a key's repr and digest
 # cost more than the rest of its read): forgotten all at once when full.
 NAMES_KEPT = 16_384
-# States a worker keeps decoded beside the bytes it last read or wrote for
-# them: a record read back unchanged (a busy key's, most often) is not
-# decoded again. Forgotten all at once when full.
-DECODED_KEPT = 1024
 
 
 class NodeTable:
@@ -417,7 +434,6 @@ class NodeTable:
         self._bans: dict[str, list[Any]] = {}  # address -> [digest, record, read, changed]
         self._notes: dict[Note, list[Any]] = {}  # name -> [digest, (value, until), read, changed]
         self._names: dict[Hashable, _Name] = {}  # key -> what the worker worked out about it
-        self._decoded: dict[bytes, tuple[bytes, Any]] = {}  # digest -> (its record's bytes, their state)
         self._known_prefixes: set[bytes] = set()  # the codes of prefixes this worker wrote
         self._ban_names: dict[str, bytes] = {}  # address -> digest
         # The stripes to lock, zone by zone in the lock order.
@@ -444,8 +460,6 @@ class NodeTable:
             stripes.clear()
         if len(self._names) >= NAMES_KEPT:
             self._names.clear()  # between transactions: no key planned is forgotten
-        if len(self._decoded) >= DECODED_KEPT:
-            self._decoded.clear()
 
     def _name(self, key: Hashable, leases: bool) -> _Name:
         """What the worker keeps about a key, worked out anew (its text's
@@ -548,11 +562,10 @@ class NodeTable:
 
     def _drop_decoded(self) -> None:
         """Forget the decoded states of the transaction's keys."""
-        decoded = self._decoded
         slots = self._slots
         for index in range(self._used):
             slot = slots[index]
-            decoded.pop(slot.digest, None)
+            slot.kept_state = None
 
     def _end(self) -> None:
         """No key is planned any more, and no state is kept alive past its transaction."""
@@ -574,12 +587,11 @@ class NodeTable:
                          for name, (_, note, _, changed) in notes.items() if changed} if notes else None
         lease_slots = zones.lease_slots
         slots = self._slots
-        decoded = self._decoded
         for index in range(self._used):
             slot = slots[index]
             state = slot.state
             if state is None:
-                decoded.pop(slot.digest, None)
+                slot.kept_state = None
                 if slot.forgotten:
                     slot.zone.delete(slot.digest)
                     if slot.labelled:
@@ -597,12 +609,12 @@ class NodeTable:
             else:
                 value = bytes((value[0] | ELSEWHERE,)) + value[1:]
             if not (slot.changed or slot.forgotten) and value == slot.raw:
-                decoded[slot.digest] = (value, state)
+                slot.keep_decoded(value, state)
                 continue  # read, not changed
             expires = state.limiter.expires_at(state)
             kept = expires + STALE_KEPT if expires > NEVER else now + STALE_KEPT
             slot.zone.put(slot.digest, value, kept, now)
-            decoded[slot.digest] = (value, state)
+            slot.keep_decoded(value, state)
             if labelled and len(text) <= LABEL_VALUE:
                 self._labels.put(slot.digest, text, kept, now)  # as long as the state
             if slot.prefix is not None:
@@ -638,11 +650,8 @@ class NodeTable:
             slot.read = True
             value = slot.zone.get(slot.digest, self.now)
             if value is not None:
-                known = self._decoded.get(slot.digest)
-                if known is not None and known[0] == value and known[1].limiter is slot.limiter:
-                    slot.state = known[1]  # as decoding the bytes would make it, and cheaper
-                else:
-                    slot.state = records.decode_state(value, slot.limiter)
+                state = slot.decoded(value)
+                slot.state = state if state is not None else records.decode_state(value, slot.limiter)
                 slot.raw = value
         return slot
 
