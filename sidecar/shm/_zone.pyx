@@ -14,8 +14,11 @@ a real lock in each stripe's lock slot:
   the stripe's undo copy is put back and the stripe rebuilt from its live records (``_rebuild_stripe``, as
   ``pure_zone.Zone._rebuild``), the mutex is marked consistent and the
   recovery is counted in the zone's header;
-- a lock is first tried without waiting; only when it is busy does the
-  thread release the GIL and wait, so a worker's other threads run.
+- a lock is first tried without waiting; a busy one is counted
+  (``waits``) and tried again a few dozen times with a pause between (its
+  owner holds it for a few microseconds: sleeping in the kernel and being
+  woken costs more), and only then does the thread release the GIL and
+  wait, so a worker's other threads run.
 
 A record's state is stored between compiler barriers (``sz_set_state``): a
 process killed at any instruction leaves either a live record whole or a
@@ -107,6 +110,15 @@ cdef extern from *:
         __atomic_signal_fence(__ATOMIC_SEQ_CST);
     }
 
+    /* A moment's pause in a busy wait: the CPU's hint that this is one. */
+    static inline void sz_pause(void) {
+    #if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+    #elif defined(__aarch64__)
+        __asm__ __volatile__("yield");
+    #endif
+    }
+
     static inline uint64_t sz_increment(uint64_t *counter) {
         return __atomic_add_fetch(counter, 1, __ATOMIC_SEQ_CST);
     }
@@ -154,6 +166,7 @@ cdef extern from *:
     int sz_mutex_init(pthread_mutex_t *mutex) nogil
     bint sz_mutex_held(pthread_mutex_t *mutex) nogil
     void sz_set_state(sz_record *record, uint8_t state) nogil
+    void sz_pause() nogil
     uint64_t sz_increment(uint64_t *counter) nogil
     uint64_t sz_load64(uint64_t *counter) nogil
     uint32_t sz_load32(uint32_t *field) nogil
@@ -170,6 +183,7 @@ cdef enum:
     HEADER_SIZE = 256
     STRIPE_HEADER = 128
     EXPIRED_SCAN = 8
+    SPINS = 64  # tries of a busy lock before sleeping on it (its owner holds it for a few microseconds)
 
 assert (pure_zone.FREE, pure_zone.LIVE, pure_zone.WRITING, pure_zone.NIL) == (FREE, LIVE, WRITING, NIL)
 assert (pure_zone.DIGEST_SIZE, pure_zone.RECORD_HEADER, pure_zone.HEADER_SIZE) == (DIGEST_SIZE, RECORD_HEADER, HEADER_SIZE)
@@ -394,10 +408,17 @@ cdef class Zone:
         cdef pthread_mutex_t *mutex = &self._stripe(stripe).lock.mutex
         self._held += 1
         cdef int rc = pthread_mutex_trylock(mutex)
+        cdef int spin
         if rc == EBUSY:
             sz_increment(&self._header.waits)
-            with nogil:
-                rc = pthread_mutex_lock(mutex)
+            for spin in range(SPINS):
+                sz_pause()
+                rc = pthread_mutex_trylock(mutex)
+                if rc != EBUSY:
+                    break
+            if rc == EBUSY:
+                with nogil:
+                    rc = pthread_mutex_lock(mutex)
         if rc == EOWNERDEAD:
             self._rebuild_stripe(self._stripe(stripe))
             rc = pthread_mutex_consistent(mutex)

@@ -6,24 +6,54 @@ cimport cython
 from sidecar.state cimport Check, CheckSpec
 
 
+@cython.final
+cdef class _Name:
+    cdef public bytes digest
+    cdef public bytes text
+    cdef public bytes code
+    cdef public bytes prefix_text
+    cdef public bint leases
+    cdef public Py_ssize_t room
+    cdef public bint labelled
+    cdef public Py_ssize_t stripe
+    cdef public Py_ssize_t label_stripe
+    cdef public Py_ssize_t planned
+    cdef public Py_ssize_t slot
+
+
+@cython.final
 cdef class _Slot:
+    cdef public object key
     cdef public bytes digest
     cdef public object zone
+    cdef public Py_ssize_t value_size
     cdef public object limiter
     cdef public bytes text
     cdef public Py_ssize_t room
+    cdef public bint labelled
     cdef public object prefix
     cdef public object state
     cdef public object raw
     cdef public bint read
     cdef public bint changed
     cdef public bint forgotten
+    cdef public object kept_digest
+    cdef public object kept_value
+    cdef public object kept_state
+
+    cpdef keep_decoded(self, bytes value, state)
+    cpdef decoded(self, bytes value)
+    cpdef plan(self, key, _Name name, zone, Py_ssize_t value_size, limiter, prefix)
+    cpdef clear(self)
 
 
+@cython.final
 cdef class NodeTable:
     cdef public object zones
     cdef public double now
-    cdef public dict _slots
+    cdef public Py_ssize_t _transaction
+    cdef public list _slots
+    cdef public Py_ssize_t _used
     cdef public dict _bans
     cdef public dict _notes
     cdef public dict _names
@@ -40,12 +70,21 @@ cdef class NodeTable:
     cdef public object _states
     cdef public object _leases
     cdef public object _labels
+    cdef public Py_ssize_t _state_value_size
+    cdef public Py_ssize_t _lease_value_size
 
-    @cython.locals(slot=_Slot, room=Py_ssize_t)
+    @cython.locals(slot=_Slot, name=_Name, value_size=Py_ssize_t)
     cpdef _Slot plan_key(self, key, limiter, leases=*)
     @cython.locals(check=Check, spec=CheckSpec)
     cpdef plan_checks(self, address, checks)
-    @cython.locals(slot=_Slot, labelled=bint, now=double, expires=double, kept=double)
+    @cython.locals(slot=_Slot, slots=list, index=Py_ssize_t, labelled=bint, now=double, expires=double,
+                   kept=double)
     cpdef _commit(self)
-    @cython.locals(slot=_Slot)
+    @cython.locals(slot=_Slot, slots=list, index=Py_ssize_t, name=_Name)
     cpdef _Slot _slot(self, key)
+    @cython.locals(slot=_Slot, slots=list, index=Py_ssize_t)
+    cpdef _drop_decoded(self)
+    @cython.locals(slot=_Slot, slots=list, index=Py_ssize_t)
+    cpdef _end(self)
+    @cython.locals(name=_Name, room=Py_ssize_t)
+    cpdef _Name _name(self, key, bint leases)

@@ -71,6 +71,7 @@ log = logging.getLogger("sluice")
 
 # Seconds a state stays readable after it stops mattering (see the module's docstring).
 STALE_KEPT = 3600.0
+NEVER = -math.inf  # a state that never stops mattering says so
 # Bytes of value per record. A state's record: its state (33 bytes at most,
 # a window's) and its key's text when it fits in the 47 bytes left (a rule
 # keyed by the address: "(('login', ('ip',)), '2001:db8:85a3:8d3::/64')"),
@@ -128,6 +129,9 @@ class Zone(Protocol):
 
     @property
     def evictions(self) -> int: ...
+
+    @property
+    def waits(self) -> int: ...
 
 
 class ZoneSize(NamedTuple):
@@ -239,6 +243,18 @@ class NodeZones:
         """Bytes of the zones' records, headers included."""
         return sum(zone.capacity * zone.record_size for zone in self.zones.values())
 
+    def statistics(self) -> dict[str, dict[str, int]]:
+        """Each zone's counters, by zone name (``ZONE_ORDER``), the same from
+        every worker (they live in the zone's header): ``recoveries``, locks
+        taken over from a worker that died holding them (its stripe
+        repaired); ``evictions``, records evicted unexpired to make room;
+        ``waits``, locks found busy when asked for (a worker then waited for
+        another); ``records`` in use and ``capacity``. Read without locks:
+        each figure is a moment's."""
+        return {name: {"recoveries": zone.recoveries, "evictions": zone.evictions, "waits": zone.waits,
+                       "records": len(zone), "capacity": zone.capacity}
+                for name, zone in self.zones.items()}
+
 
 def _zone_type() -> Any:
     from sidecar.shm import Zone as CompiledOrPure
@@ -301,25 +317,100 @@ class NotPlanned(RuntimeError):
     """The policy asked for a record the store did not lock for it: a bug."""
 
 
-class _Slot:
-    """A key's state within one transaction."""
+class _Name:
+    """What a worker works out once about a key and keeps from one
+    transaction to the next (``NAMES_KEPT`` keys): its digest and text,
+    which zone and stripes hold its record, and whether the transaction
+    running planned it already (``planned``, the transaction's number, and
+    ``slot``, its slot's place then). Only bytes and numbers: the garbage
+    collector has nothing to visit in the thousands kept."""
 
-    __slots__ = ("digest", "zone", "limiter", "text", "room", "prefix", "state", "raw", "read", "changed",
-                 "forgotten")
+    __slots__ = ("digest", "text", "code", "prefix_text", "leases", "room", "labelled", "stripe", "label_stripe",
+                 "planned", "slot")
 
-    def __init__(self, digest: bytes, zone: Zone, limiter: Limiter | None, text: bytes, room: int,
-                 prefix: bytes | None) -> None:
+    def __init__(self, digest: bytes, text: bytes, prefix_text: bytes, leases: bool, room: int, stripe: int,
+                 label_stripe: int) -> None:
         self.digest = digest
-        self.zone = zone
-        self.limiter = limiter  # the limiter the caller counts the key with (None: any)
         self.text = text
+        self.code = text[:records.PREFIX_CODE_BYTES]  # its prefix's code
+        self.prefix_text = prefix_text
+        self.leases = leases  # whether its record is in the leases zone (else the states zone)
         self.room = room  # bytes of its record the key's text may take
-        self.prefix = prefix  # its prefix's text, when this worker has not written it yet
+        self.labelled = len(text) > room  # its text is in the labels zone
+        self.stripe = stripe  # its record's stripe
+        self.label_stripe = label_stripe  # its text's stripe in the labels zone (labelled only)
+        self.planned = -1
+        self.slot = -1
+
+
+class _Slot:
+    """A key's record within one transaction. A table reuses its slots from
+    one transaction to the next (``plan`` makes one a key's), and a slot
+    keeps the last state it wrote or read beside that record's bytes
+    (``kept_*``): a request like the last one plans its keys in the same
+    slots, and a busy key's record read back unchanged is not decoded again."""
+
+    __slots__ = ("key", "digest", "zone", "value_size", "limiter", "text", "room", "labelled", "prefix", "state",
+                 "raw", "read", "changed", "forgotten", "kept_digest", "kept_value", "kept_state")
+
+    def __init__(self) -> None:
+        self.key: Hashable = None
+        self.digest = b""
+        self.zone: Any = None
+        self.value_size = 0  # bytes of value its zone's records hold
+        self.limiter: Limiter | None = None  # the limiter the caller counts the key with (None: any)
+        self.text = b""
+        self.room = 0
+        self.labelled = False
+        self.prefix: bytes | None = None  # its prefix's text, when this worker has not written it yet
         self.state: Any = None
         self.raw: bytes | None = None  # the record as read
         self.read = False
         self.changed = False
         self.forgotten = False
+        self.kept_digest: bytes | None = None  # the digest of the record kept
+        self.kept_value: bytes | None = None  # its bytes
+        self.kept_state: Any = None  # the state they hold (None: nothing kept)
+
+    def plan(self, key: Hashable, name: _Name, zone: Zone, value_size: int, limiter: Limiter | None,
+             prefix: bytes | None) -> None:
+        """Make the slot ``key``'s in a new transaction: nothing read yet."""
+        self.key = key
+        self.digest = name.digest
+        self.zone = zone
+        self.value_size = value_size
+        self.limiter = limiter
+        self.text = name.text
+        self.room = name.room
+        self.labelled = name.labelled
+        self.prefix = prefix
+        self.state = None
+        self.raw = None
+        self.read = False
+        self.changed = False
+        self.forgotten = False
+
+    def keep_decoded(self, value: bytes, state: Any) -> None:
+        """Keep ``state`` as the one ``value``, now the record's, holds."""
+        self.kept_digest = self.digest
+        self.kept_value = value
+        self.kept_state = state
+
+    def decoded(self, value: bytes) -> Any:
+        """The state kept for ``value`` read from the slot's record, as
+        decoding the bytes would make it; None when none is kept."""
+        kept = self.kept_state
+        if kept is not None and self.kept_digest is self.digest and kept.limiter is self.limiter \
+                and self.kept_value == value:
+            return kept
+        return None
+
+    def clear(self) -> None:
+        """Keep no key, limiter nor state alive past the transaction."""
+        self.key = None
+        self.limiter = None
+        self.state = None
+        self.raw = None
 
 
 # Keys whose digest and text a worker remembers (a key's repr and digest
@@ -337,10 +428,12 @@ class NodeTable:
     def __init__(self, zones: NodeZones) -> None:
         self.zones = zones
         self.now = 0.0
-        self._slots: dict[Hashable, _Slot] = {}
+        self._transaction = 0  # the number of the transaction planned or running
+        self._slots: list[_Slot] = []  # the keys' slots, reused: the first ``_used`` are the transaction's
+        self._used = 0
         self._bans: dict[str, list[Any]] = {}  # address -> [digest, record, read, changed]
         self._notes: dict[Note, list[Any]] = {}  # name -> [digest, (value, until), read, changed]
-        self._names: dict[Hashable, tuple[bytes, bytes, bytes]] = {}  # key -> (digest, text, prefix's text)
+        self._names: dict[Hashable, _Name] = {}  # key -> what the worker worked out about it
         self._known_prefixes: set[bytes] = set()  # the codes of prefixes this worker wrote
         self._ban_names: dict[str, bytes] = {}  # address -> digest
         # The stripes to lock, zone by zone in the lock order.
@@ -352,48 +445,62 @@ class NodeTable:
         self._states = zones.states
         self._leases = zones.leases
         self._labels = zones.labels
+        self._state_value_size = zones.states.value_size
+        self._lease_value_size = zones.leases.value_size
 
     # -- planning ------------------------------------------------------------------
 
     def begin(self, now: float) -> None:
         self.now = now
-        self._slots.clear()
+        self._transaction += 1
+        self._used = 0
         self._bans.clear()
         self._notes.clear()
         for stripes in self._stripes:
             stripes.clear()
+        if len(self._names) >= NAMES_KEPT:
+            self._names.clear()  # between transactions: no key planned is forgotten
 
-    def _name(self, key: Hashable) -> tuple[bytes, bytes, bytes]:
-        names = self._names
-        if len(names) >= NAMES_KEPT:
-            names.clear()
+    def _name(self, key: Hashable, leases: bool) -> _Name:
+        """What the worker keeps about a key, worked out anew (its text's
+        ``repr`` and digest cost more than the rest of its read)."""
         text = key_text(key)
-        named = names[key] = (digest_of(text), text, records.prefix_of(key)[1])
-        return named
+        digest = digest_of(text)
+        zone, room = (self._leases, LEASE_TEXT) if leases else (self._states, TEXT_ROOM)
+        label_stripe = self._labels.stripe_of(digest) if len(text) > room else -1
+        name = self._names[key] = _Name(digest, text, records.prefix_of(key)[1], leases, room,
+                                        zone.stripe_of(digest), label_stripe)
+        return name
 
     def plan_key(self, key: Hashable, limiter: Limiter | None, leases: bool | None = None) -> _Slot:
         """A key the transaction may read or write: in the leases zone when
         it counts leases (``leases``; by default, when ``limiter`` does)."""
-        slot = self._slots.get(key)
-        if slot is not None:
-            return slot
-        named = self._names.get(key)
-        digest, text, prefix = named if named is not None else self._name(key)
+        name = self._names.get(key)
+        if name is not None and name.planned == self._transaction:
+            return self._slots[name.slot]
         if leases is None:
             leases = limiter is not None and limiter.leases
+        if name is None or name.leases != leases:
+            name = self._name(key, leases)
         if leases:
-            zone, room = self._leases, LEASE_TEXT
-            self._lease_stripes.add(zone.stripe_of(digest))
+            zone, value_size = self._leases, self._lease_value_size
+            self._lease_stripes.add(name.stripe)
         else:
-            zone, room = self._states, TEXT_ROOM
-            self._state_stripes.add(zone.stripe_of(digest))
-        if len(text) > room:
-            self._label_stripes.add(self._labels.stripe_of(digest))
-        if text[:records.PREFIX_CODE_BYTES] in self._known_prefixes:
-            slot = self._slots[key] = _Slot(digest, zone, limiter, text, room, None)
-        else:
+            zone, value_size = self._states, self._state_value_size
+            self._state_stripes.add(name.stripe)
+        if name.labelled:
+            self._label_stripes.add(name.label_stripe)
+        prefix = None
+        if name.code not in self._known_prefixes:
+            prefix = name.prefix_text
             self._prefix_stripes.add(self.zones.prefixes.stripe_of(digest_of(prefix)))
-            slot = self._slots[key] = _Slot(digest, zone, limiter, text, room, prefix)
+        if self._used == len(self._slots):
+            self._slots.append(_Slot())
+        slot = self._slots[self._used]
+        name.planned = self._transaction
+        name.slot = self._used
+        self._used += 1
+        slot.plan(key, name, zone, value_size, limiter, prefix)
         return slot
 
     def plan_ban(self, address: str) -> None:
@@ -445,12 +552,31 @@ class NodeTable:
             result = action(*args)
             self._commit()
             return result
+        except BaseException:
+            self._drop_decoded()  # the action may have changed states it did not write
+            raise
         finally:
             for zone, locked in reversed(taken):
                 zone.unlock(locked)
-            self._slots.clear()
-            self._bans.clear()
-            self._notes.clear()
+            self._end()
+
+    def _drop_decoded(self) -> None:
+        """Forget the decoded states of the transaction's keys."""
+        slots = self._slots
+        for index in range(self._used):
+            slot = slots[index]
+            slot.kept_state = None
+
+    def _end(self) -> None:
+        """No key is planned any more, and no state is kept alive past its transaction."""
+        self._transaction += 1
+        slots = self._slots
+        for index in range(self._used):
+            slot = slots[index]
+            slot.clear()
+        self._used = 0
+        self._bans.clear()
+        self._notes.clear()
 
     def _commit(self) -> None:
         now = self.now
@@ -460,30 +586,35 @@ class NodeTable:
         encoded_notes = {name: records.encode_note(name, note[0])
                          for name, (_, note, _, changed) in notes.items() if changed} if notes else None
         lease_slots = zones.lease_slots
-        for slot in self._slots.values():
+        slots = self._slots
+        for index in range(self._used):
+            slot = slots[index]
             state = slot.state
             if state is None:
+                slot.kept_state = None
                 if slot.forgotten:
                     slot.zone.delete(slot.digest)
-                    if len(slot.text) > slot.room:
+                    if slot.labelled:
                         self._labels.delete(slot.digest)
                 continue
             value = records.encode_state(state, lease_slots)
             text = slot.text
-            labelled = len(text) > slot.room
+            labelled = slot.labelled
             # The key's text in the record when it fits the room planned
             # for it, else in the labels zone (whose stripe was locked
             # then). A plug-in's state too long to leave the room keeps no
             # text: its key is not listed.
-            if not labelled and len(value) + len(text) <= slot.zone.value_size:
+            if not labelled and len(value) + len(text) <= slot.value_size:
                 value += text
             else:
                 value = bytes((value[0] | ELSEWHERE,)) + value[1:]
             if not (slot.changed or slot.forgotten) and value == slot.raw:
+                slot.keep_decoded(value, state)
                 continue  # read, not changed
             expires = state.limiter.expires_at(state)
-            kept = expires + STALE_KEPT if expires > -math.inf else now + STALE_KEPT
+            kept = expires + STALE_KEPT if expires > NEVER else now + STALE_KEPT
             slot.zone.put(slot.digest, value, kept, now)
+            slot.keep_decoded(value, state)
             if labelled and len(text) <= LABEL_VALUE:
                 self._labels.put(slot.digest, text, kept, now)  # as long as the state
             if slot.prefix is not None:
@@ -505,14 +636,22 @@ class NodeTable:
     # -- the primitives ----------------------------------------------------------------
 
     def _slot(self, key: Hashable) -> _Slot:
-        slot = self._slots.get(key)
-        if slot is None:
-            raise NotPlanned(f"the policy asked for a key the store did not lock: {key!r:.200}")
+        slots = self._slots
+        for index in range(self._used):  # the key planned, most often: no hash to work out
+            slot = slots[index]
+            if slot.key is key:
+                break
+        else:
+            name = self._names.get(key)
+            if name is None or name.planned != self._transaction:
+                raise NotPlanned(f"the policy asked for a key the store did not lock: {key!r:.200}")
+            slot = slots[name.slot]
         if not slot.read:
             slot.read = True
             value = slot.zone.get(slot.digest, self.now)
             if value is not None:
-                slot.state = records.decode_state(value, slot.limiter)
+                state = slot.decoded(value)
+                slot.state = state if state is not None else records.decode_state(value, slot.limiter)
                 slot.raw = value
         return slot
 
@@ -660,8 +799,11 @@ class NodeStore:
         holds (a reload raised it past the largest at start) run at that
         many: the zones keep their size until a restart."""
         slots = self.zones.lease_slots
-        if all(not check.spec.limiter.leases or cast(ConcurrencyLimiter, check.spec.limiter).limit <= slots
-               for check in checks):
+        for check in checks:  # a loop, not a generator: this runs for every decision
+            limiter = check.spec.limiter
+            if limiter.leases and cast(ConcurrencyLimiter, limiter).limit > slots:
+                break
+        else:
             return checks
         return [Check(self._capped_spec(check.spec), check.key, check.lease)
                 if check.spec.limiter.leases and cast(ConcurrencyLimiter, check.spec.limiter).limit > slots
@@ -977,6 +1119,11 @@ class NodeStore:
 
     def tracked_keys(self) -> int:
         return len(self.zones.states) + len(self.zones.leases)
+
+    def zone_statistics(self) -> dict[str, dict[str, int]]:
+        """The node's table's counters, zone by zone (``NodeZones.statistics``):
+        lock recoveries, evictions, lock waits, records in use and capacity."""
+        return self.zones.statistics()
 
     def gauges(self) -> dict[str, tuple[str, Callable[[], float]]]:
         # The node's figures, the same from every worker.

@@ -281,6 +281,51 @@ def test_a_record_the_store_did_not_lock_is_refused_and_a_failed_action_writes_n
     assert table.run(table.state, key) is None
 
 
+@pytest.mark.parametrize("zone_type", ZONE_TYPES, ids=lambda zone: zone.__module__)
+@settings(max_examples=20, deadline=None)
+@given(hits=st.lists(st.tuples(st.floats(min_value=0.0, max_value=30.0), st.booleans()), min_size=1, max_size=12))
+def test_a_state_kept_decoded_is_the_record_s_even_after_a_failed_action_changed_it(
+        zone_type: Any, hits: list[tuple[float, bool]]) -> None:
+    # A worker keeps the states it decoded beside their bytes; an action that
+    # changed a state and then failed wrote nothing, so the next read is the
+    # record's as written last: only the hits that did not fail counted.
+    zones = NodeZones.private(1000, zone_type=zone_type)
+    table = NodeTable(zones)
+    window = WindowCounter(3, 10.0, 5.0)
+    key = (("r", ("ip",)), "192.0.2.1")
+    expected = None
+    at = NOW
+
+    def count(fail: bool) -> None:
+        state = table.state(key)
+        if state is None:
+            state = window.new_state()
+            table.keep(key, state)
+        window.hit(state, at, 3, 1)
+        if fail:
+            raise ZeroDivisionError
+
+    def encoded(state: Any) -> bytes | None:
+        return None if state is None else records.encode_state(state, zones.lease_slots)
+
+    for later, fail in hits:
+        at += later
+        table.begin(at)
+        table.plan_key(key, window)
+        try:
+            table.run(count, fail)
+        except ZeroDivisionError:
+            pass
+        if not fail:
+            expected = expected if expected is not None else window.new_state()
+            window.hit(expected, at, 3, 1)
+        table.begin(at)
+        table.plan_key(key, window)
+        state, raw = table.run(lambda: (table.state(key), table._slot(key).raw))
+        assert encoded(state) == encoded(expected)
+        assert encoded(state) == encoded(None if raw is None else records.decode_state(raw, window))
+
+
 # -- two workers over one table -------------------------------------------------------
 
 
@@ -596,3 +641,48 @@ def test_a_store_opened_by_name_is_the_node_store(tmp_path: Path, monkeypatch: p
     assert isinstance(open_store("memory", "", 1000, "node", lambda: NOW), MemoryStore)
     zones.unlink()
 
+
+
+# -- the table's counters -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("zone_type", ZONE_TYPES, ids=lambda zone: zone.__module__)
+@settings(max_examples=10, deadline=None)
+@given(keys=st.integers(min_value=1, max_value=300))
+def test_the_store_counts_each_zone_s_evictions_and_records(zone_type: Any, keys: int) -> None:
+    store = node_store(max_keys=64, zone_type=zone_type)
+    capacity = store.zones.states.capacity
+    assert store.zones.states.stripes == 1  # one stripe: the least recently used key goes first
+    limiter = WindowCounter(10, 60.0, 0.0)
+    for number in range(keys):
+        store.count_now((("r", ("ip",)), f"10.0.0.{number}"), limiter, NOW, 10, 1)
+    figures = store.zone_statistics()
+    assert set(figures) == set(ZONE_ORDER)
+    assert figures["states"] == {"recoveries": 0, "evictions": max(0, keys - capacity), "waits": 0,
+                                 "records": min(keys, capacity), "capacity": capacity}
+    assert all(figure["evictions"] == 0 for name, figure in figures.items() if name != "states")
+
+
+@pytest.mark.skipif(not shm.COMPILED, reason="the pure twin takes no lock between threads")
+def test_the_store_counts_a_lock_found_busy() -> None:
+    import threading
+    import time
+
+    store = node_store(zone_type=shm.Zone)
+    key = (("r", ("ip",)), "10.0.0.1")
+    states = store.zones.states
+    stripe = [states.stripe_of(records.digest_of(records.key_text(key)))]
+    counted: list[Any] = []
+    states.lock(stripe)
+    try:
+        counter = threading.Thread(target=lambda: counted.append(
+            store.count_now(key, WindowCounter(10, 60.0, 0.0), NOW, 10, 1)), daemon=True)
+        counter.start()
+        deadline = time.monotonic() + 10
+        while store.zone_statistics()["states"]["waits"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)  # the other thread asks for the lock this one holds
+    finally:
+        states.unlock(stripe)
+    counter.join(10)
+    assert len(counted) == 1 and not counted[0].over_limit
+    assert store.zone_statistics()["states"]["waits"] == 1
