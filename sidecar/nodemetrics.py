@@ -69,6 +69,11 @@ GAUGE_MODES = {
     # every worker reads whole.
     "sluice_active_bans": "livemax",
     "sluice_tracked_keys": "livemax",
+    "sluice_node_table_lock_recoveries": "livemax",
+    "sluice_node_table_evictions": "livemax",
+    "sluice_node_table_lock_waits": "livemax",
+    "sluice_node_table_records": "livemax",
+    "sluice_node_table_capacity": "livemax",
 }
 
 

@@ -69,6 +69,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sluice")
 
+# The table's figures as the node's metrics report them, summed over its
+# zones: (metric, NodeZones.statistics's figure, what it says).
+TABLE_FIGURES = (
+    ("sluice_node_table_lock_recoveries", "recoveries", "Locks of the node's table taken over from a worker "
+     "that died holding them (the stripe repaired), since serve started."),
+    ("sluice_node_table_evictions", "evictions", "Records of the node's table evicted before they expired, "
+     "to make room, since serve started."),
+    ("sluice_node_table_lock_waits", "waits", "Locks of the node's table found busy (a worker waited for "
+     "another), since serve started."),
+    ("sluice_node_table_records", "records", "Records in use in the node's table."),
+    ("sluice_node_table_capacity", "capacity", "Records the node's table holds."),
+)
+
 # Seconds a state stays readable after it stops mattering (see the module's docstring).
 STALE_KEPT = 3600.0
 NEVER = -math.inf  # a state that never stops mattering says so
@@ -1126,10 +1139,17 @@ class NodeStore:
         return self.zones.statistics()
 
     def gauges(self) -> dict[str, tuple[str, Callable[[], float]]]:
-        # The node's figures, the same from every worker.
-        return {"sluice_active_bans": ("IP bans in force on this node.",
-                                       lambda: len(self.bans_in_force(self._clock()))),
-                "sluice_tracked_keys": ("Counting keys held in memory.", self.tracked_keys)}
+        # The node's figures, the same from every worker: the table's
+        # counters are the zones', kept since serve made them, and only grow.
+        figures: dict[str, tuple[str, Callable[[], float]]] = {
+            "sluice_active_bans": ("IP bans in force on this node.", lambda: len(self.bans_in_force(self._clock()))),
+            "sluice_tracked_keys": ("Counting keys held in memory.", self.tracked_keys)}
+        for name, figure, documentation in TABLE_FIGURES:
+            figures[name] = (documentation, self._table_figure(figure))
+        return figures
+
+    def _table_figure(self, figure: str) -> Callable[[], float]:
+        return lambda: sum(zone[figure] for zone in self.zones.statistics().values())
 
     async def open(self) -> None:
         """Nothing to open: the zones are attached."""

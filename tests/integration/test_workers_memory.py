@@ -41,7 +41,7 @@ import pytest
 from devstack.launcher import Stack, StackError
 from sidecar import core
 from sidecar.rendering import StackPorts
-from sidecar.store.node import ZONE_ORDER
+from sidecar.store.node import ZONE_ORDER, NodeZones, zones_prefix
 from tests.integration.burst import NO_RESPONSE, burst
 from tests.integration.clients import LOOPBACK
 from tests.integration.conftest import free_port, fresh_client_address, sluice_metric, wait_until
@@ -285,6 +285,23 @@ def test_a_worker_killed_mid_flood_leaves_the_other_answering_and_the_count_kept
     # Twenty checks on new connections: both workers take some.
     refused = [request_through_nginx(stack.ports.nginx, headers, fresh_client_address()) for _ in range(20)]
     assert refused == [429] * 20
+
+
+def test_metrics_report_the_node_s_table_once_not_once_per_worker(stack: WorkersStack, tmp_path: Path) -> None:
+    # A table made as serve made this one (the rules' max_keys, the largest
+    # concurrency limit): its capacity is the node's, however many workers.
+    zones = NodeZones.create(zones_prefix(str(tmp_path)), 20000, BUDGET)
+    try:
+        capacity = sum(figure["capacity"] for figure in zones.statistics().values())
+    finally:
+        zones.unlink()
+        zones.close()
+    request_through_nginx(stack.ports.nginx, {"x-limit": "window", "x-k": uuid.uuid4().hex}, fresh_client_address())
+    # Each scrape may reach either worker; each answers for the node.
+    scrapes = [sluice_metric(stack, "sluice_node_table_capacity") for _ in range(6)]
+    assert scrapes == [capacity] * 6
+    assert 0 < sluice_metric(stack, "sluice_node_table_records") <= capacity
+    assert sluice_metric(stack, "sluice_node_table_lock_recoveries") >= 0
 
 
 def serving(stack: Stack, pid: int) -> bool:

@@ -661,6 +661,12 @@ def test_the_store_counts_each_zone_s_evictions_and_records(zone_type: Any, keys
     assert figures["states"] == {"recoveries": 0, "evictions": max(0, keys - capacity), "waits": 0,
                                  "records": min(keys, capacity), "capacity": capacity}
     assert all(figure["evictions"] == 0 for name, figure in figures.items() if name != "states")
+    # ...which /metrics reports, summed over the zones.
+    gauges = {name: read() for name, (_, read) in store.gauges().items()}
+    assert gauges["sluice_node_table_evictions"] == max(0, keys - capacity)
+    assert gauges["sluice_node_table_records"] == sum(figure["records"] for figure in figures.values())
+    assert gauges["sluice_node_table_capacity"] == sum(figure["capacity"] for figure in figures.values())
+    assert gauges["sluice_node_table_lock_recoveries"] == gauges["sluice_node_table_lock_waits"] == 0
 
 
 @pytest.mark.skipif(not shm.COMPILED, reason="the pure twin takes no lock between threads")
