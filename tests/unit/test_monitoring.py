@@ -28,6 +28,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from sidecar.app import SluiceApp
 from sidecar.chain import NextAuthAddress, ThenAuth
 from sidecar.engine import Engine
+from sidecar.shm.pure_zone import Zone as PureZone
+from sidecar.store.node import NodeStore, NodeZones
 from tests.unit.conftest import Harness, ruleset_from
 from tests.unit.deploy_files import (
     ALERT_RULES,
@@ -83,7 +85,10 @@ def scrapes() -> list[Metric]:
     chained_engine = Harness(RULES).engine
     chained = SluiceApp(chained_engine, then_auth=ThenAuth(NextAuthAddress.parse("http://127.0.0.1:1/auth"), 0.5,
                                                            chained_engine.metrics.registry))
-    return [family for text in (scrape(app), scrape(shared), scrape(chained))
+    # With the node's table of --workers on the memory backend (its pure twin).
+    table = NodeStore(NodeZones.private(1000, 0, zone_type=PureZone), "node")
+    node = SluiceApp(Engine(ruleset_from("rules: []\n"), store=table))
+    return [family for text in (scrape(app), scrape(shared), scrape(chained), scrape(node))
             for family in text_string_to_metric_families(text)]
 
 
