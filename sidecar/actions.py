@@ -332,11 +332,6 @@ def allow_headers(decision: Decision) -> list[tuple[str, str]]:
     return headers
 
 
-def retry_after_seconds(wait: float) -> int:
-    """Whole seconds until the key may send again: rounded up, at least 1."""
-    return max(1, math.ceil(wait))
-
-
 # What an HTTP server refuses to send in a header value (uvicorn answers 500).
 _UNSENDABLE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 

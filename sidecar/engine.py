@@ -15,7 +15,7 @@ from collections import _count_elements  # type: ignore[attr-defined]  # Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from sidecar.actions import BlockPage, draft_fields, retry_after_seconds
+from sidecar.actions import BlockPage, draft_fields
 from sidecar.at_once import run_at_once
 from sidecar.challenge import Challenges, IssuedChallenge
 from sidecar.clientip import UNKNOWN_CLIENT, ClientAddress
@@ -47,6 +47,11 @@ from sidecar.tokens import Tokens
 log = logging.getLogger("sluice")
 # Add one to a Counter for each of the keys (Counter.update without its checks).
 count_elements: Callable[[dict[str, int], Iterable[str]], None] = _count_elements
+
+
+def retry_after_seconds(wait: float) -> int:
+    """Whole seconds until the key may send again: rounded up, at least 1."""
+    return max(1, math.ceil(wait))
 
 
 class Outcome(enum.StrEnum):
@@ -390,7 +395,7 @@ class Engine:
         for rule, check in enforcing:
             if rule.overload_closed:
                 tally[rule.id, "closed"] += 1
-                return Decision(outcome=DENY, rule=rule, limit=math.ceil(check.threshold), reset=1,
+                return Decision(outcome=DENY, rule=rule, limit=math.ceil(check.spec.threshold), reset=1,
                                 retry_after=1, page=OVERLOADED_PAGE if rule.page is None else rule.page.for_status(503))
         refused = self._count_here(now, matched, checks)
         if refused is not None:
@@ -574,14 +579,14 @@ class Engine:
                     pending.append((rule.id, spec.threshold, key_values(key)))
                 continue
             if rule.reset_on is not None and rule.counts:
-                pending.append((rule.id, check.threshold, key_values(check.key)))
+                pending.append((rule.id, check.spec.threshold, key_values(check.key)))
             limit, reset = self._limit_and_reset(rule, check, hit)
             if rule.shadow:
                 observed = observed or Decision(outcome=ALLOW, rule=rule, limit=limit, reset=reset)
                 self._shadowed(request, rule, check)
                 continue
-            metrics.over_limit(rule.id, rule.action)
-            if check.stops:
+            metrics.over_limits[rule.id, rule.action] += 1
+            if check.spec.stops:
                 count_elements(metrics.rule_hits, counted)
                 return self._refuse(request, rule, check, hit, limit, reset, evaluation)
             if rule.action == "log" and observed is None:
@@ -622,7 +627,7 @@ class Engine:
         """X-RateLimit-Limit and X-RateLimit-Reset of a rule over its limit.
         Bucket rules without a penalty report when the next request fits."""
         reset = rule.reset if rule.reset is not None else retry_after_seconds(hit.retry_after)
-        return math.ceil(check.threshold), reset
+        return math.ceil(check.spec.threshold), reset
 
     def _shadowed(self, request: CheckRequest, rule: CompiledRule, check: Check) -> None:
         """A shadow rule over its limit: its action is counted and logged
@@ -642,7 +647,7 @@ class Engine:
         of an allowed request; the store answered their quotas with the
         evaluation, in the same step."""
         assert evaluation.quotas is not None
-        quotas = [(rule.id, check.threshold, quota)
+        quotas = [(rule.id, check.spec.threshold, quota)
                   for rule, check, quota in zip(matched, checks, evaluation.quotas)
                   if check.spec.count and rule.action != "log" and quota is not None]
         return draft_fields(quotas) if quotas else None

@@ -118,7 +118,8 @@ class Metrics(Collector):
         self.rule_hits: collections.Counter[str] = collections.Counter()
         # Checks answered, by (front door, outcome): the app adds to it directly.
         self.decisions: collections.Counter[tuple[str, str]] = collections.Counter()
-        self._over: dict[tuple[str, str], Tally] = {}
+        # Over-limit requests by (rule id, action): the hot path adds to it directly.
+        self.over_limits: collections.Counter[tuple[str, str]] = collections.Counter()
         # Late checks answered by the overload policy, by (rule, outcome).
         self.overload_decisions: collections.Counter[tuple[str, str]] = collections.Counter()
         # Actions shadow rules would have taken, by (rule, action).
@@ -165,10 +166,7 @@ class Metrics(Collector):
         self.decisions[front_door, outcome] += 1
 
     def over_limit(self, rule_id: str, action: Action) -> None:
-        tally = self._over.get((rule_id, action))
-        if tally is None:
-            tally = self._over[(rule_id, action)] = Tally()
-        tally.value += 1
+        self.over_limits[rule_id, action] += 1
 
     def shadow_action(self, rule_id: str, action: str) -> None:
         self.shadow_actions[rule_id, action] += 1
@@ -177,7 +175,7 @@ class Metrics(Collector):
         return self.rule_hits[rule_id]
 
     def over_limit_of(self, rule_id: str) -> dict[str, int]:
-        return {action: tally.value for (rule, action), tally in self._over.items() if rule == rule_id}
+        return {action: count for (rule, action), count in self.over_limits.items() if rule == rule_id}
 
     def reloaded(self, succeeded: bool) -> None:
         """A reload of the rules file: its new rules run, or it was refused."""
@@ -220,8 +218,8 @@ class Metrics(Collector):
         yield hits
         over = CounterMetricFamily("sluice_over_limit", "Over-limit requests by rule and action.",
                                    labels=["rule", "action"])
-        for (rule_id, action), tally in self._over.items():
-            over.add_metric([rule_id, action], tally.value)
+        for (rule_id, action), count in self.over_limits.items():
+            over.add_metric([rule_id, action], count)
         yield over
         shadow = CounterMetricFamily("sluice_shadow_actions", "Blocks, bans and challenges shadow rules would "
                                      "have applied (the requests were allowed), by rule and action.",
