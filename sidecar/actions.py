@@ -26,6 +26,7 @@ from sidecar.challenge import SOLUTION_PATH, IssuedChallenge
 if TYPE_CHECKING:
     from sidecar.engine import Decision
     from sidecar.limiters import Quota
+    from sidecar.request import CheckRequest
 
 _VARIABLE = re.compile(r"\$\{\{\s*(remote_addr|http_host|request_id)\s*\}\}")
 # The challenge page has two variables more; block pages do not know them.
@@ -168,6 +169,20 @@ class BlockPage:
         """Whether this page goes as the built-in JSON body to a client
         that does (or does not) prefer JSON."""
         return self.json == "always" or (self.json == "if_preferred" and client_prefers_json)
+
+    def refusal(self, limit: int, reset: int, inline: bool, client_prefers_json: bool, client_text: str,
+                host: str, request_id: str) -> tuple[list[tuple[str, str]], bytes | None]:
+        """What a proxy that sends the page itself needs of a refusal, in one
+        call (nginx's answer): the over-limit fields, and the page on one
+        line, or None when the proxy is to fetch it (``inline`` False, a JSON
+        page, a page of another type, or a host or request id that cannot
+        go in a header field)."""
+        fields = over_limit_headers(limit, reset)
+        template = self.one_line
+        if template is None or not inline or self.sends_json(client_prefers_json) \
+                or not (host.isprintable() and request_id.isprintable()):
+            return fields, None
+        return fields, template.render(client_text, host, request_id)
 
 
 @functools.cache
@@ -334,6 +349,19 @@ def allow_headers(decision: Decision) -> list[tuple[str, str]]:
 
 # What an HTTP server refuses to send in a header value (uvicorn answers 500).
 _UNSENDABLE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+def deny_answer(request: CheckRequest, decision: Decision) -> tuple[int, list[tuple[str, str]], bytes]:
+    """A deny's status, header fields and page (HTML or JSON), for a proxy
+    that sends Sluice's answer as it is (Envoy, forward auth): one call."""
+    page = decision.page
+    assert page is not None
+    refusal = Refusal(page.status, decision.retry_after, decision.rule.id if decision.rule is not None else None,
+                      request.request_id, request.client.text, request.host, decision.challenge)
+    content_type, body = page_body(page, refusal, page.sends_json(prefers_json(request.headers.get("accept", ""))))
+    headers = deny_headers(decision.limit, decision.reset, decision.retry_after, request.request_id,
+                           content_type, page.json == "if_preferred")
+    return page.status, headers, body
 
 
 def deny_headers(limit: int, reset: int, retry_after: int, request_id: str,

@@ -56,14 +56,27 @@ class ClientAddress:
     once per request (``exempt_in``).
     """
 
-    __slots__ = ("key", "_address", "_ipv4", "_ipv6", "exempt_by", "exempt")
+    __slots__ = ("key", "text", "numeric", "_address", "_ipv4", "_ipv6", "exempt_by", "exempt")
 
     def __init__(self, address: IPAddress | None, key: str, ipv4: int = -1, ipv6: int = -1) -> None:
         self.key = key
+        if address is None and 0 <= ipv6 <= 0xFFFFFFFF:
+            # The lowest IPv6 addresses, which inet_ntop writes with a
+            # dotted quad where ipaddress does not: written from the object.
+            address = ipaddress.IPv6Address(ipv6)
         self._address = address
         # The address's value, when ``address`` is yet to be made.
         self._ipv4 = ipv4
         self._ipv6 = ipv6
+        # The address as a person writes it, as ``ipaddress`` writes it (for
+        # pages and logs): made with the client, which the resolver makes
+        # once per address it remembers, without the address object.
+        self.text = _text(address, ipv4, ipv6)
+        # (IP version, the address's value), without the address object;
+        # None for the unknown client.
+        self.numeric: tuple[int, int] | None = \
+            (4, ipv4) if ipv4 >= 0 else (6, ipv6) if ipv6 >= 0 else \
+            None if address is None else (address.version, int(address))
         self.exempt_by: NetworkSet | None = None
         self.exempt = False
 
@@ -76,32 +89,6 @@ class ClientAddress:
             elif self._ipv6 >= 0:
                 address = self._address = ipaddress.IPv6Address(self._ipv6)
         return address
-
-    @property
-    def numeric(self) -> tuple[int, int] | None:
-        """(IP version, the address's value), without making the address
-        object; None for the unknown client."""
-        if self._ipv4 >= 0:
-            return 4, self._ipv4
-        if self._ipv6 >= 0:
-            return 6, self._ipv6
-        address = self._address
-        return None if address is None else (address.version, int(address))
-
-    @property
-    def text(self) -> str:
-        """The address as a person would write it (for pages and logs), as
-        ``ipaddress`` writes it: a refusal's page, sent to every client of an
-        attack, shows it without making the address object."""
-        if self._address is None:
-            if self._ipv4 >= 0:
-                return socket.inet_ntop(socket.AF_INET, self._ipv4.to_bytes(4, "big"))
-            if self._ipv6 > 0xFFFFFFFF:
-                # Above ::255.255.255.255 (and never IPv4-mapped, which is
-                # the IPv4 client), inet_ntop writes no dotted quad.
-                return socket.inet_ntop(socket.AF_INET6, self._ipv6.to_bytes(16, "big"))
-        address = self.address
-        return "" if address is None else str(address)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, ClientAddress):
@@ -121,6 +108,19 @@ class ClientAddress:
         if self.exempt_by is networks:
             return self.exempt
         return networks.holds(self)
+
+
+def _text(address: IPAddress | None, ipv4: int, ipv6: int) -> str:
+    """An address as ``ipaddress`` writes it, from its object or its value."""
+    if address is not None:
+        return str(address)
+    if ipv4 >= 0:
+        return socket.inet_ntop(socket.AF_INET, ipv4.to_bytes(4, "big"))
+    if ipv6 >= 0:
+        # Above ::255.255.255.255 (the client made the object for the rest;
+        # never IPv4-mapped, which is the IPv4 client): no dotted quad.
+        return socket.inet_ntop(socket.AF_INET6, ipv6.to_bytes(16, "big"))
+    return ""
 
 
 UNKNOWN_CLIENT = ClientAddress(None, "")
@@ -154,27 +154,29 @@ class NetworkTable(Generic[V]):
     the first is kept.
     """
 
-    __slots__ = ("_levels",)
+    __slots__ = ("levels",)
 
     def __init__(self, entries: Iterable[tuple[IPNetwork, V]] = ()) -> None:
         lengths: dict[int, dict[int, dict[int, V]]] = {4: {}, 6: {}}
         for network, value in entries:
             lengths[network.version].setdefault(network.prefixlen, {}).setdefault(
                 int(network.network_address), value)
-        # version -> ((mask, {network value: value}), ...), longest prefix first
-        self._levels = {version: tuple((_mask(version, length), values)
+        # version -> ((mask, {network value: value}), ...), longest prefix
+        # first: read by a caller that looks values up on its own path
+        # (sidecar.networkbans), never changed.
+        self.levels = {version: tuple((_mask(version, length), values)
                                        for length, values in sorted(by_length.items(), reverse=True))
                         for version, by_length in lengths.items()}
 
     def values(self, version: int, value: int) -> Iterator[V]:
         """The values of the networks holding the address, longest prefix first."""
-        for mask, values in self._levels[version]:
+        for mask, values in self.levels[version]:
             found = values.get(value & mask)
             if found is not None:
                 yield found
 
     def holds(self, version: int, value: int) -> bool:
-        for mask, values in self._levels[version]:
+        for mask, values in self.levels[version]:
             if value & mask in values:
                 return True
         return False

@@ -104,8 +104,10 @@ class NetworkBans:
             if self._records:
                 self.replace([])  # every ban ended: requests stop looking
             return None
-        for ban in self._table.values(version, value):
-            if now < ban.expires:
+        # NetworkTable.values, written out: a check's lookup stays in this module.
+        for mask, bans in self._table.levels[version]:
+            ban = bans.get(value & mask)
+            if ban is not None and now < ban.expires:
                 return ban
         return None
 

@@ -116,17 +116,19 @@ class CheckRequest:
         return self._query
 
 
-def check_request(headers: dict[str, str], method: str, host: str | None, uri: str, peer: str) -> CheckRequest:
+def check_request(headers: dict[str, str], method: str, host: str | None, uri: str, peer: str,
+                  host_field: str = "host") -> CheckRequest:
     """A CheckRequest with what every proxy sends the same way: the headers,
     the request id, the TLS fingerprint, the time the proxy sent it, and
     the client as the proxy names it (``peer``, the address the request
     came from, and X-Forwarded-For), which the engine resolves. ``host``
-    None: the check's own Host field, without its port.
+    None: the check's ``host_field`` (else its own Host field), without its
+    port.
 
     Everything a front door's description needs of this module is done in
     this one call: a check passes through the module once."""
     if host is None:
-        host = strip_port(headers.get("host", ""))
+        host = strip_port(headers.get(host_field) or headers.get("host", ""))
     sent = headers.get(SENT_HEADER)
     return CheckRequest(method, host, uri, headers, UNRESOLVED, headers.get("x-request-id") or new_request_id(),
                         tls_fingerprint=headers.get(FINGERPRINT_HEADER, ""),

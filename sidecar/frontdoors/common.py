@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
-from sidecar.actions import BlockPage, Refusal, deny_headers, page_body, prefers_json
+from sidecar.actions import BlockPage, Refusal, page_body
 from sidecar.asgi import Receive, Scope, Send
 from sidecar.challenge import IssuedChallenge
 from sidecar.engine import Decision, Engine
@@ -138,22 +138,6 @@ async def wait_unless_disconnected(receive: Receive, seconds: float) -> bool:
     return True
 
 
-def client_prefers_json(request: CheckRequest) -> bool:
-    """Whether the original request's Accept header prefers JSON to HTML."""
-    return prefers_json(request.headers.get("accept", ""))
-
-
-def render_deny(request: CheckRequest, decision: Decision) -> Reply:
-    """A deny's status, headers and page (HTML or JSON, see
-    sidecar.actions)."""
-    page = decision.page
-    assert page is not None
-    refusal = Refusal(page.status, decision.retry_after, decision.rule.id if decision.rule is not None else None,
-                      request.request_id, request.client.text, request.host, decision.challenge)
-    content_type, body = page_body(page, refusal, page.sends_json(client_prefers_json(request)))
-    headers = deny_headers(decision.limit, decision.reset, decision.retry_after, request.request_id,
-                           content_type, page.json == "if_preferred")
-    return Reply(page.status, headers, body)
 
 
 def render_page(page: BlockPage, remote_addr: str, host: str, request_id: str,

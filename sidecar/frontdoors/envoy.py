@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from sidecar.actions import deny_answer
 from sidecar.asgi import Scope
 from sidecar.engine import DENY, Decision
-from sidecar.frontdoors.common import Check, Checked, Decide, Reply, Route, render_deny
+from sidecar.frontdoors.common import Check, Checked, Decide, Reply, Route
 from sidecar.frontdoors.forward_auth import answer_in_full
 from sidecar.request import CheckRequest, check_request
 
@@ -37,7 +38,7 @@ def describe_envoy(scope: Scope, headers: dict[str, str]) -> CheckRequest:
 def answer_envoy(request: CheckRequest, decision: Decision) -> Reply:
     if decision.outcome != DENY:
         return answer_in_full(request, decision)
-    status, headers, body = render_deny(request, decision)
+    status, headers, body = deny_answer(request, decision)
     if status >= 500:
         headers.append((ENVOY_STATUS_HEADER, str(status)))
         status = 403

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from sidecar.actions import allow_headers
+from sidecar.actions import allow_headers, deny_answer
 from sidecar.asgi import Scope
 from sidecar.engine import ALLOW, CLOSE, Decision
-from sidecar.frontdoors.common import Check, Checked, Decide, Reply, Route, render_deny
-from sidecar.request import CheckRequest, check_request, strip_port
+from sidecar.frontdoors.common import Check, Checked, Decide, Reply, Route
+from sidecar.request import CheckRequest, check_request
 
 FORWARD_AUTH_PATH = "/v1/check"
 
@@ -17,9 +17,10 @@ def describe_forward_auth(scope: Scope, headers: dict[str, str]) -> CheckRequest
     return check_request(
         headers,
         method=headers.get("x-forwarded-method", "GET"),
-        host=strip_port(headers.get("x-forwarded-host") or headers.get("host", "")),
+        host=None,  # X-Forwarded-Host (else Host), without its port
         uri=headers.get("x-forwarded-uri", "/"),
         peer=peer[0] if peer else "",
+        host_field="x-forwarded-host",
     )
 
 
@@ -32,7 +33,7 @@ def answer_in_full(request: CheckRequest, decision: Decision) -> Reply:
         # Neither a forward-auth subrequest nor ext_authz can close the
         # client's connection: an empty 403 asking for a close.
         return Reply(403, [("Connection", "close"), ("Cache-Control", "no-store")], b"")
-    return render_deny(request, decision)
+    return Reply(*deny_answer(request, decision))
 
 
 def forward_auth_at_once(scope: Scope, headers: dict[str, str], decide: Decide) -> Checked:

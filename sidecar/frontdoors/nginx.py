@@ -28,7 +28,6 @@ from sidecar.actions import (
     Refusal,
     allow_headers,
     deny_headers,
-    over_limit_headers,
     page_body,
 )
 from sidecar.actions import prefers_json as prefers_accepted_json
@@ -72,13 +71,15 @@ def inline_page(page: BlockPage, request: CheckRequest, client_text: str | None 
     """The page for ``request`` as one header field's value, or None when
     nginx must fetch it instead (see the module). ``client_text``: the
     client's address as text, when the caller has read it already."""
-    template = page.one_line
-    if template is None or not (request.host.isprintable() and request.request_id.isprintable()):
-        return None
     if client_text is None:
         client_text = request.client.text
-    body = template.render(client_text, request.host, request.request_id)
-    return body.decode("latin-1") if len(body) <= MAX_INLINE_PAGE else None
+    _, body = page.refusal(0, 0, True, False, client_text, request.host, request.request_id)
+    return _header_page(body)
+
+
+def _header_page(body: bytes | None) -> str | None:
+    """A one-line page as a header field's value; None when too large."""
+    return body.decode("latin-1") if body is not None and len(body) <= MAX_INLINE_PAGE else None
 
 
 class DenyFields(NamedTuple):
@@ -186,16 +187,16 @@ def answer_nginx(request: CheckRequest, decision: Decision) -> Reply:
     page = decision.page
     assert page is not None
     # Read once each: the client's text (sidecar.clientip) and whether it
-    # prefers JSON (sidecar.actions, as client_prefers_json reads it).
+    # prefers JSON (sidecar.actions.prefers_json).
     client_text = request.client.text
     prefers_json = prefers_accepted_json(request.headers.get("accept", ""))
-    headers = [("X-Sluice-Deny", DenyToken.encode(decision, client_text, prefers_json)),
-               *over_limit_headers(decision.limit, decision.reset),
+    over_limit, body = page.refusal(decision.limit, decision.reset, decision.challenge is None, prefers_json,
+                                    client_text, request.host, request.request_id)
+    headers = [("X-Sluice-Deny", DenyToken.encode(decision, client_text, prefers_json)), *over_limit,
                ("Retry-After", str(decision.retry_after)), *cached]
     if page.json == "if_preferred":
         headers.append(("Vary", "Accept"))  # for nginx's cache of refusals
-    inline = inline_page(page, request, client_text) \
-        if decision.challenge is None and not page.sends_json(prefers_json) else None
+    inline = _header_page(body)
     if inline is not None:
         headers += [(PAGE_STATUS_HEADER, str(page.status)), (PAGE_HEADER, inline)]
     return Reply(NGINX_DENY_STATUS, headers, b"")

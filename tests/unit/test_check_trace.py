@@ -30,6 +30,7 @@ from sidecar import actions, core, request
 from sidecar.app import SluiceApp
 from sidecar.engine import Engine
 from sidecar.server import LimitedHttpProtocol
+from sidecar.state import BanRecord
 from tests.unit.conftest import FakeClock, ruleset_from
 
 PACKAGE = os.path.dirname(os.path.abspath(sidecar.__file__)) + os.sep
@@ -58,6 +59,10 @@ NGINX_CHECK = (b"GET /v1/nginx/auth HTTP/1.1\r\nHost: 127.0.0.1:8181\r\n"
 ENVOY_CHECK = (b"GET /v1/envoy/auth/shop/cart?id=3 HTTP/1.1\r\nHost: shop.example\r\n"
                b"X-Sluice-Client-Addr: 192.0.2.8\r\nX-Request-Id: 3b1f2c4e-9a7d-4e21-8c55-0f6a2b9d1e07\r\n"
                b"X-Sluice-Sent: 1800000000.125\r\nUser-Agent: curl/8.5.0\r\nAccept: */*\r\n\r\n")
+# What Traefik's or Caddy's forward auth sends (the client is the peer).
+FORWARD_AUTH_CHECK = (b"GET /v1/check HTTP/1.1\r\nHost: 127.0.0.1:8181\r\nX-Forwarded-Method: GET\r\n"
+                      b"X-Forwarded-Proto: https\r\nX-Forwarded-Host: shop.example:8443\r\n"
+                      b"X-Forwarded-Uri: /shop/cart?id=3\r\nUser-Agent: curl/8.5.0\r\nAccept: */*\r\n\r\n")
 
 
 class Transport(asyncio.Transport):
@@ -164,7 +169,9 @@ def connection(rules: str = RULES) -> tuple[LimitedHttpProtocol, Transport]:
 
 
 @pytest.mark.parametrize(("check", "front_door"), [(NGINX_CHECK, "frontdoors/nginx.py"),
-                                                   (ENVOY_CHECK, "frontdoors/envoy.py")], ids=["nginx", "envoy"])
+                                                   (ENVOY_CHECK, "frontdoors/envoy.py"),
+                                                   (FORWARD_AUTH_CHECK, "frontdoors/forward_auth.py")],
+                         ids=["nginx", "envoy", "forward-auth"])
 def test_a_check_enters_each_module_once_down_and_back_up(check: bytes, front_door: str) -> None:
     protocol, transport = connection()
     protocol.data_received(check)  # the first: what is made once (caches, counters) is made
@@ -183,27 +190,43 @@ def test_a_check_enters_each_module_once_down_and_back_up(check: bytes, front_do
     assert "chain.py" not in entered
 
 
-@pytest.mark.parametrize("rules", [
-    STORED_REFUSAL_RULES,
-    pytest.param(DECIDED_REFUSAL_RULES, marks=pytest.mark.xfail(
-        strict=True, reason="a decided refusal still enters clientip.py twice (the engine, then the "
-                            "client's text, made only for a refusal, for nginx's answer) and actions.py "
-                            "three times (nginx's answer: the over-limit fields, whether the page is JSON, "
-                            "the inline page)")),
-], ids=["stored", "decided"])
-def test_a_refused_check_enters_each_module_once(rules: str) -> None:
+@pytest.mark.parametrize(("rules", "check", "status"), [
+    (STORED_REFUSAL_RULES, NGINX_CHECK, b"403 Forbidden"),
+    (DECIDED_REFUSAL_RULES, NGINX_CHECK, b"403 Forbidden"),
+    (DECIDED_REFUSAL_RULES, ENVOY_CHECK, b"429 Too Many Requests"),
+    (DECIDED_REFUSAL_RULES, FORWARD_AUTH_CHECK, b"429 Too Many Requests"),
+], ids=["nginx-stored", "nginx-decided", "envoy-decided", "forward-auth-decided"])
+def test_a_refused_check_enters_each_module_once(rules: str, check: bytes, status: bytes) -> None:
     protocol, transport = connection(rules)
     for _ in range(3):  # allowed, refused (and kept, when it holds for the client), refused
-        protocol.data_received(NGINX_CHECK)
+        protocol.data_received(check)
     assert transport.written[0].startswith(b"HTTP/1.1 200 OK\r\n")
+    del transport.written[:]
+
+    entered = files_entered(lambda: protocol.data_received(check))
+
+    assert len(transport.written) == 1 and transport.written[0].startswith(b"HTTP/1.1 " + status + b"\r\n")
+    assert entered[0] == "server.py"
+    for module in ("app.py", "engine.py", "metrics.py"):
+        assert module in entered, entered
+    assert entered_again(entered) == [], entered
+
+
+@pytest.mark.parametrize(("network", "status"), [("192.0.2.0/24", b"401 Unauthorized"),
+                                                 ("198.51.100.0/24", b"200 OK")], ids=["banned", "not-banned"])
+def test_a_check_with_networks_banned_enters_each_module_once(network: str, status: bytes) -> None:
+    protocol, transport = connection()
+    # A network banned by hand: nginx's check from 192.0.2.7 is in it, or not.
+    engine = protocol.checks.engine if protocol.checks is not None else None
+    assert isinstance(engine, Engine)
+    engine.store.network_bans.add(BanRecord(network, "", "node", 0.0, 1e12, 1e12, reason="by hand"))
+    protocol.data_received(NGINX_CHECK)
     del transport.written[:]
 
     entered = files_entered(lambda: protocol.data_received(NGINX_CHECK))
 
-    assert len(transport.written) == 1 and transport.written[0].startswith(b"HTTP/1.1 403 Forbidden\r\n")
-    assert entered[0] == "server.py"
-    for module in ("app.py", "engine.py", "metrics.py"):
-        assert module in entered, entered
+    assert len(transport.written) == 1 and transport.written[0].startswith(b"HTTP/1.1 " + status + b"\r\n")
+    assert "networkbans.py" in entered, entered
     assert entered_again(entered) == [], entered
 
 

@@ -16,6 +16,7 @@ from sidecar.actions import (
     BlockPage,
     PageTemplate,
     Refusal,
+    deny_answer,
     json_body,
     page_body,
     prefers_json,
@@ -23,7 +24,6 @@ from sidecar.actions import (
 from sidecar.app import SluiceApp
 from sidecar.challenge import SOLUTION_PATH, IssuedChallenge
 from sidecar.engine import STORE_UNAVAILABLE
-from sidecar.frontdoors.common import render_deny
 from sidecar.frontdoors.grpc_authz import check_response
 from sidecar.frontdoors.nginx import PAGE_HEADER, DenyToken
 
@@ -220,7 +220,7 @@ def test_a_challenge_for_a_json_client_is_json_with_what_the_page_would_solve(ap
 
 def test_the_store_unavailable_refusal_is_json_for_a_json_client() -> None:
     request = Harness(RULES).request(headers={"accept": "application/json"})
-    status, headers, body = render_deny(request, STORE_UNAVAILABLE)
+    status, headers, body = deny_answer(request, STORE_UNAVAILABLE)
     assert (status, dict(headers)["Content-Type"]) == (503, CONTENT_TYPE_JSON)
     assert json.loads(body) == {"error": "unavailable", "status": 503, "message": "Service Unavailable",
                                 "retry_after": 1, "rule": None, "request_id": "req-1"}
