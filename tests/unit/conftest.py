@@ -1,3 +1,4 @@
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -69,3 +70,34 @@ def served(started: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> li
     port of this machine in use does not matter)."""
     monkeypatch.setattr(addresses, "check_listeners", lambda listeners: None)
     return started
+
+
+class RecordingTransport(asyncio.Transport):
+    """Where Sluice's HTTP protocol writes its answers in a unit test: kept
+    in ``written``, the connection open until the protocol closes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: list[bytes] = []
+        self.closing = False
+
+    def write(self, data: Any) -> None:
+        self.written.append(bytes(data))
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def close(self) -> None:
+        self.closing = True
+
+    def can_write_eof(self) -> bool:
+        return False
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return {"sockname": ("127.0.0.1", 8181), "peername": ("127.0.0.1", 40000)}.get(name, default)
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass

@@ -19,7 +19,6 @@ import os
 import sys
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
 
 import pytest
 from uvicorn.config import Config
@@ -31,7 +30,7 @@ from sidecar.app import SluiceApp
 from sidecar.engine import Engine
 from sidecar.server import LimitedHttpProtocol
 from sidecar.state import BanRecord
-from tests.unit.conftest import FakeClock, ruleset_from
+from tests.unit.conftest import FakeClock, RecordingTransport, ruleset_from
 
 PACKAGE = os.path.dirname(os.path.abspath(sidecar.__file__)) + os.sep
 
@@ -63,29 +62,6 @@ ENVOY_CHECK = (b"GET /v1/envoy/auth/shop/cart?id=3 HTTP/1.1\r\nHost: shop.exampl
 FORWARD_AUTH_CHECK = (b"GET /v1/check HTTP/1.1\r\nHost: 127.0.0.1:8181\r\nX-Forwarded-Method: GET\r\n"
                       b"X-Forwarded-Proto: https\r\nX-Forwarded-Host: shop.example:8443\r\n"
                       b"X-Forwarded-Uri: /shop/cart?id=3\r\nUser-Agent: curl/8.5.0\r\nAccept: */*\r\n\r\n")
-
-
-class Transport(asyncio.Transport):
-    """Where the protocol writes its answers."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.written: list[bytes] = []
-
-    def write(self, data: Any) -> None:
-        self.written.append(bytes(data))
-
-    def is_closing(self) -> bool:
-        return False
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return {"sockname": ("127.0.0.1", 8181), "peername": ("127.0.0.1", 40000)}.get(name, default)
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
 
 
 def sluice_file(frame: FrameType | None) -> tuple[str | None, FrameType | None]:
@@ -156,14 +132,14 @@ rules:
 """
 
 
-def connection(rules: str = RULES) -> tuple[LimitedHttpProtocol, Transport]:
+def connection(rules: str = RULES) -> tuple[LimitedHttpProtocol, RecordingTransport]:
     """Sluice's protocol on one connection, over the memory store."""
     engine = Engine(ruleset_from(rules), clock=FakeClock())
     config = Config(app=SluiceApp(engine), lifespan="off", log_level="warning", proxy_headers=False)
     config.load()
     protocol = LimitedHttpProtocol(config=config, server_state=ServerState(), app_state={},
                                    _loop=asyncio.new_event_loop())
-    transport = Transport()
+    transport = RecordingTransport()
     protocol.connection_made(transport)
     return protocol, transport
 

@@ -8,7 +8,6 @@ it reads heads with it or gives them all to httptools."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import httptools
 import pytest
@@ -22,7 +21,7 @@ from sidecar.app import SluiceApp
 from sidecar.engine import Engine
 from sidecar.httphead import FRAMING_FIELDS, read_head
 from sidecar.server import LimitedHttpProtocol
-from tests.unit.conftest import FakeClock, ruleset_from
+from tests.unit.conftest import FakeClock, RecordingTransport, ruleset_from
 
 CHECK = (b"GET /v1/nginx/auth HTTP/1.1\r\nHost: sluice\r\nX-Sluice-Client-Addr: 192.0.2.7\r\n"
          b"X-Original-URI: /shop/cart?id=3\r\nX-Request-Id: 0123456789abcdef0123456789abcdef\r\n"
@@ -215,34 +214,6 @@ rules:
 """
 
 
-class Transport(asyncio.Transport):
-    def __init__(self) -> None:
-        super().__init__()
-        self.written: list[bytes] = []
-        self.closing = False
-
-    def write(self, data: Any) -> None:
-        self.written.append(bytes(data))
-
-    def is_closing(self) -> bool:
-        return self.closing
-
-    def close(self) -> None:
-        self.closing = True
-
-    def can_write_eof(self) -> bool:
-        return False
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return {"sockname": ("127.0.0.1", 8181), "peername": ("127.0.0.1", 40000)}.get(name, default)
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
-
-
 def answers(reads: list[bytes], reads_heads: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[bytes], bool]:
     """What the protocol writes for these reads of one connection (the
     checks it answers at once), and whether it closed the connection."""
@@ -256,7 +227,7 @@ def answers(reads: list[bytes], reads_heads: bool, monkeypatch: pytest.MonkeyPat
     try:
         protocol = LimitedHttpProtocol(config=config, server_state=ServerState(), app_state={}, _loop=loop,
                                        max_header_bytes=600, max_headers=12)
-        transport = Transport()
+        transport = RecordingTransport()
         protocol.connection_made(transport)
         for data in reads:
             protocol.data_received(data)

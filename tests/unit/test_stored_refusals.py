@@ -20,7 +20,7 @@ from sidecar.app import SluiceApp
 from sidecar.decisionlog import configure_decision_log
 from sidecar.engine import Engine
 from sidecar.server import LimitedHttpProtocol
-from tests.unit.conftest import FakeClock, ruleset_from
+from tests.unit.conftest import FakeClock, RecordingTransport, ruleset_from
 
 RULESETS = {
     "block": """
@@ -56,31 +56,6 @@ rules:
 }
 
 
-class Transport(asyncio.Transport):
-    def __init__(self) -> None:
-        super().__init__()
-        self.written: list[bytes] = []
-        self.closed = False
-
-    def write(self, data: Any) -> None:
-        self.written.append(bytes(data))
-
-    def is_closing(self) -> bool:
-        return self.closed
-
-    def close(self) -> None:
-        self.closed = True
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return {"sockname": ("127.0.0.1", 8181), "peername": ("127.0.0.1", 40000)}.get(name, default)
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
-
-
 class Node:
     """One Sluice behind one connection, on a fake clock; ``stores`` says
     whether refusals are stored."""
@@ -99,12 +74,12 @@ class Node:
     def connect(self) -> None:
         self.protocol = LimitedHttpProtocol(config=self.config, server_state=ServerState(), app_state={},
                                             _loop=self.loop)
-        self.transport = Transport()
+        self.transport = RecordingTransport()
         self.protocol.connection_made(self.transport)
 
     def ask(self, request: bytes) -> bytes:
         """The answer on the connection, or on a new one after a close."""
-        if self.transport.closed:
+        if self.transport.closing:
             self.protocol.connection_lost(None)
             self.connect()
         before = len(self.transport.written)
