@@ -206,6 +206,18 @@ def test_a_check_with_networks_banned_enters_each_module_once(network: str, stat
     assert entered_again(entered) == [], entered
 
 
+def test_an_exempt_client_s_check_enters_each_module_once() -> None:
+    protocol, transport = connection("exempt: [192.0.2.0/24]\n" + RULES)  # nginx's client is 192.0.2.7
+    protocol.data_received(NGINX_CHECK)
+    del transport.written[:]
+
+    entered = files_entered(lambda: protocol.data_received(NGINX_CHECK))
+
+    assert transport.written == [b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"]
+    assert "clientip.py" in entered and "policy.py" not in entered, entered  # decided without a rule
+    assert entered_again(entered) == [], entered
+
+
 def test_a_module_entered_twice_is_found() -> None:
     """The trace sees a check that goes back and forth between modules:
     request.py, left for actions.py, entered again."""
