@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
@@ -119,18 +120,23 @@ def main() -> None:
 
 
 def interleaved(bench: Bench, configs: list[Config], rounds: int, seconds: float,
-                per_pass: dict[str, list[float]]) -> None:
+                per_pass: dict[str, list[float]],
+                around: Callable[[Config], Callable[[], None]] | None = None) -> None:
     """A 1 s warm-up of each configuration, then ``rounds`` passes of each,
     the order reversed every other round; each pass's CPU per request in
-    ``per_pass``."""
+    ``per_pass``. ``around``, called before a pass, gives what to call
+    after it (a figure of the pass's own, read before and after)."""
     print("warm-up: 1 s per configuration", flush=True)
     for config in configs:
         config.measure(1, keep=False)
     for number in range(rounds):
         print(f"round {number + 1}/{rounds}", flush=True)
         for config in configs if number % 2 == 0 else reversed(configs):
+            after = around(config) if around is not None else None
             measure(bench, config, seconds, per_pass)
-            print(f"    {config.name:<28} {config.passes[-1].rate:8.0f} req/s", flush=True)
+            if after is not None:
+                after()
+            print(f"    {config.name:<30} {config.passes[-1].rate:8.0f} req/s", flush=True)
 
 
 def measure(bench: Bench, config: Config, seconds: float, per_pass: dict[str, list[float]]) -> None:

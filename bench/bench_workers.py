@@ -38,6 +38,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench_check import Bench, Config, children_of, ensure_wrk, free_port, http_ok  # noqa: E402
 from bench_engine import TEN_RULES, address, requests_for, time_decisions  # noqa: E402
-from bench_protocol import measure, ratio_text  # noqa: E402
+from bench_protocol import interleaved, ratio_text  # noqa: E402
 
 from sidecar import core  # noqa: E402
 from sidecar.config import parse_rules_text  # noqa: E402
@@ -183,18 +184,18 @@ def through_nginx(seconds: int, rounds: int) -> tuple[list[Config], dict[str, li
                 _, nginx_port = bench.start_nginx(f"nginx-{name}", port)
                 configs.append(Config(name, f"http://127.0.0.1:{nginx_port}", {"sidecar": pids},
                                       addresses=addresses))
-            print("warm-up: 1 s per configuration", flush=True)
-            for config in configs:
-                config.measure(1, keep=False)
-            for number in range(rounds):
-                print(f"round {number + 1}/{rounds}", flush=True)
-                for config in configs if number % 2 == 0 else reversed(configs):
-                    before = waits(busy.get(config.name, []))
-                    measure(bench, config, seconds, per_pass)
+
+            def contention(config: Config) -> Callable[[], None]:
+                """The locks found busy per check in the pass about to run."""
+                before = waits(busy.get(config.name, []))
+
+                def after() -> None:
                     if config.name in busy:
                         CONTENTION.setdefault(config.name, []).append(
                             (waits(busy[config.name]) - before) / max(1, config.passes[-1].requests))
-                    print(f"    {config.name:<30} {config.passes[-1].rate:8.0f} req/s", flush=True)
+                return after
+
+            interleaved(bench, configs, rounds, seconds, per_pass, contention)
         finally:
             for zones in busy.values():
                 for zone in zones:
