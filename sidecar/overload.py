@@ -226,4 +226,4 @@ class AddressRefusals:
         """The stored refusal for ``key`` (as ``recall``) with the bytes of
         its answer for this request id, in one call."""
         stored = self.recall(key, request_id, now)
-        return None if stored is None else (stored, request_id.join(stored.parts))
+        return None if stored is None else (stored, stored.bytes_for(request_id))

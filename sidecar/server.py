@@ -303,11 +303,7 @@ class LimitedHttpProtocol(asyncio.Protocol):
                 break  # not a check: the parser reads it for the ASGI path
             start = head_end
             self._keep_alive = True
-            scope: Scope = {
-                "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-                "server": self.server, "client": self.client, "scheme": self.scheme, "root_path": "",
-                "headers": headers, "state": self.app_state.copy(), "method": method, "path": path,
-                "raw_path": raw_path, "query_string": query}
+            scope = self._request_scope("1.1", method, path, raw_path, query, headers)
             if fields is not None:
                 scope[HEADER_MAP] = fields
             self._answer(door, scope)
@@ -318,6 +314,14 @@ class LimitedHttpProtocol(asyncio.Protocol):
         if start < window and not self._feed(data[start:window]):
             return None
         return data[window:] if window < len(data) else None
+
+    def _request_scope(self, http_version: str, method: str, path: str, raw_path: bytes, query: bytes,
+                       headers: list[tuple[bytes, bytes]]) -> Scope:
+        """A request's ASGI scope on this connection, however its head was read."""
+        return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": http_version,
+                "server": self.server, "client": self.client, "scheme": self.scheme, "root_path": "",
+                "headers": headers, "state": self.app_state.copy(), "method": method, "path": path,
+                "raw_path": raw_path, "query_string": query}
 
     def _feed(self, chunk: Any) -> bool:
         """Give the parser one piece; False when the connection is done for."""
@@ -390,11 +394,8 @@ class LimitedHttpProtocol(asyncio.Protocol):
         path = raw_path.decode("ascii")
         if "%" in path:
             path = urllib.parse.unquote(path)
-        self._scope = scope = {
-            "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": http_version,
-            "server": self.server, "client": self.client, "scheme": self.scheme, "root_path": "",
-            "headers": self._headers, "state": self.app_state.copy(), "method": parser.get_method().decode("ascii"),
-            "path": path, "raw_path": raw_path, "query_string": url.query or b""}
+        self._scope = scope = self._request_scope(http_version, parser.get_method().decode("ascii"), path,
+                                                  raw_path, url.query or b"", self._headers)
         if self._responding is None and self.doors is not None and not self._expect_continue \
                 and not parser.should_upgrade():
             self._door = self.doors.find(path)
