@@ -19,7 +19,8 @@
 3. Sluice's CPU per check (utime + stime from /proc, over the requests wrk
    completed; interleaved passes, ``wrk -c32`` straight to nginx's check
    endpoint): a refusal of a client already over its limit against an
-   admitted check, the same rule with a limit no client reaches; and the
+   admitted check, the same rule with a limit no client reaches, with that
+   rule alone and before bench/bench_engine.py's ten rules; and the
    same through the shipped nginx (1 worker, ``wrk -c32`` from one address),
    whose cache answers the refusals that hold for the whole address, with
    nginx's own CPU per request beside Sluice's.
@@ -44,6 +45,8 @@ from pathlib import Path
 import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench_engine import HEADERS, PATH, TEN_RULES  # noqa: E402  (bench/ is on sys.path as the script's directory)
 
 from tests.integration.clients import LOOPBACK  # noqa: E402
 from tests.integration.conftest import free_port  # noqa: E402
@@ -138,48 +141,69 @@ def cpu_seconds(pid: int) -> float:
     return _stat(Path(f"/proc/{pid}/stat"))[1]
 
 
+# As nginx's check of a request that the ten rules all look at (bench_engine's
+# headers and path): the client's address and nginx's request id.
+CHECK_HEADERS = ("X-Sluice-Client-Addr: 192.0.2.1", "X-Request-Id: 5f0c1a2b3d4e5f60718293a4b5c6d7e8",
+                 "X-Original-Method: GET", f"X-Original-URI: {PATH}", "X-Original-Host: example.com",
+                 *(f"{name}: {value}" for name, value in HEADERS.items()))
+
+
+def ten_rules(state: str, requests: int, rule_id: str) -> str:
+    """bench_engine's ten rules on ``state``, after the flood's rule of
+    ``requests`` (refusals come from the first; an admitted check goes
+    through all eleven)."""
+    text = TEN_RULES.replace("state: {max_keys: 100000}", f"state: {state}")
+    first = rules(state, requests, rule_id).partition("rules:\n")[2]
+    return text.replace("rules:\n", "rules:\n" + first, 1)
+
+
 def cpu_per_check(rounds: int, seconds: float, state: str, backend: str, server: RedisServer | None = None) -> None:
-    """Sluice's CPU per refusal and per admitted check, interleaved; over
+    """Sluice's CPU per refusal and per admitted check, interleaved, with
+    the flood's one rule and with it before bench_engine's ten; over
     Redis, the server's own CPU is left out (it is Sluice's that the
     target is about)."""
-    totals: dict[str, list[float]] = {"refusal": [], "admitted": []}
+    sets = {"one rule": rules, "ten rules": ten_rules}
+    totals: dict[tuple[str, str], list[float]] = {}
     servers = {}
     with tempfile.TemporaryDirectory() as directory:
-        for name, requests in (("refusal", BUDGET), ("admitted", 10**9)):
-            path = Path(directory) / f"{name}.yaml"
-            path.write_text(rules(state, requests, name))
-            port = free_port()
-            process = subprocess.Popen([sys.executable, "-m", "sidecar", "serve", "--config", str(path), "--port",
-                                        str(port), "--hook-udp", "off", "--log-level", "warning"],
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            servers[name] = (process, port)
+        for index, (label, make) in enumerate(sets.items()):
+            for name, requests in (("refusal", BUDGET), ("admitted", 10**9)):
+                path = Path(directory) / f"{name}-{index}.yaml"
+                path.write_text(make(state, requests, f"{name}-{index}"))
+                port = free_port()
+                process = subprocess.Popen([sys.executable, "-m", "sidecar", "serve", "--config", str(path),
+                                            "--port", str(port), "--hook-udp", "off", "--log-level", "warning"],
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                servers[label, name] = (process, port)
+                totals[label, name] = []
         time.sleep(3)
         if server is not None:
             redis.Redis(host=LOOPBACK, port=server.port).flushall()
+        headers = [argument for header in CHECK_HEADERS for argument in ("-H", header)]
         try:
             for round_ in range(rounds):
                 order = list(servers) if round_ % 2 == 0 else list(reversed(servers))
-                for name in order:
-                    process, port = servers[name]
+                for key in order:
+                    process, port = servers[key]
                     url = f"http://{LOOPBACK}:{port}/v1/nginx/auth"
                     before = cpu_seconds(process.pid)
-                    # As nginx's check: the client's address and nginx's request id.
-                    run = subprocess.run([WRK, "-t1", "-c32", f"-d{seconds:g}s", "-H",
-                                          "X-Sluice-Client-Addr: 192.0.2.1", "-H",
-                                          "X-Request-Id: 5f0c1a2b3d4e5f60718293a4b5c6d7e8", url],
+                    run = subprocess.run([WRK, "-t1", "-c32", f"-d{seconds:g}s", *headers, url],
                                          capture_output=True, text=True, timeout=seconds + 30)
                     found = re.search(r"(\d+) requests in", run.stdout)
                     assert found is not None, run.stdout + run.stderr
-                    totals[name].append((cpu_seconds(process.pid) - before) / int(found.group(1)))
+                    totals[key].append((cpu_seconds(process.pid) - before) / int(found.group(1)))
         finally:
             for process, _ in servers.values():
                 process.terminate()
                 process.wait()
-    refusal, admitted = min(totals["refusal"]), min(totals["admitted"])
-    print(f"\n| Sluice's CPU per check, {backend} backend (fastest of the passes) | µs |\n|---|---:|")
-    print(f"| a refusal of a client over its limit | {refusal * 1e6:.1f} |")
-    print(f"| an admitted check | {admitted * 1e6:.1f} |")
-    print(f"| refusal / admitted | {refusal / admitted:.2f}× (target ≤ 0.5×) |", flush=True)
+    print(f"\n| Sluice's CPU per check, {backend} backend (fastest of the passes) | one rule µs | "
+          "ten rules after it µs |\n|---|---:|---:|")
+    refusal = [min(totals[label, "refusal"]) for label in sets]
+    admitted = [min(totals[label, "admitted"]) for label in sets]
+    print("| a refusal of a client over its limit | " + " | ".join(f"{v * 1e6:.1f}" for v in refusal) + " |")
+    print("| an admitted check | " + " | ".join(f"{v * 1e6:.1f}" for v in admitted) + " |")
+    print("| refusal / admitted (target ≤ 0.5×) | "
+          + " | ".join(f"{r / a:.2f}×" for r, a in zip(refusal, admitted)) + " |", flush=True)
 
 
 def family_cpu_seconds(pid: int) -> float:

@@ -52,7 +52,7 @@ from sidecar.frontdoors.common import (
     wait_unless_disconnected,
 )
 from sidecar.frontdoors.routes import RouteTable
-from sidecar.overload import STORED_FRONT_DOORS, STORED_KEY_FIELDS, LoopWatch, stored_key
+from sidecar.overload import STORED_FRONT_DOORS, LoopWatch, stored_key
 from sidecar.ratelog import RateLimitedLog
 from sidecar.request import CheckRequest, new_request_id
 from sidecar.service import build_api
@@ -186,26 +186,21 @@ class CheckDoor:
 
     # -- stored refusals ---------------------------------------------------------
 
-    def _stored(self, scope: Scope) -> bytes | None:
+    def again(self, method: str, headers: dict[str, str]) -> bytes | None:
         """The stored answer of a refusal that still holds for the client
         these fields name (``StoredKey``), counted as its decision was; None
         when there is none and the check is decided. It enters the module of
         stored refusals once, and the engine once (which counts it, the
-        front door's answer included). Only when the header
-        fields that make the key come once each; the protocol asks only on a
-        connection kept alive and without default header fields, as the
-        bytes were written for one."""
-        raw: list[tuple[bytes, bytes]] = scope["headers"]
-        fields = dict(raw)
-        if len(fields) != len(raw):
+        front door's answer included). The protocol asks only while refusals
+        are stored, on a connection kept alive and without default header
+        fields, as the bytes were written for one; before it makes the
+        check's scope, when it read the head itself."""
+        if not self.stores:
             return None
         # As request_id_of: the proxy's, or a new one.
-        request_id = fields.get(b"x-request-id") or new_request_id().encode("ascii")
-        peer, forwarded, original_host, host, accept = (fields.get(name) for name in _STORED_KEY_FIELDS)
-        key = (self.front_door, scope["method"], _text(peer), _text(forwarded), _text(original_host), _text(host),
-               _text(accept))
+        request_id = headers.get("x-request-id") or new_request_id()
         engine = self.engine
-        again = self.refusals.answer_again(key, request_id, engine.clock())
+        again = self.refusals.answer_again(self.front_door, method, headers, request_id, engine.clock())
         if again is None:
             return None
         stored, content = again
@@ -333,12 +328,14 @@ class AtOnceDoor(CheckDoor):
         self.decide = waitless(self.engine.decide)
 
     def answer(self, scope: Scope, keep_alive: bool, default_headers: list[tuple[bytes, bytes]]) -> DoorAnswer:
-        if keep_alive and self.stores and not default_headers and self.refusals.entries:
-            stored = self._stored(scope)
+        headers: dict[str, str] | None = scope.get(HEADER_MAP)  # as header_map, when the protocol made it
+        if headers is None:
+            headers = header_map(scope)
+        if keep_alive and not default_headers and self.refusals.entries:
+            stored = self.again(scope["method"], headers)
             if stored is not None:
                 return stored
-        headers: dict[str, str] | None = scope.get(HEADER_MAP)  # as header_map, when the protocol made it
-        return self.reply(scope, header_map(scope) if headers is None else headers)
+        return self.reply(scope, headers)
 
     def reply(self, scope: Scope, headers: dict[str, str]) -> Reply | None:
         """The reply to a check, decided and answered without awaiting; None
@@ -376,18 +373,16 @@ class AwaitedDoor(CheckDoor):
     def answer(self, scope: Scope, keep_alive: bool, default_headers: list[tuple[bytes, bytes]]) -> DoorAnswer:
         if self.engine.ruleset.holds:
             return None
-        if keep_alive and self.stores and not default_headers and self.refusals.entries:
-            stored = self._stored(scope)
+        headers = header_map(scope)
+        if keep_alive and not default_headers and self.refusals.entries:
+            stored = self.again(scope["method"], headers)
             if stored is not None:
                 return stored
-        return self.later(scope, header_map(scope))
+        return self.later(scope, headers)
 
-
-_STORED_KEY_FIELDS = tuple(name.encode("ascii") for name in STORED_KEY_FIELDS)
-
-
-def _text(value: bytes | None) -> str | None:
-    return value.decode("latin-1") if value is not None else None
+    def again(self, method: str, headers: dict[str, str]) -> bytes | None:
+        # A rule that may hold a request: every check is the ASGI path's.
+        return None if self.engine.ruleset.holds else super().again(method, headers)
 
 
 def create_app(engine: Engine, report_udp: tuple[str, int] | None = None,

@@ -410,6 +410,8 @@ class Engine:
             self.log.matched(request, rule, check, decision.outcome)
             return decision
         tally[enforcing[0][0].id if enforcing else "none", "open"] += 1
+        if request.credential:
+            self.metrics.credentials.inc()
         return ALLOWED
 
     def _count_here(self, now: float, matched: list[CompiledRule], checks: list[Check],
@@ -537,8 +539,12 @@ class Engine:
         lease = os.urandom(9).hex() if ruleset.leases else ""
         # The rules in order, their conditions and keys inline (rules.compile_matcher).
         if ruleset.match(request, matched, checks, lease, self._credential_check):
-            metrics.credentials.inc()  # a challenge credential ended the evaluation
+            # A challenge credential ended the evaluation: counted when the
+            # rules before it let the request in.
+            request.credential = True
         if not checks and not self.store.may_be_banned():
+            if request.credential:
+                metrics.credentials.inc()
             return ALLOWED
         return matched, checks
 
@@ -594,6 +600,8 @@ class Engine:
                 observed = Decision(outcome=ALLOW, rule=rule, limit=limit, reset=reset)
             self.log.matched(request, rule, check, "observe" if rule.action == "log" else "verified-bot")
         count_elements(metrics.rule_hits, counted)
+        if request.credential:
+            metrics.credentials.inc()
         token = None
         if pending or slots:
             # The report gives the slots back; without a token they end

@@ -45,6 +45,13 @@ Head = tuple[str, str, bytes, bytes, list[tuple[bytes, bytes]], "dict[str, str] 
 
 _REQUEST_VERSION = b" HTTP/1.1\r\n"
 
+# Header names as sent, with their names in lower case as text and as
+# bytes: the proxies send the same dozen names with every check, each then
+# read with one lookup, and its text's hash already made for the lookups
+# that follow. At most NAMES_KEPT, the first seen (junk names only miss it).
+_NAMES: dict[str, tuple[str, bytes]] = {}
+NAMES_KEPT = 256
+
 
 def is_token(byte: int) -> bool:
     """A byte of a header field's name (RFC 9110 section 5.6.2: tchar)."""
@@ -59,6 +66,11 @@ def is_target(byte: int) -> bool:
 def is_value(byte: int) -> bool:
     """A byte of a header field's value read here: visible ASCII, space, tab."""
     return 32 <= byte <= 126 or byte == 9
+
+
+def names_kept() -> int:
+    """How many header names are kept (at most NAMES_KEPT)."""
+    return len(_NAMES)
 
 
 def read_head(data: bytes, start: int, max_headers: int) -> Head | None:
@@ -123,10 +135,17 @@ def read_head(data: bytes, start: int, max_headers: int) -> Head | None:
             return None
         # Each read as text straight from the data, its bytes from the text
         # (all of it ASCII here): fewer objects made than slicing.
-        text = data[name_start:name_end].decode("latin-1").lower()
-        name = text.encode("latin-1")
-        if data[name_start] in b"cCtTuUeEpP" and name in FRAMING_FIELDS:
-            return None
+        sent = data[name_start:name_end].decode("latin-1")
+        known = _NAMES.get(sent)
+        if known is not None:
+            text, name = known
+        else:
+            text = sent.lower()
+            name = text.encode("latin-1")
+            if data[name_start] in b"cCtTuUeEpP" and name in FRAMING_FIELDS:
+                return None
+            if len(_NAMES) < NAMES_KEPT:
+                _NAMES[sent] = (text, name)
         value_text = data[value_start:value_end].decode("latin-1")
         headers.append((name, value_text.encode("latin-1")))
         if fields is not None:

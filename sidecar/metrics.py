@@ -86,7 +86,7 @@ COUNTERS = {
     "challenges_refused": ("sluice_challenges_refused",
                            "Challenge solutions refused: forged, expired, another client's, or wrong."),
     "credentials": ("sluice_challenge_credentials_accepted",
-                    "Requests that passed a challenge rule with a valid credential."),
+                    "Requests let in by a challenge rule's valid credential (the rules before it within limits)."),
 }
 # Old names still exported beside the new, for one release: old name, attribute.
 DEPRECATED = {"sluice_counter_resets": "resets"}

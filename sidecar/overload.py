@@ -153,9 +153,11 @@ STORED_FRONT_DOORS = frozenset({"nginx", "envoy"})
 
 
 def stored_key(front_door: str, method: str, headers: dict[str, str]) -> StoredKey:
-    """The ``StoredKey`` of a check, from its header map."""
-    peer, forwarded, original_host, host, accept = (headers.get(name) for name in STORED_KEY_FIELDS)
-    return front_door, method, peer, forwarded, original_host, host, accept
+    """The ``StoredKey`` of a check, from its header map (STORED_KEY_FIELDS,
+    written out: this runs for every check while refusals are stored)."""
+    get = headers.get
+    return (front_door, method, get("x-sluice-client-addr"), get("x-forwarded-for"), get("x-original-host"),
+            get("host"), get("accept"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,7 +211,7 @@ class AddressRefusals:
         while len(entries) > self.capacity:
             entries.popitem(last=False)
 
-    def recall(self, key: Hashable, request_id: bytes, now: float) -> StoredRefusal | None:
+    def recall(self, key: Hashable, request_id: str, now: float) -> StoredRefusal | None:
         """The stored refusal for ``key`` if it still holds and takes this
         request id."""
         stored = self.entries.get(key)
@@ -218,12 +220,14 @@ class AddressRefusals:
         if now >= stored.until:
             del self.entries[key]
             return None
-        if len(request_id) != stored.id_length or not _SPLICEABLE_ID.fullmatch(request_id.decode("latin-1")):
+        if len(request_id) != stored.id_length or not _SPLICEABLE_ID.fullmatch(request_id):
             return None
         return stored
 
-    def answer_again(self, key: Hashable, request_id: bytes, now: float) -> tuple[StoredRefusal, bytes] | None:
-        """The stored refusal for ``key`` (as ``recall``) with the bytes of
-        its answer for this request id, in one call."""
-        stored = self.recall(key, request_id, now)
-        return None if stored is None else (stored, stored.bytes_for(request_id))
+    def answer_again(self, front_door: str, method: str, headers: dict[str, str], request_id: str,
+                     now: float) -> tuple[StoredRefusal, bytes] | None:
+        """The stored refusal for a check (``stored_key`` of its header
+        map; as ``recall``) with the bytes of its answer for this request
+        id, in one call."""
+        stored = self.recall(stored_key(front_door, method, headers), request_id, now)
+        return None if stored is None else (stored, stored.bytes_for(request_id.encode("ascii")))

@@ -64,7 +64,7 @@ class CheckRequest:
 
     __slots__ = ("method", "host", "uri", "path", "query_string", "headers",
                  "client", "peer", "forwarded_for", "request_id", "tls_fingerprint", "sent",
-                 "refused_until", "refused_as", "proxy_expires", "_cookies", "_query")
+                 "refused_until", "refused_as", "proxy_expires", "credential", "_cookies", "_query")
 
     def __init__(
         self,
@@ -95,6 +95,7 @@ class CheckRequest:
         self.refused_until = 0.0
         self.refused_as: tuple[str, str, Hashable | None] = ("", "", None)
         self.proxy_expires = 0
+        self.credential = False
         self._cookies: dict[str, str] | None = None
         self._query: dict[str, str] | None = None
 

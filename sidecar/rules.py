@@ -737,7 +737,7 @@ def compile_rules(loaded: LoadedRules, shadow: bool = False) -> Ruleset:
         match_source=match_source,
         overload_after=model.overload.after,
         address_wide_rule=_address_wide_rule(compiled_from, verified_bots),
-        address_wide_bans=not verified_bots and not any(rule.challenge is not None for rule in rules),
+        address_wide_bans=not verified_bots,
     )
 
 
@@ -745,15 +745,18 @@ def _address_wide_rule(rules: Sequence[tuple[CompiledRule, config.Rule]],
                        verified_bots: Sequence[VerifiedBot]) -> str | None:
     """The rule whose refusal of a client holds for every request of that
     client while it lasts, if there is one: the first rule of the file, when
-    it matches every request, is keyed by the address alone, refuses at
-    request time without a challenge, and the file has no challenge (whose
-    credentials end an evaluation) and no verified bots (known by their user
-    agent). Its refusals are then answered again as stored bytes."""
-    if not rules or verified_bots or any(rule.challenge is not None for rule, _ in rules):
+    it matches every request, is keyed by the address alone, and refuses at
+    request time without a challenge; and the file has no verified bots
+    (known by their user agent, and never banned). A later challenge rule's
+    credential ends an evaluation only after the first rule has counted,
+    so it changes nothing here. Its refusals are then answered again as
+    stored bytes."""
+    if not rules or verified_bots:
         return None
     first, source = rules[0]
     qualifies = (source.match is None and source.key == ["ip"] and first.stops and first.counts
-                 and first.reset_on is None and not first.limiter.holds and not first.limiter.leases)
+                 and first.challenge is None and first.reset_on is None and not first.limiter.holds
+                 and not first.limiter.leases)
     return first.id if qualifies else None
 
 

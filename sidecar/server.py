@@ -73,7 +73,7 @@ from sidecar.exchange import App, AsgiExchange, closing_answer, encode_reply
 from sidecar.frontdoors.common import HEADER_MAP, Reply
 from sidecar.frontdoors.routes import RouteTable
 from sidecar.httphead import read_head
-from sidecar.overload import LoopWatch
+from sidecar.overload import AddressRefusals, LoopWatch
 from sidecar.ratelog import RateLimitedLog
 
 if TYPE_CHECKING:
@@ -101,6 +101,13 @@ _refusal_log = RateLimitedLog(log, 60.0)
 class CheckDoor(Protocol):
     """One check route of the application (sidecar.app.CheckDoor), asked
     once per check, when the request has ended."""
+
+    refusals: AddressRefusals  # the stored refusals: asked ``again`` only while it has entries
+
+    def again(self, method: str, headers: dict[str, str]) -> bytes | None:
+        """A stored refusal's bytes for a check of this method and header
+        map, asked before its scope is made (on a connection kept alive and
+        without ``default_headers``); None: the check is the door's to answer."""
 
     def answer(self, scope: Scope, keep_alive: bool, default_headers: list[tuple[bytes, bytes]]
                ) -> bytes | Reply | Awaitable[Reply] | None:
@@ -303,6 +310,13 @@ class LimitedHttpProtocol(asyncio.Protocol):
                 break  # not a check: the parser reads it for the ASGI path
             start = head_end
             self._keep_alive = True
+            if fields is not None and door.refusals.entries and not self.server_state.default_headers:
+                # A refusal answered again from its bytes, without a scope.
+                stored = door.again(method, fields)
+                if stored is not None:
+                    self.transport.write(stored)
+                    self._answered()
+                    continue
             scope = self._request_scope("1.1", method, path, raw_path, query, headers)
             if fields is not None:
                 scope[HEADER_MAP] = fields

@@ -200,6 +200,18 @@ def test_a_valid_credential_passes_the_rule_and_ends_evaluation() -> None:
     assert harness.engine.metrics.hits_of("pages") == 2
 
 
+def test_a_credential_passes_no_rule_before_its_own_and_is_counted_only_when_it_lets_the_request_in() -> None:
+    rules = RULES.replace("rules:\n", "rules:\n  - id: first\n    key: [ip]\n    limit: {requests: 4, per: 10s}\n"
+                          "    action: block\n", 1)
+    harness = Harness(rules)
+    harness.outcomes(2, path="/page")
+    cookie = solved_cookie(harness)  # "first" has counted three requests
+    decisions = [harness.decide_now(path="/after", headers={"cookie": cookie}) for _ in range(3)]
+    assert [d.outcome for d in decisions] == [ALLOW, DENY, DENY]
+    assert {d.rule.id for d in decisions[1:] if d.rule is not None} == {"first"}
+    assert harness.engine.metrics.credentials.value == 1
+
+
 def test_a_credential_does_not_pass_from_another_address_nor_when_forged() -> None:
     harness = Harness(RULES)
     harness.outcomes(2, path="/page")

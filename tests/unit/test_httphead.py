@@ -19,7 +19,7 @@ from uvicorn.server import ServerState
 from sidecar import server
 from sidecar.app import SluiceApp
 from sidecar.engine import Engine
-from sidecar.httphead import FRAMING_FIELDS, read_head
+from sidecar.httphead import FRAMING_FIELDS, NAMES_KEPT, names_kept, read_head
 from sidecar.server import LimitedHttpProtocol
 from tests.unit.conftest import FakeClock, RecordingTransport, ruleset_from
 
@@ -180,6 +180,18 @@ def test_a_check_is_read_whole_with_its_fields_by_name() -> None:
 def test_a_field_that_frames_a_body_or_the_connection_leaves_the_head_to_httptools(field: bytes) -> None:
     data = CHECK.replace(b"Accept: */*", field.title() + b": 0")
     assert read_head(data, 0, 100) is None
+
+
+def test_names_kept_are_bounded_whatever_names_a_client_sends() -> None:
+    for number in range(2 * NAMES_KEPT):
+        head = read_head(CHECK.replace(b"Accept: */*", b"X-Junk-%d: 1" % number), 0, 100)
+        assert head is not None and (b"x-junk-%d" % number, b"1") in head[4]
+        assert head[5] is not None and head[5][f"x-junk-{number}"] == "1"
+    assert names_kept() <= NAMES_KEPT
+    # A name kept answers as it was read; a framing field is never kept.
+    for _ in range(2):
+        assert read_head(CHECK.replace(b"Accept: */*", b"X-JUNK-1: 2"), 0, 100)[5]["x-junk-1"] == "2"
+        assert read_head(CHECK.replace(b"Accept: */*", b"Content-Length: 0"), 0, 100) is None
 
 
 @pytest.mark.parametrize("data", [

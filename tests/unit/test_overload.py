@@ -13,7 +13,7 @@ from sidecar.at_once import run_at_once
 from sidecar.config import ConfigError
 from sidecar.engine import ALLOW, CLOSE, DENY
 from sidecar.frontdoors.nginx import MAX_INLINE_PAGE, PAGE_HEADER, PAGE_STATUS_HEADER, answer_nginx, inline_page
-from sidecar.overload import TICK_SECONDS, LoopWatch, RefusalMemory
+from sidecar.overload import STORED_KEY_FIELDS, TICK_SECONDS, LoopWatch, RefusalMemory, stored_key
 from sidecar.request import CheckRequest, parse_sent
 
 from .conftest import Harness, ruleset_from
@@ -265,3 +265,9 @@ def test_a_page_on_one_line_renders_as_the_page_with_line_breaks_as_spaces(piece
         rendered = one_line.render("192.0.2.1", "h", "req-1")
         expected = PageTemplate(text).render("192.0.2.1", "h", "req-1")
         assert rendered == expected.replace(b"\r\n", b" ").replace(b"\n", b" ").replace(b"\r", b" ")
+
+
+def test_a_stored_refusal_is_found_by_its_door_method_and_the_fields_named() -> None:
+    headers = {name: name.upper() for name in STORED_KEY_FIELDS} | {"x-request-id": "r", "cookie": "a=b"}
+    assert stored_key("envoy", "HEAD", headers) == ("envoy", "HEAD", *(name.upper() for name in STORED_KEY_FIELDS))
+    assert stored_key("nginx", "GET", {}) == ("nginx", "GET", None, None, None, None, None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
+import re
 from typing import Any
 
 import pytest
@@ -43,6 +44,20 @@ rules:
     limit: {requests: 2, per: 10s}
     action: ban
     ban: {duration: 5s}
+""",
+    # A challenge after the address-wide rule: its credential passes the
+    # rules from its own on, never the first.
+    "challenge": """
+rules:
+  - id: per-address
+    key: [ip]
+    limit: {requests: 3, per: 10s}
+    action: block
+  - id: human
+    match: {path: {prefix: /login}}
+    key: [ip]
+    limit: {requests: 1, per: 10s}
+    action: challenge
 """,
     "close": """
 client_ip: {trusted_proxies: [192.0.2.0/24]}
@@ -90,10 +105,12 @@ class Node:
         metrics = self.engine.metrics
         return {"checks": metrics.checks.value, "banned": metrics.banned_requests.value,
                 "over": {rule.id: metrics.over_limit_of(rule.id) for rule in self.engine.ruleset.rules},
-                "decisions": dict(metrics.decisions), "latency": sum(metrics.latency.counts)}
+                "decisions": dict(metrics.decisions), "latency": sum(metrics.latency.counts),
+                "credentials": metrics.credentials.value}
 
 
-def check(door: str, method: str, client: str, request_id: str, host: str, path: str, forwarded: str | None) -> bytes:
+def check(door: str, method: str, client: str, request_id: str, host: str, path: str, forwarded: str | None,
+          cookie: str | None = None) -> bytes:
     if door == "nginx":
         lines = [f"{method} /v1/nginx/auth HTTP/1.1", "Host: sluice", f"X-Original-URI: {path}",
                  f"X-Original-Host: {host}"]
@@ -102,13 +119,16 @@ def check(door: str, method: str, client: str, request_id: str, host: str, path:
     lines += [f"X-Sluice-Client-Addr: {client}", f"X-Request-Id: {request_id}"]
     if forwarded is not None:
         lines.append(f"X-Forwarded-For: {forwarded}")
+    if cookie is not None:
+        lines.append(f"Cookie: {cookie}")
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
 # A few clients whose requests repeat (a flood), and their variations: the
 # other door, HEAD, another host, a forwarded chain, a request id of another
-# length or one that cannot be spliced.
-REQUESTS = [
+# length or one that cannot be spliced; and with the challenge's credential
+# (CREDENTIALS: whose it is).
+REQUESTS: list[tuple[str, str, str, str, str, str, str | None]] = [
     ("nginx", "GET", "192.0.2.1", "0123456789abcdef0123456789abcdef", "shop.example", "/", None),
     ("nginx", "GET", "192.0.2.1", "fedcba9876543210fedcba9876543210", "shop.example", "/api/items", None),
     ("nginx", "GET", "192.0.2.1", "3b1f2c4e-9a7d-4e21-8c55-0f6a2b9d1e07", "shop.example", "/", None),
@@ -120,7 +140,16 @@ REQUESTS = [
     ("envoy", "GET", "192.0.2.1", "3b1f2c4e-9a7d-4e21-8c55-0f6a2b9d1e07", "shop.example", "/", None),
     ("envoy", "HEAD", "192.0.2.2", "3b1f2c4e-9a7d-4e21-8c55-0f6a2b9d1e07", "shop.example", "/api/x", None),
     ("envoy", "GET", "192.0.2.2", "0123456789abcdef0123456789abcdef", "api.example", "/", "203.0.113.9, 198.51.100.4"),
+    ("nginx", "GET", "192.0.2.1", "0123456789abcdef0123456789abcdef", "shop.example", "/login", None),
+    ("nginx", "GET", "192.0.2.1", "fedcba9876543210fedcba9876543210", "shop.example", "/login", None),
+    ("envoy", "GET", "192.0.2.2", "0123456789abcdef0123456789abcdef", "shop.example", "/login/form", None),
+    ("nginx", "GET", "192.0.2.2", "0123456789abcdef0123456789abcdef", "shop.example", "/login", None),
 ]
+# The client a request's credential was issued to, by index in REQUESTS:
+# its own, or another client's (not accepted).
+CREDENTIALS = {12: "192.0.2.1", 13: "192.0.2.1", 14: "192.0.2.1", 1: "192.0.2.1"}
+# A challenge's ticket: signed JSON, base64url.
+TICKET = re.compile(rb"Wy[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+")
 steps = st.lists(st.tuples(st.integers(0, len(REQUESTS) - 1), st.sampled_from([0.0, 0.0, 0.0, 0.3, 0.7, 1.5, 4.0])),
                  min_size=1, max_size=60)
 
@@ -135,16 +164,19 @@ def test_a_stored_refusal_is_the_decisions_answer_byte_for_byte_and_counted_alik
 
     def written(node: Node, request: bytes) -> tuple[bytes, str]:
         start = log.tell()
-        answer = node.ask(request)
+        # A challenge's ticket is signed over a nonce of its own, never stored.
+        answer = TICKET.sub(b"TICKET", node.ask(request))
         return answer, log.getvalue()[start:]
 
     async def run() -> None:
         loop = asyncio.get_running_loop()
         clock = FakeClock()
         stored, decided = Node(RULESETS[rules], clock, True, loop), Node(RULESETS[rules], clock, False, loop)
+        cookies = {index: f"sluice_pass_human={stored.engine.challenges.credential('human', client, '', 3600)}"
+                   for index, client in CREDENTIALS.items()}
         for index, wait in traffic:
             clock.advance(wait)
-            request = check(*REQUESTS[index])
+            request = check(*REQUESTS[index], cookie=cookies.get(index))
             assert written(stored, request) == written(decided, request)
         assert stored.counts() == decided.counts()
         assert len(decided.engine.address_refusals) == 0
