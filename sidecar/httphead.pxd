@@ -15,5 +15,5 @@ cpdef Py_ssize_t names_kept()
                path_end=Py_ssize_t, path=str, query=bytes,
                name_start=Py_ssize_t, name_end=Py_ssize_t, value_start=Py_ssize_t, value_end=Py_ssize_t,
                count=Py_ssize_t, headers=list, fields=dict, name=bytes, text=str, value_text=str,
-               sent=str, known=tuple)
+               sent=str, known=tuple, known_fields=Py_ssize_t)
 cpdef tuple read_head(bytes data, Py_ssize_t start, Py_ssize_t max_headers)

@@ -149,10 +149,10 @@ def read_head(data: bytes, start: int, max_headers: int) -> Head | None:
         value_text = data[value_start:value_end].decode("latin-1")
         headers.append((name, value_text.encode("latin-1")))
         if fields is not None:
-            if text in fields:
+            known_fields = len(fields)
+            fields[text] = value_text
+            if len(fields) == known_fields:
                 fields = None  # a name repeated: header_map joins its values
-            else:
-                fields[text] = value_text
     path = data[target_start:path_end].decode("ascii")
     query = data[path_end + 1:target_end] if path_end + 1 < target_end else b""
     return method, path, path.encode("ascii"), query, headers, fields, position

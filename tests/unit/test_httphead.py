@@ -182,6 +182,12 @@ def test_a_field_that_frames_a_body_or_the_connection_leaves_the_head_to_httptoo
     assert read_head(data, 0, 100) is None
 
 
+@pytest.mark.parametrize("value", [b"", b"1", b"a"])
+def test_a_name_sent_twice_leaves_the_fields_to_header_map_whatever_its_values(value: bytes) -> None:
+    head = read_head(CHECK.replace(b"Accept: */*", b"X-Twice: " + value + b"\r\nX-TWICE: " + value), 0, 100)
+    assert head is not None and head[5] is None and head[4].count((b"x-twice", value)) == 2
+
+
 def test_names_kept_are_bounded_whatever_names_a_client_sends() -> None:
     for number in range(2 * NAMES_KEPT):
         head = read_head(CHECK.replace(b"Accept: */*", b"X-Junk-%d: 1" % number), 0, 100)
