@@ -8,6 +8,11 @@ evaluated nor counted. The stores themselves are in ``sidecar.store``.
 
 from __future__ import annotations
 
+try:
+    import cython
+except ModuleNotFoundError:  # the pure-Python core without Cython installed
+    from sidecar import purecython as cython
+
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -134,6 +139,8 @@ class CheckSpec:
     penalty_ban: PenaltyBan | None = None  # over limit counts a penalty towards a ban (then_ban_after)
 
 
+@cython.no_gc  # nothing it holds leads back to it
+@cython.cclass
 class Check:
     """One matching rule of one request, ready for the store: the rule's
     ``CheckSpec``, the request's counting key, and the request's lease id
@@ -237,6 +244,8 @@ class BanRecord:
 
 
 @dataclass  # not slotted: the compiled core makes an extension type of it (state.pxd)
+@cython.no_gc  # nothing it holds leads back to it
+@cython.cclass
 class Evaluation:
     """What the store decided: an active ban, or per-check hits in order.
 

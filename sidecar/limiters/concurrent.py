@@ -13,6 +13,11 @@ comes (a crashed proxy, a lost datagram) cannot keep it.
 
 from __future__ import annotations
 
+try:
+    import cython
+except ModuleNotFoundError:  # the pure-Python core without Cython installed
+    from sidecar import purecython as cython
+
 import itertools
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -37,6 +42,8 @@ CONCURRENT = registry.lua_kind("C", "window", "concurrent")
 _anonymous = itertools.count()
 
 
+@cython.no_gc  # nothing a state holds leads back to it
+@cython.cclass
 class LeaseState:
     """The leases a key holds (a record: see ``sidecar.limiters.record_repr``)."""
 

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+try:
+    import cython
+except ModuleNotFoundError:  # the pure-Python core without Cython installed
+    from sidecar import purecython as cython
+
 from typing import Annotated, Any, ClassVar
 
 from pydantic import Field, PlainValidator, model_validator
@@ -13,6 +18,8 @@ from sidecar.limiters.bucket import Bucket, BucketLimit, in_penalty
 LEAKY = registry.lua_kind("L", "window", "buckets", "leaky")
 
 
+@cython.no_gc  # nothing a state holds leads back to it
+@cython.cclass
 class LeakyState:
     """nginx's two numbers per key: excess in thousandths of a request and
     the time of the last accounted request in milliseconds (a record: see

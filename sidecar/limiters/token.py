@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+try:
+    import cython
+except ModuleNotFoundError:  # the pure-Python core without Cython installed
+    from sidecar import purecython as cython
+
 from typing import Annotated, Any, ClassVar
 
 from pydantic import Field, PlainValidator, model_validator
@@ -14,6 +19,8 @@ from sidecar.plurals import plural
 TOKEN = registry.lua_kind("T", "window", "buckets", "token")
 
 
+@cython.no_gc  # nothing a state holds leads back to it
+@cython.cclass
 class TokenState:
     """The tokens left, when they were counted (None: a key never seen) and
     the end of the penalty period (a record: see ``sidecar.limiters.record_repr``)."""

@@ -7,6 +7,11 @@ budget per period (``score-budget``); and the Rate Limit Service's
 
 from __future__ import annotations
 
+try:
+    import cython
+except ModuleNotFoundError:  # the pure-Python core without Cython installed
+    from sidecar import purecython as cython
+
 import math
 from typing import Any, ClassVar, Literal
 
@@ -28,6 +33,8 @@ from sidecar.limiters import (
 WINDOW = registry.lua_kind("W", "window")
 
 
+@cython.no_gc  # nothing a state holds leads back to it
+@cython.cclass
 class WindowState:
     """Two counters per key plus the end of the penalty period (a record:
     see ``sidecar.limiters.record_repr``)."""

@@ -9,6 +9,7 @@ the .py was loaded). The last tests look at the real build when it is there."""
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import os
@@ -239,3 +240,28 @@ def test_compiled_methods_are_functions_to_pydantic() -> None:
 
     assert FunctionType in types and type(BucketLimit.check_rule) in types
     assert "check_rule" not in BucketLimit.model_fields
+
+
+def test_the_pure_core_runs_without_cython_installed(tmp_path: Path) -> None:
+    copy_package(tmp_path)
+    # None in sys.modules: importing cython fails as where it is not installed.
+    result = run_python(tmp_path, "import sys; sys.modules['cython'] = None; " + LOADED + "; "
+                        "from sidecar.limiters.window import WindowState; print(WindowState(1, 0, 2, 0.0))")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[1:] == ["True", str(tmp_path / "sidecar" / "policy.py"),
+                                              str(tmp_path / "sidecar" / "limiters" / "window.py"),
+                                              "WindowState(window=1, previous=0, current=2, penalty_until=0.0, "
+                                              "limiter=None)"]
+
+
+def test_the_compiled_limiters_states_are_not_tracked_by_the_garbage_collector() -> None:
+    from sidecar.limiters.concurrent import LeaseState
+    from sidecar.limiters.leaky import LeakyState
+    from sidecar.limiters.token import TokenState
+    from sidecar.limiters.window import WindowState
+
+    limiter = object()
+    states = [WindowState(1, 0, 0, 0.0, limiter), TokenState(1.0, None, 0.0, limiter),
+              LeakyState(0, None, 0.0, limiter), LeaseState({"lease": 1.0}, limiter)]
+    # Compiled, nothing a state holds leads back to it; pure, every object is tracked.
+    assert [gc.is_tracked(state) for state in states] == [core.PURE] * 4
