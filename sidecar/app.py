@@ -325,7 +325,9 @@ class AtOnceDoor(CheckDoor):
         super().__init__(app, check)
         assert check.at_once is not None
         self.at_once = check.at_once
-        self.decide = waitless(self.engine.decide)
+        engine = self.engine
+        # Over a store that answers at once, decide_now itself: no coroutine.
+        self.decide = engine.decide_now if engine.store.answers_at_once else waitless(engine.decide)
 
     def answer(self, scope: Scope, keep_alive: bool, default_headers: list[tuple[bytes, bytes]]) -> DoorAnswer:
         headers: dict[str, str] | None = scope.get(HEADER_MAP)  # as header_map, when the protocol made it

@@ -113,7 +113,7 @@ def test_a_check_that_fails_inside_sluice_is_counted_as_the_allow_it_answers(
     def broken(request: object) -> None:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(app.engine, "decide", broken)
+    monkeypatch.setattr(app.engine, "decide_now", broken)  # the memory store's decision
 
     assert envoy(app, "/api/x")[0] == 200
     assert decisions(app.engine.metrics) == {("envoy", "allow"): 1}
