@@ -38,141 +38,6 @@ import os
 from sidecar.shm import pure_zone
 
 
-cdef extern from *:
-    """
-    #include <pthread.h>
-    #include <errno.h>
-    #include <stddef.h>
-    #include <stdint.h>
-
-    typedef struct {
-        unsigned char digest[16];
-        double expires;
-        uint32_t newer, older, chain;
-        uint16_t length;
-        uint8_t state, mark;
-    } sz_record;
-
-    typedef union { pthread_mutex_t mutex; unsigned char slot[64]; } sz_lock_slot;
-
-    typedef struct {
-        sz_lock_slot lock;
-        uint32_t newest, oldest, free_head, fresh, used, undo;
-    } sz_stripe;
-
-    typedef struct {
-        char magic[8];
-        uint32_t version, locks, header_size, stripes, per_stripe, value_size, record_size, bucket_count;
-        uint64_t stripe_size, file_size;
-        uint32_t ready, reserved;
-        uint64_t generation, recoveries, evictions, waits;
-    } sz_header;
-
-    _Static_assert(sizeof(sz_record) == 40, "a record's header is 40 bytes (pure_zone.RECORD)");
-    _Static_assert(sizeof(pthread_mutex_t) <= 64, "a mutex fits its lock slot (pure_zone.LOCK_SLOT)");
-    _Static_assert(offsetof(sz_stripe, newest) == 64, "a stripe's fields follow its lock slot");
-    _Static_assert(sizeof(sz_stripe) <= 128, "a stripe's header fits pure_zone.STRIPE_HEADER");
-    _Static_assert(offsetof(sz_header, ready) == 56, "pure_zone.READY_AT");
-    _Static_assert(offsetof(sz_header, generation) == 64, "pure_zone.GENERATION_AT");
-    _Static_assert(offsetof(sz_header, waits) == 88, "pure_zone.WAITS_AT");
-
-    /* A mutex in memory that several processes map: robust (the next locker
-       learns that its owner died) and error-checking (a thread locking it
-       twice is told so instead of waiting for itself). */
-    static int sz_mutex_init(pthread_mutex_t *mutex) {
-        pthread_mutexattr_t attributes;
-        int rc = pthread_mutexattr_init(&attributes);
-        if (rc) return rc;
-        if (!(rc = pthread_mutexattr_setpshared(&attributes, PTHREAD_PROCESS_SHARED))
-            && !(rc = pthread_mutexattr_setrobust(&attributes, PTHREAD_MUTEX_ROBUST))
-            && !(rc = pthread_mutexattr_settype(&attributes, PTHREAD_MUTEX_ERRORCHECK)))
-            rc = pthread_mutex_init(mutex, &attributes);
-        pthread_mutexattr_destroy(&attributes);
-        return rc;
-    }
-
-    /* Whether somebody holds the mutex: glibc keeps the owner's thread id
-       in its lock word. Elsewhere, assume so. */
-    static inline int sz_mutex_held(pthread_mutex_t *mutex) {
-    #ifdef __GLIBC__
-        return __atomic_load_n(&mutex->__data.__lock, __ATOMIC_RELAXED) != 0;
-    #else
-        return 1;
-    #endif
-    }
-
-    /* A record's state, stored between compiler barriers: the stores before
-       it (the record's contents) are not moved after it, nor those after it
-       before it, whatever instruction a SIGKILL lands on. */
-    static inline void sz_set_state(sz_record *record, uint8_t state) {
-        __atomic_signal_fence(__ATOMIC_SEQ_CST);
-        __atomic_store_n(&record->state, state, __ATOMIC_RELAXED);
-        __atomic_signal_fence(__ATOMIC_SEQ_CST);
-    }
-
-    /* A moment's pause in a busy wait: the CPU's hint that this is one. */
-    static inline void sz_pause(void) {
-    #if defined(__x86_64__) || defined(__i386__)
-        __builtin_ia32_pause();
-    #elif defined(__aarch64__)
-        __asm__ __volatile__("yield");
-    #endif
-    }
-
-    static inline uint64_t sz_increment(uint64_t *counter) {
-        return __atomic_add_fetch(counter, 1, __ATOMIC_SEQ_CST);
-    }
-
-    static inline uint64_t sz_load64(uint64_t *counter) {
-        return __atomic_load_n(counter, __ATOMIC_SEQ_CST);
-    }
-
-    static inline uint32_t sz_load32(uint32_t *field) {
-        return __atomic_load_n(field, __ATOMIC_RELAXED);
-    }
-
-    static inline void sz_store32(uint32_t *field, uint32_t value) {
-        __atomic_store_n(field, value, __ATOMIC_RELEASE);
-    }
-    """
-    ctypedef struct pthread_mutex_t:
-        pass
-
-    ctypedef union sz_lock_slot:
-        pthread_mutex_t mutex
-
-    ctypedef struct sz_record:
-        unsigned char digest[16]
-        double expires
-        uint32_t newer, older, chain
-        uint16_t length
-        uint8_t state, mark
-
-    ctypedef struct sz_stripe:
-        sz_lock_slot lock
-        uint32_t newest, oldest, free_head, fresh, used, undo
-
-    ctypedef struct sz_header:
-        char magic[8]
-        uint32_t locks, ready
-        uint64_t generation, recoveries, evictions, waits
-
-    int EOWNERDEAD, EDEADLK, ENOTRECOVERABLE
-
-    int pthread_mutex_trylock(pthread_mutex_t *mutex) nogil
-    int pthread_mutex_lock(pthread_mutex_t *mutex) nogil
-    int pthread_mutex_unlock(pthread_mutex_t *mutex) nogil
-    int pthread_mutex_consistent(pthread_mutex_t *mutex) nogil
-    int sz_mutex_init(pthread_mutex_t *mutex) nogil
-    bint sz_mutex_held(pthread_mutex_t *mutex) nogil
-    void sz_set_state(sz_record *record, uint8_t state) nogil
-    void sz_pause() nogil
-    uint64_t sz_increment(uint64_t *counter) nogil
-    uint64_t sz_load64(uint64_t *counter) nogil
-    uint32_t sz_load32(uint32_t *field) nogil
-    void sz_store32(uint32_t *field, uint32_t value) nogil
-
-
 cdef enum:
     NIL = 0
     FREE = 0
@@ -208,14 +73,7 @@ cdef class Zone:
     """A zone that every process of a node maps: see the module's and
     ``pure_zone``'s docstrings. The API is the twin's."""
 
-    cdef unsigned char *_base
-    cdef size_t _mapped
-    cdef sz_header *_header
-    cdef readonly object path
-    cdef readonly Py_ssize_t capacity, value_size, stripes, per_stripe, record_size, file_size
-    cdef Py_ssize_t _stripe_size, _buckets_at, _records_at
-    cdef uint64_t _bucket_mask
-    cdef Py_ssize_t _held  # locks this object holds or waits for, every thread together
+    # Its fields and C methods are declared in _zone.pxd (node.pxd cimports it).
 
     def __dealloc__(self):
         if self._base != NULL:
@@ -330,28 +188,28 @@ cdef class Zone:
             except FileNotFoundError:
                 pass
 
-    cdef inline int _check_open(self) except -1:
+    cdef int _check_open(self) except -1:
         if self._base == NULL:
             raise ValueError("the zone is closed")
         return 0
 
     # -- stripes and locks -----------------------------------------------
 
-    cdef inline sz_stripe *_stripe(self, Py_ssize_t stripe) noexcept:
+    cdef sz_stripe *_stripe(self, Py_ssize_t stripe) noexcept:
         return <sz_stripe *>(self._base + HEADER_SIZE + stripe * self._stripe_size)
 
-    cdef inline Py_ssize_t _stripe_index(self, const unsigned char *digest) noexcept:
+    cdef Py_ssize_t _stripe_index(self, const unsigned char *digest) noexcept:
         cdef uint64_t high
         memcpy(&high, digest, 8)
         return <Py_ssize_t>(high % <uint64_t>self.stripes)
 
-    cdef inline sz_stripe *_locked_stripe(self, Py_ssize_t stripe) except NULL:
+    cdef sz_stripe *_locked_stripe(self, Py_ssize_t stripe) except NULL:
         cdef sz_stripe *found = self._stripe(stripe)
         if not sz_mutex_held(&found.lock.mutex):
             raise RuntimeError(f"stripe {stripe} is not locked: lock it before using it")
         return found
 
-    def stripe_of(self, digest):
+    cpdef stripe_of(self, digest):
         """The stripe of a 16-byte digest (its first 8 bytes; the last 8 pick
         its hash bucket)."""
         return self._stripe_index(_digest(digest))
@@ -369,7 +227,7 @@ cdef class Zone:
             previous = stripe
         return 0
 
-    def lock(self, stripes):
+    cpdef lock(self, stripes):
         """Lock these stripes (increasing order, each once: deadlock-free),
         waiting without the GIL. A lock whose owner died is taken over: the
         stripe rebuilt, the recovery counted. Locking a stripe this thread
@@ -386,7 +244,7 @@ cdef class Zone:
                 self._release(stripe)
             raise
 
-    def unlock(self, stripes):
+    cpdef unlock(self, stripes):
         """Unlock these stripes (as given to ``lock``); unlocking one this
         thread does not hold is a RuntimeError, after the others are unlocked."""
         self._check_open()
@@ -442,12 +300,12 @@ cdef class Zone:
 
     # -- records -----------------------------------------------------------
 
-    def get(self, digest, double now):
+    cpdef get(self, digest, double now):
         """The value stored under ``digest``, None when absent or expired at
         ``now``; a value found becomes the stripe's most recently used."""
         return self._read(digest, now, True)
 
-    def peek(self, digest, double now):
+    cpdef peek(self, digest, double now):
         """As ``get``, without changing the LRU order (an administrator's read)."""
         return self._read(digest, now, False)
 
@@ -466,7 +324,7 @@ cdef class Zone:
             self._to_front(stripe, found)
         return PyBytes_FromStringAndSize(<char *>record + RECORD_HEADER, self._length(record))
 
-    def put(self, digest, value, double expires, double now):
+    cpdef put(self, digest, value, double expires, double now):
         """Store ``value`` under ``digest`` until ``expires``, as the stripe's
         most recently used. A new digest in a full stripe takes an expired
         record among the least recently used, else the least recently used."""
@@ -491,7 +349,7 @@ cdef class Zone:
         self._link_front(stripe, found)
         stripe.used += 1
 
-    def delete(self, digest):
+    cpdef delete(self, digest):
         """Remove ``digest``'s record, expired or not; whether there was one."""
         self._check_open()
         cdef const unsigned char *key = _digest(digest)
@@ -566,19 +424,19 @@ cdef class Zone:
 
     # -- the stripe's structure ----------------------------------------------
 
-    cdef inline sz_record *_record(self, sz_stripe *stripe, uint32_t index) noexcept:
+    cdef sz_record *_record(self, sz_stripe *stripe, uint32_t index) noexcept:
         """The record of a link (index + 1)."""
         return <sz_record *>(<unsigned char *>stripe + self._records_at + (index - 1) * self.record_size)
 
-    cdef inline uint32_t *_bucket(self, sz_stripe *stripe, const unsigned char *digest) noexcept:
+    cdef uint32_t *_bucket(self, sz_stripe *stripe, const unsigned char *digest) noexcept:
         cdef uint64_t low
         memcpy(&low, digest + 8, 8)
         return <uint32_t *>(<unsigned char *>stripe + self._buckets_at) + (low & self._bucket_mask)
 
-    cdef inline Py_ssize_t _length(self, sz_record *record) noexcept:
+    cdef Py_ssize_t _length(self, sz_record *record) noexcept:
         return record.length if record.length <= self.value_size else self.value_size
 
-    cdef inline uint32_t _find(self, sz_stripe *stripe, const unsigned char *digest) noexcept:
+    cdef uint32_t _find(self, sz_stripe *stripe, const unsigned char *digest) noexcept:
         cdef uint32_t at = self._bucket(stripe, digest)[0]
         cdef sz_record *record
         while at != NIL:
@@ -588,7 +446,7 @@ cdef class Zone:
             at = record.chain
         return NIL
 
-    cdef inline void _write(self, sz_record *record, const unsigned char *digest, bytes value,
+    cdef void _write(self, sz_record *record, const unsigned char *digest, bytes value,
                             double expires) noexcept:
         cdef Py_ssize_t length = PyBytes_GET_SIZE(value)
         sz_set_state(record, WRITING)
@@ -598,7 +456,7 @@ cdef class Zone:
         memcpy(<unsigned char *>record + RECORD_HEADER, PyBytes_AS_STRING(value), length)
         sz_set_state(record, LIVE)
 
-    cdef inline void _replace(self, sz_stripe *stripe, uint32_t index, const unsigned char *digest, bytes value,
+    cdef void _replace(self, sz_stripe *stripe, uint32_t index, const unsigned char *digest, bytes value,
                               double expires) noexcept:
         """Write a live record anew, its old contents in the undo copy
         meanwhile: a rebuild after a death halfway puts them back."""
@@ -623,7 +481,7 @@ cdef class Zone:
         self._remove(stripe, found)
         return found
 
-    cdef inline uint32_t _expired_victim(self, sz_stripe *stripe, double now) noexcept:
+    cdef uint32_t _expired_victim(self, sz_stripe *stripe, double now) noexcept:
         cdef uint32_t at = stripe.oldest
         cdef int looked
         for looked in range(EXPIRED_SCAN):
@@ -646,13 +504,13 @@ cdef class Zone:
         self._unlink_lru(stripe, index)
         stripe.used -= 1
 
-    cdef inline void _push_free(self, sz_stripe *stripe, uint32_t index) noexcept:
+    cdef void _push_free(self, sz_stripe *stripe, uint32_t index) noexcept:
         cdef sz_record *record = self._record(stripe, index)
         sz_set_state(record, FREE)
         record.chain = stripe.free_head
         stripe.free_head = index
 
-    cdef inline void _unlink_lru(self, sz_stripe *stripe, uint32_t index) noexcept:
+    cdef void _unlink_lru(self, sz_stripe *stripe, uint32_t index) noexcept:
         cdef sz_record *record = self._record(stripe, index)
         if record.newer == NIL:
             stripe.newest = record.older
@@ -663,7 +521,7 @@ cdef class Zone:
         else:
             self._record(stripe, record.older).newer = record.newer
 
-    cdef inline void _link_front(self, sz_stripe *stripe, uint32_t index) noexcept:
+    cdef void _link_front(self, sz_stripe *stripe, uint32_t index) noexcept:
         cdef sz_record *record = self._record(stripe, index)
         record.newer = NIL
         record.older = stripe.newest
@@ -673,7 +531,7 @@ cdef class Zone:
             self._record(stripe, stripe.newest).newer = index
         stripe.newest = index
 
-    cdef inline void _to_front(self, sz_stripe *stripe, uint32_t index) noexcept:
+    cdef void _to_front(self, sz_stripe *stripe, uint32_t index) noexcept:
         if stripe.newest != index:
             self._unlink_lru(stripe, index)
             self._link_front(stripe, index)
@@ -686,7 +544,7 @@ cdef class Zone:
         pure_zone.check_stripes([stripe], self.stripes)
         self._rebuild_stripe(self._locked_stripe(stripe))
 
-    cdef inline bint _intact(self, sz_record *record) noexcept:
+    cdef bint _intact(self, sz_record *record) noexcept:
         return record.state == LIVE and record.length <= self.value_size and not isnan(record.expires)
 
     cdef void _rebuild_stripe(self, sz_stripe *stripe) noexcept:
@@ -727,7 +585,7 @@ cdef class Zone:
         stripe.free_head = free
         stripe.fresh = fresh
 
-    cdef inline void _keep(self, sz_stripe *stripe, uint32_t index, uint32_t *head, uint32_t *tail) noexcept:
+    cdef void _keep(self, sz_stripe *stripe, uint32_t index, uint32_t *head, uint32_t *tail) noexcept:
         cdef sz_record *record = self._record(stripe, index)
         record.mark = 1
         record.chain = NIL

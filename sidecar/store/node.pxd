@@ -3,6 +3,7 @@
 # decision's reads and writes of the zones cost few Python calls.
 cimport cython
 
+from sidecar.shm._zone cimport Zone as CompiledZone
 from sidecar.state cimport Check, CheckSpec
 
 
@@ -26,6 +27,7 @@ cdef class _Slot:
     cdef public object key
     cdef public bytes digest
     cdef public object zone
+    cdef public CompiledZone compiled
     cdef public Py_ssize_t value_size
     cdef public object limiter
     cdef public bytes text
@@ -43,7 +45,7 @@ cdef class _Slot:
 
     cpdef keep_decoded(self, bytes value, state)
     cpdef decoded(self, bytes value)
-    cpdef plan(self, key, _Name name, zone, Py_ssize_t value_size, limiter, prefix)
+    cpdef plan(self, key, _Name name, zone, Py_ssize_t value_size, limiter, prefix, CompiledZone compiled)
     cpdef clear(self)
 
 
@@ -72,15 +74,17 @@ cdef class NodeTable:
     cdef public object _labels
     cdef public Py_ssize_t _state_value_size
     cdef public Py_ssize_t _lease_value_size
+    cdef public CompiledZone _compiled_states
+    cdef public CompiledZone _compiled_leases
 
-    @cython.locals(slot=_Slot, name=_Name, value_size=Py_ssize_t)
+    @cython.locals(slot=_Slot, name=_Name, value_size=Py_ssize_t, compiled=CompiledZone)
     cpdef _Slot plan_key(self, key, limiter, leases=*)
     @cython.locals(check=Check, spec=CheckSpec)
     cpdef plan_checks(self, address, checks)
     @cython.locals(slot=_Slot, slots=list, index=Py_ssize_t, labelled=bint, now=double, expires=double,
-                   kept=double)
+                   kept=double, compiled=CompiledZone)
     cpdef _commit(self)
-    @cython.locals(slot=_Slot, slots=list, index=Py_ssize_t, name=_Name)
+    @cython.locals(slot=_Slot, slots=list, index=Py_ssize_t, name=_Name, compiled=CompiledZone)
     cpdef _Slot _slot(self, key)
     @cython.locals(slot=_Slot, slots=list, index=Py_ssize_t)
     cpdef _drop_decoded(self)

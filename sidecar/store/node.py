@@ -49,6 +49,7 @@ import logging
 import math
 import os
 import re
+import sys
 import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast
@@ -363,13 +364,14 @@ class _Slot:
     (``kept_*``): a request like the last one plans its keys in the same
     slots, and a busy key's record read back unchanged is not decoded again."""
 
-    __slots__ = ("key", "digest", "zone", "value_size", "limiter", "text", "room", "labelled", "prefix", "state",
-                 "raw", "read", "changed", "forgotten", "kept_digest", "kept_value", "kept_state")
+    __slots__ = ("key", "digest", "zone", "compiled", "value_size", "limiter", "text", "room", "labelled", "prefix",
+                 "state", "raw", "read", "changed", "forgotten", "kept_digest", "kept_value", "kept_state")
 
     def __init__(self) -> None:
         self.key: Hashable = None
         self.digest = b""
         self.zone: Any = None
+        self.compiled: Any = None  # the zone when it is the compiled one (compiled_zone), called in C
         self.value_size = 0  # bytes of value its zone's records hold
         self.limiter: Limiter | None = None  # the limiter the caller counts the key with (None: any)
         self.text = b""
@@ -386,11 +388,13 @@ class _Slot:
         self.kept_state: Any = None  # the state they hold (None: nothing kept)
 
     def plan(self, key: Hashable, name: _Name, zone: Zone, value_size: int, limiter: Limiter | None,
-             prefix: bytes | None) -> None:
-        """Make the slot ``key``'s in a new transaction: nothing read yet."""
+             prefix: bytes | None, compiled: Any) -> None:
+        """Make the slot ``key``'s in a new transaction: nothing read yet
+        (``compiled``: ``compiled_zone(zone)``)."""
         self.key = key
         self.digest = name.digest
         self.zone = zone
+        self.compiled = compiled
         self.value_size = value_size
         self.limiter = limiter
         self.text = name.text
@@ -424,6 +428,13 @@ class _Slot:
         self.limiter = None
         self.state = None
         self.raw = None
+
+
+def compiled_zone(zone: Any) -> Any:
+    """``zone`` when it is the compiled zone, which the compiled node store
+    calls in C; else None (the pure zone, which the tests give it too)."""
+    compiled = sys.modules.get("sidecar.shm._zone")  # never imported: no zone is the compiled one
+    return zone if compiled is not None and type(zone) is compiled.Zone else None
 
 
 # Keys whose digest and text a worker remembers (a key's repr and digest
@@ -460,6 +471,8 @@ class NodeTable:
         self._labels = zones.labels
         self._state_value_size = zones.states.value_size
         self._lease_value_size = zones.leases.value_size
+        self._compiled_states = compiled_zone(zones.states)
+        self._compiled_leases = compiled_zone(zones.leases)
 
     # -- planning ------------------------------------------------------------------
 
@@ -496,10 +509,10 @@ class NodeTable:
         if name is None or name.leases != leases:
             name = self._name(key, leases)
         if leases:
-            zone, value_size = self._leases, self._lease_value_size
+            zone, value_size, compiled = self._leases, self._lease_value_size, self._compiled_leases
             self._lease_stripes.add(name.stripe)
         else:
-            zone, value_size = self._states, self._state_value_size
+            zone, value_size, compiled = self._states, self._state_value_size, self._compiled_states
             self._state_stripes.add(name.stripe)
         if name.labelled:
             self._label_stripes.add(name.label_stripe)
@@ -513,7 +526,7 @@ class NodeTable:
         name.planned = self._transaction
         name.slot = self._used
         self._used += 1
-        slot.plan(key, name, zone, value_size, limiter, prefix)
+        slot.plan(key, name, zone, value_size, limiter, prefix, compiled)
         return slot
 
     def plan_ban(self, address: str) -> None:
@@ -606,7 +619,11 @@ class NodeTable:
             if state is None:
                 slot.kept_state = None
                 if slot.forgotten:
-                    slot.zone.delete(slot.digest)
+                    compiled = slot.compiled
+                    if compiled is not None:
+                        compiled.delete(slot.digest)
+                    else:
+                        slot.zone.delete(slot.digest)
                     if slot.labelled:
                         self._labels.delete(slot.digest)
                 continue
@@ -626,7 +643,11 @@ class NodeTable:
                 continue  # read, not changed
             expires = state.limiter.expires_at(state)
             kept = expires + STALE_KEPT if expires > NEVER else now + STALE_KEPT
-            slot.zone.put(slot.digest, value, kept, now)
+            compiled = slot.compiled
+            if compiled is not None:
+                compiled.put(slot.digest, value, kept, now)  # in C
+            else:
+                slot.zone.put(slot.digest, value, kept, now)
             slot.keep_decoded(value, state)
             if labelled and len(text) <= LABEL_VALUE:
                 self._labels.put(slot.digest, text, kept, now)  # as long as the state
@@ -661,7 +682,11 @@ class NodeTable:
             slot = slots[name.slot]
         if not slot.read:
             slot.read = True
-            value = slot.zone.get(slot.digest, self.now)
+            compiled = slot.compiled
+            if compiled is not None:
+                value = compiled.get(slot.digest, self.now)  # in C
+            else:
+                value = slot.zone.get(slot.digest, self.now)
             if value is not None:
                 state = slot.decoded(value)
                 slot.state = state if state is not None else records.decode_state(value, slot.limiter)

@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from sidecar.overload import PROXY_SECONDS
+
 LOOPBACK = "127.0.0.1"
 
 # What a client sees when nginx closes the connection without a response (444).
@@ -171,3 +173,21 @@ def assert_refused_by_closing(client: Client, path: str, front_door: str) -> Non
     reply, closed = client.request_and_watch_connection(path)
     assert (reply.status, reply.headers["Connection"], reply.body) == (403, "close", b"")
     assert closed
+
+
+def let_in(client: Client, path: str) -> bool:
+    """Whether the client's request to ``path`` is let in (200), not closed."""
+    try:
+        return client.request(path).status == 200
+    except CONNECTION_CLOSED:
+        return False
+
+
+def assert_let_in_after_unban(client: Client, path: str, front_door: str) -> None:
+    """A client whose ban was lifted is let in: at once through Envoy, and
+    through nginx once its cache of the ban's refusal ends (PROXY_SECONDS at
+    most after it was cached), polled until then."""
+    deadline = time.monotonic() + (PROXY_SECONDS + 1 if front_door == "nginx" else 0.0)
+    while not let_in(client, path):
+        assert time.monotonic() < deadline, f"{client.source} not let in to {path} after the unban"
+        time.sleep(0.05)

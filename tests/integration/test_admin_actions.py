@@ -23,8 +23,13 @@ from pathlib import Path
 import pytest
 
 from devstack.launcher import Stack
-from sidecar.overload import PROXY_SECONDS
-from tests.integration.clients import CONNECTION_CLOSED, LOOPBACK, Client, assert_refused_by_closing
+from tests.integration.clients import (
+    CONNECTION_CLOSED,
+    LOOPBACK,
+    Client,
+    assert_let_in_after_unban,
+    assert_refused_by_closing,
+)
 from tests.integration.conftest import fresh_client_address, front_door_port, start_stack, wait_until
 from tests.integration.redis_server import RedisServer
 from tests.integration.sluice_serve import SluiceServe
@@ -99,18 +104,7 @@ def test_a_ban_by_hand_refuses_at_the_door_and_unban_lets_the_client_in(
     assert_refused_by_closing(client, "/", front_door)
     assert_refused_by_closing(client, "/admin-login", front_door)
     assert sluice_admin(stack.ports.sluice, "unban", client.source) == f"lifted the ban of {client.source}\n"
-    if front_door == "nginx":
-        # nginx answers the ban from its cache for PROXY_SECONDS at most.
-        wait_until(lambda: let_in(client, "/"), "the client let in", PROXY_SECONDS + 1)
-    else:
-        assert client.request("/").status == 200
-
-
-def let_in(client: Client, path: str) -> bool:
-    try:
-        return client.request(path).status == 200
-    except CONNECTION_CLOSED:
-        return False
+    assert_let_in_after_unban(client, "/", front_door)
 
 
 def test_a_network_ban_refuses_every_address_in_it_and_no_other(

@@ -43,6 +43,7 @@ from sidecar.store.node import (
     NodeTable,
     NodeZones,
     NotPlanned,
+    compiled_zone,
     remove_orphans,
     zone_sizes,
 )
@@ -641,6 +642,24 @@ def test_a_store_opened_by_name_is_the_node_store(tmp_path: Path, monkeypatch: p
     assert isinstance(open_store("memory", "", 1000, "node", lambda: NOW), MemoryStore)
     zones.unlink()
 
+
+
+def test_a_table_calls_the_compiled_zone_in_c_and_the_pure_one_as_any_object() -> None:
+    zone = shm.Zone.private(100, 16, 4)
+    assert compiled_zone(zone) is (zone if shm.COMPILED else None)
+    assert compiled_zone(PureZone.private(100, 16, 4)) is None
+    key, limiter = ("r", ("ip", "192.0.2.1")), WindowCounter(1, 60.0, 0.0)
+    for zone_type in ZONE_TYPES:
+        table = NodeTable(NodeZones.private(100, zone_type=zone_type))
+        table.begin(NOW)
+        slot = table.plan_key(key, limiter)
+        assert slot.compiled is (slot.zone if zone_type is not PureZone else None)
+        state = limiter.new_state()
+        limiter.hit(state, NOW, 1.0)
+        table.run(table.keep, key, state)  # written, then read back in another transaction
+        table.begin(NOW)
+        table.plan_key(key, limiter)
+        assert table.run(table.state, key) == state
 
 
 # -- the table's counters -------------------------------------------------------------
