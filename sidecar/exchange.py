@@ -40,6 +40,14 @@ BODY_HIGH_WATER = 64 * 1024
 # value (section 5.5: no control character but tab).
 HEADER_NAME_FORBIDDEN = re.compile(b'[\x00-\x1f\x7f()<>@,;:\\[\\]={} \t\\\\"]')
 HEADER_VALUE_FORBIDDEN = re.compile(b"[\x00-\x08\x0a-\x1f\x7f]")
+# The same bytes, for ``forbidden_in_value``: deleting them is a C loop
+# over the value, some three times as fast as the search over a page.
+_VALUE_FORBIDDEN_BYTES = bytes([*range(0x00, 0x09), *range(0x0a, 0x20), 0x7f])
+
+
+def forbidden_in_value(value: bytes) -> bool:
+    """Whether a header field's value has a byte HEADER_VALUE_FORBIDDEN finds."""
+    return len(value.translate(None, _VALUE_FORBIDDEN_BYTES)) != len(value)
 
 
 def _status_line(status: int) -> bytes:
@@ -89,7 +97,8 @@ def encode_reply(reply: Reply, method: str, keep_alive: bool,
         content.extend([raw_name, b": ", raw_value, b"\r\n"])
     for name, value in headers:  # as encode_headers encodes them, written out
         raw_name, raw_value = name.lower().encode("latin-1"), value.encode("latin-1", "replace")
-        if HEADER_VALUE_FORBIDDEN.search(raw_value):
+        # forbidden_in_value, written out: this runs for every field of every answer.
+        if len(raw_value.translate(None, _VALUE_FORBIDDEN_BYTES)) != len(raw_value):
             raw_value = b""  # never a forged header line; no value of ours has one
         if raw_name == b"connection" and b"close" in raw_value.lower():
             keep_alive, asks_close = False, True
@@ -233,7 +242,7 @@ class AsgiExchange:
         for name, value in [*self.connection.default_headers, *headers]:
             if HEADER_NAME_FORBIDDEN.search(name):
                 raise RuntimeError("Invalid HTTP header name.")
-            if HEADER_VALUE_FORBIDDEN.search(value):
+            if forbidden_in_value(value):
                 raise RuntimeError("Invalid HTTP header value.")
             name = name.lower()
             if name == b"content-length" and not framed:

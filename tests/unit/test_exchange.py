@@ -13,8 +13,12 @@ import logging
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from sidecar.asgi import Receive, Scope, Send
+from sidecar.exchange import HEADER_VALUE_FORBIDDEN, encode_reply, forbidden_in_value
+from sidecar.frontdoors.common import Reply
 from tests.unit.http_wire import LOOPBACK, closed_by_server, read_answer, request, serving
 
 
@@ -209,3 +213,20 @@ def test_the_application_sees_the_client_leave() -> None:
             return application.left.is_set()
 
     assert run(scenario())
+
+
+@given(st.binary(max_size=600) | st.text(max_size=600).map(lambda text: text.encode("utf-8")))
+def test_a_value_is_forbidden_exactly_when_the_reference_pattern_finds_a_byte(value: bytes) -> None:
+    assert forbidden_in_value(value) is bool(HEADER_VALUE_FORBIDDEN.search(value))
+
+
+@given(st.text(max_size=200))
+def test_a_check_answer_never_carries_a_forbidden_byte_in_a_field(value: str) -> None:
+    content, keep_alive = encode_reply(Reply(403, [("X-Page", value)], b""), "GET", True, [])
+    head = content.split(b"\r\n\r\n", 1)[0]
+    for line in head.split(b"\r\n")[1:]:
+        assert not HEADER_VALUE_FORBIDDEN.search(line.partition(b": ")[2])
+    field = [line for line in head.split(b"\r\n") if line.startswith(b"x-page: ")]
+    expected = value.encode("latin-1", "replace")
+    assert field == [b"x-page: " + (b"" if HEADER_VALUE_FORBIDDEN.search(expected) else expected)]
+    assert keep_alive
