@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING
 
 from sidecar.admin import Admin
 from sidecar.asgi import Receive, Scope, Send
-from sidecar.at_once import waitless
 from sidecar.chain import NGINX_CHAINED_CHECK, ThenAuth, asks_next, routes_with_then_auth
 from sidecar.engine import ALLOW, Decision, Engine
 from sidecar.exchange import encode_reply
@@ -325,9 +324,8 @@ class AtOnceDoor(CheckDoor):
         super().__init__(app, check)
         assert check.at_once is not None
         self.at_once = check.at_once
-        engine = self.engine
-        # Over a store that answers at once, decide_now itself: no coroutine.
-        self.decide = engine.decide_now if engine.store.answers_at_once else waitless(engine.decide)
+        # The door exists over a store that answers at once: decide_now, no coroutine.
+        self.decide = self.engine.decide_now
 
     def answer(self, scope: Scope, keep_alive: bool, default_headers: list[tuple[bytes, bytes]]) -> DoorAnswer:
         headers: dict[str, str] | None = scope.get(HEADER_MAP)  # as header_map, when the protocol made it

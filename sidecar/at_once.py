@@ -1,17 +1,16 @@
 """Coroutines that never wait, run without an event loop.
 
 The memory store's operations never wait, nor does the engine over it: replay
-and the tests decide with them at the cost of a call (``run_at_once``), and
-the HTTP service answers a check at once instead of scheduling a task, with
-the engine's decision as a plain function (``waitless``).
+and the tests decide with them at the cost of a call (``run_at_once``). The
+HTTP service answers a check at once with ``Engine.decide_now``, which needs
+no coroutine at all.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from typing import Any, TypeVar, cast
 
-A = TypeVar("A")
 T = TypeVar("T")
 
 
@@ -24,22 +23,3 @@ def run_at_once(coroutine: Coroutine[Any, Any, T]) -> T:
         return cast(T, done.value)
     coroutine.close()
     raise RuntimeError("run_at_once: the coroutine waited; it needs an event loop")
-
-
-def waitless(function: Callable[[A], Coroutine[Any, Any, T]]) -> Callable[[A], T]:
-    """``function``, whose coroutines never wait, as a plain function of
-    one argument: each call runs its coroutine as ``run_at_once`` does,
-    written out (this runs for every check the HTTP protocol answers at
-    once)."""
-
-    def call(argument: A) -> T:
-        coroutine = function(argument)
-        try:
-            coroutine.send(None)
-        except StopIteration as done:
-            result: T = done.value  # without cast(): a call less
-            return result
-        coroutine.close()
-        raise RuntimeError("waitless: the coroutine waited; it needs an event loop")
-
-    return call

@@ -97,8 +97,7 @@ def encode_reply(reply: Reply, method: str, keep_alive: bool,
         content.extend([raw_name, b": ", raw_value, b"\r\n"])
     for name, value in headers:  # as encode_headers encodes them, written out
         raw_name, raw_value = name.lower().encode("latin-1"), value.encode("latin-1", "replace")
-        # forbidden_in_value, written out: this runs for every field of every answer.
-        if len(raw_value.translate(None, _VALUE_FORBIDDEN_BYTES)) != len(raw_value):
+        if forbidden_in_value(raw_value):
             raw_value = b""  # never a forged header line; no value of ours has one
         if raw_name == b"connection" and b"close" in raw_value.lower():
             keep_alive, asks_close = False, True
