@@ -11,7 +11,10 @@ generates the questions; both answer each, and the answers must be equal:
   slots, reported responses and quotas, at the store's seam;
 - rule sets and request sequences through the engine: each decision's
   outcome, its rule, and every number of its headers (limit, reset,
-  Retry-After, the delay, the draft RateLimit fields, the page's status).
+  Retry-After, the delay, the draft RateLimit fields, the page's status);
+- rule sets and connections through Sluice's HTTP protocol: the checks of
+  nginx, Envoy and forward-auth proxies (whole, cut in two, pipelined, with
+  a body, from malformed addresses) and junk, every byte answered.
 
 Without a compiled core built here the two processes would run the same
 code, and the tests skip."""
@@ -144,6 +147,67 @@ def test_the_compiled_core_decides_and_writes_headers_as_the_pure_one(twins: tup
 
     assert compiled == pure
     assert len(compiled) == len(requests)
+
+
+# Connections to Sluice's HTTP protocol: proxies' checks and junk.
+# One client most often, so that rules refuse; malformed addresses too.
+CLIENTS = st.sampled_from(["192.0.2.1", "192.0.2.1", "192.0.2.1", "192.0.2.2", "2001:db8::1", "2001:db8::1:2",
+                           "not-an-address", ""])
+URIS = st.sampled_from(["/", "/api/items?q=1", "/api/login", "/api/%6Cogin", "//api/./items", "/a b"])
+
+
+@st.composite
+def proxy_checks(draw: st.DrawFn) -> bytes:
+    """A check as nginx, Envoy or a forward-auth proxy sends it, now and
+    then with a body (read by the parser, not the head reader)."""
+    proxy, client, uri = draw(st.sampled_from(["nginx", "envoy", "forward-auth"])), draw(CLIENTS), draw(URIS)
+    method = draw(st.sampled_from(["GET", "POST", "HEAD"]))
+    fields = [f"X-Request-Id: {draw(st.integers(0, 9))}"]
+    if proxy == "nginx":
+        line = "GET /v1/nginx/auth"
+        fields += [f"X-Sluice-Client-Addr: {client}", f"X-Original-Method: {method}", f"X-Original-URI: {uri}",
+                   "X-Original-Host: shop.example"]
+    elif proxy == "envoy":
+        line = f"{method} /v1/envoy/auth{uri.replace(' ', '%20')}"
+        fields += ["Host: shop.example", f"X-Sluice-Client-Addr: {client}"]
+    else:
+        line = "GET /v1/check"
+        fields += [f"X-Forwarded-Method: {method}", f"X-Forwarded-Uri: {uri}", "X-Forwarded-Host: shop.example",
+                   f"X-Forwarded-For: {client}"]
+    fields += draw(st.lists(st.sampled_from([
+        "X-Api-Key: key-a", "X-Api-Key: key-b", "Accept: text/html", "Accept: application/json",
+        "Cookie: sid=abc; theme=dark", "X-Forwarded-For: 203.0.113.9, 192.0.2.1", "Connection: close",
+        "X-Sluice-Sent: 1000000.5", "X-Sluice-Sent: junk"]), max_size=4))
+    body = draw(st.sampled_from(["", "", "hello"]))
+    if body:
+        fields.append(f"Content-Length: {len(body)}")
+    return ("\r\n".join([f"{line} HTTP/1.1", *fields]) + "\r\n\r\n" + body).encode("latin-1")
+
+
+junk = st.one_of(st.binary(max_size=120), st.sampled_from([
+    b"GET /v1/nginx/auth HTTP/1.1\r\nBad Header\r\n\r\n", b"GET /v1/nginx/auth HTTP/9.9\r\n\r\n",
+    b"GET /healthz HTTP/1.1\r\n\r\n", b"GET /nowhere HTTP/1.1\r\n\r\n",
+    b"POST /v1/nginx/auth HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"]))
+
+
+@st.composite
+def connections(draw: st.DrawFn) -> list[Any]:
+    """[advance, pieces]: one or more requests sent at once, cut anywhere."""
+    sent = b"".join(draw(st.lists(st.one_of(proxy_checks(), proxy_checks(), junk), min_size=1, max_size=3)))
+    cuts = sorted(draw(st.lists(st.integers(0, len(sent)), max_size=2)))
+    pieces = [sent[start:end] for start, end in zip([0, *cuts], [*cuts, len(sent)]) if end > start]
+    advance = draw(st.sampled_from([0.0, 0.0, 0.3, 2.0, 30.0]))
+    return [advance, [piece.decode("latin-1") for piece in pieces]]
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=rule_sets(), sent=st.lists(connections(), min_size=1, max_size=12))
+def test_the_compiled_protocol_answers_every_connection_as_the_pure_one(twins: tuple[Twin, Twin], text: str,
+                                                                        sent: list[Any]) -> None:
+    compiled, pure = both(twins, {"rules": text, "connections": sent})
+
+    assert compiled == pure
+    assert len(compiled) == len(sent)
 
 
 def test_the_twins_run_the_two_cores(twins: tuple[Twin, Twin]) -> None:
