@@ -66,6 +66,7 @@ bench: $(INSTALLED) core nginx wrk redis-server
 	$(VENV)/bin/python bench/bench_zone.py
 	$(VENV)/bin/python bench/bench_workers.py
 	$(VENV)/bin/python bench/bench_proto.py
+	$(VENV)/bin/python bench/bench_identity.py
 
 # python -m build (PyPA's build, in the test extra): the sdist first, then the
 # wheel from that sdist, each in an isolated environment with the setuptools

@@ -103,6 +103,8 @@ def _dimension_value(name: str, text: str, resolver: ClientIPResolver) -> Hashab
     if name.startswith("session:"):
         # The fallback to the address is the address's key: select it by ip.
         return ("cookie", text)
+    if name.startswith("jwt:"):
+        return ("jwt", text)  # as a claim is counted; its fallback too is the address's key
     return text
 
 
@@ -112,6 +114,7 @@ def _listed(names: Sequence[str]) -> str:
 
 def dimension_values(key: CountingKey) -> dict[str, object]:
     """The key's values by dimension, for JSON: a session value as
-    ``{"cookie": VALUE}`` or ``{"ip": ADDRESS}``."""
+    ``{"cookie": VALUE}`` or ``{"ip": ADDRESS}``, a claim's as
+    ``{"jwt": VALUE}`` or ``{"ip": ADDRESS}``."""
     return {name: {value[0]: value[1]} if isinstance(value, tuple) else value
             for name, value in zip(key_dimensions(key), key_values(key))}

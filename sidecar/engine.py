@@ -161,6 +161,8 @@ class Engine:
         # that function (None: its evaluate is run as a coroutine).
         self._plain_for: object = None
         self._plain: PlainEvaluation | None = None
+        self.metrics.jwt_keys = lambda: self.ruleset.jwt.key_count if self.ruleset.jwt is not None else 0
+        self._start_reading_tokens(ruleset)
 
     @property
     def pending(self) -> PendingTokens:
@@ -177,8 +179,25 @@ class Engine:
             self.tokens = Tokens.from_secret(ruleset.secret, self.wall_clock)
         self.store.configure(ruleset.max_keys, ruleset.node)
         self.refusals.capacity = self.address_refusals.capacity = ruleset.max_keys
+        old = self.ruleset.jwt
+        if old is not None and ruleset.jwt is not None:
+            ruleset.jwt.follow(old)
+        self._start_reading_tokens(ruleset)
         self.ruleset = ruleset
+        if old is not None and old is not ruleset.jwt:
+            old.close()
         self.forget_refusals()
+
+    def _start_reading_tokens(self, ruleset: Ruleset) -> None:
+        """The ruleset's tokens are read on this engine's wall clock and
+        counted in its metrics; a JWKS URL is fetched from now on."""
+        if ruleset.jwt is not None:
+            ruleset.jwt.start(self.wall_clock, self.metrics.jwt_tokens, self.metrics.jwt_fetches)
+
+    def close(self) -> None:
+        """Stop what runs beside the decisions (a JWKS URL's fetches)."""
+        if self.ruleset.jwt is not None:
+            self.ruleset.jwt.close()
 
     def forget_refusals(self) -> None:
         """State changed other than by a decision (a reload, a ban lifted or

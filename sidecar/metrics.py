@@ -124,6 +124,11 @@ class Metrics(Collector):
         self.overload_decisions: collections.Counter[tuple[str, str]] = collections.Counter()
         # Actions shadow rules would have taken, by (rule, action).
         self.shadow_actions: collections.Counter[tuple[str, str]] = collections.Counter()
+        # Tokens read for rules on claims, by outcome (sidecar.identity.OUTCOMES),
+        # and fetches of a JWKS URL, by result; and the keys tokens are verified with.
+        self.jwt_tokens: collections.Counter[str] = collections.Counter()
+        self.jwt_fetches: collections.Counter[str] = collections.Counter()
+        self.jwt_keys: Callable[[], int] = lambda: 0
         self._gauges: dict[str, tuple[str, Callable[[], float]]] = {}
         self._wall_clock = wall_clock
         self.reloads = {"success": Tally(), "failure": Tally()}
@@ -238,6 +243,20 @@ class Metrics(Collector):
         for (rule_id, outcome), count in self.overload_decisions.items():
             overload.add_metric([rule_id, outcome], count)
         yield overload
+        tokens = CounterMetricFamily("sluice_jwt_tokens", "Requests whose token a rule read, by outcome: valid, "
+                                     "or why it gave no claims (missing, malformed, too_long, algorithm, "
+                                     "unknown_key, bad_signature, expired, not_yet_valid, bad_claims, no_keys).",
+                                     labels=["outcome"])
+        for outcome, count in self.jwt_tokens.items():
+            tokens.add_metric([outcome], count)
+        yield tokens
+        fetches = CounterMetricFamily("sluice_jwt_key_fetches", "Fetches of the JWKS URL, by result "
+                                      "(succeeded, failed: the last keys are kept).", labels=["result"])
+        for result, count in self.jwt_fetches.items():
+            fetches.add_metric([result], count)
+        yield fetches
+        yield GaugeMetricFamily("sluice_jwt_keys", "Keys tokens are verified with now (0 without a jwt: "
+                                "section, or before a JWKS URL answered).", value=self.jwt_keys())
         for name, (documentation, read) in self._gauges.items():
             family = CounterMetricFamily if name.endswith("_total") else GaugeMetricFamily
             yield family(name, documentation, value=read())

@@ -74,6 +74,8 @@ GAUGE_MODES = {
     "sluice_node_table_lock_waits": "livemax",
     "sluice_node_table_records": "livemax",
     "sluice_node_table_capacity": "livemax",
+    # Each worker fetches its own keys: the fewest shows a worker without.
+    "sluice_jwt_keys": "livemin",
 }
 
 

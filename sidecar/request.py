@@ -12,10 +12,14 @@ import math
 import os
 import posixpath
 from collections.abc import Hashable
+from typing import TYPE_CHECKING
 from urllib.parse import unquote
 
 from sidecar.challenge import FINGERPRINT_HEADER
 from sidecar.clientip import ClientAddress
+
+if TYPE_CHECKING:
+    from sidecar.identity import TokenRead
 
 # The client of a request described by a front door and not yet decided
 # (see CheckRequest): never the same object as a resolved client.
@@ -64,7 +68,7 @@ class CheckRequest:
 
     __slots__ = ("method", "host", "uri", "path", "query_string", "headers",
                  "client", "peer", "forwarded_for", "request_id", "tls_fingerprint", "sent",
-                 "refused_until", "refused_as", "proxy_expires", "credential", "_cookies", "_query")
+                 "refused_until", "refused_as", "proxy_expires", "credential", "token", "_cookies", "_query")
 
     def __init__(
         self,
@@ -96,6 +100,8 @@ class CheckRequest:
         self.refused_as: tuple[str, str, Hashable | None] = ("", "", None)
         self.proxy_expires = 0
         self.credential = False
+        # What its token gave, once a rule read it (sidecar.identity).
+        self.token: TokenRead | None = None
         self._cookies: dict[str, str] | None = None
         self._query: dict[str, str] | None = None
 

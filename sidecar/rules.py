@@ -23,7 +23,8 @@ from sidecar import config
 from sidecar.actions import CHALLENGE_PAGE, BlockPage
 from sidecar.challenge import cookie_name
 from sidecar.clientip import ClientAddress, ClientIPResolver, NetworkSet
-from sidecar.config import ConfigError, ConfigIssue, LoadedRules, Loc
+from sidecar.config import ConfigError, ConfigIssue, LoadedRules, Loc, resolve_file
+from sidecar.identity import JwtReader, parse_jwks
 from sidecar.keys import CountingKey, KeyPrefix, key_dimensions, key_values
 from sidecar.limiters.base import Limiter
 from sidecar.limiters.registry import build_limiter
@@ -83,10 +84,12 @@ class _Expression:
     underscores, and comments (``_shown``, which cannot end a line).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, jwt: JwtReader | None = None) -> None:
         self.namespace: dict[str, object] = {"__builtins__": {}}
         self._constants = 0
         self._values = 0
+        if jwt is not None:  # a request's claims, read once (sidecar.identity)
+            self.namespace["jwt_claim"] = jwt.claim
 
     def constant(self, value: object, name: str | None = None) -> str:
         """The name ``value`` is bound to: ``name``, or the next ``cN``."""
@@ -145,7 +148,7 @@ class _Not:
 _Node = _Test | _Group | _Not
 
 
-def _string_test(test: config.StringTest | config.NamedTest, value: str,
+def _string_test(test: config.StringTest | config.NamedTest | config.JwtTest, value: str,
                  source: _Expression) -> tuple[str, str]:
     """The test of ``value`` (an expression of a string), and what it tests."""
     if test.equals is not None:
@@ -158,16 +161,33 @@ def _string_test(test: config.StringTest | config.NamedTest, value: str,
     return f"{source.constant(test.regex.search)}({value}) is not None", f"regex {_shown(test.regex.pattern)}"
 
 
+def _value_test(lookup: str, present: Callable[[bool], str], test: config.NamedTest | config.JwtTest,
+                label: str, source: _Expression) -> tuple[str, str]:
+    """The test of a value found by name (``lookup``, an expression that is
+    None without it), and what it tests; ``present`` is the code of a
+    ``present:`` test."""
+    if test.present is not None:
+        return present(test.present), f"{label} {'present' if test.present else 'absent'}"
+    value = source.value()
+    code, says = _string_test(test, value, source)
+    return f"(({value} := {lookup}) is not None and {code})", f"{label} {says}"
+
+
 def _named_test(mapping: str, test: config.NamedTest, name: str, source: _Expression) -> tuple[str, str]:
     """A header's, cookie's or query parameter's test; ``mapping`` is the
     request's mapping of them."""
     key = source.constant(name)
-    if test.present is not None:
-        return (f"({key} {'in' if test.present else 'not in'} {mapping})",
-                f"{_shown(name)} {'present' if test.present else 'absent'}")
-    value = source.value()
-    code, says = _string_test(test, value, source)
-    return f"(({value} := {mapping}.get({key})) is not None and {code})", f"{_shown(name)} {says}"
+    return _value_test(f"{mapping}.get({key})", lambda present: f"({key} {'in' if present else 'not in'} {mapping})",
+                       test, _shown(name), source)
+
+
+def _claim_test(test: config.JwtTest, source: _Expression) -> tuple[str, str]:
+    """A test of a claim of the request's valid token; a request without
+    one, or whose token lacks the claim, fails it (``present: false``
+    aside)."""
+    claim = f"jwt_claim(request, {source.constant(test.claim)})"
+    return _value_test(claim, lambda present: f"({claim} {'is not' if present else 'is'} None)", test,
+                       f"jwt claim {_shown(test.claim)}", source)
 
 
 def _condition(condition: config.Condition, source: _Expression, loc: Loc) -> _Node:
@@ -196,6 +216,8 @@ def _condition(condition: config.Condition, source: _Expression, loc: Loc) -> _N
         for index, test in enumerate(tests or ()):
             code, says = _named_test(mapping, test, test.name.lower() if fold else test.name, source)
             parts.append(_Test(code, f"{field_name} {says}", loc + (field_name, index)))
+    for index, claim_test in enumerate(condition.jwt or ()):
+        parts.append(_Test(*_claim_test(claim_test, source), loc + ("jwt", index)))
     if condition.ip is not None:
         networks = NetworkSet(condition.ip.in_)
         parts.append(_Test(f"{source.constant(networks)}.holds(request.client)",
@@ -242,9 +264,10 @@ def _condition_lines(node: _Node, indent: str, comment: Callable[[_Test], str]) 
     return lines + [f"{indent})"]
 
 
-def compile_condition(condition: config.Condition) -> Predicate:
-    """A ``match:`` mapping as one predicate."""
-    source = _Expression()
+def compile_condition(condition: config.Condition, jwt: JwtReader | None = None) -> Predicate:
+    """A ``match:`` mapping as one predicate (``jwt``: the ruleset's
+    reader of tokens, for a condition on claims)."""
+    source = _Expression(jwt)
     # Every leaf is a comparison, so the expression's value is a bool.
     return cast(Predicate, source.function(_inline(_condition(condition, source, ()))))
 
@@ -274,6 +297,13 @@ def _dimension_value(dimension: str, source: _Expression, client_key: str = "req
     mapping = {"header": "request.headers", "cookie": "request.cookies", "query": "request.query"}.get(kind)
     if mapping is not None:
         return f"{mapping}.get({source.constant(name)}, '')"
+    if kind == "jwt":
+        # A claim of the request's valid token, else the client address:
+        # tagged as session: is, so that a claim equal to an address is
+        # still another key.
+        value = source.value()
+        return (f"(('ip', {client_key}) if ({value} := jwt_claim(request, {source.constant(name)})) "
+                f"is None else ('jwt', {value}))")
     # session:COOKIE falls back to the client address; the two are tagged so
     # that a cookie whose value equals an address is still another key.
     value = source.value()
@@ -281,7 +311,7 @@ def _dimension_value(dimension: str, source: _Expression, client_key: str = "req
             f"else ('cookie', {value}))")
 
 
-def compile_key(rule_id: str, dimensions: list[str]) -> tuple[KeyPrefix, KeyBuilder]:
+def compile_key(rule_id: str, dimensions: list[str], jwt: JwtReader | None = None) -> tuple[KeyPrefix, KeyBuilder]:
     """The key is the rule id, the sorted dimension names and their values.
 
     Keys are tuples (``CountingKey``), so values containing any separator
@@ -289,7 +319,7 @@ def compile_key(rule_id: str, dimensions: list[str]) -> tuple[KeyPrefix, KeyBuil
     order irrelevant. No dimensions means host + client address.
     """
     prefix = (rule_id, tuple(sorted(dimensions or ["host", "ip"])))
-    source = _Expression()
+    source = _Expression(jwt)
     return prefix, cast(KeyBuilder, source.function(_key(prefix, source)))
 
 
@@ -502,6 +532,7 @@ class Ruleset:
     # the id of the file's first rule when it qualifies, and bans.
     address_wide_rule: str | None = None
     address_wide_bans: bool = False
+    jwt: JwtReader | None = None  # reads requests' tokens (the jwt: section)
     holds: bool = field(init=False)  # any rule may hold a request (read for every request)
     leases: bool = field(init=False)  # any rule takes concurrency slots: requests need a lease id
 
@@ -543,7 +574,7 @@ def match(request, matched, checks, lease, has_credential):
 
 
 def compile_matcher(rules: Sequence[tuple[CompiledRule, config.Rule]], verified_bots: Sequence[VerifiedBot],
-                    loaded: LoadedRules) -> tuple[Matcher, GeneratedSource]:
+                    loaded: LoadedRules, jwt: JwtReader | None = None) -> tuple[Matcher, GeneratedSource]:
     """The ruleset's rules, in order, as one function: what the engine did
     for each rule of each request (its condition, a challenge credential,
     a verified bot's spec, an override's, its key) written out, with every
@@ -554,7 +585,7 @@ def compile_matcher(rules: Sequence[tuple[CompiledRule, config.Rule]], verified_
     rule, spec and value is a bound constant (``rule_ID``, ``spec_ID``,
     ``c1``, ...), and comments show the values.
     """
-    source = _Expression()
+    source = _Expression(jwt)
     filename = f"{loaded.source}.matcher.py"
     lines = _MATCHER_HEAD.format(source=_shown(loaded.source, 200), filename=_shown(filename, 200)).splitlines()
     source.constant(Check, "Check")
@@ -650,10 +681,13 @@ def compile_rules(loaded: LoadedRules, shadow: bool = False) -> Ruleset:
         for rule_id in override.rules:
             overrides.setdefault(rule_id, []).append(Override(NetworkSet(override.cidrs), override.multiply))
     auto_ban = AutoBan.from_config(model.challenge.auto_ban)
+    jwt = _jwt_reader(model.jwt, loaded, issues)
     rules: list[CompiledRule] = []
     compiled_from: list[tuple[CompiledRule, config.Rule]] = []
     for index, rule in enumerate(model.rules):
         loc = ("rules", index)
+        if model.jwt is None and _reads_claims(rule, loc, loaded, issues):
+            continue
         page = None
         if rule.action == "block":
             block = rule.block or config.BlockAction()
@@ -673,7 +707,7 @@ def compile_rules(loaded: LoadedRules, shadow: bool = False) -> Ruleset:
             if settings.then_ban_after is not None:
                 penalty_ban = PenaltyBan.after(settings.then_ban_after, model.challenge.auto_ban.ban)
         ban = rule.ban or config.BanAction()
-        key_prefix, key = compile_key(rule.id, rule.key)
+        key_prefix, key = compile_key(rule.id, rule.key, jwt)
         in_shadow = rule.shadow or shadow or model.mode == "shadow"
         limit = build_limiter(rule.limit.without_holds() if in_shadow else rule.limit, rule.penalty)
         if rule.id in overrides and not limit.limiter.scalable:
@@ -686,7 +720,7 @@ def compile_rules(loaded: LoadedRules, shadow: bool = False) -> Ruleset:
         rules.append(CompiledRule(
             id=rule.id,
             action=rule.action,
-            condition=compile_condition(rule.match) if rule.match is not None else None,
+            condition=compile_condition(rule.match, jwt) if rule.match is not None else None,
             key=key,
             key_prefix=key_prefix,
             limiter=limit.limiter,
@@ -709,7 +743,7 @@ def compile_rules(loaded: LoadedRules, shadow: bool = False) -> Ruleset:
         raise ConfigError(issues)
     client_ip = model.client_ip
     verified_bots = tuple(VerifiedBot(NetworkSet(b.cidrs), b.user_agent) for b in model.verified_bots)
-    match, match_source = compile_matcher(compiled_from, verified_bots, loaded)
+    match, match_source = compile_matcher(compiled_from, verified_bots, loaded, jwt)
     # The resolver tells each client it makes whether it is exempt.
     exempt = NetworkSet(model.exempt)
     return Ruleset(
@@ -738,7 +772,51 @@ def compile_rules(loaded: LoadedRules, shadow: bool = False) -> Ruleset:
         overload_after=model.overload.after,
         address_wide_rule=_address_wide_rule(compiled_from, verified_bots),
         address_wide_bans=not verified_bots,
+        jwt=jwt,
     )
+
+
+def _reads_claims(rule: config.Rule, loc: Loc, loaded: LoadedRules, issues: list[ConfigIssue]) -> bool:
+    """Whether a rule of a file without a ``jwt:`` section reads claims
+    (an issue each place it does)."""
+    found = False
+    for index, dimension in enumerate(rule.key):
+        if dimension.startswith("jwt:"):
+            issues.append(loaded.issue(loc + ("key", index), f"{dimension} reads a token's claim: add a jwt: "
+                                       "section saying where tokens are and how they are verified"))
+            found = True
+    if rule.match is not None and rule.match.uses_jwt():
+        issues.append(loaded.issue(loc + ("match",), "a jwt condition reads a token's claims: add a jwt: "
+                                   "section saying where tokens are and how they are verified"))
+        found = True
+    return found
+
+
+def _jwt_reader(settings: config.JwtConfig | None, loaded: LoadedRules,
+                issues: list[ConfigIssue]) -> JwtReader | None:
+    """The reader of the ``jwt:`` section; its JWKS file is read now."""
+    if settings is None:
+        return None
+    keys = None
+    url = None
+    refresh = timeout = 0.0
+    if settings.keys is not None:
+        refresh, timeout = settings.keys.refresh, settings.keys.timeout
+        if settings.keys.file is not None:
+            try:
+                text = resolve_file(settings.keys.file, loaded.base_dir).read_text(encoding="utf-8")
+                keys = parse_jwks(text, tuple(settings.algorithms))
+            except (OSError, UnicodeDecodeError) as exc:
+                issues.append(loaded.issue(("jwt", "keys", "file"), f"cannot read the JWKS file: {exc}"))
+            except ValueError as exc:
+                issues.append(loaded.issue(("jwt", "keys", "file"), f"the JWKS file is unusable: {exc}"))
+        else:
+            url = settings.keys.url
+    token = settings.token
+    return JwtReader(header=token.header, cookie=token.cookie, payload_header=token.payload_header, keys=keys,
+                     url=url, refresh=refresh or 600.0, timeout=timeout or 5.0,
+                     verified_by_proxy=settings.verified_by_proxy, algorithms=tuple(settings.algorithms),
+                     issuer=settings.issuer, audience=settings.audience, leeway=settings.leeway)
 
 
 def _address_wide_rule(rules: Sequence[tuple[CompiledRule, config.Rule]],

@@ -82,10 +82,10 @@ _PLAIN: dict[Callable[..., Any], JsonSchemaValue] = {
     },
     parse_dimension: {
         "description": "What the counting key is made of: ip, host, method, path, uri, "
-                       "or header:NAME, cookie:NAME, query:NAME, session:COOKIE.",
+                       "or header:NAME, cookie:NAME, query:NAME, session:COOKIE, jwt:CLAIM.",
         "anyOf": [
             {"enum": ["ip", "host", "method", "path", "uri"]},
-            {"type": "string", "pattern": r"^(?:header|cookie|query|session):[\s\S]*\S"},
+            {"type": "string", "pattern": r"^(?:header|cookie|query|session|jwt):[\s\S]*\S"},
         ],
     },
 }

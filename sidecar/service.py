@@ -82,6 +82,7 @@ def build_api(engine: Engine, report_udp: tuple[str, int] | None = None,
                 transport.close()
             if node is not None:
                 node.stop()
+            engine.close()
 
     api = FastAPI(title="Sluice", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     for name, (documentation, read) in engine.store.gauges().items():

@@ -43,6 +43,10 @@ from sidecar.config.models import (
     DecisionLogConfig,
     FailMode,
     IPTest,
+    JwtConfig,
+    JwtKeys,
+    JwtTest,
+    JwtToken,
     Limit,
     LimitModel,
     LogKeys,
@@ -92,7 +96,8 @@ __all__ = [
     # models
     "BUILTIN_PAGE_TYPES", "Action", "AutoBanConfig", "Backend", "BanAction", "BanIncrementConfig", "BlockAction",
     "ChallengeAction", "ChallengeConfig", "ClientIPConfig", "ClusterConfig", "Condition", "CountOn",
-    "DecisionLogConfig", "FailMode", "IPTest", "Limit", "LimitModel", "LogKeys", "NamedTest", "NamedTests",
+    "DecisionLogConfig", "FailMode", "IPTest", "JwtConfig", "JwtKeys", "JwtTest", "JwtToken", "Limit",
+    "LimitModel", "LogKeys", "NamedTest", "NamedTests",
     "OverloadConfig", "OverloadMode", "Override", "ResetOn", "ResponseHeaderTest", "Rule", "RulesFile",
     "SentinelConfig", "StateConfig", "Strict", "StringTest", "VerifiedBots", "field_names", "limit_tag",
     # document

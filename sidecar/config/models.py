@@ -65,10 +65,9 @@ class StringTest(Strict):
         return self
 
 
-class NamedTest(Strict):
-    """A test on a header, cookie or query parameter found by name."""
+class _ValueTest(Strict):
+    """One test on a value found by name; exactly one operator."""
 
-    name: str = Field(min_length=1)
     equals: str | None = None
     in_: list[str] | None = Field(None, alias="in")
     prefix: str | None = None
@@ -76,13 +75,26 @@ class NamedTest(Strict):
     present: bool | None = None
 
     @model_validator(mode="after")
-    def _one_operator(self) -> NamedTest:
+    def _one_operator(self) -> _ValueTest:
         _exactly_one(self, ("equals", "in_", "prefix", "regex", "present"))
         return self
 
 
+class NamedTest(_ValueTest):
+    """A test on a header, cookie or query parameter found by name."""
+
+    name: str = Field(min_length=1)
+
+
 class IPTest(Strict):
     in_: list[Network] = Field(alias="in", min_length=1)
+
+
+class JwtTest(_ValueTest):
+    """A test on a claim of the request's valid token (``jwt:`` section);
+    without one, it does not hold."""
+
+    claim: str = Field(min_length=1)
 
 
 NamedTests = Annotated[list[NamedTest], BeforeValidator(_as_list)]
@@ -101,13 +113,19 @@ class Condition(Strict):
     cookie: NamedTests | None = None
     query: NamedTests | None = None
     ip: IPTest | None = None
+    jwt: Annotated[list[JwtTest], BeforeValidator(_as_list)] | None = None
 
     @model_validator(mode="after")
     def _not_empty(self) -> Condition:
         if not any(getattr(self, name) is not None for name in type(self).model_fields):
             raise ValueError("a condition needs at least one of all, any, not, path, host, "
-                             "method, header, cookie, query, ip")
+                             "method, header, cookie, query, ip, jwt")
         return self
+
+    def uses_jwt(self) -> bool:
+        """Whether the condition tests a token's claims, at any depth."""
+        parts = [*(self.all or ()), *(self.any or ()), *([self.not_] if self.not_ is not None else [])]
+        return self.jwt is not None or any(part.uses_jwt() for part in parts)
 
 
 # The rules file's closed vocabularies, kept as types by the compiled rules.
@@ -559,6 +577,105 @@ class OverloadConfig(Strict):
         return value
 
 
+class JwtToken(Strict):
+    """Where a request's token is: a header (``Authorization`` takes a
+    ``Bearer`` token), a cookie, or the payload header of a proxy that
+    verified the token (base64url JSON, as Envoy's jwt_authn
+    ``forward_payload_header`` writes it)."""
+
+    header: str | None = Field(None, min_length=1)
+    cookie: str | None = Field(None, min_length=1)
+    payload_header: str | None = Field(None, min_length=1)
+
+    @field_validator("header", "payload_header")
+    @classmethod
+    def _lower(cls, value: str | None) -> str | None:
+        return value.strip().lower() if value is not None else None
+
+    @model_validator(mode="after")
+    def _one_place(self) -> JwtToken:
+        _exactly_one(self, ("header", "cookie", "payload_header"))
+        return self
+
+
+class JwtKeys(Strict):
+    """The keys tokens are verified with: a JWKS file, read at load (and
+    at each reload), or a JWKS URL, fetched in the background every
+    ``refresh``, the last good set kept when a fetch fails."""
+
+    file: str | None = Field(None, min_length=1)
+    url: str | None = Field(None, min_length=1)
+    refresh: Duration = 600.0
+    timeout: Duration = 5.0
+
+    @field_validator("file")
+    @classmethod
+    def _usable(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None:
+            from sidecar.identity import parse_jwks
+
+            try:
+                parse_jwks(read_text_file(value, info, "JWKS file"))
+            except ValueError as exc:
+                message = str(exc)
+                raise ValueError(message if message.startswith("cannot read") else
+                                 f"the JWKS file {value!r} is unusable: {message}") from None
+        return value
+
+    @field_validator("url")
+    @classmethod
+    def _http(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(r"^https?://[^/\s]+", value):
+            raise ValueError("a JWKS URL is http:// or https://, with a host")
+        return value
+
+    @field_validator("refresh")
+    @classmethod
+    def _refresh(cls, value: float) -> float:
+        if value < 1:
+            raise ValueError("keys are fetched again every 1s at most")
+        return value
+
+    @field_validator("timeout")
+    @classmethod
+    def _timeout(cls, value: float) -> float:
+        if not 0 < value <= 60:
+            raise ValueError("a fetch's timeout is above 0 and at most 60s")
+        return value
+
+    @model_validator(mode="after")
+    def _one_source(self) -> JwtKeys:
+        _exactly_one(self, ("file", "url"))
+        return self
+
+
+JwtAlgorithm = Literal["HS256", "HS384", "HS512", "RS256", "RS384", "RS512", "PS256", "PS384", "PS512",
+                       "ES256", "ES384", "ES512", "EdDSA"]
+
+
+class JwtConfig(Strict):
+    """The ``jwt:`` section: where tokens are, and how they are trusted."""
+
+    token: JwtToken = Field(default_factory=lambda: JwtToken(header="authorization"))
+    keys: JwtKeys | None = None
+    # Read without verifying: only for a token the proxy verified already
+    # (and sets itself, overwriting what the client sent).
+    verified_by_proxy: bool = False
+    algorithms: list[JwtAlgorithm] = Field(["RS256", "ES256", "EdDSA", "PS256"], min_length=1)
+    issuer: str | None = None
+    audience: str | None = None
+    leeway: Duration = 0.0
+
+    @model_validator(mode="after")
+    def _trusted_somehow(self) -> JwtConfig:
+        if self.verified_by_proxy == (self.keys is not None):
+            raise ValueError("give keys (a JWKS file or url) to verify tokens, or verified_by_proxy: true "
+                             "when the proxy verified them already; exactly one")
+        if self.token.payload_header is not None and not self.verified_by_proxy:
+            raise ValueError("a payload header carries no signature: it needs verified_by_proxy: true")
+        return self
+
+
 class RulesFile(Strict):
     model_config = ConfigDict(defer_build=True)  # as Rule's
 
@@ -576,6 +693,7 @@ class RulesFile(Strict):
     challenge: ChallengeConfig = ChallengeConfig()
     overrides: list[Override] = []
     overload: OverloadConfig = OverloadConfig()
+    jwt: JwtConfig | None = None
     rules: list[Rule] = []
 
 

@@ -198,7 +198,7 @@ Network = Annotated[Any, PlainValidator(parse_network)]
 Regex = Annotated[Any, PlainValidator(parse_regex)]
 
 _DIMENSIONS = ("ip", "host", "method", "path", "uri")
-_NAMED_DIMENSIONS = ("header", "cookie", "query", "session")
+_NAMED_DIMENSIONS = ("header", "cookie", "query", "session", "jwt")
 RULE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
@@ -213,7 +213,7 @@ def parse_dimension(value: Any) -> str:
             return f"{kind}:{name.strip().lower() if kind == 'header' else name.strip()}"
     raise ValueError(
         f"unknown dimension {value!r}; expected one of {', '.join(_DIMENSIONS)} "
-        "or header:NAME, cookie:NAME, query:NAME, session:COOKIE"
+        "or header:NAME, cookie:NAME, query:NAME, session:COOKIE, jwt:CLAIM"
     )
 
 
