@@ -1,10 +1,14 @@
-"""What does keying a rule on a JWT claim cost, against the same rule keyed on the address?
+"""What does keying a rule on a JWT claim or an ASN cost, against the same rule keyed on the address?
 
-Two engines in process, each with one window rule: one keyed on
+Three engines in process, each with one window rule: one keyed on
 ``jwt:sub`` (tokens verified against an RS256 JWKS file, each token
-verified once and then found in the cache), the other on ``ip``. Both
-are asked for 1,000 clients, each with its own address and its own token,
-every check carrying its ``Authorization`` field, two ways:
+verified once and then found in the cache), one on ``asn`` (a database
+written with mmdb-writer, each address looked up once and then found in
+the cache), one on ``ip``, and the same on ``ip`` with a span per check
+(sidecar.tracing, batched to an in-memory exporter: what the SDK costs a
+check, without a network). Each is asked for 1,000 clients, each
+with its own address and its own token, every check carrying its
+``Authorization`` field, two ways:
 
 - the check: nginx's check request fed to Sluice's HTTP protocol in
   process (read, decided, answered; as bench_engine.py's front door),
@@ -43,6 +47,8 @@ from sidecar.engine import Engine  # noqa: E402
 from sidecar.request import CheckRequest  # noqa: E402
 from sidecar.rules import compile_rules  # noqa: E402
 from sidecar.server import protocol_factory  # noqa: E402
+from sidecar.tracing import Tracing  # noqa: E402
+from tests.geodb import write_asn_database  # noqa: E402
 from tests.jwks import Issuer  # noqa: E402
 
 RULE = """
@@ -57,6 +63,7 @@ jwt:
   keys: {file: jwks.json}
   algorithms: [RS256]
 """
+GEO = "geoip: {asn: asn.mmdb}\n"
 CLIENTS = 1_000
 
 
@@ -90,8 +97,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
         (directory / "jwks.json").write_text(json.dumps(issuer.jwks(("RS256",))))
+        write_asn_database(directory / "asn.mmdb", {"10.0.0.0/8": (64500, "Bench Net", "NL")})
         engines = {"jwt:sub": engine(JWT + RULE.format(key='"jwt:sub"'), directory),
-                   "ip": engine(RULE.format(key="ip"), directory)}
+                   "asn": engine(GEO + RULE.format(key="asn"), directory),
+                   "ip": engine(RULE.format(key="ip"), directory),
+                   "ip, traced": engine(RULE.format(key="ip"), directory)}
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    spans = InMemorySpanExporter()
+    traced = engines["ip, traced"]
+    traced.tracing = Tracing("", traced.derived_key(b"sluice trace keys"), "bench", exporter=spans)
     tokens = [issuer.token({"sub": f"user-{n}"}, "RS256") for n in range(CLIENTS)]
     addresses = [f"10.0.{n >> 8}.{n & 255}" for n in range(CLIENTS)]
     best: dict[tuple[str, str], float] = {}
@@ -110,8 +125,9 @@ def main() -> None:
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(checks())
-    for number in range(args.passes * len(engines)):
-        name = list(engines)[number % len(engines)]
+    deciding = [name for name in engines if name != "ip, traced"]  # the decision has no span
+    for number in range(args.passes * len(deciding)):
+        name = deciding[number % len(deciding)]
         chosen = engines[name]
         requests = [CheckRequest("GET", "api.test", "/items", {"authorization": f"Bearer {tokens[n % CLIENTS]}"},
                                  chosen.resolve_client(addresses[n % CLIENTS], None), "r")
@@ -123,13 +139,18 @@ def main() -> None:
         figure = (time.process_time() - started) / args.batch * 1e6
         best["decision", name] = min(best.get(("decision", name), figure), figure)
     assert engines["jwt:sub"].metrics.jwt_tokens["valid"] == 2 * args.passes * args.batch, "a token was not valid"
+    traced.close()
+    assert len(spans.get_finished_spans()) == args.passes * args.batch, "a check was not traced"
     print(f"bench_identity: one window rule, {CLIENTS:,} clients each with its own token, fastest of "
           f"{args.passes} interleaved passes of {args.batch:,} (CPU time per check)")
     for what in ("check", "decision"):
-        jwt_figure, ip_figure = best[what, "jwt:sub"], best[what, "ip"]
-        target = "   (target <= 1.1)" if what == "check" else ""
-        print(f"  {what + ':':<10} keyed on jwt:sub {jwt_figure:6.2f} µs, on ip {ip_figure:6.2f} µs: "
-              f"{jwt_figure / ip_figure:.2f}x{target}")
+        ip_figure = best[what, "ip"]
+        print(f"  {what + ':':<10} keyed on ip {ip_figure:6.2f} µs")
+        for name in ("jwt:sub", "asn", "ip, traced") if what == "check" else ("jwt:sub", "asn"):
+            target = "   (target <= 1.1)" if what == "check" and name != "ip, traced" else ""
+            print(f"  {'':<10} keyed on {name:<10} {best[what, name]:6.2f} µs: {best[what, name] / ip_figure:.2f}x "
+                  f"the address's{target}")
+    print("  (with tracing off, the check keyed on ip is the untraced one: the doors hold None and build nothing)")
 
 
 if __name__ == "__main__":

@@ -163,7 +163,8 @@ class CheckDoor:
     whether the next auth service is asked after an allow (``chains``:
     only nginx's check, with ``--then-auth``)."""
 
-    __slots__ = ("app", "engine", "check", "front_door", "decisions", "latency", "refusals", "stores", "chains")
+    __slots__ = ("app", "engine", "check", "front_door", "decisions", "latency", "refusals", "stores", "chains",
+                 "tracing")
 
     def __init__(self, app: SluiceApp, check: Check) -> None:
         engine = app.engine
@@ -178,6 +179,7 @@ class CheckDoor:
         # kept, and answered again from their bytes (sidecar.overload).
         self.stores = check.front_door in STORED_FRONT_DOORS
         self.chains = app.then_auth is not None and check is NGINX_CHAINED_CHECK
+        self.tracing = engine.tracing  # None unless spans are exported (sidecar.tracing)
 
     def answer(self, scope: Scope, keep_alive: bool, default_headers: list[tuple[bytes, bytes]]) -> DoorAnswer:
         """What the HTTP protocol sends for a check (see ``DoorAnswer``)."""
@@ -230,6 +232,8 @@ class CheckDoor:
         """The front door's request and the engine's decision; None when
         that failed inside Sluice (counted and logged; the caller fails open)."""
         started = time.perf_counter()
+        tracing = self.tracing
+        began = time.time_ns() if tracing is not None else 0
         try:
             request = self.check.describe(scope, headers)
             decision = await self.engine.decide(request)
@@ -237,6 +241,8 @@ class CheckDoor:
             self.app.internal_error()
             return None
         self.latency.observe(time.perf_counter() - started)
+        if tracing is not None:
+            tracing.record(self.front_door, request, decision, began, time.time_ns())
         return request, decision
 
     def _answer(self, request: CheckRequest, decision: Decision, method: str | None = None) -> Reply:
@@ -343,9 +349,13 @@ class AtOnceDoor(CheckDoor):
         carries to the ASGI path to wait and answer, or when the next auth
         service is to be asked (``scope[THEN_AUTH]``)."""
         started = time.perf_counter()
+        tracing = self.tracing
+        began = time.time_ns() if tracing is not None else 0
         try:
             request, decision, reply = self.at_once(scope, headers, self.decide)
             self.latency.observe(time.perf_counter() - started)
+            if tracing is not None:
+                tracing.record(self.front_door, request, decision, began, time.time_ns())
             if decision.delay > 0:
                 # Its answer is the front door's again after the wait.
                 scope[HELD] = (self, request, decision)

@@ -388,6 +388,12 @@ def _watch_interval(ctx: click.Context, param: click.Parameter, value: float) ->
     raise click.BadParameter(f"expected 0 (off) or at least {SHORTEST_INTERVAL:g} seconds, got {value:g}", ctx, param)
 
 
+def _otlp_url(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is not None and not re.match(r"^https?://[^/\s]+", value):
+        raise click.BadParameter("an OTLP/HTTP collector's URL: http:// or https://, with a host", ctx, param)
+    return value or None
+
+
 def _then_auth_url(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     from sidecar.chain import NextAuthAddress
 
@@ -465,11 +471,20 @@ def _then_auth_url(ctx: click.Context, param: click.Parameter, value: str | None
               type=click.FloatRange(0.01, 30), envvar="SLUICE_THEN_AUTH_TIMEOUT", show_envvar=True,
               help="How long the --then-auth service may take to answer; keep it under nginx's "
                    "SLUICE_READ_TIMEOUT.")
+@click.option("--otlp-endpoint", metavar="URL", callback=_otlp_url, envvar="SLUICE_OTLP_ENDPOINT", show_envvar=True,
+              help="Export a span per check over OTLP/HTTP to this collector URL "
+                   "(http://127.0.0.1:4318/v1/traces), continuing the request's traceparent; it carries the "
+                   "front door, the outcome, the rule and a hash of the client's key. Default: off.")
+@click.option("--otlp-sample-ratio", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0),
+              envvar="SLUICE_OTLP_SAMPLE_RATIO", show_envvar=True,
+              help="With --otlp-endpoint: the share of traces Sluice starts itself (checks without a "
+                   "traceparent) that are recorded; a caller's trace follows the caller's sampling.")
 def serve(config: str | None, demo_rules: bool, host: str, port: int, uds: str | None,
           hook_at: tuple[str, int] | None, admin_token_file: str | None, health: tuple[str, int] | None,
           grpc_port: int | None, rls_config: str | None, rls_shadow: bool, shadow: bool, workers: int,
           log_level: str, max_header_bytes: int, max_headers: int, event_loop: str, watch_interval: float,
-          no_watch: bool, then_auth: str | None, then_auth_timeout: float) -> None:
+          no_watch: bool, then_auth: str | None, then_auth_timeout: float, otlp_endpoint: str | None,
+          otlp_sample_ratio: float) -> None:
     """Run the check service, with the rules of --config (or SLUICE_CONFIG)."""
     import uvicorn
 
@@ -497,7 +512,8 @@ def serve(config: str | None, demo_rules: bool, host: str, port: int, uds: str |
                 "grpc": None if grpc_port is None else (host, grpc_port),
                 "rls_config": rls_config, "rls_shadow": rls_shadow, "shadow": shadow,
                 "watch_interval": 0.0 if no_watch else watch_interval,
-                "then_auth": then_auth, "then_auth_timeout": then_auth_timeout,
+                "then_auth": then_auth, "then_auth_timeout": then_auth_timeout, "otlp_endpoint": otlp_endpoint,
+                "otlp_sample_ratio": otlp_sample_ratio,
                 # Workers must sign and verify pending-count tokens and
                 # challenge credentials alike: without challenge.secret_file,
                 # one random key for all of them.
@@ -700,6 +716,11 @@ def service(settings: dict[str, Any], ruleset: Ruleset | None = None) -> Any:
 
         then_auth = ThenAuth(NextAuthAddress.parse(settings["then_auth"]), settings["then_auth_timeout"],
                              engine.metrics.registry)
+    if settings.get("otlp_endpoint"):
+        from sidecar.tracing import Tracing
+
+        engine.tracing = Tracing(settings["otlp_endpoint"], engine.derived_key(b"sluice trace keys"), ruleset.node,
+                                 ratio=settings.get("otlp_sample_ratio", 1.0))
     app = create_app(engine, tuple(hook_udp) if hook_udp else None, admin,
                      share_report_port=settings["workers"] > 1, health=tuple(health) if health else None,
                      grpc=tuple(grpc) if grpc else None, rls=rls, then_auth=then_auth)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
+import hmac
 import logging
 import math
 import os
@@ -14,6 +16,7 @@ import time
 from collections import _count_elements  # type: ignore[attr-defined]  # Counter.update's C loop
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from sidecar.actions import BlockPage, draft_fields
 from sidecar.at_once import run_at_once
@@ -43,6 +46,9 @@ from sidecar.state import BanRecord, Check, Clock, Evaluation, epoch_clock
 from sidecar.store import StateStore, StoreUnavailable, open_local_counts, open_store
 from sidecar.store.local import PlainEvaluation, plain_evaluation
 from sidecar.tokens import Tokens
+
+if TYPE_CHECKING:
+    from sidecar.tracing import Tracing
 
 log = logging.getLogger("sluice")
 # Add one to a Counter for each of the keys (Counter.update without its checks).
@@ -163,6 +169,8 @@ class Engine:
         self._plain: PlainEvaluation | None = None
         self.metrics.jwt_keys = lambda: self.ruleset.jwt.key_count if self.ruleset.jwt is not None else 0
         self._start_reading_tokens(ruleset)
+        # A span per check, when sluice serve --otlp-endpoint is given (sidecar.tracing).
+        self.tracing: Tracing | None = None
 
     @property
     def pending(self) -> PendingTokens:
@@ -195,9 +203,16 @@ class Engine:
             ruleset.jwt.start(self.wall_clock, self.metrics.jwt_tokens, self.metrics.jwt_fetches)
 
     def close(self) -> None:
-        """Stop what runs beside the decisions (a JWKS URL's fetches)."""
+        """Stop what runs beside the decisions (a JWKS URL's fetches, the
+        export of spans, after the last batch)."""
         if self.ruleset.jwt is not None:
             self.ruleset.jwt.close()
+        if self.tracing is not None:
+            self.tracing.close()
+
+    def derived_key(self, purpose: bytes) -> bytes:
+        """A key of the node's secret for one ``purpose`` (a trace's hashes)."""
+        return hmac.new(self._secret, purpose, hashlib.sha256).digest()
 
     def forget_refusals(self) -> None:
         """State changed other than by a decision (a reload, a ban lifted or

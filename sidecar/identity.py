@@ -55,7 +55,7 @@ log = logging.getLogger("sluice")
 # Why a request has the claims it has ("valid"), or none.
 OUTCOMES = ("valid", "missing", "malformed", "too_long", "algorithm", "unknown_key", "bad_signature",
             "expired", "not_yet_valid", "bad_claims", "no_keys")
-# A token longer than this is refused unread: no proxy sends one this long
+# A token's field longer than this is refused unread: no proxy sends one this long
 # in a header line, and its verification must not be an attacker's lever.
 MAX_TOKEN_LENGTH = 8192
 # Tokens whose outcome is remembered, at most: the map is emptied when full.
@@ -159,7 +159,7 @@ class JwtReader:
                  refresh: float = 600.0, timeout: float = 5.0, verified_by_proxy: bool = False,
                  algorithms: tuple[str, ...] = ALGORITHMS, issuer: str | None = None,
                  audience: str | None = None, leeway: float = 0.0) -> None:
-        self.header = header
+        self.header = header if cookie is None and payload_header is None else None
         self.cookie = cookie
         self.payload_header = payload_header
         self.keys = keys
@@ -178,8 +178,8 @@ class JwtReader:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._fetch_log = RateLimitedLog(log, 60)
-        # The token is Authorization's bearer token (the common case, read inline).
-        self._bearer = header == "authorization" and cookie is None and payload_header is None
+        # The header the token's field is (None: the cookie).
+        self._field = payload_header if payload_header is not None else self.header
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -244,59 +244,53 @@ class JwtReader:
         """A claim of the request's valid token as rules compare and count
         it, None without one (or for a JSON null): a string as it is,
         anything else as compact JSON (``42``, ``true``, ``["a","b"]``).
-        The token is read once per request. One call per rule that reads a claim: the common case, a
-        bearer token remembered valid, is written out here."""
+        The token is read once per request."""
         read = request.token
         if read is None:
-            token: str | None
-            if self._bearer:
-                value = request.headers.get("authorization")
-                token = value[7:].strip() if value is not None and value[:7].lower() == "bearer " else None
-            else:
-                token = self.token_of(request)
-            read = request.token = self.read(token)
+            header = self._field
+            read = request.token = self.read(request.headers.get(header) if header is not None
+                                             else request.cookies.get(self.cookie or ""))
         value = read.claims.get(name)
         if value is None or type(value) is str:
             return value
         return json.dumps(value, separators=(",", ":"), sort_keys=True)
 
-    def token_of(self, request: CheckRequest) -> str | None:
-        """The request's token text, or None."""
-        if self.payload_header is not None:
-            return request.headers.get(self.payload_header)
-        if self.cookie is not None:
-            return request.cookies.get(self.cookie)
-        assert self.header is not None
-        value = request.headers.get(self.header)
-        if value is None:
-            return None
-        scheme, _, rest = value.strip().partition(" ")
+    def token_in(self, field: str) -> str | None:
+        """The token in a request's field (its header's or cookie's value),
+        or None."""
+        if self.header is None:
+            return field.strip()  # a cookie's, or a proxy's payload header
+        scheme, _, rest = field.strip().partition(" ")
         if rest and scheme.lower() == "bearer":
             return rest.strip()
-        return None if self.header == "authorization" else value.strip()
+        return None if self.header == "authorization" else field.strip()
 
-    def read(self, token: str | None) -> TokenRead:
-        """What ``token`` gives now, counted by outcome."""
-        cached = self._cache.get(token) if token else None
+    def read(self, field: str | None) -> TokenRead:
+        """What a request's field (``Authorization``'s value, the cookie's)
+        gives now, counted by outcome. What a field gave is remembered by
+        the field's text: a remembered valid token costs a lookup and its
+        expiry check."""
+        cached = self._cache.get(field) if field else None
         if cached is not None and cached[0].outcome == "valid":
             now = self.clock()
             if cached[1] <= now + self.leeway and now - self.leeway < cached[2]:
                 self.outcomes["valid"] += 1
                 return cached[0]
-        read = self._read(token, cached)
+        read = self._read(field, cached)
         self.outcomes[read.outcome] += 1
         return read
 
-    def _read(self, token: str | None, cached: tuple[TokenRead, float, float] | None) -> TokenRead:
-        if not token:
+    def _read(self, field: str | None, cached: tuple[TokenRead, float, float] | None) -> TokenRead:
+        if not field:
             return MISSING
-        if len(token) > MAX_TOKEN_LENGTH:
+        if len(field) > MAX_TOKEN_LENGTH:
             return TokenRead("too_long")
         if cached is None:
-            cached = self._examine(token)
+            token = self.token_in(field)
+            cached = self._examine(token) if token else (MISSING, 0.0, 0.0)
             if len(self._cache) >= CACHE_SIZE:
                 self._cache = {}
-            self._cache[token] = cached
+            self._cache[field] = cached
         read, not_before, expires = cached
         if read.outcome != "valid":
             return read

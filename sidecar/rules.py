@@ -13,7 +13,7 @@ import linecache
 import math
 import re
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -24,6 +24,7 @@ from sidecar.actions import CHALLENGE_PAGE, BlockPage
 from sidecar.challenge import cookie_name
 from sidecar.clientip import ClientAddress, ClientIPResolver, NetworkSet
 from sidecar.config import ConfigError, ConfigIssue, LoadedRules, Loc, resolve_file
+from sidecar.geo import GeoDatabase, asn_of, country_of
 from sidecar.identity import JwtReader, parse_jwks
 from sidecar.keys import CountingKey, KeyPrefix, key_dimensions, key_values
 from sidecar.limiters.base import Limiter
@@ -84,12 +85,14 @@ class _Expression:
     underscores, and comments (``_shown``, which cannot end a line).
     """
 
-    def __init__(self, jwt: JwtReader | None = None) -> None:
+    def __init__(self, jwt: JwtReader | None = None, geo: Mapping[str, GeoDatabase] | None = None) -> None:
         self.namespace: dict[str, object] = {"__builtins__": {}}
         self._constants = 0
         self._values = 0
         if jwt is not None:  # a request's claims, read once (sidecar.identity)
             self.namespace["jwt_claim"] = jwt.claim
+        for name, database in (geo or {}).items():  # geo_asn, geo_country (sidecar.geo)
+            self.namespace[f"geo_{name}"] = database.value_of
 
     def constant(self, value: object, name: str | None = None) -> str:
         """The name ``value`` is bound to: ``name``, or the next ``cN``."""
@@ -216,6 +219,10 @@ def _condition(condition: config.Condition, source: _Expression, loc: Loc) -> _N
         for index, test in enumerate(tests or ()):
             code, says = _named_test(mapping, test, test.name.lower() if fold else test.name, source)
             parts.append(_Test(code, f"{field_name} {says}", loc + (field_name, index)))
+    for name, geo_test in (("asn", condition.asn), ("country", condition.country)):
+        if geo_test is not None:
+            parts.append(_Test(f"geo_{name}(request) in {source.constant(frozenset(geo_test.in_))}",
+                               f"{name} in {_shown(geo_test.in_)}", loc + (name,)))
     for index, claim_test in enumerate(condition.jwt or ()):
         parts.append(_Test(*_claim_test(claim_test, source), loc + ("jwt", index)))
     if condition.ip is not None:
@@ -264,10 +271,11 @@ def _condition_lines(node: _Node, indent: str, comment: Callable[[_Test], str]) 
     return lines + [f"{indent})"]
 
 
-def compile_condition(condition: config.Condition, jwt: JwtReader | None = None) -> Predicate:
+def compile_condition(condition: config.Condition, jwt: JwtReader | None = None,
+                      geo: Mapping[str, GeoDatabase] | None = None) -> Predicate:
     """A ``match:`` mapping as one predicate (``jwt``: the ruleset's
-    reader of tokens, for a condition on claims)."""
-    source = _Expression(jwt)
+    reader of tokens, for a condition on claims; ``geo``: its databases)."""
+    source = _Expression(jwt, geo)
     # Every leaf is a comparison, so the expression's value is a bool.
     return cast(Predicate, source.function(_inline(_condition(condition, source, ()))))
 
@@ -276,6 +284,7 @@ def compile_condition(condition: config.Condition, jwt: JwtReader | None = None)
 # Counting keys
 # --------------------------------------------------------------------------
 
+GEO_DIMENSIONS = ("asn", "country")  # looked up in the geoip: section's databases
 _SIMPLE_DIMENSIONS: dict[str, str] = {
     "ip": "request.client.key",
     "host": "request.host",
@@ -291,6 +300,8 @@ def _dimension_value(dimension: str, source: _Expression, client_key: str = "req
     it once, into a local)."""
     if dimension == "ip":
         return client_key
+    if dimension in GEO_DIMENSIONS:
+        return f"geo_{dimension}(request)"
     if dimension in _SIMPLE_DIMENSIONS:
         return _SIMPLE_DIMENSIONS[dimension]
     kind, _, name = dimension.partition(":")
@@ -311,7 +322,8 @@ def _dimension_value(dimension: str, source: _Expression, client_key: str = "req
             f"else ('cookie', {value}))")
 
 
-def compile_key(rule_id: str, dimensions: list[str], jwt: JwtReader | None = None) -> tuple[KeyPrefix, KeyBuilder]:
+def compile_key(rule_id: str, dimensions: list[str], jwt: JwtReader | None = None,
+                geo: Mapping[str, GeoDatabase] | None = None) -> tuple[KeyPrefix, KeyBuilder]:
     """The key is the rule id, the sorted dimension names and their values.
 
     Keys are tuples (``CountingKey``), so values containing any separator
@@ -319,7 +331,7 @@ def compile_key(rule_id: str, dimensions: list[str], jwt: JwtReader | None = Non
     order irrelevant. No dimensions means host + client address.
     """
     prefix = (rule_id, tuple(sorted(dimensions or ["host", "ip"])))
-    source = _Expression(jwt)
+    source = _Expression(jwt, geo)
     return prefix, cast(KeyBuilder, source.function(_key(prefix, source)))
 
 
@@ -533,6 +545,8 @@ class Ruleset:
     address_wide_rule: str | None = None
     address_wide_bans: bool = False
     jwt: JwtReader | None = None  # reads requests' tokens (the jwt: section)
+    geo: Mapping[str, GeoDatabase] = field(default_factory=dict)  # the geoip: section's databases
+    notes: tuple[str, ...] = ()  # warnings found while compiling
     holds: bool = field(init=False)  # any rule may hold a request (read for every request)
     leases: bool = field(init=False)  # any rule takes concurrency slots: requests need a lease id
 
@@ -544,8 +558,8 @@ class Ruleset:
     def warnings(self) -> list[str]:
         """What is valid but probably not meant, said at load and reload."""
         if not self.rules:
-            return [f"{self.source}: no rules (`rules: []`): every request is allowed"]
-        return []
+            return [f"{self.source}: no rules (`rules: []`): every request is allowed", *self.notes]
+        return list(self.notes)
 
     @property
     def longest_hold(self) -> float:
@@ -574,7 +588,8 @@ def match(request, matched, checks, lease, has_credential):
 
 
 def compile_matcher(rules: Sequence[tuple[CompiledRule, config.Rule]], verified_bots: Sequence[VerifiedBot],
-                    loaded: LoadedRules, jwt: JwtReader | None = None) -> tuple[Matcher, GeneratedSource]:
+                    loaded: LoadedRules, jwt: JwtReader | None = None,
+                    geo: Mapping[str, GeoDatabase] | None = None) -> tuple[Matcher, GeneratedSource]:
     """The ruleset's rules, in order, as one function: what the engine did
     for each rule of each request (its condition, a challenge credential,
     a verified bot's spec, an override's, its key) written out, with every
@@ -585,7 +600,7 @@ def compile_matcher(rules: Sequence[tuple[CompiledRule, config.Rule]], verified_
     rule, spec and value is a bound constant (``rule_ID``, ``spec_ID``,
     ``c1``, ...), and comments show the values.
     """
-    source = _Expression(jwt)
+    source = _Expression(jwt, geo)
     filename = f"{loaded.source}.matcher.py"
     lines = _MATCHER_HEAD.format(source=_shown(loaded.source, 200), filename=_shown(filename, 200)).splitlines()
     source.constant(Check, "Check")
@@ -682,11 +697,13 @@ def compile_rules(loaded: LoadedRules, shadow: bool = False) -> Ruleset:
             overrides.setdefault(rule_id, []).append(Override(NetworkSet(override.cidrs), override.multiply))
     auto_ban = AutoBan.from_config(model.challenge.auto_ban)
     jwt = _jwt_reader(model.jwt, loaded, issues)
+    geo = _geo_databases(model.geoip, loaded)
+    declared = {"jwt": jwt is not None, **{name: name in geo for name in GEO_DIMENSIONS}}
     rules: list[CompiledRule] = []
     compiled_from: list[tuple[CompiledRule, config.Rule]] = []
     for index, rule in enumerate(model.rules):
         loc = ("rules", index)
-        if model.jwt is None and _reads_claims(rule, loc, loaded, issues):
+        if _reads_undeclared(rule, loc, declared, loaded, issues):
             continue
         page = None
         if rule.action == "block":
@@ -707,7 +724,7 @@ def compile_rules(loaded: LoadedRules, shadow: bool = False) -> Ruleset:
             if settings.then_ban_after is not None:
                 penalty_ban = PenaltyBan.after(settings.then_ban_after, model.challenge.auto_ban.ban)
         ban = rule.ban or config.BanAction()
-        key_prefix, key = compile_key(rule.id, rule.key, jwt)
+        key_prefix, key = compile_key(rule.id, rule.key, jwt, geo)
         in_shadow = rule.shadow or shadow or model.mode == "shadow"
         limit = build_limiter(rule.limit.without_holds() if in_shadow else rule.limit, rule.penalty)
         if rule.id in overrides and not limit.limiter.scalable:
@@ -720,7 +737,7 @@ def compile_rules(loaded: LoadedRules, shadow: bool = False) -> Ruleset:
         rules.append(CompiledRule(
             id=rule.id,
             action=rule.action,
-            condition=compile_condition(rule.match, jwt) if rule.match is not None else None,
+            condition=compile_condition(rule.match, jwt, geo) if rule.match is not None else None,
             key=key,
             key_prefix=key_prefix,
             limiter=limit.limiter,
@@ -743,7 +760,7 @@ def compile_rules(loaded: LoadedRules, shadow: bool = False) -> Ruleset:
         raise ConfigError(issues)
     client_ip = model.client_ip
     verified_bots = tuple(VerifiedBot(NetworkSet(b.cidrs), b.user_agent) for b in model.verified_bots)
-    match, match_source = compile_matcher(compiled_from, verified_bots, loaded, jwt)
+    match, match_source = compile_matcher(compiled_from, verified_bots, loaded, jwt, geo)
     # The resolver tells each client it makes whether it is exempt.
     exempt = NetworkSet(model.exempt)
     return Ruleset(
@@ -773,23 +790,42 @@ def compile_rules(loaded: LoadedRules, shadow: bool = False) -> Ruleset:
         address_wide_rule=_address_wide_rule(compiled_from, verified_bots),
         address_wide_bans=not verified_bots,
         jwt=jwt,
+        geo=geo,
+        notes=tuple(f"{loaded.source}: geoip.{name}: {database.problem}; the {name} dimension is empty until "
+                    "it can be read" for name, database in geo.items() if database.problem is not None),
     )
 
 
-def _reads_claims(rule: config.Rule, loc: Loc, loaded: LoadedRules, issues: list[ConfigIssue]) -> bool:
-    """Whether a rule of a file without a ``jwt:`` section reads claims
-    (an issue each place it does)."""
+# What a rule may read only when the file's section for it says where from.
+_SECTIONS = {"jwt": "a jwt: section saying where tokens are and how they are verified",
+             "asn": "geoip.asn, the ASN database", "country": "geoip.country, the Country database"}
+
+
+def _reads_undeclared(rule: config.Rule, loc: Loc, declared: Mapping[str, bool], loaded: LoadedRules,
+                      issues: list[ConfigIssue]) -> bool:
+    """Whether a rule reads claims, an ASN or a country that the file does
+    not say where to find (an issue each place it does)."""
     found = False
     for index, dimension in enumerate(rule.key):
-        if dimension.startswith("jwt:"):
-            issues.append(loaded.issue(loc + ("key", index), f"{dimension} reads a token's claim: add a jwt: "
-                                       "section saying where tokens are and how they are verified"))
+        source = dimension.partition(":")[0]
+        if source in _SECTIONS and not declared[source]:
+            issues.append(loaded.issue(loc + ("key", index), f"{dimension} needs {_SECTIONS[source]}"))
             found = True
-    if rule.match is not None and rule.match.uses_jwt():
-        issues.append(loaded.issue(loc + ("match",), "a jwt condition reads a token's claims: add a jwt: "
-                                   "section saying where tokens are and how they are verified"))
-        found = True
+    for source, says in _SECTIONS.items():
+        if rule.match is not None and rule.match.uses(source) and not declared[source]:
+            issues.append(loaded.issue(loc + ("match",), f"a {source} condition needs {says}"))
+            found = True
     return found
+
+
+def _geo_databases(settings: config.GeoipConfig | None, loaded: LoadedRules) -> dict[str, GeoDatabase]:
+    """The ``geoip:`` section's databases, opened now (one that cannot be
+    read is kept, with its problem, and read once it can be)."""
+    if settings is None:
+        return {}
+    fields = {"asn": asn_of, "country": country_of}
+    return {name: GeoDatabase(str(resolve_file(path, loaded.base_dir)), fields[name])
+            for name in GEO_DIMENSIONS if (path := getattr(settings, name)) is not None}
 
 
 def _jwt_reader(settings: config.JwtConfig | None, loaded: LoadedRules,

@@ -26,6 +26,8 @@ from pydantic_core import core_schema
 
 from sidecar.config import (
     RulesFile,
+    parse_asn,
+    parse_country,
     parse_dimension,
     parse_duration,
     parse_host_port,
@@ -80,11 +82,16 @@ _PLAIN: dict[Callable[..., Any], JsonSchemaValue] = {
         "description": "HOST:PORT of a sentinel (the port defaults to 26379; an IPv6 address in brackets).",
         "type": "string",
     },
+    parse_asn: {"description": "An autonomous system's number: 64500, or AS64500.",
+                "anyOf": [{"type": "integer", "minimum": 0, "maximum": 4294967295},
+                          {"type": "string", "pattern": r"^\s*(?:[Aa][Ss])?[0-9]{1,10}\s*$"}]},
+    parse_country: {"description": "A country's two-letter ISO code: DE, nl.", "type": "string",
+                    "pattern": r"^\s*[A-Za-z]{2}\s*$"},
     parse_dimension: {
-        "description": "What the counting key is made of: ip, host, method, path, uri, "
+        "description": "What the counting key is made of: ip, host, method, path, uri, asn, country, "
                        "or header:NAME, cookie:NAME, query:NAME, session:COOKIE, jwt:CLAIM.",
         "anyOf": [
-            {"enum": ["ip", "host", "method", "path", "uri"]},
+            {"enum": ["ip", "host", "method", "path", "uri", "asn", "country"]},
             {"type": "string", "pattern": r"^(?:header|cookie|query|session|jwt):[\s\S]*\S"},
         ],
     },

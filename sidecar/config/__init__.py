@@ -29,6 +29,7 @@ from sidecar.config.loader import LoadedRules, load_rules_file, parse_rules_text
 from sidecar.config.models import (
     BUILTIN_PAGE_TYPES,
     Action,
+    AsnTest,
     AutoBanConfig,
     Backend,
     BanAction,
@@ -40,8 +41,10 @@ from sidecar.config.models import (
     ClusterConfig,
     Condition,
     CountOn,
+    CountryTest,
     DecisionLogConfig,
     FailMode,
+    GeoipConfig,
     IPTest,
     JwtConfig,
     JwtKeys,
@@ -70,6 +73,8 @@ from sidecar.config.models import (
 from sidecar.config.values import (
     RULE_ID_RE,
     SENTINEL_PORT,
+    Asn,
+    Country,
     Dimension,
     Duration,
     HostPort,
@@ -77,6 +82,8 @@ from sidecar.config.values import (
     Rate,
     Regex,
     format_duration,
+    parse_asn,
+    parse_country,
     parse_dimension,
     parse_duration,
     parse_host_port,
@@ -90,14 +97,15 @@ from sidecar.config.values import (
 
 __all__ = [
     # values
-    "RULE_ID_RE", "SENTINEL_PORT", "Dimension", "Duration", "HostPort", "Network", "Rate", "Regex",
-    "format_duration", "parse_dimension", "parse_duration", "parse_host_port", "parse_network", "parse_rate",
+    "RULE_ID_RE", "SENTINEL_PORT", "Asn", "Country", "Dimension", "Duration", "HostPort", "Network", "Rate", "Regex",
+    "format_duration", "parse_asn", "parse_country", "parse_dimension", "parse_duration", "parse_host_port",
+    "parse_network", "parse_rate",
     "parse_refill", "parse_regex", "read_text_file", "resolve_file",
     # models
     "BUILTIN_PAGE_TYPES", "Action", "AutoBanConfig", "Backend", "BanAction", "BanIncrementConfig", "BlockAction",
     "ChallengeAction", "ChallengeConfig", "ClientIPConfig", "ClusterConfig", "Condition", "CountOn",
-    "DecisionLogConfig", "FailMode", "IPTest", "JwtConfig", "JwtKeys", "JwtTest", "JwtToken", "Limit",
-    "LimitModel", "LogKeys", "NamedTest", "NamedTests",
+    "DecisionLogConfig", "FailMode", "AsnTest", "CountryTest", "GeoipConfig", "IPTest", "JwtConfig", "JwtKeys",
+    "JwtTest", "JwtToken", "Limit", "LimitModel", "LogKeys", "NamedTest", "NamedTests",
     "OverloadConfig", "OverloadMode", "Override", "ResetOn", "ResponseHeaderTest", "Rule", "RulesFile",
     "SentinelConfig", "StateConfig", "Strict", "StringTest", "VerifiedBots", "field_names", "limit_tag",
     # document

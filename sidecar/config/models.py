@@ -31,6 +31,8 @@ from pydantic_core import CoreSchema
 from sidecar import core
 from sidecar.config.values import (
     RULE_ID_RE,
+    Asn,
+    Country,
     Dimension,
     Duration,
     HostPort,
@@ -90,6 +92,14 @@ class IPTest(Strict):
     in_: list[Network] = Field(alias="in", min_length=1)
 
 
+class AsnTest(Strict):
+    in_: list[Asn] = Field(alias="in", min_length=1)
+
+
+class CountryTest(Strict):
+    in_: list[Country] = Field(alias="in", min_length=1)
+
+
 class JwtTest(_ValueTest):
     """A test on a claim of the request's valid token (``jwt:`` section);
     without one, it does not hold."""
@@ -113,19 +123,21 @@ class Condition(Strict):
     cookie: NamedTests | None = None
     query: NamedTests | None = None
     ip: IPTest | None = None
+    asn: AsnTest | None = None
+    country: CountryTest | None = None
     jwt: Annotated[list[JwtTest], BeforeValidator(_as_list)] | None = None
 
     @model_validator(mode="after")
     def _not_empty(self) -> Condition:
         if not any(getattr(self, name) is not None for name in type(self).model_fields):
             raise ValueError("a condition needs at least one of all, any, not, path, host, "
-                             "method, header, cookie, query, ip, jwt")
+                             "method, header, cookie, query, ip, asn, country, jwt")
         return self
 
-    def uses_jwt(self) -> bool:
-        """Whether the condition tests a token's claims, at any depth."""
+    def uses(self, name: str) -> bool:
+        """Whether the condition tests ``name`` (jwt, asn, country), at any depth."""
         parts = [*(self.all or ()), *(self.any or ()), *([self.not_] if self.not_ is not None else [])]
-        return self.jwt is not None or any(part.uses_jwt() for part in parts)
+        return getattr(self, name) is not None or any(part.uses(name) for part in parts)
 
 
 # The rules file's closed vocabularies, kept as types by the compiled rules.
@@ -676,6 +688,15 @@ class JwtConfig(Strict):
         return self
 
 
+class GeoipConfig(Strict):
+    """Local MaxMind-format databases (GeoLite2, DB-IP, IPinfo's), paths
+    relative to the rules file: ``asn`` for the ``asn`` dimension and
+    condition, ``country`` for ``country`` (a Country or City database)."""
+
+    asn: str | None = Field(None, min_length=1)
+    country: str | None = Field(None, min_length=1)
+
+
 class RulesFile(Strict):
     model_config = ConfigDict(defer_build=True)  # as Rule's
 
@@ -694,6 +715,7 @@ class RulesFile(Strict):
     overrides: list[Override] = []
     overload: OverloadConfig = OverloadConfig()
     jwt: JwtConfig | None = None
+    geoip: GeoipConfig | None = None
     rules: list[Rule] = []
 
 

@@ -197,7 +197,7 @@ HostPort = Annotated[tuple[str, int], PlainValidator(parse_host_port)]
 Network = Annotated[Any, PlainValidator(parse_network)]
 Regex = Annotated[Any, PlainValidator(parse_regex)]
 
-_DIMENSIONS = ("ip", "host", "method", "path", "uri")
+_DIMENSIONS = ("ip", "host", "method", "path", "uri", "asn", "country")
 _NAMED_DIMENSIONS = ("header", "cookie", "query", "session", "jwt")
 RULE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -218,6 +218,27 @@ def parse_dimension(value: Any) -> str:
 
 
 Dimension = Annotated[str, PlainValidator(parse_dimension)]
+
+
+def parse_asn(value: Any) -> str:
+    """An autonomous system as a database gives it: its number as text
+    (``64500``, ``"64500"`` and ``"AS64500"`` alike)."""
+    text = str(value).strip() if not isinstance(value, bool) and isinstance(value, (int, str)) else ""
+    digits = text[2:] if text[:2].upper() == "AS" else text
+    if not digits.isascii() or not digits.isdigit() or int(digits) >= 1 << 32:
+        raise ValueError(f"an autonomous system is a number like 64500 or AS64500, got {_shown(value)}")
+    return str(int(digits))
+
+
+def parse_country(value: Any) -> str:
+    """A country's two-letter ISO code, in upper case."""
+    if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z]{2}", value.strip()):
+        raise ValueError(f"a country is its two-letter ISO code, like DE, got {_shown(value)}")
+    return value.strip().upper()
+
+
+Asn = Annotated[str, PlainValidator(parse_asn)]
+Country = Annotated[str, PlainValidator(parse_country)]
 
 
 def resolve_file(name: str, base_dir: Path) -> Path:

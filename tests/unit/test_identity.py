@@ -41,6 +41,11 @@ def reader(algorithms: tuple[str, ...] = ALGORITHMS, **settings: object) -> tupl
     return found, clock
 
 
+def bearer(text: str | None) -> str | None:
+    """The Authorization field a client sends with ``text``."""
+    return None if text is None else f"Bearer {text}"
+
+
 def token(claims: dict[str, object] | None = None, algorithm: str = "RS256", **options: object) -> str:
     return ISSUER.token({"sub": "alice", "exp": NOW + 600, **(claims or {})}, algorithm, **options)  # type: ignore[arg-type]
 
@@ -78,7 +83,7 @@ def test_keys_of_algorithms_the_file_does_not_allow_are_left_out() -> None:
 def test_a_token_of_each_algorithm_is_verified(algorithm: str) -> None:
     found, _ = reader()
 
-    read = found.read(token({"plan": "free"}, algorithm))
+    read = found.read(bearer(token({"plan": "free"}, algorithm)))
 
     assert read.outcome == "valid"
     assert read.claims["sub"] == "alice" and read.claims["plan"] == "free"
@@ -87,8 +92,9 @@ def test_a_token_of_each_algorithm_is_verified(algorithm: str) -> None:
 @pytest.mark.parametrize(("make", "outcome"), [
     (lambda: None, "missing"),
     (lambda: "", "missing"),
+    (lambda: "   ", "missing"),
     (lambda: "not.a.token", "malformed"),
-    (lambda: "x" * (identity.MAX_TOKEN_LENGTH + 1), "too_long"),
+    (lambda: "x" * identity.MAX_TOKEN_LENGTH, "too_long"),
     (lambda: token(kid="nobody"), "unknown_key"),
     (lambda: token(generation=1), "unknown_key"),  # another key under a known kid's name? no: its own kid
     (lambda: token(kid="rs256-0", generation=1), "bad_signature"),  # a known kid, another key's signature
@@ -101,7 +107,7 @@ def test_a_token_of_each_algorithm_is_verified(algorithm: str) -> None:
 def test_every_wrong_token_has_its_outcome_and_no_claims(make, outcome: str) -> None:  # type: ignore[no-untyped-def]
     found, _ = reader()
 
-    read = found.read(make())
+    read = found.read(bearer(make()))
 
     assert read == TokenRead(outcome)
     assert found.outcomes == Counter({outcome: 1})
@@ -109,21 +115,21 @@ def test_every_wrong_token_has_its_outcome_and_no_claims(make, outcome: str) -> 
 
 def test_an_algorithm_the_file_does_not_allow_is_refused_before_any_key() -> None:
     found, _ = reader(("RS256",))
-    assert found.read(token(algorithm="HS256")).outcome == "algorithm"
+    assert found.read(bearer(token(algorithm="HS256"))).outcome == "algorithm"
 
 
 def test_issuer_and_audience_are_checked_when_the_file_names_them() -> None:
     found, _ = reader(issuer="https://idp.test", audience="api")
 
-    assert found.read(token({"iss": "https://idp.test", "aud": "api"})).outcome == "valid"
-    assert found.read(token({"iss": "https://other.test", "aud": "api"})).outcome == "bad_claims"
-    assert found.read(token({"iss": "https://idp.test", "aud": "web"})).outcome == "bad_claims"
-    assert found.read(token()).outcome == "bad_claims"  # neither claim
+    assert found.read(bearer(token({"iss": "https://idp.test", "aud": "api"}))).outcome == "valid"
+    assert found.read(bearer(token({"iss": "https://other.test", "aud": "api"}))).outcome == "bad_claims"
+    assert found.read(bearer(token({"iss": "https://idp.test", "aud": "web"}))).outcome == "bad_claims"
+    assert found.read(bearer(token())).outcome == "bad_claims"  # neither claim
 
 
 def test_time_is_the_engines_clock_with_the_files_leeway() -> None:
     found, clock = reader(leeway=30.0)
-    expiring = token({"exp": NOW + 10})
+    expiring = bearer(token({"exp": NOW + 10}))
 
     assert found.read(expiring).outcome == "valid"
     clock.advance(39)
@@ -140,18 +146,18 @@ def test_a_token_is_verified_once_while_it_is_remembered(monkeypatch: pytest.Mon
     alice, bob = token(), token({"sub": "bob"})
 
     for _ in range(5):
-        assert found.read(alice).outcome == found.read(bob).outcome == "valid"
+        assert found.read(bearer(alice)).outcome == found.read(bearer(bob)).outcome == "valid"
 
     assert decoded == [alice, bob]
     found.use_keys(parse_jwks(json.dumps(ISSUER.jwks())))  # new keys: verified again
-    found.read(alice)
+    found.read(bearer(alice))
     assert decoded == [alice, bob, alice]
 
 
 def test_what_is_remembered_is_bounded_whatever_clients_send() -> None:
     found, _ = reader()
     for number in range(identity.CACHE_SIZE * 2 + 10):
-        found.read(f"junk.{number}.token")
+        found.read(f"Bearer junk.{number}.token")
         assert len(found._cache) <= identity.CACHE_SIZE
     assert found.outcomes == Counter({"malformed": identity.CACHE_SIZE * 2 + 10})
 
@@ -167,6 +173,7 @@ def test_no_token_text_makes_the_reader_fail(text: str) -> None:
     proxied = JwtReader(header=None, payload_header="x-jwt-payload", verified_by_proxy=True)
 
     assert found.read(text).outcome in OUTCOMES
+    assert found.read(bearer(text)).outcome in OUTCOMES
     assert proxied.read(text).outcome in OUTCOMES
 
 
@@ -193,26 +200,43 @@ def test_a_bearer_token_the_proxy_verified_is_read_unverified() -> None:
     found.start(FakeClock(NOW), Counter(), Counter())
     unknown_signer = Issuer().token({"sub": "carol", "exp": NOW + 5})
 
-    assert found.read(unknown_signer).claims["sub"] == "carol"
+    assert found.read(bearer(unknown_signer)).claims["sub"] == "carol"
 
 
 # -- where the token is -------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("settings", "headers", "expected"), [
-    ({}, {"authorization": "Bearer abc.def.ghi"}, "abc.def.ghi"),
-    ({}, {"authorization": "bearer   abc.def.ghi "}, "abc.def.ghi"),
-    ({}, {"authorization": "Basic dXNlcjpwYXNz"}, None),  # not a bearer token
-    ({}, {}, None),
-    ({"header": "x-token"}, {"x-token": " abc.def.ghi "}, "abc.def.ghi"),
-    ({"header": "x-token"}, {"x-token": "Bearer abc.def.ghi"}, "abc.def.ghi"),
-    ({"header": None, "cookie": "jwt"}, {"cookie": "a=1; jwt=abc.def.ghi"}, "abc.def.ghi"),
+@pytest.mark.parametrize(("settings", "field", "expected"), [
+    ({}, "Bearer abc.def.ghi", "abc.def.ghi"),
+    ({}, "bearer   abc.def.ghi ", "abc.def.ghi"),
+    ({}, "Basic dXNlcjpwYXNz", None),  # not a bearer token
+    ({}, "abc.def.ghi", None),
+    ({"header": "x-token"}, " abc.def.ghi ", "abc.def.ghi"),
+    ({"header": "x-token"}, "Bearer abc.def.ghi", "abc.def.ghi"),
+    ({"cookie": "jwt"}, "abc.def.ghi", "abc.def.ghi"),
+    ({"payload_header": "x-jwt-payload"}, "eyJzdWIiOiJ4In0", "eyJzdWIiOiJ4In0"),
 ])
-def test_the_token_is_taken_from_where_the_file_says(settings: dict[str, object], headers: dict[str, str],
-                                                     expected: str | None) -> None:
+def test_the_token_is_taken_from_its_field(settings: dict[str, object], field: str, expected: str | None) -> None:
     found = JwtReader(verified_by_proxy=True, **settings)  # type: ignore[arg-type]
-    request = CheckRequest("GET", "h", "/", headers, None, "r")  # type: ignore[arg-type]
-    assert found.token_of(request) == expected
+    assert found.token_in(field) == expected
+
+
+@pytest.mark.parametrize(("settings", "headers"), [
+    ({}, {"authorization": "Bearer {token}"}),
+    ({"header": "x-token"}, {"x-token": "{token}"}),
+    ({"cookie": "jwt"}, {"cookie": "a=1; jwt={token}"}),
+])
+def test_a_rule_reads_the_claim_from_where_the_file_says(settings: dict[str, object],
+                                                         headers: dict[str, str]) -> None:
+    found = JwtReader(verified_by_proxy=True, **settings)  # type: ignore[arg-type]
+    found.start(FakeClock(NOW), Counter(), Counter())
+    text = token({"sub": "carol", "n": 7})
+    request = CheckRequest("GET", "h", "/", {name: value.format(token=text) for name, value in headers.items()},
+                           None, "r")  # type: ignore[arg-type]
+
+    claims = found.claim(request, "sub"), found.claim(request, "n"), found.claim(request, "none")
+    assert claims == ("carol", "7", None)
+    assert found.outcomes == Counter({"valid": 1})  # read once for the request
 
 
 # -- a JWKS URL ---------------------------------------------------------------------
@@ -229,32 +253,32 @@ def test_keys_from_a_url_are_fetched_again_and_the_last_good_set_kept(jwks_serve
     found = JwtReader(url=jwks_server.url, refresh=3600.0, algorithms=("RS256",))
     fetches: Counter[str] = Counter()
     found.start(time.time, Counter(), fetches)
-    assert found.read(token()).outcome in ("no_keys", "valid")  # before or after the first fetch
+    assert found.read(bearer(token())).outcome in ("no_keys", "valid")  # before or after the first fetch
     deadline = time.monotonic() + 10
     while found.key_count == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
     found.close()
 
-    assert found.read(token()).outcome == "valid"
+    assert found.read(bearer(token())).outcome == "valid"
     rotated = token(generation=1)
-    assert found.read(rotated).outcome == "unknown_key"
+    assert found.read(bearer(rotated)).outcome == "unknown_key"
     jwks_server.rotate(ISSUER.jwks(("RS256",), generation=1))
     assert found.fetch()
-    assert found.read(rotated).outcome == "valid"
-    assert found.read(token()).outcome == "unknown_key"  # the retired key
+    assert found.read(bearer(rotated)).outcome == "valid"
+    assert found.read(bearer(token())).outcome == "unknown_key"  # the retired key
     jwks_server.answering = False
     assert not found.fetch()
-    assert found.read(rotated).outcome == "valid"  # the last good keys
+    assert found.read(bearer(rotated)).outcome == "valid"  # the last good keys
     jwks_server.rotate({"keys": []})
     jwks_server.answering = True
     assert not found.fetch()  # a set without usable keys is a failed fetch too
-    assert found.read(rotated).outcome == "valid"
+    assert found.read(bearer(rotated)).outcome == "valid"
     assert fetches == Counter({"succeeded": 2, "failed": 2})
 
 
 def test_a_url_never_fetched_gives_no_keys() -> None:
     found = JwtReader(url="http://127.0.0.1:9/jwks.json")
-    assert found.read(token()).outcome == "no_keys"
+    assert found.read(bearer(token())).outcome == "no_keys"
 
 
 # -- rules ----------------------------------------------------------------------------
@@ -318,9 +342,9 @@ def test_a_claim_equal_to_an_address_is_another_key(engine: Engine) -> None:
 
 @pytest.mark.parametrize(("text", "says"), [
     ('rules:\n  - id: r\n    key: ["jwt:sub"]\n    limit: {requests: 1, per: 1s}\n    action: block\n',
-     "test.yaml:3: rules[0](r).key[0]: jwt:sub reads a token's claim: add a jwt: section"),
+     "test.yaml:3: rules[0](r).key[0]: jwt:sub needs a jwt: section"),
     ('rules:\n  - id: r\n    match: {jwt: {claim: plan, equals: free}}\n    limit: {requests: 1, per: 1s}\n'
-     '    action: block\n', "test.yaml:3: rules[0](r).match: a jwt condition reads a token's claims"),
+     '    action: block\n', "test.yaml:3: rules[0](r).match: a jwt condition needs a jwt: section"),
     ("jwt: {keys: {file: missing.json}}\nrules: []\n", "test.yaml:1: jwt.keys.file: cannot read the JWKS file"),
     ("jwt: {keys: {file: bad.json}}\nrules: []\n",
      "test.yaml:1: jwt.keys.file: the JWKS file 'bad.json' is unusable: not JSON"),
