@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import base64
 import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import jwt
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
+
+from tests.loopback_http import LoopbackServer, QuietHandler
 
 ALGORITHMS = ("HS256", "RS256", "ES256", "EdDSA")
 
@@ -73,7 +73,7 @@ class Issuer:
         return jwt.encode(payload, self.private(algorithm, generation), algorithm=algorithm, headers=headers)
 
 
-class JwksServer:
+class JwksServer(LoopbackServer):
     """Serves a JWKS at ``url`` from 127.0.0.1 until ``close``."""
 
     def __init__(self, document: dict[str, Any]) -> None:
@@ -82,30 +82,16 @@ class JwksServer:
         self.fetches = 0
         server = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_GET(self) -> None:  # noqa: N802 - the server's method name
                 if not server.answering:
                     self.send_error(503)
                     return
-                body = json.dumps(server.document).encode()
                 server.fetches += 1
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                self.reply(200, "application/json", json.dumps(server.document).encode())
 
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
-                pass
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}/.well-known/jwks.json"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
+        super().__init__(Handler)
+        self.url = f"{self.base}/.well-known/jwks.json"
 
     def rotate(self, document: dict[str, Any]) -> None:
         self.document = document
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()

@@ -7,13 +7,14 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
+
+from tests.loopback_http import LoopbackServer, QuietHandler
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ def _values(attributes: Any) -> dict[str, Any]:
     return found
 
 
-class OtlpReceiver:
+class OtlpReceiver(LoopbackServer):
     """Receives spans at ``url`` until ``close``."""
 
     def __init__(self) -> None:
@@ -44,11 +45,10 @@ class OtlpReceiver:
         self.lock = threading.Lock()
         receiver = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_POST(self) -> None:  # noqa: N802 - the server's method name
-                body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
                 request = ExportTraceServiceRequest()
-                request.ParseFromString(body)
+                request.ParseFromString(self.rfile.read(int(self.headers.get("Content-Length", "0"))))
                 received = [ReceivedSpan(span.name, span.trace_id.hex(), span.span_id.hex(),
                                          span.parent_span_id.hex(), _values(span.attributes),
                                          _values(resource_spans.resource.attributes),
@@ -57,19 +57,10 @@ class OtlpReceiver:
                             for scope_spans in resource_spans.scope_spans for span in scope_spans.spans]
                 with receiver.lock:
                     receiver.spans.extend(received)
-                answer = ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(answer)))
-                self.end_headers()
-                self.wfile.write(answer)
+                self.reply(200, "application/x-protobuf", ExportTraceServiceResponse().SerializeToString())
 
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
-                pass
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}/v1/traces"
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        super().__init__(Handler)
+        self.url = f"{self.base}/v1/traces"
 
     def wait_for(self, count: int, seconds: float = 10.0) -> list[ReceivedSpan]:
         """The spans received, once there are ``count`` (or the time is up)."""
@@ -81,7 +72,3 @@ class OtlpReceiver:
             time.sleep(0.02)
         with self.lock:
             return list(self.spans)
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()

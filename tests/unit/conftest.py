@@ -4,12 +4,15 @@ from typing import Any
 
 import pytest
 import uvicorn
+from uvicorn.config import Config
+from uvicorn.server import ServerState
 
 from sidecar import addresses, cli
 from sidecar.config import parse_rules_text
 from sidecar.engine import Engine
 from sidecar.request import CheckRequest
 from sidecar.rules import Ruleset, compile_rules
+from sidecar.server import LimitedHttpProtocol
 
 
 class FakeClock:
@@ -101,3 +104,18 @@ class RecordingTransport(asyncio.Transport):
 
     def resume_reading(self) -> None:
         pass
+
+
+def connection_to(engine: Engine, loop: asyncio.AbstractEventLoop | None = None,
+                  state: ServerState | None = None) -> tuple[LimitedHttpProtocol, RecordingTransport]:
+    """Sluice's HTTP protocol on one new connection to an application of
+    ``engine``, its answers kept by a RecordingTransport."""
+    from sidecar.app import SluiceApp
+
+    config = Config(app=SluiceApp(engine), lifespan="off", log_level="warning", proxy_headers=False)
+    config.load()
+    protocol = LimitedHttpProtocol(config=config, server_state=state or ServerState(), app_state={},
+                                   _loop=loop or asyncio.new_event_loop())
+    transport = RecordingTransport()
+    protocol.connection_made(transport)
+    return protocol, transport

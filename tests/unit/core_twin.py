@@ -26,17 +26,14 @@ import os
 import sys
 from typing import Any
 
-from uvicorn.config import Config
 from uvicorn.server import ServerState
 
 from sidecar import core
-from sidecar.app import SluiceApp
 from sidecar.at_once import run_at_once
 from sidecar.engine import Decision, Engine
 from sidecar.request import CheckRequest
-from sidecar.server import LimitedHttpProtocol
 from sidecar.store.memory import MemoryStore
-from tests.unit.conftest import FakeClock, RecordingTransport, ruleset_from
+from tests.unit.conftest import FakeClock, connection_to, ruleset_from
 from tests.unit.policy_traces import Request, Response, Step, replay
 
 
@@ -89,18 +86,14 @@ def protocol_answers(rules: str, connections: list[list[Any]]) -> list[Any]:
     closed the connection]. Answers of the ASGI path are awaited before
     the connection ends."""
     clock = FakeClock(1_000_000.0)
-    config = Config(app=SluiceApp(parity_engine(rules, clock)), lifespan="off", log_level="warning",
-                    proxy_headers=False)
-    config.load()
+    engine = parity_engine(rules, clock)
     loop = asyncio.new_event_loop()
     answers = []
     try:
         for advance, pieces in connections:
             clock.advance(advance)
             state = ServerState()
-            protocol = LimitedHttpProtocol(config=config, server_state=state, app_state={}, _loop=loop)
-            transport = RecordingTransport()
-            protocol.connection_made(transport)
+            protocol, transport = connection_to(engine, loop, state)
             for piece in pieces:
                 protocol.data_received(piece.encode("latin-1"))
                 while state.tasks:

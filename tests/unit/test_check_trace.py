@@ -14,23 +14,19 @@ check's path; each may come once.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import sys
 from collections.abc import Callable
 from types import FrameType
 
 import pytest
-from uvicorn.config import Config
-from uvicorn.server import ServerState
 
 import sidecar
 from sidecar import actions, core, request
-from sidecar.app import SluiceApp
 from sidecar.engine import Engine
 from sidecar.server import LimitedHttpProtocol
 from sidecar.state import BanRecord
-from tests.unit.conftest import FakeClock, RecordingTransport, ruleset_from
+from tests.unit.conftest import FakeClock, RecordingTransport, connection_to, ruleset_from
 
 PACKAGE = os.path.dirname(os.path.abspath(sidecar.__file__)) + os.sep
 
@@ -134,14 +130,7 @@ rules:
 
 def connection(rules: str = RULES) -> tuple[LimitedHttpProtocol, RecordingTransport]:
     """Sluice's protocol on one connection, over the memory store."""
-    engine = Engine(ruleset_from(rules), clock=FakeClock())
-    config = Config(app=SluiceApp(engine), lifespan="off", log_level="warning", proxy_headers=False)
-    config.load()
-    protocol = LimitedHttpProtocol(config=config, server_state=ServerState(), app_state={},
-                                   _loop=asyncio.new_event_loop())
-    transport = RecordingTransport()
-    protocol.connection_made(transport)
-    return protocol, transport
+    return connection_to(Engine(ruleset_from(rules), clock=FakeClock()))
 
 
 @pytest.mark.parametrize(("check", "front_door"), [(NGINX_CHECK, "frontdoors/nginx.py"),

@@ -5,19 +5,15 @@ address), and a span that cannot be made never fails the check."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 
 import pytest
-from uvicorn.config import Config
-from uvicorn.server import ServerState
 
 from sidecar.app import SluiceApp
 from sidecar.engine import Engine
-from sidecar.server import LimitedHttpProtocol
 from sidecar.tracing import Tracing
 from tests.otlp import OtlpReceiver
-from tests.unit.conftest import FakeClock, RecordingTransport, ruleset_from
+from tests.unit.conftest import FakeClock, connection_to, ruleset_from
 
 RULES = """
 rules:
@@ -45,12 +41,7 @@ def receiver() -> Iterator[OtlpReceiver]:
 
 
 def answered(engine: Engine, *checks: bytes) -> list[bytes]:
-    config = Config(app=SluiceApp(engine), lifespan="off", log_level="warning", proxy_headers=False)
-    config.load()
-    protocol = LimitedHttpProtocol(config=config, server_state=ServerState(), app_state={},
-                                   _loop=asyncio.new_event_loop())
-    transport = RecordingTransport()
-    protocol.connection_made(transport)
+    protocol, transport = connection_to(engine)
     for check in checks:
         protocol.data_received(check)
     return transport.written
