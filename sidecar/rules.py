@@ -209,6 +209,10 @@ def _condition(condition: config.Condition, source: _Expression, loc: Loc) -> _N
     if condition.host is not None:
         code, says = _string_test(condition.host, "request.host", source)
         parts.append(_Test(code, f"host {says}", loc + ("host",)))
+    for name, fingerprint_test in (("ja3", condition.ja3), ("ja4", condition.ja4)):
+        if fingerprint_test is not None:
+            code, says = _string_test(fingerprint_test, _SIMPLE_DIMENSIONS[name], source)
+            parts.append(_Test(code, f"{name} {says}", loc + (name,)))
     if condition.method is not None:
         methods = [m.upper() for m in condition.method]
         parts.append(_Test(f"request.method in {source.constant(frozenset(methods))}",
@@ -284,13 +288,19 @@ def compile_condition(condition: config.Condition, jwt: JwtReader | None = None,
 # Counting keys
 # --------------------------------------------------------------------------
 
-GEO_DIMENSIONS = ("asn", "country")  # looked up in the geoip: section's databases
+GEO_DIMENSIONS = ("asn", "country")
+# Where the proxy reports the client's TLS fingerprints (JA3, JA4).
+JA3_HEADER, JA4_HEADER = "x-sluice-ja3", "x-sluice-ja4"  # looked up in the geoip: section's databases
 _SIMPLE_DIMENSIONS: dict[str, str] = {
     "ip": "request.client.key",
     "host": "request.host",
     "method": "request.method",
     "path": "request.path",
     "uri": "request.uri",
+    # The client's TLS fingerprints, as the proxy reports them (the shipped
+    # Envoy fragments from its TLS inspector; nginx clears them).
+    "ja3": f"request.headers.get({JA3_HEADER!r}, '')",
+    "ja4": f"request.headers.get({JA4_HEADER!r}, '')",
 }
 
 

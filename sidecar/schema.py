@@ -88,10 +88,10 @@ _PLAIN: dict[Callable[..., Any], JsonSchemaValue] = {
     parse_country: {"description": "A country's two-letter ISO code: DE, nl.", "type": "string",
                     "pattern": r"^\s*[A-Za-z]{2}\s*$"},
     parse_dimension: {
-        "description": "What the counting key is made of: ip, host, method, path, uri, asn, country, "
+        "description": "What the counting key is made of: ip, host, method, path, uri, asn, country, ja3, ja4, "
                        "or header:NAME, cookie:NAME, query:NAME, session:COOKIE, jwt:CLAIM.",
         "anyOf": [
-            {"enum": ["ip", "host", "method", "path", "uri", "asn", "country"]},
+            {"enum": ["ip", "host", "method", "path", "uri", "asn", "country", "ja3", "ja4"]},
             {"type": "string", "pattern": r"^(?:header|cookie|query|session|jwt):[\s\S]*\S"},
         ],
     },

@@ -125,13 +125,15 @@ class Condition(Strict):
     ip: IPTest | None = None
     asn: AsnTest | None = None
     country: CountryTest | None = None
+    ja3: StringTest | None = None
+    ja4: StringTest | None = None
     jwt: Annotated[list[JwtTest], BeforeValidator(_as_list)] | None = None
 
     @model_validator(mode="after")
     def _not_empty(self) -> Condition:
         if not any(getattr(self, name) is not None for name in type(self).model_fields):
             raise ValueError("a condition needs at least one of all, any, not, path, host, "
-                             "method, header, cookie, query, ip, asn, country, jwt")
+                             "method, header, cookie, query, ip, asn, country, ja3, ja4, jwt")
         return self
 
     def uses(self, name: str) -> bool:

@@ -197,7 +197,7 @@ HostPort = Annotated[tuple[str, int], PlainValidator(parse_host_port)]
 Network = Annotated[Any, PlainValidator(parse_network)]
 Regex = Annotated[Any, PlainValidator(parse_regex)]
 
-_DIMENSIONS = ("ip", "host", "method", "path", "uri", "asn", "country")
+_DIMENSIONS = ("ip", "host", "method", "path", "uri", "asn", "country", "ja3", "ja4")
 _NAMED_DIMENSIONS = ("header", "cookie", "query", "session", "jwt")
 RULE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 

@@ -302,8 +302,9 @@ def test_the_envoy_guard_comes_with_both_check_fragments_and_not_the_rate_limit_
     for name in guarded:
         filters = yaml.safe_load((out / name).read_text())
         assert [(entry["name"], entry["typed_config"].get("stat_prefix")) for entry in filters] == [
-            ("envoy.filters.http.local_ratelimit", "sluice_guard"), ("envoy.filters.http.lua", None),
-            ("envoy.filters.http.ext_authz", None), ("envoy.filters.http.local_ratelimit", "sluice_unchecked")]
+            ("envoy.filters.http.local_ratelimit", "sluice_guard"), ("envoy.filters.http.header_mutation", None),
+            ("envoy.filters.http.lua", None), ("envoy.filters.http.ext_authz", None),
+            ("envoy.filters.http.local_ratelimit", "sluice_unchecked")]
 
 
 @pytest.mark.parametrize("option", [["--guard"], ["--guard-rate", "5"]])

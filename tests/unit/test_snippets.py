@@ -143,7 +143,8 @@ def test_the_bootstrap_holds_the_fragments_exactly() -> None:
     routes = rendered_yaml(FRAGMENTS / "sluice-routes.yaml.template")
 
     assert [f["name"] for f in filters] == [
-        "envoy.filters.http.lua", "envoy.filters.http.ext_authz", "envoy.filters.http.local_ratelimit"]
+        "envoy.filters.http.header_mutation", "envoy.filters.http.lua", "envoy.filters.http.ext_authz",
+        "envoy.filters.http.local_ratelimit"]
     assert filters[-1] == rendered_yaml(FRAGMENTS / "sluice-unchecked-filter.yaml.template")[0]
     assert manager["http_filters"] == [*filters, manager["http_filters"][-1]]
     assert manager["http_filters"][-1]["name"] == "envoy.filters.http.router"
@@ -159,10 +160,12 @@ def test_the_grpc_bootstrap_is_the_http_one_with_the_grpc_filters_and_cluster() 
     grpc_clusters = rendered_yaml(FRAGMENTS / "sluice-grpc-clusters.yaml.template")
 
     assert [f["name"] for f in filters] == [
-        "envoy.filters.http.lua", "envoy.filters.http.ext_authz", "envoy.filters.http.local_ratelimit"]
+        "envoy.filters.http.header_mutation", "envoy.filters.http.lua", "envoy.filters.http.ext_authz",
+        "envoy.filters.http.local_ratelimit"]
     http_filters = rendered_yaml(FRAGMENTS / "sluice-http-filters.yaml.template")
-    assert (filters[0], filters[2]) == (http_filters[0], http_filters[2])
-    assert "grpc_service" in filters[1]["typed_config"]
+    # The same fingerprints, Lua and unchecked filters around another ext_authz.
+    assert (filters[0], filters[1], filters[3]) == (http_filters[0], http_filters[1], http_filters[3])
+    assert "grpc_service" in filters[2]["typed_config"]
     assert http_connection_manager(grpc)["http_filters"] == [*filters,
                                                              http_connection_manager(http)["http_filters"][-1]]
     http_clusters = http["static_resources"]["clusters"]

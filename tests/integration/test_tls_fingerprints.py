@@ -1,0 +1,162 @@
+"""JA3 and JA4 as counting keys, through a real Envoy TLS listener.
+
+The stack's Envoy bootstrap (the shipped one, rendered) is given a TLS
+listener as Sluice's Envoy page shows it: a certificate the test makes,
+and the tls_inspector computing JA3 and JA4. Two clients of different TLS
+settings from one address are counted apart; a client that sends a
+fingerprint header of its own, over plain HTTP through Envoy or through
+nginx, is not believed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import http.client
+import socket
+import ssl
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from devstack.launcher import Stack, find_envoy
+from tests.integration.clients import LOOPBACK, Client
+from tests.integration.conftest import free_port, fresh_client_address, front_door_port, start_stack, unique_path
+
+pytestmark = pytest.mark.integration
+
+RULES = """
+rules:
+  - id: per-fingerprint
+    match: {path: {prefix: /fp/}}
+    key: [ja4, path]
+    limit: {requests: 2, per: 1h}
+    action: block
+"""
+
+
+def write_certificate(directory: Path) -> tuple[Path, Path]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.UTC)
+    certificate = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+                   .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
+                   .not_valid_after(now + datetime.timedelta(days=1)).sign(key, hashes.SHA256()))
+    cert, private = directory / "cert.pem", directory / "key.pem"
+    cert.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    private.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                          serialization.NoEncryption()))
+    return cert, private
+
+
+def with_tls_listener(bootstrap: dict, port: int, admin_port: int, cert: Path, key: Path) -> dict:
+    """The bootstrap with its listener on ``port`` and TLS, fingerprinting."""
+    listener = bootstrap["static_resources"]["listeners"][0]
+    listener["address"]["socket_address"]["port_value"] = port
+    listener["listener_filters"] = [{
+        "name": "envoy.filters.listener.tls_inspector",
+        "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.listener.tls_inspector.v3.TlsInspector",
+                         "enable_ja3_fingerprinting": True, "enable_ja4_fingerprinting": True}}]
+    listener["filter_chains"][0]["transport_socket"] = {
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
+            "common_tls_context": {"tls_certificates": [{"certificate_chain": {"filename": str(cert)},
+                                                         "private_key": {"filename": str(key)}}]}}}
+    bootstrap["admin"]["address"]["socket_address"]["port_value"] = admin_port
+    return bootstrap
+
+
+@pytest.fixture(scope="module")
+def tls_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, int]]:
+    directory = tmp_path_factory.mktemp("tls-stack")
+    rules = directory / "rules.yaml"
+    rules.write_text(RULES)
+    stack = start_stack(directory / "stack", rules)
+    envoy = None
+    try:
+        cert, key = write_certificate(directory)
+        port = free_port()
+        bootstrap = yaml.safe_load((stack.run_dir / "envoy.yaml").read_text())
+        config = directory / "envoy-tls.yaml"
+        config.write_text(yaml.safe_dump(with_tls_listener(bootstrap, port, free_port(), cert, key)))
+        envoy = subprocess.Popen([find_envoy(), "-c", str(config), "--disable-hot-restart", "--log-level", "warning",
+                                  "--base-id", str(port)], stdout=subprocess.DEVNULL,
+                                 stderr=(directory / "envoy-tls.log").open("wb"))
+        deadline = time.monotonic() + 20
+        while not _accepts(port):
+            assert envoy.poll() is None, (directory / "envoy-tls.log").read_text()[-2000:]
+            assert time.monotonic() < deadline, "the TLS listener did not open"
+            time.sleep(0.05)
+        yield stack, port
+    finally:
+        if envoy is not None:
+            envoy.terminate()
+            envoy.wait(10)
+        stack.stop()
+
+
+def _accepts(port: int) -> bool:
+    try:
+        with socket.create_connection((LOOPBACK, port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+def tls_context(settings: str) -> ssl.SSLContext:
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    if settings == "tls1.2":
+        context.maximum_version = ssl.TLSVersion.TLSv1_2
+        context.set_ciphers("ECDHE-ECDSA-AES128-GCM-SHA256")
+    return context
+
+
+def over_tls(port: int, source: str, settings: str, path: str, headers: dict[str, str] | None = None) -> int:
+    connection = http.client.HTTPSConnection(LOOPBACK, port, timeout=5, context=tls_context(settings),
+                                             source_address=(source, 0))
+    try:
+        connection.request("GET", path, headers=headers or {})
+        response = connection.getresponse()
+        response.read()
+        return response.status
+    finally:
+        connection.close()
+
+
+def test_two_tls_clients_of_one_address_are_counted_apart(tls_stack: tuple[Stack, int]) -> None:
+    _, port = tls_stack
+    source, path = fresh_client_address(), unique_path("/fp/")
+
+    assert [over_tls(port, source, "default", path) for _ in range(3)] == [200, 200, 429]
+    # Another TLS stack's handshake: another JA4, its own count.
+    assert [over_tls(port, source, "tls1.2", path) for _ in range(3)] == [200, 200, 429]
+
+
+def test_a_fingerprint_header_a_client_sends_is_replaced(tls_stack: tuple[Stack, int]) -> None:
+    _, port = tls_stack
+    source, path = fresh_client_address(), unique_path("/fp/")
+    # Each request claims another fingerprint: the handshake's is counted.
+    assert [over_tls(port, source, "default", path, {"X-Sluice-Ja4": f"fake-{n}"}) for n in range(3)] == \
+        [200, 200, 429]
+
+
+@pytest.mark.parametrize("front_door", ["nginx", "envoy"])
+def test_without_tls_a_clients_own_fingerprint_is_not_believed(tls_stack: tuple[Stack, int],
+                                                               front_door: str) -> None:
+    stack, _ = tls_stack
+    path = unique_path("/fp/")
+    port = front_door_port(stack, front_door)
+    # Plain HTTP has no fingerprint: every request counts under the empty one.
+    statuses = [Client(port, fresh_client_address()).request(path, headers={"X-Sluice-Ja4": f"fake-{n}"}).status
+                for n in range(3)]
+    assert statuses == [200, 200, 429]
