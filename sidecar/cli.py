@@ -230,6 +230,11 @@ CONFIG_TARGETS = {
                    "rate, from --rules), in bursts of two seconds' worth. nginx: when Sluice did not answer "
                    "in time (a Sluice that is down lets every request in); Envoy: whenever the check failed, "
                    "Sluice down included (ext_authz cannot tell the two apart).")
+@click.option("--tls-cert", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Envoy bootstraps: a TLS listener with this certificate chain (PEM; with --tls-key), "
+                   "its tls_inspector computing JA3 and JA4 for the ja3 and ja4 keys.")
+@click.option("--tls-key", type=click.Path(dir_okay=False), metavar="FILE",
+              help="The private key of --tls-cert (PEM).")
 @click.option("--cache-dir", default="sluice-cache", show_default=True,
               help="nginx: where it keeps the refusals it answers itself (proxy_cache_path); relative to "
                    "nginx's prefix. nginx creates the folder, not its parents.")
@@ -239,8 +244,8 @@ CONFIG_TARGETS = {
 @click.option("--force", is_flag=True, help="With --out: replace the files that are already there.")
 def config_command(target: str, listen_at: tuple[str, int], sluice_at: tuple[str, int], hook_at: tuple[str, int],
                    upstream_at: tuple[str, int], envoy_admin_port: int, sluice_grpc_port: int, rules: str | None,
-                   guard: bool, guard_rate: float | None, unchecked_rate: float | None, cache_dir: str,
-                   out: str | None, force: bool) -> None:
+                   guard: bool, guard_rate: float | None, unchecked_rate: float | None, tls_cert: str | None,
+                   tls_key: str | None, cache_dir: str, out: str | None, force: bool) -> None:
     """Print (or write) the nginx or Envoy configuration for Sluice, rendered
     for the given addresses: the full site or bootstrap, or the snippets and
     fragments to add to an existing one."""
@@ -249,6 +254,7 @@ def config_command(target: str, listen_at: tuple[str, int], sluice_at: tuple[str
         proxy_variables,
         render_package_templates,
         with_envoy_guard,
+        with_envoy_tls,
         with_nginx_guard,
     )
     from sidecar.rendering import guard_rate as derived_guard_rate
@@ -259,6 +265,11 @@ def config_command(target: str, listen_at: tuple[str, int], sluice_at: tuple[str
         raise click.BadParameter("the guard goes ahead of Sluice's check, and envoy-rls has none (its Envoy asks "
                                  "Sluice's Rate Limit Service): give it with nginx, nginx-snippets, envoy, "
                                  "envoy-grpc or envoy-fragments", param_hint="--guard")
+    if (tls_cert is None) != (tls_key is None):
+        raise click.BadParameter("give both --tls-cert and --tls-key", param_hint="--tls-cert")
+    if tls_cert is not None and target not in ("envoy", "envoy-grpc", "envoy-rls"):
+        raise click.BadParameter("a TLS listener is written into an Envoy bootstrap: envoy, envoy-grpc or "
+                                 "envoy-rls (nginx's TLS is nginx's own ssl_certificate)", param_hint="--tls-cert")
     if not re.fullmatch(r"[^\s;{}'\"$#\\]+", cache_dir):
         raise click.BadParameter("a path without spaces, quotes or any of ;{}$#\\ (nginx would read them)",
                                  param_hint="--cache-dir")
@@ -273,6 +284,8 @@ def config_command(target: str, listen_at: tuple[str, int], sluice_at: tuple[str
         if guarded:
             with_guard = with_nginx_guard if target.startswith("nginx") else with_envoy_guard
             files = with_guard(files, guard_rate if guard_rate is not None else derived_guard_rate(ruleset))
+        if tls_cert is not None and tls_key is not None:
+            files = with_envoy_tls(files, str(Path(tls_cert).resolve()), str(Path(tls_key).resolve()))
     except RenderError as exc:
         _fail(str(exc))
     if out is not None:

@@ -18,6 +18,7 @@ starts nothing.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import re
@@ -292,6 +293,49 @@ def with_envoy_guard(files: Mapping[str, str], rate: float) -> dict[str, str]:
         return marker.group(0) + "\n" + textwrap.indent(guard, marker.group(1)).rstrip("\n")
 
     return {name: _ENVOY_GUARD_MARKER.sub(written, text) for name, text in files.items()}
+
+
+# A bootstrap's listener, as the three shipped bootstraps write it.
+_ENVOY_FILTER_CHAIN = re.compile(r"^( *)filter_chains:\n\1  - filters:$", re.MULTILINE)
+_ENVOY_TLS = """\
+{indent}# TLS (sluice config --tls-cert/--tls-key), the client's JA3 and JA4
+{indent}# computed by the tls_inspector for Sluice's ja3 and ja4 keys
+{indent}# (sluice-fingerprint-filter.yaml sends them).
+{indent}listener_filters:
+{indent}  - name: envoy.filters.listener.tls_inspector
+{indent}    typed_config:
+{indent}      "@type": type.googleapis.com/envoy.extensions.filters.listener.tls_inspector.v3.TlsInspector
+{indent}      enable_ja3_fingerprinting: true
+{indent}      enable_ja4_fingerprinting: true
+{indent}filter_chains:
+{indent}  - transport_socket:
+{indent}      name: envoy.transport_sockets.tls
+{indent}      typed_config:
+{indent}        "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext
+{indent}        common_tls_context:
+{indent}          tls_certificates:
+{indent}            - certificate_chain: {{filename: {cert}}}
+{indent}              private_key: {{filename: {key}}}
+{indent}    filters:"""
+
+
+def with_envoy_tls(files: Mapping[str, str], cert: str, key: str) -> dict[str, str]:
+    """The rendered Envoy bootstraps with a TLS listener: the certificate
+    chain and key files given, and the tls_inspector computing JA3 and JA4.
+    RenderError for a file that has no listener to change (the fragments)."""
+    for path in (cert, key):
+        if not re.fullmatch(r"[^\s\"'{}#]+", path):
+            raise RenderError(f"{path!r}: a path without spaces, quotes, braces or #")
+
+    def tls(chain: re.Match[str]) -> str:
+        return _ENVOY_TLS.format(indent=chain.group(1), cert=json.dumps(cert), key=json.dumps(key))
+
+    changed = {}
+    for name, text in files.items():
+        changed[name], found = _ENVOY_FILTER_CHAIN.subn(tls, text)
+        if found != 1:
+            raise RenderError(f"{name}: no listener for TLS (--tls-cert goes with envoy, envoy-grpc or envoy-rls)")
+    return changed
 
 
 def host_port(host: str, port: int) -> str:

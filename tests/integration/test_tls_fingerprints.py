@@ -1,8 +1,9 @@
 """JA3 and JA4 as counting keys, through a real Envoy TLS listener.
 
 The stack's Envoy bootstrap (the shipped one, rendered) is given a TLS
-listener as Sluice's Envoy page shows it: a certificate the test makes,
-and the tls_inspector computing JA3 and JA4. Two clients of different TLS
+listener as `sluice config envoy --tls-cert/--tls-key` writes it
+(sidecar.rendering.with_envoy_tls): a certificate the test makes, and the
+tls_inspector computing JA3 and JA4. Two clients of different TLS
 settings from one address are counted apart; a client that sends a
 fingerprint header of its own, over plain HTTP through Envoy or through
 nginx, is not believed.
@@ -10,23 +11,19 @@ nginx, is not believed.
 
 from __future__ import annotations
 
-import datetime
 import http.client
 import socket
 import ssl
 import subprocess
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import yaml
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from devstack.launcher import Stack, find_envoy
+from sidecar.rendering import with_envoy_tls
+from tests.certificates import write_certificate
 from tests.integration.clients import LOOPBACK, Client
 from tests.integration.conftest import free_port, fresh_client_address, front_door_port, start_stack, unique_path
 
@@ -42,36 +39,12 @@ rules:
 """
 
 
-def write_certificate(directory: Path) -> tuple[Path, Path]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.UTC)
-    certificate = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-                   .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
-                   .not_valid_after(now + datetime.timedelta(days=1)).sign(key, hashes.SHA256()))
-    cert, private = directory / "cert.pem", directory / "key.pem"
-    cert.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
-    private.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                          serialization.NoEncryption()))
-    return cert, private
-
-
-def with_tls_listener(bootstrap: dict, port: int, admin_port: int, cert: Path, key: Path) -> dict:
-    """The bootstrap with its listener on ``port`` and TLS, fingerprinting."""
-    listener = bootstrap["static_resources"]["listeners"][0]
-    listener["address"]["socket_address"]["port_value"] = port
-    listener["listener_filters"] = [{
-        "name": "envoy.filters.listener.tls_inspector",
-        "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.listener.tls_inspector.v3.TlsInspector",
-                         "enable_ja3_fingerprinting": True, "enable_ja4_fingerprinting": True}}]
-    listener["filter_chains"][0]["transport_socket"] = {
-        "name": "envoy.transport_sockets.tls",
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
-            "common_tls_context": {"tls_certificates": [{"certificate_chain": {"filename": str(cert)},
-                                                         "private_key": {"filename": str(key)}}]}}}
+def on_ports(bootstrap_text: str, port: int, admin_port: int) -> str:
+    """The bootstrap with its listener on ``port`` and its admin on ``admin_port``."""
+    bootstrap = yaml.safe_load(bootstrap_text)
+    bootstrap["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = port
     bootstrap["admin"]["address"]["socket_address"]["port_value"] = admin_port
-    return bootstrap
+    return yaml.safe_dump(bootstrap)
 
 
 @pytest.fixture(scope="module")
@@ -84,9 +57,9 @@ def tls_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack,
     try:
         cert, key = write_certificate(directory)
         port = free_port()
-        bootstrap = yaml.safe_load((stack.run_dir / "envoy.yaml").read_text())
+        rendered = with_envoy_tls({"envoy.yaml": (stack.run_dir / "envoy.yaml").read_text()}, str(cert), str(key))
         config = directory / "envoy-tls.yaml"
-        config.write_text(yaml.safe_dump(with_tls_listener(bootstrap, port, free_port(), cert, key)))
+        config.write_text(on_ports(rendered["envoy.yaml"], port, free_port()))
         envoy = subprocess.Popen([find_envoy(), "-c", str(config), "--disable-hot-restart", "--log-level", "warning",
                                   "--base-id", str(port)], stdout=subprocess.DEVNULL,
                                  stderr=(directory / "envoy-tls.log").open("wb"))

@@ -294,6 +294,43 @@ def test_envoy_accepts_the_rendered_bootstraps(tmp_path: Path, options: list[str
         assert validation.returncode == 0, validation.stdout + validation.stderr
 
 
+def test_a_tls_listener_is_written_into_each_envoy_bootstrap_and_envoy_accepts_it(tmp_path: Path) -> None:
+    from devstack.launcher import find_envoy
+    from tests.certificates import write_certificate
+
+    cert, key = write_certificate(tmp_path)
+    for target in ("envoy", "envoy-grpc", "envoy-rls"):
+        out = tmp_path / target
+        result = CliRunner().invoke(cli.main, ["config", target, "--tls-cert", str(cert), "--tls-key", str(key),
+                                               "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        [bootstrap] = out.iterdir()
+        (listener,) = yaml.safe_load(bootstrap.read_text())["static_resources"]["listeners"]
+        inspector = listener["listener_filters"][0]["typed_config"]
+        assert inspector["enable_ja3_fingerprinting"] and inspector["enable_ja4_fingerprinting"]
+        (chain,) = listener["filter_chains"]
+        certificate = chain["transport_socket"]["typed_config"]["common_tls_context"]["tls_certificates"][0]
+        assert certificate == {"certificate_chain": {"filename": str(cert)}, "private_key": {"filename": str(key)}}
+        validation = subprocess.run([find_envoy(), "--mode", "validate", "-c", str(bootstrap), "--disable-hot-restart",
+                                     "--log-level", "error"], capture_output=True, text=True, timeout=60)
+        assert validation.returncode == 0, validation.stdout + validation.stderr
+    plain = CliRunner().invoke(cli.main, ["config", "envoy"]).output
+    with_tls = CliRunner().invoke(cli.main, ["config", "envoy", "--tls-cert", str(cert), "--tls-key", str(key)]).output
+    changes = [line[0] for line in difflib.ndiff(plain.splitlines(), with_tls.splitlines()) if line[0] in "+-"]
+    assert changes.count("-") == 1  # "- filters:" becomes the TLS chain's; the rest is added
+
+
+@pytest.mark.parametrize(("options", "says"), [
+    (["config", "envoy", "--tls-cert", "c.pem"], "give both --tls-cert and --tls-key"),
+    (["config", "nginx", "--tls-cert", "c.pem", "--tls-key", "k.pem"], "a TLS listener is written into an Envoy"),
+    (["config", "envoy-fragments", "--tls-cert", "c.pem", "--tls-key", "k.pem"], "a TLS listener is written into"),
+    (["config", "envoy", "--tls-cert", "my cert.pem", "--tls-key", "k.pem"], "a path without spaces"),
+])
+def test_a_tls_listener_that_cannot_be_written_is_refused(options: list[str], says: str) -> None:
+    result = CliRunner().invoke(cli.main, options)
+    assert result.exit_code != 0 and says in result.output, result.output
+
+
 def test_the_envoy_guard_comes_with_both_check_fragments_and_not_the_rate_limit_service_s(tmp_path: Path) -> None:
     out = tmp_path / "fragments"
     assert CliRunner().invoke(cli.main, ["config", "envoy-fragments", "--guard", "--out", str(out)]).exit_code == 0
