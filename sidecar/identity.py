@@ -174,7 +174,7 @@ class JwtReader:
         self.clock: Callable[[], float] = time.time
         self.outcomes: collections.Counter[str] = collections.Counter()
         self.fetches: collections.Counter[str] = collections.Counter()
-        self._cache: dict[str, tuple[TokenRead, float, float]] = {}  # token -> (read, nbf, exp)
+        self._cache: dict[str, tuple[TokenRead, float, float]] = {}  # field -> (read, nbf, exp)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._fetch_log = RateLimitedLog(log, 60)
