@@ -148,5 +148,9 @@ rules:
     assert checks - len(honest) <= BUDGET + connections * (SECONDS + 1), (checks, attempts)
     assert checks < attempts // 10, (checks, attempts)
     assert result.reached - honest.count(200) <= BUDGET + attempts // 100
-    assert honest.count(200) == min(len(honest), BUDGET)
+    # The honest client (another address) gets its whole budget. Past it, a
+    # check of its that Sluice answers too late under the flood is let in
+    # unchecked by nginx, within its rate per address: one such a second
+    # at most, at the honest client's five requests a second.
+    assert min(len(honest), BUDGET) <= honest.count(200) <= BUDGET + SECONDS, honest
     assert internal_errors == 0
