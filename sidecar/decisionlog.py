@@ -35,6 +35,7 @@ from sidecar.config import LogKeys
 from sidecar.keys import CountingKey, key_dimensions, key_values
 from sidecar.request import CheckRequest
 from sidecar.rules import CompiledRule, describe_key
+from sidecar.signing import derive_key
 from sidecar.state import BanRecord, Check, ResponseCount
 
 decision_log = logging.getLogger("sluice.decisions")
@@ -95,7 +96,7 @@ def _bounded(text: str) -> str:
 
 def log_hash_key(secret: bytes) -> bytes:
     """The key of the log's hashes: derived, so that it signs nothing else."""
-    return hmac.new(secret, b"sluice decision log", hashlib.sha256).digest()
+    return derive_key(secret, b"sluice decision log")
 
 
 def logged_key(key: CountingKey, keys: LogKeys = "clear", hash_key: bytes = b"") -> str:

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import hashlib
-import hmac
 import logging
 import math
 import os
@@ -42,6 +40,7 @@ from sidecar.ratelog import RateLimitedLog
 from sidecar.request import UNRESOLVED, CheckRequest
 from sidecar.responses import ResponsePhase
 from sidecar.rules import CompiledRule, Ruleset
+from sidecar.signing import derive_key
 from sidecar.state import BanRecord, Check, Clock, Evaluation, epoch_clock
 from sidecar.store import StateStore, StoreUnavailable, open_local_counts, open_store
 from sidecar.store.local import PlainEvaluation, plain_evaluation
@@ -212,7 +211,7 @@ class Engine:
 
     def derived_key(self, purpose: bytes) -> bytes:
         """A key of the node's secret for one ``purpose`` (a trace's hashes)."""
-        return hmac.new(self._secret, purpose, hashlib.sha256).digest()
+        return derive_key(self._secret, purpose)
 
     def forget_refusals(self) -> None:
         """State changed other than by a decision (a reload, a ban lifted or

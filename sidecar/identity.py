@@ -270,21 +270,16 @@ class JwtReader:
         gives now, counted by outcome. What a field gave is remembered by
         the field's text: a remembered valid token costs a lookup and its
         expiry check."""
-        cached = self._cache.get(field) if field else None
-        if cached is not None and cached[0].outcome == "valid":
-            now = self.clock()
-            if cached[1] <= now + self.leeway and now - self.leeway < cached[2]:
-                self.outcomes["valid"] += 1
-                return cached[0]
-        read = self._read(field, cached)
+        read = self._read(field)
         self.outcomes[read.outcome] += 1
         return read
 
-    def _read(self, field: str | None, cached: tuple[TokenRead, float, float] | None) -> TokenRead:
+    def _read(self, field: str | None) -> TokenRead:
         if not field:
             return MISSING
         if len(field) > MAX_TOKEN_LENGTH:
             return TokenRead("too_long")
+        cached = self._cache.get(field)
         if cached is None:
             token = self.token_in(field)
             cached = self._examine(token) if token else (MISSING, 0.0, 0.0)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 from sidecar import config
 from sidecar.actions import CHALLENGE_PAGE, BlockPage
@@ -288,9 +288,9 @@ def compile_condition(condition: config.Condition, jwt: JwtReader | None = None,
 # Counting keys
 # --------------------------------------------------------------------------
 
-GEO_DIMENSIONS = ("asn", "country")
+GEO_DIMENSIONS = ("asn", "country")  # looked up in the geoip: section's databases
 # Where the proxy reports the client's TLS fingerprints (JA3, JA4).
-JA3_HEADER, JA4_HEADER = "x-sluice-ja3", "x-sluice-ja4"  # looked up in the geoip: section's databases
+JA3_HEADER, JA4_HEADER = "x-sluice-ja3", "x-sluice-ja4"
 _SIMPLE_DIMENSIONS: dict[str, str] = {
     "ip": "request.client.key",
     "host": "request.host",
@@ -844,10 +844,9 @@ def _jwt_reader(settings: config.JwtConfig | None, loaded: LoadedRules,
     if settings is None:
         return None
     keys = None
-    url = None
-    refresh = timeout = 0.0
+    fetching: dict[str, Any] = {}  # a JWKS URL's settings; the reader's defaults otherwise
     if settings.keys is not None:
-        refresh, timeout = settings.keys.refresh, settings.keys.timeout
+        fetching = {"url": settings.keys.url, "refresh": settings.keys.refresh, "timeout": settings.keys.timeout}
         if settings.keys.file is not None:
             try:
                 text = resolve_file(settings.keys.file, loaded.base_dir).read_text(encoding="utf-8")
@@ -856,13 +855,10 @@ def _jwt_reader(settings: config.JwtConfig | None, loaded: LoadedRules,
                 issues.append(loaded.issue(("jwt", "keys", "file"), f"cannot read the JWKS file: {exc}"))
             except ValueError as exc:
                 issues.append(loaded.issue(("jwt", "keys", "file"), f"the JWKS file is unusable: {exc}"))
-        else:
-            url = settings.keys.url
     token = settings.token
     return JwtReader(header=token.header, cookie=token.cookie, payload_header=token.payload_header, keys=keys,
-                     url=url, refresh=refresh or 600.0, timeout=timeout or 5.0,
                      verified_by_proxy=settings.verified_by_proxy, algorithms=tuple(settings.algorithms),
-                     issuer=settings.issuer, audience=settings.audience, leeway=settings.leeway)
+                     issuer=settings.issuer, audience=settings.audience, leeway=settings.leeway, **fetching)
 
 
 def _address_wide_rule(rules: Sequence[tuple[CompiledRule, config.Rule]],

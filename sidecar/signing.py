@@ -23,13 +23,18 @@ def b64decode(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 
+def derive_key(secret: bytes, purpose: bytes) -> bytes:
+    """A key of ``secret`` for one ``purpose`` only."""
+    return hmac.new(secret, purpose, hashlib.sha256).digest()
+
+
 class Signer:
     """Signs messages for one purpose; ``length`` bytes of the HMAC are kept."""
 
     __slots__ = ("_key", "_length")
 
     def __init__(self, secret: bytes, purpose: bytes, length: int = 16) -> None:
-        self._key = hmac.new(secret, purpose, hashlib.sha256).digest()
+        self._key = derive_key(secret, purpose)
         self._length = length
 
     def sign(self, message: bytes) -> str:
