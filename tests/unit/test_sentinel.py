@@ -16,7 +16,7 @@ from sidecar.store import StoreUnavailable
 from sidecar.store import sentinel as sentinel_module
 from sidecar.store.redis_pipeline import PipelinedRedis
 from sidecar.store.sentinel import sentinel_client
-from tests.unit.test_redis_pipeline import TIMEOUT, FakeRedis, ok, run, silent
+from tests.unit.test_redis_pipeline import PATIENT, TIMEOUT, FakeRedis, ok, run, silent
 
 MASTER = "main"
 
@@ -100,7 +100,7 @@ def test_commands_go_to_the_master_the_sentinels_name_once_it_says_it_is_one() -
     async def test() -> None:
         master = FakeServer()
         sentinel = FakeSentinel(*await started(master))
-        client = sentinel_client(settings(*await started(sentinel)), TIMEOUT)
+        client = sentinel_client(settings(*await started(sentinel)), PATIENT)
         assert await client.execute("ECHO", "decided") == "decided"
         assert ["SENTINEL", "get-master-addr-by-name", MASTER] in sentinel.commands
         # ROLE on a connection of its own, then the commands on another.
@@ -133,7 +133,7 @@ def test_a_named_master_that_is_a_replica_is_not_used() -> None:
     async def test() -> None:
         demoted = FakeServer(role="slave")
         sentinel = FakeSentinel(*await started(demoted))
-        client = sentinel_client(settings(*await started(sentinel)), TIMEOUT)
+        client = sentinel_client(settings(*await started(sentinel)), PATIENT)
         with pytest.raises(StoreUnavailable, match="is a slave"):
             await client.execute("EVALSHA", "digest", 0)
         assert demoted.commands == [["ROLE"]]
@@ -146,7 +146,7 @@ def test_without_a_sentinel_naming_the_master_the_store_is_unavailable_with_each
         unaware, down = FakeSentinel(None), FakeSentinel(None)
         ports = await started(unaware, down)
         await down.stop()
-        client = sentinel_client(settings(*ports), TIMEOUT)
+        client = sentinel_client(settings(*ports), PATIENT)
         with pytest.raises(StoreUnavailable) as info:
             await client.execute("PING")
         message = str(info.value)
@@ -161,7 +161,7 @@ def test_an_announced_failover_drops_the_connection_and_the_next_command_goes_to
         old, new = FakeServer(), FakeServer()
         old_port, new_port = await started(old, new)
         sentinel = FakeSentinel(old_port)
-        client = sentinel_client(settings(*await started(sentinel)), TIMEOUT)
+        client = sentinel_client(settings(*await started(sentinel)), PATIENT)
         assert await client.execute("ECHO", "before") == "before"
         while sentinel.subscriber is None:
             await asyncio.sleep(0.001)
@@ -178,7 +178,7 @@ def test_passwords_and_the_database_are_sent_where_they_belong() -> None:
         master = FakeServer()
         sentinel = FakeSentinel(*await started(master))
         client = sentinel_client(settings(*await started(sentinel), db=3, username="app", password="s@cret",
-                                          sentinel_password="watch"), TIMEOUT)
+                                          sentinel_password="watch"), PATIENT)
         await client.execute("PING")
         assert sentinel.commands[0] == ["AUTH", "watch"]
         assert master.commands[:3] == [["AUTH", "app", "s@cret"], ["SELECT", "3"], ["ROLE"]]
