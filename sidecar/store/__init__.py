@@ -7,9 +7,11 @@ A store plays four roles, each a protocol that its callers depend on:
 - ``BanAdmin``: bans by rule and by hand, shadow bans, network bans, and
   an administrator's reset of keys;
 - ``Inspection``: finding and describing stored keys, for an administrator;
+- ``TierAdmin``: the tiers an administrator assigns to identities at run
+  time (``sidecar.tiers``), and this node's copy of them;
 - ``Lifecycle``: settings from a reload, metrics, opening and closing.
 
-``StateStore`` is all four: what the engine holds. It never learns which
+``StateStore`` is all five: what the engine holds. It never learns which
 backend it has. ``MemoryStore`` (``sidecar.store.memory``) keeps the state
 of one process and answers at once: the policy (``sidecar.policy``) over a
 table of a few primitives, which any in-process backend can implement
@@ -35,6 +37,7 @@ from sidecar.state import BanRecord, Check, Evaluation, ResponseCount
 if TYPE_CHECKING:
     from sidecar.counters import CounterState, KeySelection
     from sidecar.networkbans import NetworkBans
+    from sidecar.tiers import TierAssignments
 
 # A key to describe, with the limiter and threshold of the rule that counts
 # it now (None: no rule running now counts it).
@@ -114,6 +117,25 @@ class Inspection(Protocol):
         """Each key as its limiter describes it (None: no longer stored)."""
 
 
+class TierAdmin(Protocol):
+    """Tiers assigned to identities at run time (``sidecar.tiers``): kept by
+    the store, so that with a shared store every node has them."""
+
+    @property
+    def tier_assignments(self) -> TierAssignments:
+        """This node's copy, read with every request of a ruleset with
+        tiers: the store's own, or its copy of a shared store's (read again
+        within a second of another node's change)."""
+    async def assign_tier(self, identity: str, tier: str) -> None:
+        """Assign ``identity`` to ``tier``, replacing its assignment;
+        Refused-free: the caller checked both, and that the store holds
+        fewer than ``sidecar.tiers.MAX_ASSIGNMENTS`` others."""
+    async def unassign_tier(self, identity: str) -> bool:
+        """Remove the identity's run-time assignment; False when it had none."""
+    async def assigned_tiers(self) -> dict[str, str]:
+        """Every run-time assignment, as the store holds it now."""
+
+
 class Lifecycle(Protocol):
     """Settings, metrics, and the connection of a shared store."""
 
@@ -129,7 +151,7 @@ class Lifecycle(Protocol):
     async def close(self) -> None: ...
 
 
-class StateStore(Deciding, BanAdmin, Inspection, Lifecycle, Protocol):
+class StateStore(Deciding, BanAdmin, Inspection, TierAdmin, Lifecycle, Protocol):
     """A whole backend: every role."""
 
 

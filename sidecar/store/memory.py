@@ -21,6 +21,7 @@ from sidecar.policy import BAN_STEP, COUNTED_PENALTY, Note
 from sidecar.state import BanRecord, Clock, epoch_clock
 from sidecar.store import Described
 from sidecar.store.local import LocalStore
+from sidecar.tiers import TierAssignments
 
 
 class MemoryTable:
@@ -80,6 +81,7 @@ class MemoryStore(LocalStore):
         self._clock = clock
         self._wall_clock = wall_clock
         self._shadow_bans = BoundedMap(max_keys, lambda ban: ban.expires, clock)
+        self.tier_assignments = TierAssignments()
 
     @property
     def node(self) -> str:
@@ -137,6 +139,17 @@ class MemoryStore(LocalStore):
 
     async def reset_keys(self, now: float, keys: Sequence[CountingKey]) -> int:
         return await self.reset(keys)  # one node: nobody else to tell
+
+    # -- tiers ----------------------------------------------------------------
+
+    async def assign_tier(self, identity: str, tier: str) -> None:
+        self.tier_assignments.set(identity, tier)
+
+    async def unassign_tier(self, identity: str) -> bool:
+        return self.tier_assignments.remove(identity)
+
+    async def assigned_tiers(self) -> dict[str, str]:
+        return dict(self.tier_assignments.items())
 
     # -- inspection -----------------------------------------------------------
 
