@@ -20,6 +20,7 @@ the decision log, which never holds the token.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import json
@@ -39,6 +40,7 @@ from sidecar.networkbans import BanTarget, ban_target, client_key
 from sidecar.plurals import plural
 from sidecar.rules import Ruleset, describe_key, load_ruleset, no_ruleset
 from sidecar.state import AutoBan, BanRecord
+from sidecar.tiers import MAX_ASSIGNMENTS, Tiers, check_identity, check_tier_name
 from sidecar.watch import RulesFileWatch
 
 if TYPE_CHECKING:
@@ -205,6 +207,71 @@ class Admin:
         except ValueError as exc:
             raise Refused(422, f"address: {exc}") from None
 
+    # -- tiers ---------------------------------------------------------------
+
+    def _tiers(self, assigning: bool = False) -> Tiers:
+        tiers = self.engine.ruleset.tiers
+        if tiers is None:
+            raise Refused(409, "the rules file has no tiers: section")
+        if assigning and tiers.identity is None:
+            raise Refused(409, "tiers.identity is not set: assignments name identities (an API key's header, "
+                               "a cookie, a claim)")
+        return tiers
+
+    async def tier_assignments(self, limit: int = MAX_LISTED) -> dict[str, Any]:
+        """The tiers, and every assignment: made at run time (the store's,
+        which come first), then the file's; with ``truncated`` past ``limit``."""
+        tiers = self._tiers()
+        run_time = await self.engine.store.assigned_tiers()
+        listed = [{"identity": identity, "tier": tier, "from": "run time"}
+                  for identity, tier in sorted(run_time.items())]
+        listed += [{"identity": identity, "tier": tier, "from": "file"}
+                   for identity, tier in sorted(tiers.assigned_in_file.items()) if identity not in run_time]
+        return {"names": list(tiers.names), "default": tiers.default, "identity": tiers.identity_text or None,
+                "assignments": listed[:limit], "truncated": len(listed) > limit}
+
+    async def assign_tier(self, identity: str, tier: str, who: str) -> dict[str, Any]:
+        """Assign an identity to a tier at run time, replacing its assignment."""
+        tiers = self._tiers(assigning=True)
+        try:
+            check_identity(identity)
+            check_tier_name(tier, tiers.names)
+        except ValueError as exc:
+            raise Refused(422, str(exc)) from None
+        store = self.engine.store
+        if identity not in store.tier_assignments and len(store.tier_assignments) >= MAX_ASSIGNMENTS:
+            raise Refused(409, f"{len(store.tier_assignments)} identities are assigned at run time, the most a "
+                               "store holds; remove some, or assign them in tiers.file")
+        try:
+            await store.assign_tier(identity, tier)
+        except ValueError as exc:  # a store with no room left for it
+            raise Refused(409, str(exc)) from None
+        self.engine.log.audit("tier", who, "assigned", identity=self._identity_hash(identity), tier=tier)
+        return {"identity": identity, "tier": tier}
+
+    async def unassign_tier(self, identity: str, who: str) -> bool:
+        """Remove an identity's run-time assignment; False when it had none."""
+        self._tiers(assigning=True)
+        removed = await self.engine.store.unassign_tier(identity)
+        self.engine.log.audit("untier", who, "removed" if removed else "none",
+                              identity=self._identity_hash(identity))
+        return removed
+
+    def no_assignment(self, identity: str) -> str:
+        """Why there was no run-time assignment to remove, and the tier the
+        identity has instead."""
+        tiers = self.engine.ruleset.tiers
+        if tiers is None:
+            return "no run-time assignment of that identity"
+        tier, source = tiers.tier_of_identity(identity)
+        return f"no run-time assignment of that identity; it is in tier {tier!r} ({source})"
+
+    def _identity_hash(self, identity: str) -> str:
+        """An identity (an API key, maybe) as the audit line shows it: a
+        keyed hash, never the value."""
+        key = self.engine.derived_key(b"sluice audit identities")
+        return hmac.new(key, identity.encode("utf-8", "surrogateescape"), hashlib.sha256).hexdigest()[:16]
+
     # -- counters -------------------------------------------------------------
 
     def select(self, ip: str | None, rule: str | None, key: Sequence[str]) -> KeySelection:
@@ -367,6 +434,31 @@ def parse_ban(body: bytes) -> tuple[str, float, str]:
     if not isinstance(reason, str) or len(reason) > LONGEST_REASON or not reason.isprintable():
         raise ValueError(f"reason: expected text of at most {LONGEST_REASON} printable characters")
     return address, seconds, reason
+
+
+def parse_assignment(body: bytes, needs_tier: bool = True) -> tuple[str, str]:
+    """The identity and tier of ``POST /v1/admin/tiers``'s JSON (the
+    identity alone for ``DELETE``); ValueError says what is wrong with it."""
+    example = ('a JSON object like {"identity": "KEY", "tier": "pro"}' if needs_tier
+               else 'a JSON object like {"identity": "KEY"}')
+    if len(body) > MAX_BAN_REQUEST:
+        raise ValueError(f"expected {example}, of at most {MAX_BAN_REQUEST} bytes")
+    try:
+        fields = json.loads(body, parse_constant=_no_constant)
+    except (ValueError, RecursionError):
+        raise ValueError(f"expected {example}") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"expected {example}")
+    known = {"identity", "tier"} if needs_tier else {"identity"}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"unknown field {unknown[0][:100]!r}: expected {example}")
+    identity, tier = fields.get("identity"), fields.get("tier", "")
+    if not isinstance(identity, str) or not identity:
+        raise ValueError("identity: expected the value of tiers.identity (an API key, a subject), as a string")
+    if needs_tier and (not isinstance(tier, str) or not tier):
+        raise ValueError("tier: expected one of tiers.names, as a string")
+    return identity, tier
 
 
 def _no_constant(name: str) -> float:

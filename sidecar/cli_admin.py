@@ -371,3 +371,58 @@ def reload(client: AdminClient, as_json: bool) -> None:
         _print_json(answer)
     else:
         click.echo(f"reloaded: {plural(answer['rules'], 'rule')}")
+
+
+@admin.group()
+def tier() -> None:
+    """The tiers of identities (the rules file's tiers: section): list them,
+    assign an identity to a tier at run time, remove that assignment. Run-time
+    assignments are kept by the state store: with Redis, every node has them."""
+
+
+@tier.command("list")
+@click.option("--limit", default=1000, show_default=True, type=click.IntRange(1, 10_000),
+              help="Assignments listed at most.")
+@_options
+def tier_list(client: AdminClient, as_json: bool, limit: int) -> None:
+    """The tiers, and the identities assigned to them: at run time, then by the tiers file."""
+    answer = client.call("GET", "tiers", [("limit", str(limit))])
+    if as_json:
+        _print_json(answer)
+        return
+    click.echo(f"tiers: {', '.join(answer['names'])} (default {answer['default']}); "
+               f"identity: {answer['identity'] or '-'}")
+    if not answer["assignments"]:
+        click.echo("no identity assigned")
+    else:
+        click.echo(table(["IDENTITY", "TIER", "FROM"], [
+            [assignment["identity"], assignment["tier"], assignment["from"]] for assignment in answer["assignments"]]))
+    if answer["truncated"]:
+        click.echo(f"(the first {limit} only: --limit)")
+
+
+@tier.command("set")
+@click.argument("identity")
+@click.argument("tier_name", metavar="TIER")
+@_options
+def tier_set(client: AdminClient, as_json: bool, identity: str, tier_name: str) -> None:
+    """Assign IDENTITY (the value of tiers.identity: an API key, a subject)
+    to TIER at run time, before any assignment of the tiers file."""
+    answer = client.call("POST", "tiers", body={"identity": identity, "tier": tier_name})
+    if as_json:
+        _print_json(answer)
+    else:
+        click.echo(f"assigned to tier {answer['tier']}")
+
+
+@tier.command("unset")
+@click.argument("identity")
+@_options
+def tier_unset(client: AdminClient, as_json: bool, identity: str) -> None:
+    """Remove the run-time assignment of IDENTITY: the tiers file's, a
+    token's claim or the default tier applies again."""
+    client.call("DELETE", "tiers", body={"identity": identity})
+    if as_json:
+        _print_json({"removed": True})
+    else:
+        click.echo("removed the run-time assignment")

@@ -167,7 +167,7 @@ class Engine:
         self._plain_for: object = None
         self._plain: PlainEvaluation | None = None
         self.metrics.jwt_keys = lambda: self.ruleset.jwt.key_count if self.ruleset.jwt is not None else 0
-        self._start_reading_tokens(ruleset)
+        self._start(ruleset)
         # A span per check, when sluice serve --otlp-endpoint is given (sidecar.tracing).
         self.tracing: Tracing | None = None
 
@@ -189,17 +189,20 @@ class Engine:
         old = self.ruleset.jwt
         if old is not None and ruleset.jwt is not None:
             ruleset.jwt.follow(old)
-        self._start_reading_tokens(ruleset)
+        self._start(ruleset)
         self.ruleset = ruleset
         if old is not None and old is not ruleset.jwt:
             old.close()
         self.forget_refusals()
 
-    def _start_reading_tokens(self, ruleset: Ruleset) -> None:
+    def _start(self, ruleset: Ruleset) -> None:
         """The ruleset's tokens are read on this engine's wall clock and
-        counted in its metrics; a JWKS URL is fetched from now on."""
+        counted in its metrics, a JWKS URL is fetched from now on, and its
+        tiers read the store's assignments."""
         if ruleset.jwt is not None:
             ruleset.jwt.start(self.wall_clock, self.metrics.jwt_tokens, self.metrics.jwt_fetches)
+        if ruleset.tiers is not None:
+            ruleset.tiers.assigned = self.store.tier_assignments
 
     def close(self) -> None:
         """Stop what runs beside the decisions (a JWKS URL's fetches, the

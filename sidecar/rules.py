@@ -9,6 +9,7 @@ limiter objects; evaluating a request is then lookups and arithmetic only
 from __future__ import annotations
 
 import dataclasses
+import functools
 import linecache
 import math
 import re
@@ -32,6 +33,7 @@ from sidecar.limiters.registry import build_limiter
 from sidecar.request import CheckRequest
 from sidecar.state import AutoBan, BanIncrement, Check, CheckSpec, PenaltyBan
 from sidecar.store.redis_cluster import parse_node
+from sidecar.tiers import Tiers, read_assignments
 
 Predicate = Callable[[CheckRequest], bool]
 KeyBuilder = Callable[[CheckRequest], CountingKey]
@@ -473,6 +475,8 @@ class CompiledRule:
     auto_ban: AutoBan | None = None
     # overload: closed: a late check it matches is refused unless known within limits.
     overload_closed: bool = False
+    # Its threshold by the request's tier (sidecar.tiers), for the tiers it lists.
+    tiers: Mapping[str, float] | None = None
     # Derived once, read on every request.
     stops: bool = field(init=False)  # over limit ends evaluation: every action but log, unless shadow
     counts: bool = field(init=False)  # counted at request time (no count_on, no score)
@@ -487,6 +491,8 @@ class CompiledRule:
     plain: bool = field(init=False)
     # Per override: its networks, and the spec and bot spec with its threshold.
     override_specs: tuple[tuple[NetworkSet, CheckSpec, CheckSpec], ...] = field(init=False)
+    # Per tier it lists: the spec and bot spec with the tier's threshold.
+    tier_specs: Mapping[str, tuple[CheckSpec, CheckSpec]] = field(init=False)
 
     def __post_init__(self) -> None:
         stops = self.action != "log" and not self.shadow
@@ -507,10 +513,13 @@ class CompiledRule:
             (override.networks, dataclasses.replace(spec, threshold=self.threshold * override.multiply),
              dataclasses.replace(bot_spec, threshold=self.threshold * override.multiply))
             for override in self.overrides)
+        tier_specs = {tier: (dataclasses.replace(spec, threshold=tier_threshold),
+                             dataclasses.replace(bot_spec, threshold=tier_threshold))
+                      for tier, tier_threshold in (self.tiers or {}).items()}
         for name, value in (("stops", stops), ("counts", counts), ("applied_ban", applied_ban),
                             ("base_threshold", threshold), ("spec", spec), ("bot_spec", bot_spec),
                             ("plain", counts and self.reset_on is None and not self.limiter.leases),
-                            ("override_specs", override_specs)):
+                            ("override_specs", override_specs), ("tier_specs", tier_specs)):
             object.__setattr__(self, name, value)
 
     def spec_for(self, client: ClientAddress, spec: CheckSpec) -> CheckSpec:
@@ -520,6 +529,14 @@ class CompiledRule:
             if networks.holds(client):
                 return bot_scaled if spec is self.bot_spec and spec is not self.spec else scaled
         return spec
+
+    def spec_for_tier(self, tier: str, spec: CheckSpec) -> CheckSpec:
+        """``spec`` (the rule's, or its bot spec) with the threshold of
+        ``tier``, when the rule lists it."""
+        specs = self.tier_specs.get(tier)
+        if specs is None:
+            return spec
+        return specs[1] if spec is self.bot_spec and spec is not self.spec else specs[0]
 
     def threshold_for(self, client: ClientAddress | None) -> float:
         """The threshold for a client, after overrides."""
@@ -555,6 +572,7 @@ class Ruleset:
     address_wide_rule: str | None = None
     address_wide_bans: bool = False
     jwt: JwtReader | None = None  # reads requests' tokens (the jwt: section)
+    tiers: Tiers | None = None  # a request's tier (the tiers: section)
     geo: Mapping[str, GeoDatabase] = field(default_factory=dict)  # the geoip: section's databases
     notes: tuple[str, ...] = ()  # warnings found while compiling
     holds: bool = field(init=False)  # any rule may hold a request (read for every request)
@@ -599,7 +617,8 @@ def match(request, matched, checks, lease, has_credential):
 
 def compile_matcher(rules: Sequence[tuple[CompiledRule, config.Rule]], verified_bots: Sequence[VerifiedBot],
                     loaded: LoadedRules, jwt: JwtReader | None = None,
-                    geo: Mapping[str, GeoDatabase] | None = None) -> tuple[Matcher, GeneratedSource]:
+                    geo: Mapping[str, GeoDatabase] | None = None,
+                    tiers: Tiers | None = None) -> tuple[Matcher, GeneratedSource]:
     """The ruleset's rules, in order, as one function: what the engine did
     for each rule of each request (its condition, a challenge credential,
     a verified bot's spec, an override's, its key) written out, with every
@@ -615,6 +634,9 @@ def compile_matcher(rules: Sequence[tuple[CompiledRule, config.Rule]], verified_
     lines = _MATCHER_HEAD.format(source=_shown(loaded.source, 200), filename=_shown(filename, 200)).splitlines()
     source.constant(Check, "Check")
     source.constant(lambda request: any(bot.matches(request) for bot in verified_bots), "is_verified_bot")
+    if tiers is not None and any(rule.tiers for rule, _ in rules):
+        source.constant(tiers.tier_of, "tier_of")
+        lines.append("    tier = None  # the request's tier, once a rule with tiers asks (sidecar.tiers)")
     def line_of(loc: Loc) -> int:
         return loaded.issue(loc, "").line
 
@@ -659,7 +681,7 @@ def _rule_lines(rule: CompiledRule, model: config.Rule, loc: Loc, verified_bots:
     # Verified bots are never banned, not even for challenges; the
     # challenge itself applies to them as block does.
     for_bots = verified_bots and rule.bot_spec is not rule.spec
-    if for_bots or rule.overrides:
+    if for_bots or rule.overrides or rule.tiers:
         lines.append(f"{indent}spec = {spec}")
         spec = "spec"
     if for_bots:
@@ -671,6 +693,11 @@ def _rule_lines(rule: CompiledRule, model: config.Rule, loc: Loc, verified_bots:
     if rule.overrides:
         lines.append(f"{indent}spec = {name}.spec_for(request.client, spec)  # {rule.id}: the threshold of the "
                      f"first override holding the client ({_lines_said(override_lines)})")
+    if rule.tiers:
+        lines += [f"{indent}if tier is None:",
+                  f"{indent}    tier = tier_of(request)  # tiers: its identity's assignment, a claim, or the default",
+                  f"{indent}spec = {name}.spec_for_tier(tier, spec)  # {rule.id} (line {line_of(loc + ('tiers',))}): "
+                  f"the threshold of the request's tier"]
     key = _key(rule.key_prefix, source, names.format("key"), client_key="client_key")
     lines += [f"{indent}add_rule({name})",
               f"{indent}add_check(Check({spec}, {key}, lease))"
@@ -709,6 +736,7 @@ def compile_rules(loaded: LoadedRules, shadow: bool = False) -> Ruleset:
     jwt = _jwt_reader(model.jwt, loaded, issues)
     geo = _geo_databases(model.geoip, loaded)
     declared = {"jwt": jwt is not None, **{name: name in geo for name in GEO_DIMENSIONS}}
+    tiers = _tiers(model.tiers, loaded, jwt, issues)
     rules: list[CompiledRule] = []
     compiled_from: list[tuple[CompiledRule, config.Rule]] = []
     for index, rule in enumerate(model.rules):
@@ -742,6 +770,10 @@ def compile_rules(loaded: LoadedRules, shadow: bool = False) -> Ruleset:
                                        "thresholds; a bucket or concurrent rule cannot be listed in "
                                        "overrides"))
             continue
+        tier_thresholds = _tier_thresholds(rule, loc, model.tiers, rule.id in overrides, limit.limiter, loaded,
+                                           issues)
+        if rule.tiers is not None and tier_thresholds is None:
+            continue
         counts_responses = rule.count_on is not None or limit.score_header is not None
         response = ResponseCounting.from_config(rule.count_on, limit.score_header) if counts_responses else None
         rules.append(CompiledRule(
@@ -764,13 +796,14 @@ def compile_rules(loaded: LoadedRules, shadow: bool = False) -> Ruleset:
             penalty_ban=penalty_ban,
             auto_ban=auto_ban if challenge is not None else None,
             overload_closed=rule.overload == "closed",
+            tiers=tier_thresholds,
         ))
         compiled_from.append((rules[-1], rule))
     if issues:
         raise ConfigError(issues)
     client_ip = model.client_ip
     verified_bots = tuple(VerifiedBot(NetworkSet(b.cidrs), b.user_agent) for b in model.verified_bots)
-    match, match_source = compile_matcher(compiled_from, verified_bots, loaded, jwt, geo)
+    match, match_source = compile_matcher(compiled_from, verified_bots, loaded, jwt, geo, tiers)
     # The resolver tells each client it makes whether it is exempt.
     exempt = NetworkSet(model.exempt)
     return Ruleset(
@@ -800,6 +833,7 @@ def compile_rules(loaded: LoadedRules, shadow: bool = False) -> Ruleset:
         address_wide_rule=_address_wide_rule(compiled_from, verified_bots),
         address_wide_bans=not verified_bots,
         jwt=jwt,
+        tiers=tiers,
         geo=geo,
         notes=tuple(f"{loaded.source}: geoip.{name}: {database.problem}; the {name} dimension is empty until "
                     "it can be read" for name, database in geo.items() if database.problem is not None),
@@ -826,6 +860,82 @@ def _reads_undeclared(rule: config.Rule, loc: Loc, declared: Mapping[str, bool],
             issues.append(loaded.issue(loc + ("match",), f"a {source} condition needs {says}"))
             found = True
     return found
+
+
+def _tiers(settings: config.TiersConfig | None, loaded: LoadedRules, jwt: JwtReader | None,
+           issues: list[ConfigIssue]) -> Tiers | None:
+    """The ``tiers:`` section compiled; its file of assignments is read now."""
+    if settings is None:
+        return None
+    names = tuple(settings.names)
+    if settings.default not in names:
+        issues.append(loaded.issue(("tiers", "default"), f"no tier {settings.default!r}; the tiers are "
+                                                         f"{', '.join(names)} (tiers.names)"))
+    for field_name, uses_jwt in (("identity", (settings.identity or "").startswith("jwt:")),
+                                 ("claim", settings.claim is not None)):
+        if uses_jwt and jwt is None:
+            issues.append(loaded.issue(("tiers", field_name), "a token's claim needs the jwt: section"))
+    assigned: dict[str, str] = {}
+    if settings.file is not None:
+        path = resolve_file(settings.file, loaded.base_dir)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            issues.append(loaded.issue(("tiers", "file"), f"cannot read the tiers file: {exc}"))
+        else:
+            assigned, problems = read_assignments(str(path), text, names)
+            issues.extend(problems)
+    identity = claim = None
+    if jwt is not None and settings.claim is not None:
+        claim = functools.partial(jwt.claim, name=settings.claim)
+    if settings.identity is not None:
+        kind, _, name = settings.identity.partition(":")
+        if kind == "jwt":
+            identity = functools.partial(jwt.claim, name=name) if jwt is not None else None
+        else:
+            mapping = "headers" if kind == "header" else "cookies"
+            identity = functools.partial(_field_of, mapping, name)
+    return Tiers(names, settings.default, identity, settings.identity or "", claim, assigned)
+
+
+def _field_of(mapping: str, name: str, request: CheckRequest) -> str | None:
+    """A request's header or cookie ``name``, if it has one."""
+    value: str | None = getattr(request, mapping).get(name)
+    return value
+
+
+def _tier_thresholds(rule: config.Rule, loc: Loc, settings: config.TiersConfig | None, overridden: bool,
+                     limiter: Limiter, loaded: LoadedRules, issues: list[ConfigIssue]) -> dict[str, float] | None:
+    """A rule's ``tiers:`` as each tier's threshold, or None (with an issue
+    each place it is wrong, or no tiers given)."""
+    if rule.tiers is None:
+        return None
+    before = len(issues)
+    where = loc + ("tiers",)
+    if settings is None:
+        issues.append(loaded.issue(where, "tiers need the tiers: section (its names, its default, and how a "
+                                          "request's tier is found)"))
+        return None
+    if not limiter.scalable:
+        issues.append(loaded.issue(where, "tiers set a request or score threshold; a bucket or concurrent "
+                                          "rule cannot have tiers"))
+        return None
+    if overridden:
+        issues.append(loaded.issue(where, "a rule takes its threshold from its tiers or from overrides, "
+                                          "not both"))
+    period = getattr(rule.limit, "per", None)
+    thresholds: dict[str, float] = {}
+    for tier, threshold in rule.tiers.items():
+        if tier not in settings.names:
+            issues.append(loaded.issue(where + (tier,), f"no tier {tier!r}; the tiers are "
+                                                        f"{', '.join(settings.names)} (tiers.names)"))
+        elif threshold.per is not None and threshold.per != period:
+            issues.append(loaded.issue(where + (tier,), f"the rule counts per {config.format_duration(period)} "
+                                                        f"(limit.per): write {threshold.count}, or "
+                                                        f"{threshold.count}/{config.format_duration(period)}"
+                                       if period is not None else "write a number"))
+        thresholds[tier] = float(threshold.count)
+    return thresholds if len(issues) == before else None
 
 
 def _geo_databases(settings: config.GeoipConfig | None, loaded: LoadedRules) -> dict[str, GeoDatabase]:

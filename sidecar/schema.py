@@ -35,7 +35,10 @@ from sidecar.config import (
     parse_rate,
     parse_refill,
     parse_regex,
+    parse_tier_name,
+    parse_tier_threshold,
 )
+from sidecar.config.values import TIER_NAME_PATTERN
 
 DRAFT = "http://json-schema.org/draft-07/schema#"
 # Where a checkout keeps the generated schema, which the examples name.
@@ -87,6 +90,14 @@ _PLAIN: dict[Callable[..., Any], JsonSchemaValue] = {
                           {"type": "string", "pattern": r"^\s*(?:[Aa][Ss])?[0-9]{1,10}\s*$"}]},
     parse_country: {"description": "A country's two-letter ISO code: DE, nl.", "type": "string",
                     "pattern": r"^\s*[A-Za-z]{2}\s*$"},
+    parse_tier_name: {"description": "A tier's name: 1-32 letters, digits, '_', '.', '-'.", "type": "string",
+                      "pattern": TIER_NAME_PATTERN},
+    parse_tier_threshold: {
+        "description": "A tier's threshold: a number in the rule's own period (2000), or the number per that "
+                       "period (2000/1m, 100/min).",
+        "anyOf": [{"type": "integer", "minimum": 0},
+                  {"type": "string", "pattern": r"^\s*[0-9]{1,12}\s*/\s*\S+\s*$"}],
+    },
     parse_dimension: {
         "description": "What the counting key is made of: ip, host, method, path, uri, asn, country, ja3, ja4, "
                        "or header:NAME, cookie:NAME, query:NAME, session:COOKIE, jwt:CLAIM.",

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Query, R
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from sidecar.admin import MAX_LISTED, Admin, Refused, parse_ban
+from sidecar.admin import MAX_LISTED, Admin, Refused, parse_assignment, parse_ban
 from sidecar.engine import Engine
 from sidecar.health import HealthListener, Heartbeat
 from sidecar.hook import listen_for_reports
@@ -168,7 +168,7 @@ async def _answered(call: Awaitable[T]) -> T:
 
 def admin_routes(admin: Admin) -> APIRouter:
     """``/v1/admin/...``: rules with their statistics, bans (list, ban, lift),
-    counters (list, reset), reload."""
+    tiers (list, assign, remove), counters (list, reset), reload."""
 
     def authorized(request: Request, authorization: str | None = Header(None)) -> None:
         if admin.allows(authorization, _peer(request)):
@@ -206,6 +206,32 @@ def admin_routes(admin: Admin) -> APIRouter:
         ``2001:db8::/64``) or of a network, earned or by hand."""
         if not await _answered(admin.lift_ban(address, admin.caller)):
             raise HTTPException(404, admin.no_ban(address))
+        return Response(status_code=204)
+
+    @router.get("/tiers")
+    async def tiers(limit: Annotated[int, Query(ge=1, le=MAX_LISTED)] = 1000) -> dict[str, Any]:
+        """The tiers, and the identities assigned to them: at run time, then by the tiers file."""
+        return await _answered(admin.tier_assignments(limit))
+
+    @router.post("/tiers")
+    async def assign_tier(request: Request) -> dict[str, Any]:
+        """Assign an identity to a tier at run time: ``{"identity", "tier"}``."""
+        try:
+            identity, tier = parse_assignment(await request.body())
+        except ValueError as exc:
+            raise HTTPException(422, str(exc)) from None
+        return await _answered(admin.assign_tier(identity, tier, admin.caller))
+
+    @router.delete("/tiers", status_code=204)
+    async def unassign_tier(request: Request) -> Response:
+        """Remove an identity's run-time assignment: ``{"identity"}`` (in the
+        body, so that an API key is in no URL)."""
+        try:
+            identity, _ = parse_assignment(await request.body(), needs_tier=False)
+        except ValueError as exc:
+            raise HTTPException(422, str(exc)) from None
+        if not await _answered(admin.unassign_tier(identity, admin.caller)):
+            raise HTTPException(404, admin.no_assignment(identity))
         return Response(status_code=204)
 
     # Keyword-only parameters: ``key`` has its default from ``Query`` (an

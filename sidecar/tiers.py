@@ -17,13 +17,12 @@ is, in this order:
 
 A rule with ``tiers: {free: 100, pro: 2000}`` counts as its ``limit`` says
 and takes its threshold from the request's tier; a tier it does not list
-keeps the limit's own. A client whose tier changes keeps its count: the new
-threshold applies from its next request.
+keeps the limit's own. A client whose tier changes keeps its count and a
+penalty it earned: the new threshold applies from its next request.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
@@ -32,7 +31,6 @@ from sidecar.config.document import ConfigIssue, Document
 if TYPE_CHECKING:
     from sidecar.request import CheckRequest
 
-TIER_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,32}")
 # Identities longer than this are no identity: a request with one is in
 # the default tier, and an assignment of one is refused.
 MAX_IDENTITY_CHARS = 256

@@ -66,6 +66,7 @@ from sidecar.config.models import (
     StateConfig,
     Strict,
     StringTest,
+    TiersConfig,
     VerifiedBots,
     field_names,
     limit_tag,
@@ -81,6 +82,9 @@ from sidecar.config.values import (
     Network,
     Rate,
     Regex,
+    Threshold,
+    TierName,
+    TierThreshold,
     format_duration,
     parse_asn,
     parse_country,
@@ -91,6 +95,8 @@ from sidecar.config.values import (
     parse_rate,
     parse_refill,
     parse_regex,
+    parse_tier_name,
+    parse_tier_threshold,
     read_text_file,
     resolve_file,
 )
@@ -98,16 +104,16 @@ from sidecar.config.values import (
 __all__ = [
     # values
     "RULE_ID_RE", "SENTINEL_PORT", "Asn", "Country", "Dimension", "Duration", "HostPort", "Network", "Rate", "Regex",
-    "format_duration", "parse_asn", "parse_country", "parse_dimension", "parse_duration", "parse_host_port",
-    "parse_network", "parse_rate",
-    "parse_refill", "parse_regex", "read_text_file", "resolve_file",
+    "Threshold", "TierName", "TierThreshold", "format_duration", "parse_asn", "parse_country", "parse_dimension",
+    "parse_duration", "parse_host_port", "parse_network", "parse_rate", "parse_refill",
+    "parse_regex", "parse_tier_name", "parse_tier_threshold", "read_text_file", "resolve_file",
     # models
     "BUILTIN_PAGE_TYPES", "Action", "AutoBanConfig", "Backend", "BanAction", "BanIncrementConfig", "BlockAction",
     "ChallengeAction", "ChallengeConfig", "ClientIPConfig", "ClusterConfig", "Condition", "CountOn",
     "DecisionLogConfig", "FailMode", "AsnTest", "CountryTest", "GeoipConfig", "IPTest", "JwtConfig", "JwtKeys",
     "JwtTest", "JwtToken", "Limit", "LimitModel", "LogKeys", "NamedTest", "NamedTests",
     "OverloadConfig", "OverloadMode", "Override", "ResetOn", "ResponseHeaderTest", "Rule", "RulesFile",
-    "SentinelConfig", "StateConfig", "Strict", "StringTest", "VerifiedBots", "field_names", "limit_tag",
+    "SentinelConfig", "StateConfig", "Strict", "StringTest", "TiersConfig", "VerifiedBots", "field_names", "limit_tag",
     # document
     "ConfigError", "ConfigIssue", "Document", "Loc", "format_loc", "locate", "validation_issues", "yaml_read",
     # loader

@@ -38,6 +38,8 @@ from sidecar.config.values import (
     HostPort,
     Network,
     Regex,
+    Threshold,
+    TierName,
     format_duration,
     read_text_file,
 )
@@ -386,6 +388,9 @@ class Rule(Strict):
     # Evaluated, counted and decided as when enforcing, but its block, ban
     # or challenge is not applied: the request is allowed, and logged.
     shadow: bool = False
+    # Thresholds by the request's tier (the tiers: section); a tier not
+    # listed keeps the limit's own.
+    tiers: dict[TierName, Threshold] | None = Field(None, min_length=1)
     # A check that reaches Sluice later than overload.after, when its
     # client is not known to be over this rule's limit: counted on this
     # node alone, let in within the limit there (open), or refused with a
@@ -699,6 +704,44 @@ class GeoipConfig(Strict):
     country: str | None = Field(None, min_length=1)
 
 
+class TiersConfig(Strict):
+    """The ``tiers:`` section: the tiers there are, and how a request's is
+    found (``sidecar.tiers``)."""
+
+    names: list[TierName] = Field(min_length=1)
+    default: TierName
+    # The request's identity, looked up in the assignments: an API key's
+    # header, a cookie, or a claim of its verified token.
+    identity: Dimension | None = None
+    # A claim of the request's verified token that names its tier.
+    claim: str | None = Field(None, min_length=1)
+    # Assignments: `TIER: [IDENTITY, ...]`, relative to the rules file.
+    file: str | None = Field(None, min_length=1)
+
+    @field_validator("names")
+    @classmethod
+    def _no_repeats(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError("a tier is listed twice")
+        return value
+
+    @field_validator("identity")
+    @classmethod
+    def _an_identity(cls, value: str | None) -> str | None:
+        if value is not None and value.partition(":")[0] not in ("header", "cookie", "jwt"):
+            raise ValueError(f"an identity is header:NAME, cookie:NAME or jwt:CLAIM, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _default_named(self) -> TiersConfig:
+        if self.identity is None and self.claim is None:
+            raise ValueError("say how a request's tier is found: identity (looked up in the assignments), "
+                             "claim (a token's claim naming it), or both")
+        if self.file is not None and self.identity is None:
+            raise ValueError("a file assigns identities to tiers: it needs identity")
+        return self
+
+
 class RulesFile(Strict):
     model_config = ConfigDict(defer_build=True)  # as Rule's
 
@@ -718,6 +761,7 @@ class RulesFile(Strict):
     overload: OverloadConfig = OverloadConfig()
     jwt: JwtConfig | None = None
     geoip: GeoipConfig | None = None
+    tiers: TiersConfig | None = None
     rules: list[Rule] = []
 
 

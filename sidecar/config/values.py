@@ -238,6 +238,47 @@ def parse_country(value: Any) -> str:
 
 
 Asn = Annotated[str, PlainValidator(parse_asn)]
+
+@dataclass(frozen=True, slots=True)
+class TierThreshold:
+    """A tier's threshold on a rule: a count, and the period it was written
+    with (``2000/1m``), which must be the rule's own."""
+
+    count: int
+    per: float | None = None
+
+
+def parse_tier_threshold(value: Any) -> TierThreshold:
+    """``2000`` (requests, or score, in the rule's own period), or
+    ``2000/1m`` (the period said again, and checked against the rule's)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        count, per = value, None
+    elif isinstance(value, str) and re.fullmatch(r"\s*[0-9]{1,12}\s*/\s*\S+\s*", value):
+        number, _, period = value.partition("/")
+        count, per = int(number), parse_duration(_PERIOD_WORDS.get(period.strip(), period.strip()))
+    else:
+        raise ValueError(f"a tier's threshold is a number (2000), or a number per the rule's period "
+                         f"(2000/1m), got {_shown(value)}")
+    if count < 0 or count >= 1 << 40:
+        raise ValueError(f"a tier's threshold is from 0 to {(1 << 40) - 1}, got {_shown(value)}")
+    return TierThreshold(count, per)
+
+
+# The periods a rate may name by their word (100/min).
+_PERIOD_WORDS = {"s": "1s", "sec": "1s", "second": "1s", "m": "1m", "min": "1m", "minute": "1m",
+                 "h": "1h", "hour": "1h", "d": "1d", "day": "1d"}
+TIER_NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,32}$"
+
+
+def parse_tier_name(value: Any) -> str:
+    if not isinstance(value, str) or not re.fullmatch(TIER_NAME_PATTERN, value):
+        raise ValueError(f"a tier's name is 1-32 letters, digits, '_', '.', '-', got {_shown(value)}")
+    return value
+
+
+TierName = Annotated[str, PlainValidator(parse_tier_name)]
+Threshold = Annotated[TierThreshold, PlainValidator(parse_tier_threshold)]
+
 Country = Annotated[str, PlainValidator(parse_country)]
 
 

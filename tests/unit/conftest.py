@@ -32,6 +32,14 @@ def ruleset_from(text: str, base_dir: Path | None = None, shadow: bool = False) 
     return compile_rules(parse_rules_text(text, "test.yaml", base_dir or Path.cwd()), shadow)
 
 
+def refused_by(engine: Engine, address: str = "192.0.2.1", headers: dict[str, str] | None = None) -> str:
+    """The id of the rule that refused a GET of ``address`` with
+    ``headers``, or "allow"."""
+    request = CheckRequest("GET", "h", "/", dict(headers or {}), engine.resolve_client(address, None), "r")
+    decision = engine.decide_now(request)
+    return decision.rule.id if decision.rule is not None and str(decision.outcome) == "deny" else "allow"
+
+
 class Harness:
     """An engine on a fake clock, and a way to describe requests briefly."""
 

@@ -20,6 +20,7 @@ from sidecar.admin import Admin
 from sidecar.app import SluiceApp
 from sidecar.engine import Engine
 from sidecar.request import CheckRequest
+from sidecar.rules import Ruleset
 
 from .conftest import FakeClock, ruleset_from
 from .test_fuzz_endpoints import assert_defined, metrics_fine, rules_file, sluice  # noqa: F401 (a fixture)
@@ -65,9 +66,9 @@ class Sluice:
     """One Sluice on a fake clock: its engine decides requests, its app
     answers admin calls as uvicorn would send them."""
 
-    def __init__(self, token: bytes | None = TOKEN) -> None:
+    def __init__(self, token: bytes | None = TOKEN, ruleset: Ruleset | None = None) -> None:
         self.clock = FakeClock()
-        self.engine = Engine(ruleset_from(RULES), clock=self.clock)
+        self.engine = Engine(ruleset or ruleset_from(RULES), clock=self.clock)
         self.admin = Admin(self.engine, None, token, loopback_listener=token is None)
         self.app = SluiceApp(self.engine, admin=self.admin)
 
@@ -102,10 +103,10 @@ class Sluice:
         return sent[0]["status"], json.loads(body_out) if body_out else None
 
 
-def run(test: Callable[[Sluice], Awaitable[Any]], token: bytes | None = TOKEN) -> Any:
+def run(test: Callable[[Sluice], Awaitable[Any]], token: bytes | None = TOKEN, ruleset: Ruleset | None = None) -> Any:
     """``test`` in an event loop, inside the app's lifespan."""
     async def go() -> Any:
-        s = Sluice(token)
+        s = Sluice(token, ruleset)
         async with s.app.api.router.lifespan_context(s.app.api):
             return await test(s)
     return asyncio.run(go())

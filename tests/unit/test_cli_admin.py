@@ -23,6 +23,7 @@ from tests.integration.sluice_serve import SluiceServe
 
 RULES = """
 node: edge-1
+tiers: {names: [free, pro], default: free, identity: "header:x-api-key"}
 rules:
   - id: login
     match: {path: {prefix: /login}}
@@ -34,6 +35,12 @@ rules:
     match: {path: {prefix: /api/}}
     key: ["header:x-api-key"]
     limit: {tokens: 20, refill: 2/s}
+    action: block
+  - id: metered
+    match: {path: {prefix: /metered/}}
+    key: ["header:x-api-key"]
+    limit: {requests: 1, per: 1h}
+    tiers: {pro: 3}
     action: block
 """
 
@@ -104,6 +111,29 @@ def test_a_ban_by_hand_is_printed_listed_and_lifted(sluice: SluiceServe) -> None
     assert (again.exit_code, again.output) == (1, f"error: no ban of {address} (404)\n")
 
 
+def test_an_identity_is_assigned_to_a_tier_listed_and_removed(sluice: SluiceServe) -> None:
+    key = {"X-Api-Key": "cli-key-1"}
+    assert [check(sluice, fresh_address(), "/metered/a", {"X-Api-Key": "cli-key-0"}) for _ in range(2)] == \
+        [200, 403]  # free: one an hour
+    assigned = admin(sluice, "tier", "set", "cli-key-1", "pro")
+    assert (assigned.exit_code, assigned.output) == (0, "assigned to tier pro\n")
+    assert [check(sluice, fresh_address(), "/metered/a", key) for _ in range(4)] == [200, 200, 200, 403]
+    rows = columns(admin(sluice, "tier", "list").output.split("\n", 1)[1])
+    assert rows[0] == ["IDENTITY", "TIER", "FROM"] and ["cli-key-1", "pro", "run time"] in rows
+    assert admin(sluice, "tier", "list").output.startswith("tiers: free, pro (default free); identity: "
+                                                            "header:x-api-key\n")
+    removed = admin(sluice, "tier", "unset", "cli-key-1")
+    assert (removed.exit_code, removed.output) == (0, "removed the run-time assignment\n")
+    again = admin(sluice, "tier", "unset", "cli-key-1")
+    assert (again.exit_code, again.output) == \
+        (1, "error: no run-time assignment of that identity; it is in tier 'free' (default) (404)\n")
+    wrong = admin(sluice, "tier", "set", "cli-key-2", "gold")
+    assert (wrong.exit_code, wrong.output) == \
+        (1, "error: no tier 'gold'; the tiers are free, pro (tiers.names) (422)\n")
+    listing = json.loads(admin(sluice, "tier", "list", "--json").output)
+    assert listing["names"] == ["free", "pro"] and listing["assignments"] == []
+
+
 def test_a_network_ban_and_json_for_scripts(sluice: SluiceServe) -> None:
     banned = admin(sluice, "ban", "198.51.100.0/24", "--for", "7200", "--json")
     answer = json.loads(banned.output)
@@ -156,8 +186,9 @@ def test_a_reset_of_a_banned_client_says_the_ban_stays(sluice: SluiceServe) -> N
 def test_rules_and_reload(sluice: SluiceServe) -> None:
     rows = columns(admin(sluice, "rules").output)
     assert rows[0] == ["RULE", "ACTION", "LIMIT", "PENALTY", "HITS", "OVER LIMIT"]
-    assert [row[:4] for row in rows[1:]] == [["login", "block", "2", "10m"], ["api-key", "block", "20", "-"]]
-    assert admin(sluice, "reload").output == "reloaded: 2 rules\n"
+    assert [row[:4] for row in rows[1:]] == [["login", "block", "2", "10m"], ["api-key", "block", "20", "-"],
+                                             ["metered", "block", "1", "1h"]]
+    assert admin(sluice, "reload").output == "reloaded: 3 rules\n"
     sluice.rules.write_text(RULES.replace("per: 1m", "per: soon"))
     try:
         refused = admin(sluice, "reload")
@@ -169,7 +200,7 @@ def test_rules_and_reload(sluice: SluiceServe) -> None:
 
 
 @pytest.mark.parametrize(("arguments", "line"), [
-    (["counters", "--rule", "nope"], "error: no rule 'nope' runs now (rules: login, api-key) (404)"),
+    (["counters", "--rule", "nope"], "error: no rule 'nope' runs now (rules: login, api-key, metered) (404)"),
     (["counters", "--ip", "banana"],
      "error: expected an IP address or a network (CIDR), got 'banana' (422)"),
     (["counters", "--rule", "api-key", "--key", "ip=1.2.3.4"],

@@ -5,8 +5,7 @@ listener's tls_inspector; the shipped nginx empties them)."""
 from __future__ import annotations
 
 from sidecar.engine import Engine
-from sidecar.request import CheckRequest
-from tests.unit.conftest import FakeClock, ruleset_from
+from tests.unit.conftest import FakeClock, refused_by, ruleset_from
 
 RULES = """
 rules:
@@ -23,25 +22,19 @@ rules:
 CHROME_LIKE, OLD_STACK = "t13d1516h2_8daaf6152771_b186095e22b6", "t12i020600_6d4732649639_e7e480e5a997"
 
 
-def decide(engine: Engine, address: str, fields: dict[str, str]) -> str:
-    request = CheckRequest("GET", "h", "/", fields, engine.resolve_client(address, None), "r")
-    decision = engine.decide_now(request)
-    return decision.rule.id if decision.rule is not None and str(decision.outcome) == "deny" else "allow"
-
-
 def test_a_fingerprint_is_counted_whatever_address_it_comes_from() -> None:
     engine = Engine(ruleset_from(RULES), clock=FakeClock())
-    rotating = [decide(engine, f"203.0.113.{n}", {"x-sluice-ja4": CHROME_LIKE, "x-sluice-ja3": f"ja3-{n}"})
+    rotating = [refused_by(engine, f"203.0.113.{n}", {"x-sluice-ja4": CHROME_LIKE, "x-sluice-ja3": f"ja3-{n}"})
                 for n in range(1, 4)]
     assert rotating == ["allow", "allow", "modern-tls"]
     # Another TLS stack: no modern-tls match, its own JA3 count.
-    assert [decide(engine, "203.0.113.9", {"x-sluice-ja4": OLD_STACK, "x-sluice-ja3": "old"})
+    assert [refused_by(engine, "203.0.113.9", {"x-sluice-ja4": OLD_STACK, "x-sluice-ja3": "old"})
             for _ in range(4)] == ["allow"] * 3 + ["per-ja3"]
 
 
 def test_without_a_fingerprint_the_value_is_empty_and_the_condition_fails() -> None:
     engine = Engine(ruleset_from(RULES), clock=FakeClock())
-    assert [decide(engine, f"198.51.100.{n}", {}) for n in range(1, 5)] == ["allow"] * 3 + ["per-ja3"]
+    assert [refused_by(engine, f"198.51.100.{n}", {}) for n in range(1, 5)] == ["allow"] * 3 + ["per-ja3"]
 
 
 def test_the_matcher_names_the_fields_and_tests() -> None:

@@ -44,6 +44,7 @@ verified_bots:
   - {cidrs: [192.0.2.0/28], user_agent: "(?i)goodbot"}
 overrides:
   - {cidrs: [198.51.100.0/24], rules: [blocked], multiply: 2}
+tiers: {names: [free, pro], default: free, identity: "header:x-k"}
 rules:
   - id: blocked
     match: {any: [{path: {prefix: /b}}, {header: {name: x-k, present: true}}, {cookie: {name: s, prefix: v}}]}
@@ -55,6 +56,7 @@ rules:
     match: {path: {prefix: /x}}
     key: [ip]
     limit: {requests: 1, per: 10s}
+    tiers: {pro: 3}
     action: block
     block: {close: true}
   - id: chal
@@ -626,7 +628,7 @@ def test_bad_report_datagrams_are_refused_without_a_traceback(rules_file, payloa
 # FastAPI routes: health, metrics, admin
 # --------------------------------------------------------------------------
 
-ADMIN_PATHS = ["/v1/admin/rules", "/v1/admin/bans", "/v1/admin/reload", "/v1/admin/", "/v1/admin",
+ADMIN_PATHS = ["/v1/admin/rules", "/v1/admin/bans", "/v1/admin/tiers", "/v1/admin/reload", "/v1/admin/", "/v1/admin",
                "/healthz", "/readyz", "/metrics", "/", "/v1/nginx", "/v1/envoy/authx", "/v1/hooks"]
 authorizations = st.one_of(
     st.none(), values,
@@ -644,7 +646,11 @@ admin_queries = st.one_of(
 @given(path=st.one_of(st.sampled_from(ADMIN_PATHS), latin1.map(lambda p: "/v1/admin/" + p)),
        method=st.sampled_from(["GET", "POST", "DELETE", "PUT", "HEAD"]), authorization=authorizations,
        query=admin_queries, extra=raw_headers, token=st.sampled_from([ADMIN_TOKEN, None]),
-       peer=st.one_of(st.none(), addresses), banned_first=st.booleans(), body=st.one_of(raw_bytes, huge))
+       peer=st.one_of(st.none(), addresses), banned_first=st.booleans(),
+       body=st.one_of(raw_bytes, huge, st.builds(
+           lambda identity, tier: json.dumps({"identity": identity, "tier": tier}).encode(),
+           st.one_of(st.text(max_size=300), st.integers(), st.none()),
+           st.one_of(st.sampled_from(["free", "pro", "gold", ""]), st.text(max_size=40), st.none()))))
 def test_admin_and_api_routes_answer_any_call(rules_file, path, method, authorization, query, extra, token,
                                               peer, banned_first, body):
     with sluice(rules_file, token) as s:

@@ -18,7 +18,7 @@ from sidecar.geo import GeoDatabase, asn_of, country_of
 from sidecar.replay.simulate import replay_logs
 from sidecar.request import CheckRequest
 from tests.geodb import write_asn_database, write_country_database
-from tests.unit.conftest import FakeClock, ruleset_from
+from tests.unit.conftest import FakeClock, refused_by, ruleset_from
 
 RULES = """
 geoip: {asn: asn.mmdb, country: country.mmdb}
@@ -46,11 +46,6 @@ def request_from(engine: Engine, address: str) -> CheckRequest:
     return CheckRequest("GET", "h", "/", {}, engine.resolve_client(address, None), "r")
 
 
-def decide(engine: Engine, address: str) -> str:
-    decision = engine.decide_now(request_from(engine, address))
-    return decision.rule.id if decision.rule is not None and str(decision.outcome) == "deny" else "allow"
-
-
 def test_an_address_gives_its_systems_number_and_its_country(databases: Path) -> None:
     engine = Engine(ruleset_from(RULES, databases), clock=FakeClock())
     asn, country = engine.ruleset.geo["asn"], engine.ruleset.geo["country"]
@@ -65,14 +60,14 @@ def test_rotating_addresses_of_one_network_share_its_count(databases: Path) -> N
     engine = Engine(ruleset_from(RULES, databases), clock=FakeClock())
 
     # Each address once: an ip rule would let every one in.
-    assert [decide(engine, f"198.51.100.{n}") for n in range(1, 5)] == ["allow"] * 3 + ["per-network"]
-    assert decide(engine, "203.0.113.1") == "allow"  # another network
-    assert decide(engine, "203.0.113.1") == "not-from-nl"  # a country rule, per address
+    assert [refused_by(engine, f"198.51.100.{n}") for n in range(1, 5)] == ["allow"] * 3 + ["per-network"]
+    assert refused_by(engine, "203.0.113.1") == "allow"  # another network
+    assert refused_by(engine, "203.0.113.1") == "not-from-nl"  # a country rule, per address
 
 
 def test_an_unknown_address_counts_under_the_empty_value(databases: Path) -> None:
     engine = Engine(ruleset_from(RULES, databases), clock=FakeClock())
-    assert [decide(engine, f"192.0.2.{n}") for n in range(1, 5)] == ["allow"] * 3 + ["per-network"]
+    assert [refused_by(engine, f"192.0.2.{n}") for n in range(1, 5)] == ["allow"] * 3 + ["per-network"]
 
 
 def test_a_missing_database_is_a_warning_and_an_empty_value_until_it_appears(tmp_path: Path) -> None:
@@ -148,8 +143,8 @@ def test_conditions_take_numbers_or_as_names_and_codes_in_any_case(databases: Pa
     engine = Engine(ruleset_from("geoip: {asn: asn.mmdb}\nrules:\n  - id: r\n    match: {asn: {in: [AS64500, 1]}}\n"
                                  "    key: [ip]\n    limit: {requests: 1, per: 1h}\n    action: block\n", databases),
                     clock=FakeClock())
-    assert [decide(engine, "203.0.113.5") for _ in range(2)] == ["allow", "r"]
-    assert [decide(engine, "198.51.100.5") for _ in range(2)] == ["allow", "allow"]
+    assert [refused_by(engine, "203.0.113.5") for _ in range(2)] == ["allow", "r"]
+    assert [refused_by(engine, "198.51.100.5") for _ in range(2)] == ["allow", "allow"]
 
 
 def test_replay_shows_an_asn_rule_catching_an_attacker_that_rotates_addresses(databases: Path) -> None:

@@ -26,7 +26,7 @@ from sidecar.engine import Engine
 from sidecar.identity import OUTCOMES, JwtReader, TokenRead, parse_jwks
 from sidecar.request import CheckRequest
 from tests.jwks import ALGORITHMS, Issuer, JwksServer
-from tests.unit.conftest import FakeClock, ruleset_from
+from tests.unit.conftest import FakeClock, refused_by, ruleset_from
 
 NOW = 1_800_000_000.0
 ISSUER = Issuer()
@@ -308,10 +308,7 @@ def engine(tmp_path: Path) -> Engine:
 
 
 def decide(engine: Engine, token_text: str | None, address: str = "192.0.2.1") -> str:
-    headers = {"authorization": f"Bearer {token_text}"} if token_text else {}
-    request = CheckRequest("GET", "h", "/", headers, engine.resolve_client(address, None), "r")
-    decision = engine.decide_now(request)
-    return decision.rule.id if decision.rule is not None and str(decision.outcome) == "deny" else "allow"
+    return refused_by(engine, address, {"authorization": f"Bearer {token_text}"} if token_text else {})
 
 
 def test_each_subject_is_counted_apart_and_a_condition_reads_a_claim(engine: Engine) -> None:
