@@ -6,7 +6,7 @@ proxy passes the client's ``traceparent`` (and ``tracestate``) with the
 check, as nginx and Envoy pass every request header. The span is named
 ``sluice.check`` and carries:
 
-- ``sluice.front_door``: nginx, envoy, forward-auth;
+- ``sluice.front_door``: nginx, envoy, envoy_grpc, forward_auth;
 - ``sluice.outcome``: allow, deny, close, ...;
 - ``sluice.rule``: the rule whose headers the answer carries ("" for none);
 - ``sluice.client_key_hash``: the client's counting key (its address, or
