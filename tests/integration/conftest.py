@@ -10,10 +10,12 @@ fresh addresses keep their counters apart too.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import itertools
 import re
 import socket
+import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -21,8 +23,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+import yaml
 
-from devstack.launcher import FRONT_DOORS, Stack, StackError
+from devstack.launcher import FRONT_DOORS, Stack, StackError, find_envoy
 from sidecar.rendering import StackPorts
 from tests.integration.clients import LOOPBACK, Client
 
@@ -215,3 +218,37 @@ def new_client(limits_stack: Stack, front_door: str) -> Callable[..., Client]:
 def upstream(limits_stack: Stack) -> Client:
     """The demo upstream itself, bypassing the front doors: to ask what reached it."""
     return Client(limits_stack.ports.upstream)
+
+
+@contextlib.contextmanager
+def another_envoy(bootstrap_text: str, directory: Path, name: str) -> Iterator[int]:
+    """An Envoy of its own on ``bootstrap_text`` (a stack's, changed by the
+    test), its listener and admin moved to free ports: the listener's port,
+    once it accepts; stopped afterwards. Its log is ``DIRECTORY/NAME.log``."""
+    port = free_port()
+    bootstrap = yaml.safe_load(bootstrap_text)
+    bootstrap["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = port
+    bootstrap["admin"]["address"]["socket_address"]["port_value"] = free_port()
+    config = directory / f"{name}.yaml"
+    config.write_text(yaml.safe_dump(bootstrap))
+    log = directory / f"{name}.log"
+    envoy = subprocess.Popen([find_envoy(), "-c", str(config), "--disable-hot-restart", "--log-level", "warning",
+                              "--base-id", str(port)], stdout=subprocess.DEVNULL, stderr=log.open("wb"))
+    try:
+        deadline = time.monotonic() + 20
+        while not _accepts(port):
+            assert envoy.poll() is None, log.read_text()[-2000:]
+            assert time.monotonic() < deadline, f"{name}'s listener did not open"
+            time.sleep(0.05)
+        yield port
+    finally:
+        envoy.terminate()
+        envoy.wait(10)
+
+
+def _accepts(port: int) -> bool:
+    try:
+        with socket.create_connection((LOOPBACK, port), timeout=0.2):
+            return True
+    except OSError:
+        return False

@@ -12,20 +12,22 @@ nginx, is not believed.
 from __future__ import annotations
 
 import http.client
-import socket
 import ssl
-import subprocess
-import time
 from collections.abc import Iterator
 
 import pytest
-import yaml
 
-from devstack.launcher import Stack, find_envoy
+from devstack.launcher import Stack
 from sidecar.rendering import with_envoy_tls
 from tests.certificates import write_certificate
 from tests.integration.clients import LOOPBACK, Client
-from tests.integration.conftest import free_port, fresh_client_address, front_door_port, start_stack, unique_path
+from tests.integration.conftest import (
+    another_envoy,
+    fresh_client_address,
+    front_door_port,
+    start_stack,
+    unique_path,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -39,49 +41,19 @@ rules:
 """
 
 
-def on_ports(bootstrap_text: str, port: int, admin_port: int) -> str:
-    """The bootstrap with its listener on ``port`` and its admin on ``admin_port``."""
-    bootstrap = yaml.safe_load(bootstrap_text)
-    bootstrap["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = port
-    bootstrap["admin"]["address"]["socket_address"]["port_value"] = admin_port
-    return yaml.safe_dump(bootstrap)
-
-
 @pytest.fixture(scope="module")
 def tls_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, int]]:
     directory = tmp_path_factory.mktemp("tls-stack")
     rules = directory / "rules.yaml"
     rules.write_text(RULES)
     stack = start_stack(directory / "stack", rules)
-    envoy = None
     try:
         cert, key = write_certificate(directory)
-        port = free_port()
         rendered = with_envoy_tls({"envoy.yaml": (stack.run_dir / "envoy.yaml").read_text()}, str(cert), str(key))
-        config = directory / "envoy-tls.yaml"
-        config.write_text(on_ports(rendered["envoy.yaml"], port, free_port()))
-        envoy = subprocess.Popen([find_envoy(), "-c", str(config), "--disable-hot-restart", "--log-level", "warning",
-                                  "--base-id", str(port)], stdout=subprocess.DEVNULL,
-                                 stderr=(directory / "envoy-tls.log").open("wb"))
-        deadline = time.monotonic() + 20
-        while not _accepts(port):
-            assert envoy.poll() is None, (directory / "envoy-tls.log").read_text()[-2000:]
-            assert time.monotonic() < deadline, "the TLS listener did not open"
-            time.sleep(0.05)
-        yield stack, port
+        with another_envoy(rendered["envoy.yaml"], directory, "envoy-tls") as port:
+            yield stack, port
     finally:
-        if envoy is not None:
-            envoy.terminate()
-            envoy.wait(10)
         stack.stop()
-
-
-def _accepts(port: int) -> bool:
-    try:
-        with socket.create_connection((LOOPBACK, port), timeout=0.2):
-            return True
-    except OSError:
-        return False
 
 
 def tls_context(settings: str) -> ssl.SSLContext:
