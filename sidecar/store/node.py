@@ -118,8 +118,8 @@ NETWORK_BANS = 4096  # network bans by hand a node holds
 # Tier assignments made at run time a node holds: fewer than the
 # ``sidecar.tiers.MAX_ASSIGNMENTS`` a shared store takes, because the zone
 # is reserved in /dev/shm at start whether or not tiers are used, at 336
-# bytes a record: 100,000 would add 32 MiB to the 56 MiB of the default
-# table, past a container's default 64 MB; 10,000 add 3.2 MiB.
+# bytes a record: 100,000 would add 32 MiB to the 57 MiB of the default
+# table, past a container's default 64 MB; 10,000 add 3.2 MiB (60.2 MiB in all).
 TIER_ASSIGNMENTS = 10_000
 # A tier record: the tier's length (a byte), the tier (32 bytes at most:
 # sidecar.tiers.TIER_NAME_RE), then the identity in UTF-8, at most

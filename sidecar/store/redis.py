@@ -16,7 +16,9 @@ it spreads the keys of different clients over every master, while the
 keys of one client share a slot with its ban record, so that a request's
 per-client checks stay one atomic script. Checks of other slots are one
 call each, sent at once. Every key has an expiry: a counter's when its
-window no longer weighs in and its penalty is over, a ban's when it ends.
+window no longer weighs in and its penalty is over, a ban's when it ends;
+but the tier assignments made at run time, which last until they are
+removed (see sidecar.store.redis_admin).
 
 Time is the Redis server's (``TIME``), which all nodes share; with
 ``server_time=False`` the scripts use the ``now`` the engine passes (tests
