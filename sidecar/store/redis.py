@@ -637,6 +637,8 @@ class RedisStore:
         other node's within the watch interval. ValueError when the store
         holds ``MAX_ASSIGNMENTS`` others already (another node may have
         added the last since the caller counted)."""
+        if not tier:
+            raise ValueError("expected a tier")  # '' removes an assignment in tier.lua
         if await self._write_tier(identity, tier) < 0:
             raise ValueError(f"the store holds {MAX_ASSIGNMENTS:,} tier assignments made at run time, the most "
                              "it takes: remove one first")
