@@ -127,9 +127,14 @@ class TierAdmin(Protocol):
         tiers: the store's own, or its copy of a shared store's (read again
         within a second of another node's change)."""
     async def assign_tier(self, identity: str, tier: str) -> None:
-        """Assign ``identity`` to ``tier``, replacing its assignment;
-        Refused-free: the caller checked both, and that the store holds
-        fewer than ``sidecar.tiers.MAX_ASSIGNMENTS`` others."""
+        """Assign ``identity`` to ``tier``, replacing its assignment. The
+        caller checked both, and that the store holds fewer than
+        ``sidecar.tiers.MAX_ASSIGNMENTS`` others; a shared store may still
+        refuse with ValueError (a 409), whose message never names the
+        identity: Redis when another node added the last one since, the
+        memory backend's shared table (``serve --workers``) when its own,
+        smaller bound is reached or the identity is longer than its
+        records (``sidecar.store.node.TIER_ASSIGNMENTS``)."""
     async def unassign_tier(self, identity: str) -> bool:
         """Remove the identity's run-time assignment; False when it had none."""
     async def assigned_tiers(self) -> dict[str, str]:

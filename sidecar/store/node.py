@@ -17,6 +17,10 @@ attaches to them (each worker) and removes them (the parent, at exit):
 - ``shadow``, ``networks``: shadow rules' would-be bans, and network bans;
 - ``prefixes``: the key prefixes (a rule id and its dimensions' names) that
   keys' texts name by an 8-byte code, for the admin API's listings.
+- ``tiers``: the tier assignments made at run time (``sidecar.tiers``), a
+  record per identity (its text and its tier), at most ``TIER_ASSIGNMENTS``
+  of them, in one stripe; none is ever evicted: a new one that finds the
+  zone full is refused.
 
 A decision is one transaction (``NodeTable``): the store works out every
 record the policy may touch for the request (the checks' keys, the
@@ -40,7 +44,10 @@ zone's generation is bumped by every change (a ban by hand, a lift, a
 network ban, a reset, a reload through the admin API), and a worker that
 finds it moved reads the network bans again and tells its listeners (the
 engine forgets the refusals it keeps; a reload asked of another worker
-reloads this one's rules too).
+reloads this one's rules too). A tier assignment or its removal bumps the
+tiers zone's generation too, and a worker that finds that one moved reads
+the assignments again into its copy (``tier_assignments``, which requests
+read without touching the zones).
 """
 
 from __future__ import annotations
@@ -64,6 +71,7 @@ from sidecar.policy import BAN_STEP, COUNTED_PENALTY, Note, Policy
 from sidecar.state import BanRecord, Check, CheckSpec, Clock, Evaluation, ResponseCount, epoch_clock
 from sidecar.store import records
 from sidecar.store.records import ELSEWHERE, digest_of, key_text
+from sidecar.tiers import MAX_IDENTITY_CHARS, TierAssignments
 
 if TYPE_CHECKING:
     from sidecar.store import Described
@@ -107,8 +115,20 @@ LEAST_LEASE_SLOTS = 16
 MOST_STRIPES = 64
 LEAST_PER_STRIPE = 64
 NETWORK_BANS = 4096  # network bans by hand a node holds
+# Tier assignments made at run time a node holds: fewer than the
+# ``sidecar.tiers.MAX_ASSIGNMENTS`` a shared store takes, because the zone
+# is reserved in /dev/shm at start whether or not tiers are used, at 336
+# bytes a record: 100,000 would add 32 MiB to the 57 MiB of the default
+# table, past a container's default 64 MB; 10,000 add 3.2 MiB (60.2 MiB in all).
+TIER_ASSIGNMENTS = 10_000
+# A tier record: the tier's length (a byte), the tier (32 bytes at most:
+# sidecar.tiers.TIER_NAME_RE), then the identity in UTF-8, at most
+# MAX_IDENTITY_CHARS bytes (an identity of that many characters beyond
+# ASCII is refused here).
+TIER_NAME_BYTES = 32
+TIER_VALUE = 1 + TIER_NAME_BYTES + MAX_IDENTITY_CHARS
 # The lock order: zones in this order, each zone's stripes in increasing order.
-ZONE_ORDER = ("bans", "notes", "states", "leases", "labels", "shadow", "networks", "prefixes")
+ZONE_ORDER = ("bans", "notes", "states", "leases", "labels", "shadow", "networks", "prefixes", "tiers")
 # Key prefixes (a rule id and its dimensions' names) a node holds: a
 # ruleset's rules, their challenge and penalty counters, and the Rate Limit
 # Service's descriptors.
@@ -166,9 +186,15 @@ def lease_slots_for(largest_limit: int) -> int:
     return max(largest_limit, LEAST_LEASE_SLOTS)
 
 
-def zone_sizes(max_keys: int, lease_slots: int) -> dict[str, ZoneSize]:
+def zone_sizes(max_keys: int, lease_slots: int, tiers: int = TIER_ASSIGNMENTS) -> dict[str, ZoneSize]:
     """Each zone's records and bytes of value, for ``max_keys`` keys (the
-    rules file's ``state.max_keys``) and leases of ``lease_slots``."""
+    rules file's ``state.max_keys``), leases of ``lease_slots`` and
+    ``tiers`` tier assignments.
+
+    The tiers zone is one stripe: an administrator writes it, never a
+    request, so its one lock costs nothing, and one stripe holds exactly
+    its capacity (records spread over many stripes would fill one, and be
+    refused, before the zone is full)."""
     lease_value = records.lease_value_bytes(lease_slots) + LEASE_TEXT
     lease_keys = max(LEAST_PER_STRIPE, min(max_keys, LEASE_ZONE_BYTES // (lease_value + 48)))
     some = max(1024, max_keys // 8)
@@ -176,7 +202,8 @@ def zone_sizes(max_keys: int, lease_slots: int) -> dict[str, ZoneSize]:
     return {"bans": zone_size(max_keys, BAN_VALUE), "notes": zone_size(max_keys, records.note_bytes()),
             "states": zone_size(max_keys, STATE_VALUE), "leases": zone_size(lease_keys, lease_value),
             "labels": zone_size(labelled, LABEL_VALUE), "shadow": zone_size(some, BAN_VALUE),
-            "networks": zone_size(NETWORK_BANS, BAN_VALUE), "prefixes": zone_size(PREFIXES, PREFIX_VALUE)}
+            "networks": zone_size(NETWORK_BANS, BAN_VALUE), "prefixes": zone_size(PREFIXES, PREFIX_VALUE),
+            "tiers": ZoneSize(tiers, TIER_VALUE, 1)}
 
 
 class NodeZones:
@@ -194,6 +221,7 @@ class NodeZones:
         self.shadow = zones["shadow"]
         self.networks = zones["networks"]
         self.prefixes = zones["prefixes"]
+        self.tiers = zones["tiers"]
         # A lease state's slots, from the size of the leases zone's values.
         self.lease_slots = (self.leases.value_size - LEASE_TEXT - records.lease_value_bytes(0)) \
             // records.LEASE_BYTES
@@ -205,16 +233,16 @@ class NodeZones:
 
     @classmethod
     def create(cls, prefix: str, max_keys: int, largest_concurrency: int = 0,
-               zone_type: Any = None) -> NodeZones:
+               zone_type: Any = None, tiers: int = TIER_ASSIGNMENTS) -> NodeZones:
         """New zones for the node (each file made 0600, never one already
-        there): ``max_keys`` keys, leases for the largest concurrency limit.
-        OSError or ValueError says what failed; the zones made before it
-        are removed."""
+        there): ``max_keys`` keys, leases for the largest concurrency limit,
+        ``tiers`` tier assignments. OSError or ValueError says what failed;
+        the zones made before it are removed."""
         zone_type = zone_type if zone_type is not None else _zone_type()
         made: dict[str, Zone] = {}
         try:
-            for name, (capacity, value_size, stripes) in zone_sizes(max_keys,
-                                                                    lease_slots_for(largest_concurrency)).items():
+            for name, (capacity, value_size, stripes) in zone_sizes(max_keys, lease_slots_for(largest_concurrency),
+                                                                    tiers).items():
                 made[name] = zone_type.create(f"{prefix}-{name}", capacity, value_size, stripes)
         except BaseException:
             for zone in made.values():
@@ -238,11 +266,13 @@ class NodeZones:
         return cls(prefix, attached)
 
     @classmethod
-    def private(cls, max_keys: int, largest_concurrency: int = 0, zone_type: Any = None) -> NodeZones:
+    def private(cls, max_keys: int, largest_concurrency: int = 0, zone_type: Any = None,
+                tiers: int = TIER_ASSIGNMENTS) -> NodeZones:
         """Zones in this process's memory only (tests, one worker)."""
         zone_type = zone_type if zone_type is not None else _zone_type()
         return cls("", {name: zone_type.private(*size)
-                        for name, size in zone_sizes(max_keys, lease_slots_for(largest_concurrency)).items()})
+                        for name, size in zone_sizes(max_keys, lease_slots_for(largest_concurrency),
+                                                     tiers).items()})
 
     def close(self) -> None:
         for zone in self.zones.values():
@@ -268,6 +298,43 @@ class NodeZones:
         return {name: {"recoveries": zone.recoveries, "evictions": zone.evictions, "waits": zone.waits,
                        "records": len(zone), "capacity": zone.capacity}
                 for name, zone in self.zones.items()}
+
+
+def tier_name(identity: str) -> bytes:
+    """The digest of an identity's record in the tiers zone."""
+    return digest_of(identity.encode("utf-8", "surrogatepass"))
+
+
+def encode_tier(identity: str, tier: str) -> bytes:
+    """An identity's tier record (see ``TIER_VALUE``); ValueError when
+    either does not fit (it never names the identity: it may be a secret)."""
+    try:
+        name = tier.encode("ascii")
+    except UnicodeEncodeError:
+        raise ValueError("a tier's name is ASCII (letters, digits, _ . -)") from None
+    if not 0 < len(name) <= TIER_NAME_BYTES:
+        raise ValueError(f"a tier's name is 1 to {TIER_NAME_BYTES} characters")
+    try:
+        text = identity.encode()
+    except UnicodeEncodeError:
+        raise ValueError("an identity is printable text") from None
+    if not text:
+        raise ValueError("expected an identity")
+    if len(text) > MAX_IDENTITY_CHARS:
+        raise ValueError(f"the memory backend's shared table (serve --workers) holds identities of at most "
+                         f"{MAX_IDENTITY_CHARS} bytes in UTF-8; this one takes {len(text)}")
+    return bytes((len(name),)) + name + text
+
+
+def decode_tier(value: bytes) -> tuple[str, str] | None:
+    """(identity, tier) of a tier record; None for bytes that are none."""
+    length = value[0] if value else 0
+    if not 0 < length <= TIER_NAME_BYTES or len(value) <= 1 + length:
+        return None
+    try:
+        return value[1 + length:].decode(), value[1:1 + length].decode("ascii")
+    except UnicodeDecodeError:
+        return None
 
 
 def _zone_type() -> Any:
@@ -762,7 +829,9 @@ class NodeStore:
         self._clock = clock
         self._wall_clock = wall_clock
         self._network_bans = NetworkBans()
+        self._tier_assignments = TierAssignments()  # replaced in place: the engine holds this one
         self._seen_generation = -1
+        self._seen_tiers = -1
         self._seen_reload = zones.states.generation()
         self._on_change: list[Callable[[], None]] = []
         self._on_reload: list[Callable[[], None]] = []
@@ -793,6 +862,10 @@ class NodeStore:
             return False
         self._seen_generation = generation
         self._network_bans.replace(self._read_bans(self.zones.networks, self._clock()))
+        tiers = self.zones.tiers.generation()  # bumped before the bans zone's: read after it
+        if tiers != self._seen_tiers:
+            self._seen_tiers = tiers
+            self._tier_assignments.replace(self._read_tiers())
         for listener in self._on_change:
             listener()
         reload = self.zones.states.generation()
@@ -816,6 +889,11 @@ class NodeStore:
     def network_bans(self) -> NetworkBans:
         self.refresh()
         return self._network_bans
+
+    @property
+    def tier_assignments(self) -> TierAssignments:
+        self.refresh()
+        return self._tier_assignments
 
     # -- deciding ---------------------------------------------------------------
 
@@ -1040,6 +1118,62 @@ class NodeStore:
         reset = self._forget_keys(keys)
         self.changed()
         return reset
+
+    # -- tiers ----------------------------------------------------------------------
+
+    async def assign_tier(self, identity: str, tier: str) -> None:
+        """A record of the tiers zone, never evicting another: ValueError
+        when the zone holds ``TIER_ASSIGNMENTS`` others already, or when the
+        identity or tier does not fit a record. Every worker reads the
+        assignments again at its next request."""
+        tiers = self.zones.tiers
+        value = encode_tier(identity, tier)
+        digest = tier_name(identity)
+        now = self._clock()
+
+        def put() -> None:
+            # One stripe (zone_sizes), locked: its records are the zone's.
+            if tiers.peek(digest, now) is None and len(tiers) >= tiers.capacity:
+                raise ValueError(f"the memory backend's shared table (serve --workers) holds {tiers.capacity:,} "
+                                 "tier assignments made at run time, the most it takes: remove one first")
+            tiers.put(digest, value, math.inf, now)
+
+        self._one(tiers, digest, put)
+        self._tier_assignments.set(identity, tier)
+        self._tiers_changed()
+
+    async def unassign_tier(self, identity: str) -> bool:
+        tiers = self.zones.tiers
+        digest = tier_name(identity)
+        removed = bool(self._one(tiers, digest, lambda: tiers.delete(digest)))
+        self._tier_assignments.remove(identity)
+        if removed:
+            self._tiers_changed()
+        return removed
+
+    async def assigned_tiers(self) -> dict[str, str]:
+        return self._read_tiers()
+
+    def _tiers_changed(self) -> None:
+        self.zones.tiers.bump_generation()
+        self.changed()
+
+    def _read_tiers(self) -> dict[str, str]:
+        """Every assignment in the tiers zone, a stripe at a time."""
+        tiers = self.zones.tiers
+        now = self._clock()
+        found: dict[str, str] = {}
+        for stripe in _all_stripes(tiers):
+            tiers.lock([stripe])
+            try:
+                values = [value for _, value, _ in tiers.scan(stripe, now)]
+            finally:
+                tiers.unlock([stripe])
+            for value in values:
+                assignment = decode_tier(value)
+                if assignment is not None:
+                    found[assignment[0]] = assignment[1]
+        return found
 
     # -- inspection ----------------------------------------------------------------
 

@@ -16,7 +16,9 @@ it spreads the keys of different clients over every master, while the
 keys of one client share a slot with its ban record, so that a request's
 per-client checks stay one atomic script. Checks of other slots are one
 call each, sent at once. Every key has an expiry: a counter's when its
-window no longer weighs in and its penalty is over, a ban's when it ends.
+window no longer weighs in and its penalty is over, a ban's when it ends;
+but the tier assignments made at run time, which last until they are
+removed (see sidecar.store.redis_admin).
 
 Time is the Redis server's (``TIME``), which all nodes share; with
 ``server_time=False`` the scripts use the ``now`` the engine passes (tests
@@ -53,6 +55,8 @@ from sidecar.store.redis_admin import (
     COUNT_INFIX,
     NETWORK_HEAD,
     NETWORK_INDEX,
+    TIERS,
+    TIERS_VERSION,
     VERSION_KEPT_MS,
     AdminCopy,
     glob_escape,
@@ -63,6 +67,7 @@ from sidecar.store.redis_admin import (
 )
 from sidecar.store.redis_cluster import ClusterRedis
 from sidecar.store.redis_pipeline import PipelinedRedis, RedisAddress
+from sidecar.tiers import MAX_ASSIGNMENTS, TierAssignments
 
 __all__ = ["RedisStore", "StoreUnavailable", "counting_key", "ban_key"]
 
@@ -292,8 +297,10 @@ class RedisStore:
         self._writes: set[asyncio.Task[None]] = set()  # shadow bans being written
         # address -> when the shadow ban this node last wrote for it ends
         self._shadow_written = BoundedMap(max_keys, lambda expires: expires, clock)
+        self._clock = clock
         self.admin = AdminCopy(self._admin_state, self._ban_record, self.penalties, clock)
         self.network_bans: NetworkBans = self.admin.network_bans  # read again in place on changes
+        self.tier_assignments: TierAssignments = self.admin.tier_assignments  # likewise
 
     @classmethod
     def from_url(cls, url: str, node: str, timeout: float = DEFAULT_TIMEOUT,
@@ -565,11 +572,13 @@ class RedisStore:
             digest = self._scripts[name] = self.client.script(_script(name))
         return digest
 
-    async def _admin_state(self, now: float, known: str) -> list[Any]:
+    async def _admin_state(self, now: float, known: str, known_tiers: str) -> list[Any]:
         """admin_state.lua: the admin version, and the network bans when it
-        is not ``known``."""
-        state: list[Any] = await self.client.evalsha(self._lazy_script("admin_state"), [ADMIN_VERSION, NETWORK_INDEX],
-                                                     [self._now(now), known, NETWORK_HEAD])
+        is not ``known`` (with the tier assignments when their version is
+        not ``known_tiers``)."""
+        state: list[Any] = await self.client.evalsha(
+            self._lazy_script("admin_state"), [ADMIN_VERSION, NETWORK_INDEX, TIERS, TIERS_VERSION],
+            [self._now(now), known, NETWORK_HEAD, known_tiers])
         return state
 
     async def _command(self, key: str, *command: Any) -> Any:
@@ -620,6 +629,39 @@ class RedisStore:
     async def active_network_bans(self, now: float) -> list[BanRecord]:
         await self.admin.refresh(now, force=True)
         return self.network_bans.in_force(now)
+
+    # -- tiers (see sidecar.store.redis_admin) --------------------------------
+
+    async def assign_tier(self, identity: str, tier: str) -> None:
+        """One script in the admin slot; this node's copy at once, every
+        other node's within the watch interval. ValueError when the store
+        holds ``MAX_ASSIGNMENTS`` others already (another node may have
+        added the last since the caller counted)."""
+        if not tier:
+            raise ValueError("expected a tier")  # '' removes an assignment in tier.lua
+        if await self._write_tier(identity, tier) < 0:
+            raise ValueError(f"the store holds {MAX_ASSIGNMENTS:,} tier assignments made at run time, the most "
+                             "it takes: remove one first")
+        self.tier_assignments.set(identity, tier)
+        await self.admin.refresh(self._clock())
+
+    async def unassign_tier(self, identity: str) -> bool:
+        removed = await self._write_tier(identity, "") > 0
+        self.tier_assignments.remove(identity)  # whether or not another node removed it first
+        if removed:
+            await self.admin.refresh(self._clock())
+        return removed
+
+    async def _write_tier(self, identity: str, tier: str) -> int:
+        """tier.lua: assign ``tier`` ('' = remove the assignment)."""
+        done = await self.client.evalsha(self._lazy_script("tier"), [TIERS, TIERS_VERSION, ADMIN_VERSION],
+                                         [identity, tier, new_version(), VERSION_KEPT_MS, MAX_ASSIGNMENTS])
+        return int(done)
+
+    async def assigned_tiers(self) -> dict[str, str]:
+        """The hash, read now (one ``HGETALL``)."""
+        values = await self._command(TIERS, "HGETALL", TIERS)
+        return dict(zip(values[0::2], values[1::2]))
 
     async def find_keys(self, now: float, selection: KeySelection, limit: int | None = None) -> list[CountingKey]:
         """Found by name: see sidecar.store.redis_admin."""

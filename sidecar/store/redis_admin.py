@@ -22,6 +22,19 @@ the network bans again and empties its cache of keys over limit (which
 would otherwise answer for a reset key, or keep refusing a banned client
 with a rule's page instead of closing). The node that acts reads them at
 once; every other node within a second.
+
+**Tier assignments** (``sidecar.tiers``) live in the admin slot too: one
+hash, ``sluice:{admin}:tiers`` (identity to tier), and a version of their
+own, ``sluice:{admin}:tiers:version``. A node assigns or removes one in one
+script (tier.lua) that also writes a new version of both; it changes its
+own copy at once, and every other node, finding the admin version moved,
+reads the assignments again with the network bans when (and only when)
+their version moved too: a network ban or a reset does not send every
+node the whole hash. ``TierAssignments`` is each node's copy, read with
+every request without a round trip; a node that cannot ask keeps its
+last copy. The hash holds at most ``sidecar.tiers.MAX_ASSIGNMENTS``
+identities (the script refuses one more), never expires, and is never
+logged: an identity may be a secret (an API key).
 """
 
 from __future__ import annotations
@@ -42,12 +55,18 @@ from sidecar.store import StoreUnavailable
 from sidecar.store.penalties import PenaltyCache
 from sidecar.store.redis_cluster import ClusterRedis
 from sidecar.store.redis_pipeline import PipelinedRedis, RedisReplyError
+from sidecar.tiers import TierAssignments
 
 log = logging.getLogger("sluice")
 
 ADMIN_VERSION = "sluice:{admin}:version"
 NETWORK_INDEX = "sluice:{admin}:networks"
 NETWORK_HEAD = "sluice:{admin}:network:"
+# The tier assignments made at run time (a hash: identity -> tier), and
+# their version, which changes with each of them (never expires, as they
+# do not).
+TIERS = "sluice:{admin}:tiers"
+TIERS_VERSION = "sluice:{admin}:tiers:version"
 # The version outlives every node's last look at it by far; when it expires
 # the nodes read the network bans once more, and nothing else happens.
 VERSION_KEPT_MS = 86_400_000
@@ -119,15 +138,18 @@ async def scan(client: PipelinedRedis | ClusterRedis, pattern: str) -> AsyncIter
 
 class AdminCopy:
     """This node's copy of the admin slot: the network bans, read again
-    whenever the admin version changes; the cache of keys over limit is
-    emptied then. ``read`` runs the admin state script (admin_state.lua)
+    whenever the admin version changes, and the tier assignments, read
+    again when their own version changed too; the cache of keys over limit
+    is emptied then. ``read`` runs the admin state script (admin_state.lua)
     and ``ban`` makes a ban record of its fields; ``clock`` is the time of
     the asks that no caller makes."""
 
-    def __init__(self, read: Callable[[float, str], Awaitable[list[Any]]],
+    def __init__(self, read: Callable[[float, str, str], Awaitable[list[Any]]],
                  ban: Callable[[str, float, Sequence[Any]], BanRecord], penalties: PenaltyCache,
                  clock: Clock, interval: float = WATCH_INTERVAL) -> None:
         self.network_bans = NetworkBans()
+        self.tier_assignments = TierAssignments()  # replaced in place: the engine holds this one
+        self._tiers_version: str | None = None  # None: never read
         self._read = read
         self._ban = ban
         self._penalties = penalties
@@ -139,11 +161,17 @@ class AdminCopy:
 
     async def refresh(self, now: float, force: bool = False) -> None:
         """Ask for the admin version; read the network bans when it changed
-        (or with ``force``)."""
+        (or with ``force``), and the tier assignments when their own
+        version changed too (``force`` or not: theirs never expires)."""
         known = "*" if force or self._version is None else self._version
-        version, changed, *values = await self._read(now, known)
+        known_tiers = "*" if self._tiers_version is None else self._tiers_version
+        version, changed, *values = await self._read(now, known, known_tiers)
         if not int(changed):
             return
+        tiers_version, tiers, *values = values
+        if isinstance(tiers, list):  # else 0: the version known
+            self.tier_assignments.replace(dict(zip(tiers[0::2], tiers[1::2])))
+            self._tiers_version = tiers_version
         self.network_bans.replace(self._ban(values[i], now, values[i + 1:i + 8]) for i in range(0, len(values), 8))
         if version != self._version:
             self._penalties.clear()
@@ -160,9 +188,9 @@ class AdminCopy:
                 await self.refresh(self._clock())
             except (StoreUnavailable, RedisReplyError) as exc:
                 # The last copy stays in force until the store answers again.
-                self._failure_log.warning("could not read the network bans and admin version from the "
-                                          "shared store (%s); the last copy stays in force (reported once "
-                                          "per minute)", exc)
+                self._failure_log.warning("could not read the network bans, tier assignments and admin "
+                                          "version from the shared store (%s); the last copy stays in force "
+                                          "(reported once per minute)", exc)
             await asyncio.sleep(self.interval)
 
     @property

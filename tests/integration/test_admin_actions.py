@@ -311,3 +311,128 @@ def test_the_last_copy_stays_in_force_while_redis_does_not_answer(tmp_path: Path
         assert asyncio.run(test()) == (True, True)
     finally:
         server.stop()
+
+
+# --------------------------------------------------------------------------
+# Tier assignments made at run time, in the admin slot
+# --------------------------------------------------------------------------
+
+
+async def until(condition, what: str, seconds: float = 2.0) -> None:
+    """Wait for ``condition`` in the loop, failing after ``seconds``."""
+    import asyncio
+
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {seconds} s: {what}"
+        await asyncio.sleep(0.01)
+
+
+def test_a_tier_assigned_on_one_node_reaches_the_other_within_the_watch_interval(two_nodes) -> None:
+    import asyncio
+
+    async def test() -> tuple:
+        a, b = two_nodes()
+        b.admin.interval = 0.05
+        try:
+            await b.open()
+            held = b.tier_assignments  # bound once, as the engine binds it
+            await a.assign_tier("key-1", "pro")
+            acting = a.tier_assignments.get("key-1")  # the acting node's copy, at once
+            await until(lambda: held.get("key-1") == "pro", "node b's copy has the assignment")
+            await a.assign_tier("sub|ünïcødé", "free")
+            await until(lambda: held.get("sub|ünïcødé") == "free", "node b's copy has the second")
+            listed = await b.assigned_tiers()
+            removed = await a.unassign_tier("key-1")
+            await until(lambda: "key-1" not in held, "node b's copy lost the removed assignment")
+            return acting, listed, removed, await b.unassign_tier("key-1"), dict(held.items()), \
+                await a.assigned_tiers()
+        finally:
+            await a.close()
+            await b.close()
+    assert asyncio.run(test()) == ("pro", {"key-1": "pro", "sub|ünïcødé": "free"}, True, False,
+                                   {"sub|ünïcødé": "free"}, {"sub|ünïcødé": "free"})
+
+
+def test_a_node_reads_the_assignments_again_only_when_they_changed(two_nodes) -> None:
+    import asyncio
+
+    async def test() -> list:
+        a, b = two_nodes()
+        replies: list = []
+        read = b.admin._read
+
+        async def recorded(now: float, known: str, known_tiers: str) -> list:
+            reply = await read(now, known, known_tiers)
+            replies.append(reply)
+            return reply
+
+        b.admin._read = recorded
+        try:
+            await a.assign_tier("key-1", "pro")
+            await b.admin.refresh(NOW)
+            await a.ban_network(NOW, "198.51.100.0/24", 600.0, "")
+            await b.admin.refresh(NOW)  # the bans again, not the assignments
+            await a.assign_tier("key-2", "free")
+            await b.admin.refresh(NOW)
+            # (read, the assignments sent, network bans) of each look, and b's copy
+            return [(int(reply[1]), reply[3], len(reply[4:]) // 8) for reply in replies] + \
+                [dict(b.tier_assignments.items())]
+        finally:
+            await a.close()
+            await b.close()
+    assert asyncio.run(test()) == [(1, ["key-1", "pro"], 0), (1, 0, 1), (1, ["key-1", "pro", "key-2", "free"], 1),
+                                   {"key-1": "pro", "key-2": "free"}]
+
+
+def test_the_store_refuses_one_assignment_past_the_most(two_nodes, monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+
+    from sidecar.store import redis
+
+    monkeypatch.setattr(redis, "MAX_ASSIGNMENTS", 2)
+
+    async def test() -> tuple:
+        a, b = two_nodes()
+        try:
+            await a.assign_tier("key-1", "pro")
+            await b.assign_tier("key-2", "pro")
+            with pytest.raises(ValueError, match="holds 2 tier assignments .* remove one first") as refused:
+                await a.assign_tier("key-3", "pro")
+            await b.assign_tier("key-1", "free")  # a new tier for one held
+            return "key-3" not in str(refused.value), await a.assigned_tiers(), "key-3" in a.tier_assignments
+        finally:
+            await a.close()
+            await b.close()
+    assert asyncio.run(test()) == (True, {"key-1": "free", "key-2": "pro"}, False)
+
+
+def test_with_redis_down_a_tier_change_fails_and_every_copy_is_kept(tmp_path: Path) -> None:
+    import asyncio
+
+    from sidecar.store import StoreUnavailable
+    from sidecar.store.redis import RedisStore
+
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+
+    async def test() -> tuple:
+        a, b = (RedisStore.from_url(server.url, name, server_time=False, clock=lambda: NOW) for name in "ab")
+        b.admin.interval = 0.01
+        try:
+            await b.open()
+            await a.assign_tier("key-1", "pro")
+            await until(lambda: b.tier_assignments.get("key-1") == "pro", "node b's copy has the assignment")
+            server.stop()
+            for call in (lambda: a.assign_tier("key-2", "free"), lambda: a.unassign_tier("key-1"),
+                         a.assigned_tiers, lambda: b.admin.refresh(NOW, force=True)):
+                with pytest.raises(StoreUnavailable):
+                    await call()
+            return dict(a.tier_assignments.items()), dict(b.tier_assignments.items()), b.admin.watching
+        finally:
+            await a.close()
+            await b.close()
+    try:
+        assert asyncio.run(test()) == ({"key-1": "pro"}, {"key-1": "pro"}, True)
+    finally:
+        server.stop()

@@ -114,3 +114,57 @@ def test_a_failover_moves_decisions_to_the_new_master_and_counting_carries_on(
     # bucket: the state was replicated (all but what the replica had not
     # received yet when the master died).
     assert COUNTED_TOKENS - max(on_new) >= COUNTED_TOKENS - min(before) - REPLICATION_LAG
+
+
+def test_tier_assignments_reach_every_node_and_survive_a_failover(group: SentinelGroup) -> None:
+    """Through the sentinels' master: one node assigns, the other's copy has
+    it within its watch interval; the assignments were replicated, and the
+    new master takes the next one."""
+    import asyncio
+
+    from sidecar.config import SentinelConfig
+    from sidecar.store import StoreUnavailable
+    from sidecar.store.redis import RedisStore
+    from sidecar.store.redis_admin import TIERS
+    from sidecar.store.sentinel import sentinel_client
+
+    config = SentinelConfig.model_validate({"master": group.MASTER, "nodes": group.nodes})
+
+    async def until(condition, what: str, seconds: float = SWITCH_SECONDS) -> None:
+        deadline = time.monotonic() + seconds
+        while not await condition():
+            assert time.monotonic() < deadline, f"not within {seconds} s: {what}"
+            await asyncio.sleep(0.02)
+
+    async def test() -> tuple:
+        a, b = (RedisStore(sentinel_client(config, 1.0), name, server_time=False) for name in "ab")
+        b.admin.interval = 0.05
+        try:
+            await b.open()
+            await a.assign_tier("key-1", "pro")
+
+            async def copied(identity: str) -> bool:
+                return b.tier_assignments.get(identity) is not None
+
+            await until(lambda: copied("key-1"), "node b's copy has the assignment")
+            old = group.master()
+            assert old.client().wait(1, 5000) == 1  # the replica has it
+            group.sentinels[0].client().sentinel_failover(group.MASTER)
+
+            async def assigned() -> bool:
+                try:
+                    await a.assign_tier("key-2", "free")
+                except StoreUnavailable:
+                    return False
+                # Written to the new master (not to the old one as it was demoted).
+                new = group.master()
+                return new is not old and new.client().hget(TIERS, "key-2") == "free"
+
+            await until(assigned, "an assignment taken by the new master")
+            await until(lambda: copied("key-2"), "node b's copy has the assignment made on the new master")
+            return dict(b.tier_assignments.items()), await b.assigned_tiers()
+        finally:
+            await a.close()
+            await b.close()
+    held = {"key-1": "pro", "key-2": "free"}
+    assert asyncio.run(test()) == (held, held)

@@ -727,3 +727,20 @@ def test_forgetting_an_address_history_starts_its_escalation_over(open_store) ->
         return first.ban.step, forgotten, again.ban.step
     # Without the history the second ban would be step 1 (600 s).
     assert run(open_store, test) == (0, 1, 0)
+
+
+@beyond_deciding
+def test_tiers_are_assigned_replaced_listed_and_removed_in_this_node_s_copy_at_once(open_store) -> None:
+    async def test(store: StateStore) -> tuple:
+        copy = store.tier_assignments  # as the engine holds it
+        await store.assign_tier("key-1", "pro")
+        await store.assign_tier("sub|ünïcødé", "free")
+        await store.assign_tier("key-1", "enterprise")  # replaces its tier
+        at_once = dict(copy.items())
+        listed = await store.assigned_tiers()
+        removed = await store.unassign_tier("key-1"), await store.unassign_tier("key-1")
+        return at_once, listed, removed, dict(copy.items()), await store.assigned_tiers(), \
+            store.tier_assignments is copy
+    held = {"key-1": "enterprise", "sub|ünïcødé": "free"}
+    assert run(open_store, test) == (held, held, (True, False), {"sub|ünïcødé": "free"},
+                                     {"sub|ünïcødé": "free"}, True)

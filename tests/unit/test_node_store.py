@@ -38,12 +38,15 @@ from sidecar.store.node import (
     BAN_VALUE,
     LABEL_VALUE,
     STALE_KEPT,
+    TIER_ASSIGNMENTS,
     ZONE_ORDER,
     NodeStore,
     NodeTable,
     NodeZones,
     NotPlanned,
     compiled_zone,
+    decode_tier,
+    encode_tier,
     remove_orphans,
     zone_sizes,
 )
@@ -402,6 +405,111 @@ def test_resetting_keys_and_forgetting_history_act_for_every_worker() -> None:
     assert run_at_once(second.reset_keys(NOW, [key])) == 1
     assert run_at_once(first.find_keys(NOW, KeySelection(address="192.0.2.3"))) == []
     assert not first.decide(NOW, "192.0.2.3", [Check(gate, key)]).hits[-1].over_limit
+
+
+# -- tier assignments made at run time ---------------------------------------------------
+
+
+@pytest.mark.parametrize("zone_type", ZONE_TYPES, ids=lambda zone: zone.__module__)
+def test_tiers_are_assigned_replaced_listed_and_removed(zone_type: Any) -> None:
+    store = node_store(zone_type=zone_type)
+    copy = store.tier_assignments  # as the engine holds it: changed in place
+    run_at_once(store.assign_tier("key-1", "pro"))
+    run_at_once(store.assign_tier("sub|ünïcødé", "free"))
+    run_at_once(store.assign_tier("key-1", "enterprise"))  # replaces its tier
+    longest = "k" * 256
+    run_at_once(store.assign_tier(longest, "gold.2024-Q1_x"))
+    held = {"key-1": "enterprise", "sub|ünïcødé": "free", longest: "gold.2024-Q1_x"}
+    assert run_at_once(store.assigned_tiers()) == held
+    assert dict(copy.items()) == held and store.tier_assignments is copy
+    assert len(store.zones.tiers) == 3
+    assert run_at_once(store.unassign_tier("key-1")) is True
+    assert run_at_once(store.unassign_tier("key-1")) is False
+    assert run_at_once(store.unassign_tier("never-assigned")) is False
+    assert copy.get("key-1") is None and "key-1" not in run_at_once(store.assigned_tiers())
+    assert store.tracked_keys() == 0  # assignments are no counting keys
+
+
+def test_a_tier_assigned_through_one_worker_every_worker_sees(tmp_path: Path) -> None:
+    prefix = str(tmp_path / "sluice-tiers")
+    made = NodeZones.create(prefix, 1000, zone_type=PureZone)
+    first = node_store(zones=NodeZones.attach(prefix, zone_type=PureZone))
+    second = node_store(zones=NodeZones.attach(prefix, zone_type=PureZone))
+    try:
+        held = second.tier_assignments  # bound once, before any assignment
+        changes: list[str] = []
+        second.follow(lambda: changes.append("change"))
+        run_at_once(first.assign_tier("key-1", "pro"))
+        assert held.get("key-1") is None  # not looked yet: no zone read on a lookup
+        assert second.refresh()
+        assert held.get("key-1") == "pro" and changes == ["change"]
+        assert run_at_once(second.assigned_tiers()) == {"key-1": "pro"}
+
+        run_at_once(second.assign_tier("key-2", "free"))
+        assert dict(first.tier_assignments.items()) == {"key-1": "pro", "key-2": "free"}
+        assert run_at_once(second.unassign_tier("key-1"))
+        assert dict(first.tier_assignments.items()) == {"key-2": "free"}
+        assert dict(held.items()) == {"key-2": "free"}
+
+        # Another change of the admin's is no reason to read the assignments again.
+        reads: list[int] = []
+        read_tiers = second._read_tiers
+
+        def counted() -> dict[str, str]:
+            reads.append(1)
+            return read_tiers()
+
+        second._read_tiers = counted  # type: ignore[method-assign]
+        run_at_once(first.ban_network(NOW, "198.51.100.0/24", 60.0, "range"))
+        assert second.refresh() and second.network_bans.in_force(NOW) and reads == []
+        run_at_once(first.assign_tier("key-3", "pro"))
+        assert second.refresh() and reads == [1] and held.get("key-3") == "pro"
+    finally:
+        for store in (first, second):
+            store.zones.close()
+        made.unlink()
+        made.close()
+
+
+@pytest.mark.parametrize("zone_type", ZONE_TYPES, ids=lambda zone: zone.__module__)
+def test_a_full_tiers_zone_refuses_a_new_identity_and_evicts_no_assignment(zone_type: Any) -> None:
+    zones = NodeZones.private(1000, 2, zone_type=zone_type, tiers=3)
+    store, other = node_store(zones=zones), node_store(zones=zones)
+    for number in range(3):
+        run_at_once(store.assign_tier(f"secret-{number}", "pro"))
+    with pytest.raises(ValueError, match="holds 3 tier assignments .* remove one first") as refused:
+        run_at_once(other.assign_tier("secret-new", "free"))
+    assert "secret" not in str(refused.value)  # an identity may be an API key: never in a message
+    held = {f"secret-{number}": "pro" for number in range(3)}
+    assert run_at_once(store.assigned_tiers()) == held and dict(other.tier_assignments.items()) == held
+    assert zones.tiers.evictions == 0
+    run_at_once(other.assign_tier("secret-1", "free"))  # a new tier for one held: no new record
+    assert run_at_once(other.unassign_tier("secret-0"))
+    run_at_once(other.assign_tier("secret-new", "free"))
+    assert dict(store.tier_assignments.items()) == {"secret-1": "free", "secret-2": "pro", "secret-new": "free"}
+
+
+def test_an_identity_or_tier_that_does_not_fit_a_record_is_refused_without_naming_it() -> None:
+    store = node_store()
+    wide = "é" * 200  # 200 characters: an identity, but 400 bytes of UTF-8
+    with pytest.raises(ValueError, match="at most 256 bytes in UTF-8; this one takes 400") as refused:
+        run_at_once(store.assign_tier(wide, "pro"))
+    assert "é" not in str(refused.value)
+    with pytest.raises(ValueError, match="1 to 32 characters"):
+        run_at_once(store.assign_tier("key", "t" * 33))
+    assert run_at_once(store.assigned_tiers()) == {} and len(store.tier_assignments) == 0
+    assert decode_tier(encode_tier("é" * 128, "t" * 32)) == ("é" * 128, "t" * 32)
+    assert decode_tier(b"") is None and decode_tier(b"\x05pro") is None and decode_tier(b"\x00key") is None
+
+
+def test_the_tiers_zone_holds_its_assignments_within_a_container_s_default_shm() -> None:
+    """The tiers zone is one stripe of TIER_ASSIGNMENTS records (none of a
+    tracked key's 128 bytes), and the whole table for the default 100,000
+    keys still fits a container's default 64 MB of /dev/shm."""
+    sizes = zone_sizes(100_000, 16)
+    assert sizes["tiers"].capacity == TIER_ASSIGNMENTS and sizes["tiers"].stripes == 1
+    assert layout(*sizes["tiers"]).file_size < 3.5 * 2 ** 20
+    assert sum(layout(*size).file_size for size in sizes.values()) < 64_000_000
 
 
 # -- keys' text and the bounds ------------------------------------------------------------
