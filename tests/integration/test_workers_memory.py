@@ -384,11 +384,21 @@ def serve(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SluiceSer
     only a reload asked of it reloads."""
     monkeypatch.setenv("SLUICE_WATCH_INTERVAL", "0")
     rules = tmp_path / "rules.yaml"
-    rules.write_text("state: {backend: memory, max_keys: 20000}\nrules:\n" + ONE_RULE.format(requests=BUDGET))
+    rules.write_text("state: {backend: memory, max_keys: 20000}\n" + TIERS + "rules:\n"
+                     + ONE_RULE.format(requests=BUDGET) + TIERED_RULE)
     with SluiceServe(rules, workers=WORKERS) as sluice:
         yield sluice
 
 
+TIERS = 'tiers: {names: [free, pro], default: free, identity: "header:x-t"}\n'
+TIERED_RULE = """\
+  - id: tiered
+    match: {header: {name: x-t, present: true}}
+    key: ["header:x-t"]
+    limit: {requests: 1, per: 60s}
+    tiers: {pro: 3}
+    action: block
+"""
 ONE_RULE = """\
   - id: by-header
     match: {{header: {{name: x-k, present: true}}}}
@@ -471,6 +481,25 @@ def test_a_ban_by_hand_through_one_worker_is_every_workers(serve: SluiceServe) -
     assert statuses() == {403}
     assert request(serve.port, "DELETE", f"/v1/admin/bans?address={client}")[0] == 204
     assert statuses() == {200}
+
+
+def test_a_tier_assigned_through_one_worker_is_every_workers(serve: SluiceServe) -> None:
+    key = uuid.uuid4().hex
+
+    def statuses(identity: str) -> list[int]:
+        return [request(serve.port, "GET", "/v1/check", {"x-t": identity})[0] for _ in range(20)]
+
+    assignment = json.dumps({"identity": key, "tier": "pro"}).encode()
+    assert request(serve.port, "POST", "/v1/admin/tiers", body=assignment)[0] == 200
+    listed = [json.loads(request(serve.port, "GET", "/v1/admin/tiers")[1])["assignments"] for _ in range(20)]
+    assert all(found == [{"identity": key, "tier": "pro", "from": "run time"}] for found in listed)
+    # Twenty fresh connections, dealt to either worker: pro's 3, whichever decides.
+    assert statuses(key) == [200] * 3 + [429] * 17
+    removal = json.dumps({"identity": key}).encode()
+    assert request(serve.port, "DELETE", "/v1/admin/tiers", body=removal)[0] == 204
+    assert all(json.loads(request(serve.port, "GET", "/v1/admin/tiers")[1])["assignments"] == []
+               for _ in range(20))
+    assert statuses(uuid.uuid4().hex) == [200] + [429] * 19  # free: the rule's own 1
 
 
 def test_the_tables_files_are_private_and_gone_when_serve_stops(tmp_path: Path) -> None:
