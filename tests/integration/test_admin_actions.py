@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,12 +40,19 @@ pytestmark = pytest.mark.integration
 RULES = """\
 node: {node}
 {state}
+tiers: {{names: [free, pro], default: free, identity: "header:x-api-key"}}
 rules:
   - id: admin-login
     match: {{path: {{prefix: /admin-login}}}}
     key: [ip]
     limit: {{requests: 2, per: 1m}}
     penalty: 10m
+    action: block
+  - id: admin-metered
+    match: {{path: {{prefix: /admin-metered/}}}}
+    key: ["header:x-api-key", path]
+    limit: {{requests: 1, per: 1h}}
+    tiers: {{pro: 3}}
     action: block
 """
 
@@ -174,6 +182,26 @@ def test_with_redis_what_one_node_does_the_other_nodes_door_sees(
     sluice_admin(second_node.port, "unban", network)
     wait_until(lambda: not closed(inside, front_door), "the lift seen by the first node", 3)
     assert inside.request("/").status == 200
+
+
+def test_with_redis_a_tier_set_on_one_node_holds_at_the_other_nodes_door(
+        stacks: dict[str, Stack], second_node: SluiceServe, front_door: str) -> None:
+    client = Client(front_door_port(stacks["redis"], front_door), fresh_client_address())
+    key = {"X-Api-Key": f"key-{uuid.uuid4().hex}"}
+
+    def admitted(times: int) -> list[int]:
+        """``times`` requests of the key on a path of their own: a count of its own."""
+        path = f"/admin-metered/{uuid.uuid4().hex}"
+        return [client.request(path, headers=key).status for _ in range(times)]
+
+    assert admitted(2) == [200, 429]  # free: the rule's own 1
+    assert sluice_admin(second_node.port, "tier", "set", key["X-Api-Key"], "pro") == "assigned to tier pro\n"
+    started = time.monotonic()
+    wait_until(lambda: admitted(2) == [200, 200], "the first node reading the assignment", 3)
+    assert time.monotonic() - started < 2.5
+    assert admitted(4) == [200, 200, 200, 429]
+    assert sluice_admin(second_node.port, "tier", "unset", key["X-Api-Key"]) == "removed the run-time assignment\n"
+    wait_until(lambda: admitted(2) == [200, 429], "the first node reading the removal", 3)
 
 
 def closed(client: Client, front_door: str) -> bool:
