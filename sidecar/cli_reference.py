@@ -71,8 +71,9 @@ def _meaning(option: click.Option) -> str:
 
 
 def _commands_text(names: Sequence[str], every: dict[str, list[str]]) -> str:
-    """The commands of a row: a group's name when it is every command of it."""
-    for group, members in every.items():
+    """The commands of a row: a group's name when it is every command of it
+    (the widest such group)."""
+    for group, members in sorted(every.items(), key=lambda item: -len(item[1])):
         if names == members and len(members) > 1:
             return f"`{group}` (every command)"
     return ", ".join(f"`{name}`" for name in names)
@@ -92,7 +93,9 @@ def environment_page(group: click.Group | None = None) -> str:
     rows: dict[EnvironmentOption, list[str]] = {}
     groups: dict[str, list[str]] = {}
     for name, command in commands(group):
-        groups.setdefault(name.rsplit(" ", 1)[0], []).append(name)
+        words = name.split()
+        for end in range(2, len(words)):  # every group it is in: sluice admin, sluice admin tier
+            groups.setdefault(" ".join(words[:end]), []).append(name)
         for option in environment_options(command):
             rows.setdefault(option, []).append(name)
     lines = [
