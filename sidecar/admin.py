@@ -408,18 +408,8 @@ def counter_view(state: CounterState, limiter: Limiter | None) -> dict[str, Any]
 def parse_ban(body: bytes) -> tuple[str, float, str]:
     """The address, duration and reason of ``POST /v1/admin/bans``'s JSON;
     ValueError says what is wrong with it."""
-    example = 'a JSON object like {"address": "203.0.113.7", "duration": "1h", "reason": "..."}'
-    if len(body) > MAX_BAN_REQUEST:
-        raise ValueError(f"expected {example}, of at most {MAX_BAN_REQUEST} bytes")
-    try:
-        fields = json.loads(body, parse_constant=_no_constant)
-    except (ValueError, RecursionError):
-        raise ValueError(f"expected {example}") from None
-    if not isinstance(fields, dict):
-        raise ValueError(f"expected {example}")
-    unknown = sorted(set(fields) - {"address", "duration", "reason"})
-    if unknown:
-        raise ValueError(f"unknown field {unknown[0][:100]!r}: a ban has an address, a duration and a reason")
+    fields = _json_fields(body, 'a JSON object like {"address": "203.0.113.7", "duration": "1h", "reason": "..."}',
+                          {"address", "duration", "reason"}, "a ban has an address, a duration and a reason")
     address, duration, reason = fields.get("address"), fields.get("duration"), fields.get("reason", "")
     if not isinstance(address, str):
         raise ValueError("address: expected an IP address or a network (CIDR), as a string")
@@ -441,6 +431,18 @@ def parse_assignment(body: bytes, needs_tier: bool = True) -> tuple[str, str]:
     identity alone for ``DELETE``); ValueError says what is wrong with it."""
     example = ('a JSON object like {"identity": "KEY", "tier": "pro"}' if needs_tier
                else 'a JSON object like {"identity": "KEY"}')
+    fields = _json_fields(body, example, {"identity", "tier"} if needs_tier else {"identity"}, f"expected {example}")
+    identity, tier = fields.get("identity"), fields.get("tier", "")
+    if not isinstance(identity, str) or not identity:
+        raise ValueError("identity: expected the value of tiers.identity (an API key, a subject), as a string")
+    if needs_tier and (not isinstance(tier, str) or not tier):
+        raise ValueError("tier: expected one of tiers.names, as a string")
+    return identity, tier
+
+
+def _json_fields(body: bytes, example: str, known: set[str], unknown_says: str) -> dict[str, Any]:
+    """An admin call's JSON object, of at most ``MAX_BAN_REQUEST`` bytes
+    and the ``known`` fields only; ValueError says what is wrong with it."""
     if len(body) > MAX_BAN_REQUEST:
         raise ValueError(f"expected {example}, of at most {MAX_BAN_REQUEST} bytes")
     try:
@@ -449,16 +451,10 @@ def parse_assignment(body: bytes, needs_tier: bool = True) -> tuple[str, str]:
         raise ValueError(f"expected {example}") from None
     if not isinstance(fields, dict):
         raise ValueError(f"expected {example}")
-    known = {"identity", "tier"} if needs_tier else {"identity"}
     unknown = sorted(set(fields) - known)
     if unknown:
-        raise ValueError(f"unknown field {unknown[0][:100]!r}: expected {example}")
-    identity, tier = fields.get("identity"), fields.get("tier", "")
-    if not isinstance(identity, str) or not identity:
-        raise ValueError("identity: expected the value of tiers.identity (an API key, a subject), as a string")
-    if needs_tier and (not isinstance(tier, str) or not tier):
-        raise ValueError("tier: expected one of tiers.names, as a string")
-    return identity, tier
+        raise ValueError(f"unknown field {unknown[0][:100]!r}: {unknown_says}")
+    return fields
 
 
 def _no_constant(name: str) -> float:
