@@ -50,6 +50,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from sidecar import version
 from sidecar.clientip import ClientAddress, IPNetwork, NetworkTable
 from sidecar.identity import shown_url
 from sidecar.ratelog import RateLimitedLog
@@ -74,7 +75,9 @@ BYTES_PER_DECISION = 512
 STREAM_MARGIN_BYTES = 1 << 20
 # Alerts per request to the LAPI.
 ALERT_BATCH = 100
-USER_AGENT = "crowdsec-sluice-bouncer"
+# NAME/VERSION: the LAPI names a bouncer's type and version from it, and
+# refuses a machine's login whose user agent has no version.
+USER_AGENT_NAME = "crowdsec-sluice-bouncer"
 # A decision's duration, as Go writes one: "59m59.09s", "-5.1ms", "4h0m0s".
 _GO_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
 _GO_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -266,6 +269,7 @@ class LapiClient:
         self.url = url
         self.timeout = timeout
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        self.user_agent = f"{USER_AGENT_NAME}/v{version()}"
 
     def request(self, path: str, headers: Mapping[str, str], body: Any = None, limit: int = 1 << 20) -> bytes:
         """The answer's body (``limit`` bytes at most: ValueError beyond);
@@ -273,7 +277,7 @@ class LapiClient:
         the LAPI cannot be reached."""
         data = json.dumps(body).encode() if body is not None else None
         request = urllib.request.Request(self.url + path, data=data, method="POST" if data is not None else "GET",
-                                         headers={"User-Agent": USER_AGENT, "Accept": "application/json",
+                                         headers={"User-Agent": self.user_agent, "Accept": "application/json",
                                                   **({"Content-Type": "application/json"} if data else {}),
                                                   **headers})
         with self._opener.open(request, timeout=self.timeout) as answer:

@@ -152,11 +152,12 @@ class LocalApi:
         self.cscli("decisions", "delete", "--range" if "/" in value else "--ip", value)
 
     def decisions(self) -> list[dict[str, Any]]:
-        """The decisions in force, as ``cscli decisions list -o json`` gives
-        them: the alerts, each with its decisions."""
-        found = json.loads(self.cscli("decisions", "list", "-o", "json") or "null")
+        """The decisions in force, as ``cscli decisions list --all -o json``
+        gives them: the alerts, each with its decisions (``--all``: of every
+        origin; without it cscli shows only crowdsec's and cscli's own)."""
+        found = json.loads(self.cscli("decisions", "list", "--all", "-o", "json") or "null")
         return found or []
 
     def alerts(self) -> list[dict[str, Any]]:
-        found = json.loads(self.cscli("alerts", "list", "-o", "json") or "null")
+        found = json.loads(self.cscli("alerts", "list", "--all", "-o", "json") or "null")
         return found or []
