@@ -448,3 +448,13 @@ def test_an_unset_variable_and_a_captcha_challenge_without_a_challenge_section_a
     assert any("crowdsec.captcha: challenge" in note and "set challenge.secret_file" in note for note in unset.notes)
     assert from_file.notes == () and from_file.crowdsec is not None
     assert from_file.crowdsec.same_source == ("http://h", "from-a-file", "ban")
+
+
+def test_replay_leaves_the_section_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sidecar.replay.simulate import Replay
+
+    monkeypatch.setenv("SLUICE_TEST_CROWDSEC_KEY", "k")
+    replay = Replay(ruleset_from(RULES))
+
+    assert replay.ruleset.crowdsec is None and replay.ruleset.crowdsec_push is None
+    assert [rule.id for rule in replay.ruleset.rules] == ["login"]
