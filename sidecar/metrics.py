@@ -299,9 +299,8 @@ class Metrics(Collector):
             for value, count in list(counts.items()):
                 family.add_metric([value], count)
             yield family
-        if held is not None:
-            gauge = GaugeMetricFamily("sluice_crowdsec_decisions", "CrowdSec decisions applied now, by type "
-                                      "(ban, captcha).", labels=["type"])
-            for kind, count in held.items():
-                gauge.add_metric([kind], count)
-            yield gauge
+        gauge = GaugeMetricFamily("sluice_crowdsec_decisions", "CrowdSec decisions applied now, by type "
+                                  "(ban, captcha; 0 without a crowdsec: section).", labels=["type"])
+        for kind, count in (held or {"ban": 0, "captcha": 0}).items():
+            gauge.add_metric([kind], count)
+        yield gauge

@@ -898,11 +898,11 @@ def _crowdsec(model: config.RulesFile, node: str, loaded: LoadedRules, issues: l
                                        "section's (its captcha decisions' challenge); choose another"))
     key = _secret_of(settings.key_file, settings.key_env, ("crowdsec", "key_file"), "bouncer key",
                      loaded, issues, notes)
-    if settings.captcha == "challenge" and "challenge" not in model.model_fields_set:
-        notes.append(f"{loaded.source}: crowdsec.captcha: challenge: a captcha decision gets Sluice's challenge "
-                     "with the challenge: section's settings, and the file has none: the default difficulty, and "
-                     "a secret of this process (a credential is accepted by no other node, nor after a restart); "
-                     "set challenge.secret_file")
+    if settings.captcha == "challenge" and model.challenge.secret_file is None:
+        notes.append(f"{loaded.source}: crowdsec.captcha: challenge: a captcha decision gets Sluice's challenge, "
+                     "signed with challenge.secret_file, and the file sets none: a secret of this node's process "
+                     "signs it (a credential is accepted by no other node, nor after a restart); set "
+                     "challenge.secret_file, or captcha: ban")
     bouncer = CrowdSecBouncer(settings.url, key, settings.poll, settings.timeout, settings.captcha,
                               settings.max_decisions, node)
     push = settings.push_bans

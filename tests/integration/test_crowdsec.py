@@ -14,7 +14,6 @@ import itertools
 import json
 import re
 from collections.abc import Iterator
-from pathlib import Path
 from urllib.parse import urlencode
 
 import pytest

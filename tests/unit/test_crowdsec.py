@@ -69,7 +69,8 @@ class FakeLapi:
         return answer
 
 
-def bouncer(clock: FakeClock, captcha: str = "challenge", max_decisions: int = 1000) -> tuple[CrowdSecBouncer, FakeLapi]:
+def bouncer(clock: FakeClock, captcha: str = "challenge",
+            max_decisions: int = 1000) -> tuple[CrowdSecBouncer, FakeLapi]:
     made = CrowdSecBouncer("http://lapi", "the-key", 10.0, 2.0, captcha, max_decisions, "node-a")
     made.clock = clock
     lapi = FakeLapi()
@@ -180,8 +181,8 @@ def decision(value: str, kind: str = BAN, expires: float = NOW + 60, id: int = 1
 
 
 def test_a_ban_wins_over_a_captcha_and_each_ends_at_its_expiry() -> None:
-    table = DecisionTable([decision("198.51.100.0/24", CAPTCHA, NOW + 600, 1), decision("198.51.100.7", BAN, NOW + 60, 2),
-                           decision("198.51.100.7", CAPTCHA, NOW + 900, 3)])
+    table = DecisionTable([decision("198.51.100.0/24", CAPTCHA, NOW + 600, 1),
+                           decision("198.51.100.7", BAN, NOW + 60, 2), decision("198.51.100.7", CAPTCHA, NOW + 900, 3)])
 
     assert table.find_client(address("198.51.100.7"), NOW).kind == BAN  # type: ignore[union-attr]
     assert table.find_client(address("198.51.100.9"), NOW).kind == CAPTCHA  # type: ignore[union-attr]
@@ -431,12 +432,13 @@ def test_a_wrong_section_is_an_error_at_its_line(section: str, says: str, tmp_pa
 
 def test_a_rule_named_crowdsec_is_refused_beside_the_section(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("K", "k")
-    with pytest.raises(ConfigError, match=r"test.yaml:3: rules\[0\]\(crowdsec\).id: the rule id 'crowdsec' is the crowdsec: section's"):
+    with pytest.raises(ConfigError, match=r"test.yaml:3: rules\[0\]\(crowdsec\).id: the rule id 'crowdsec' "
+                                          "is the crowdsec: section's"):
         ruleset_from("crowdsec: {url: http://h, key_env: K}\nrules:\n  - id: crowdsec\n    limit: {requests: 1, "
                      "per: 1s}\n    action: block\n")
 
 
-def test_an_unset_variable_and_a_captcha_challenge_without_a_challenge_section_are_warnings(
+def test_an_unset_variable_and_a_captcha_challenge_without_a_challenge_secret_are_warnings(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("SLUICE_UNSET_KEY", raising=False)
     (tmp_path / "key").write_text("from-a-file\n")
@@ -446,6 +448,8 @@ def test_an_unset_variable_and_a_captcha_challenge_without_a_challenge_section_a
 
     assert any("SLUICE_UNSET_KEY (the bouncer key) is not set" in note for note in unset.notes)
     assert any("crowdsec.captcha: challenge" in note and "set challenge.secret_file" in note for note in unset.notes)
+    assert not any("crowdsec.captcha" in note for note in ruleset_from(
+        "challenge: {secret_file: key}\ncrowdsec: {url: http://h, key_file: key}\nrules: []\n", tmp_path).notes)
     assert from_file.notes == () and from_file.crowdsec is not None
     assert from_file.crowdsec.same_source == ("http://h", "from-a-file", "ban")
 
