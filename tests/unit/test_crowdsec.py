@@ -462,3 +462,19 @@ def test_replay_leaves_the_section_out(monkeypatch: pytest.MonkeyPatch) -> None:
 
     assert replay.ruleset.crowdsec is None and replay.ruleset.crowdsec_push is None
     assert [rule.id for rule in replay.ruleset.rules] == ["login"]
+
+
+def test_the_admin_shows_an_addresss_crowdsec_decisions_and_says_where_to_lift_them(engine: Engine) -> None:
+    import asyncio
+
+    from sidecar.admin import Admin
+
+    admin = Admin(engine, None)
+    listing = asyncio.run(admin.counters("2001:db8:0:7::1", None, []))
+
+    assert listing["ban"] is None
+    assert listing["crowdsec"] == [{"value": "2001:db8::/48", "type": "ban", "scenario": "s", "origin": "o",
+                                    "remaining_seconds": 60.0}]
+    assert admin.no_ban("203.0.113.7") == ("no ban of 203.0.113.7; CrowdSec bans 203.0.113.7: delete that in "
+                                           "CrowdSec (cscli decisions delete)")
+    assert admin.no_ban("192.0.2.1") == "no ban of 192.0.2.1"
