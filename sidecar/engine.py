@@ -722,7 +722,7 @@ class Engine:
         """A ban just issued, sent to CrowdSec as an alert when the
         crowdsec: section says so (queued: sent by its own thread)."""
         push = self.ruleset.crowdsec_push
-        if push is not None and ban is not None:
+        if push is not None and ban is not None and ban.address and not ban.shadow:
             push.offer(ban, ban.expires - self.clock())
 
     @staticmethod
