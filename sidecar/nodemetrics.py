@@ -76,6 +76,8 @@ GAUGE_MODES = {
     "sluice_node_table_capacity": "livemax",
     # Each worker fetches its own keys: the fewest shows a worker without.
     "sluice_jwt_keys": "livemin",
+    # Each worker polls the Local API itself: the fewest shows a worker behind.
+    "sluice_crowdsec_decisions": "livemin",
 }
 
 

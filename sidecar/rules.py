@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import linecache
 import math
+import os
 import re
 import socket
 from collections.abc import Callable, Mapping, Sequence
@@ -25,6 +26,7 @@ from sidecar.actions import CHALLENGE_PAGE, BlockPage
 from sidecar.challenge import cookie_name
 from sidecar.clientip import ClientAddress, ClientIPResolver, NetworkSet
 from sidecar.config import ConfigError, ConfigIssue, LoadedRules, Loc, resolve_file
+from sidecar.crowdsec import AlertPusher, CrowdSecBouncer
 from sidecar.geo import GeoDatabase, asn_of, country_of
 from sidecar.identity import JwtReader, parse_jwks
 from sidecar.keys import CountingKey, KeyPrefix, key_dimensions, key_values
@@ -575,6 +577,11 @@ class Ruleset:
     tiers: Tiers | None = None  # a request's tier (the tiers: section)
     geo: Mapping[str, GeoDatabase] = field(default_factory=dict)  # the geoip: section's databases
     notes: tuple[str, ...] = ()  # warnings found while compiling
+    # The crowdsec: section's: the LAPI's decisions, the rule whose challenge
+    # a captcha decision gets, and the sender of Sluice's bans as alerts.
+    crowdsec: CrowdSecBouncer | None = None
+    crowdsec_rule: CompiledRule | None = None
+    crowdsec_push: AlertPusher | None = None
     holds: bool = field(init=False)  # any rule may hold a request (read for every request)
     leases: bool = field(init=False)  # any rule takes concurrency slots: requests need a lease id
 
@@ -733,6 +740,9 @@ def compile_rules(loaded: LoadedRules, shadow: bool = False) -> Ruleset:
         for rule_id in override.rules:
             overrides.setdefault(rule_id, []).append(Override(NetworkSet(override.cidrs), override.multiply))
     auto_ban = AutoBan.from_config(model.challenge.auto_ban)
+    node = model.node or socket.gethostname()
+    notes: list[str] = []
+    crowdsec = _crowdsec(model, node, loaded, issues, notes)
     jwt = _jwt_reader(model.jwt, loaded, issues)
     geo = _geo_databases(model.geoip, loaded)
     declared = {"jwt": jwt is not None, **{name: name in geo for name in GEO_DIMENSIONS}}
@@ -806,14 +816,18 @@ def compile_rules(loaded: LoadedRules, shadow: bool = False) -> Ruleset:
     match, match_source = compile_matcher(compiled_from, verified_bots, loaded, jwt, geo, tiers)
     # The resolver tells each client it makes whether it is exempt.
     exempt = NetworkSet(model.exempt)
+    crowdsec_rule = _crowdsec_rule(model.crowdsec) if crowdsec[0] is not None else None
+    notes.extend(f"{loaded.source}: geoip.{name}: {database.problem}; the {name} dimension is empty until "
+                 "it can be read" for name, database in geo.items() if database.problem is not None)
     return Ruleset(
         rules=tuple(rules),
-        by_id={rule.id: rule for rule in rules},
+        # The solution of a captcha decision's challenge finds its rule here.
+        by_id={rule.id: rule for rule in (*rules, *([crowdsec_rule] if crowdsec_rule is not None else []))},
         resolver=ClientIPResolver(tuple(client_ip.trusted_proxies), client_ip.ipv4_prefix,
                                   client_ip.ipv6_prefix, exempt=exempt),
         exempt=exempt,
         verified_bots=verified_bots,
-        node=model.node or socket.gethostname(),
+        node=node,
         max_keys=model.state.max_keys,
         max_delayed=model.state.max_delayed,
         backend=model.state.backend,
@@ -835,8 +849,10 @@ def compile_rules(loaded: LoadedRules, shadow: bool = False) -> Ruleset:
         jwt=jwt,
         tiers=tiers,
         geo=geo,
-        notes=tuple(f"{loaded.source}: geoip.{name}: {database.problem}; the {name} dimension is empty until "
-                    "it can be read" for name, database in geo.items() if database.problem is not None),
+        notes=tuple(notes),
+        crowdsec=crowdsec[0],
+        crowdsec_rule=crowdsec_rule,
+        crowdsec_push=crowdsec[1],
     )
 
 
@@ -969,6 +985,75 @@ def _jwt_reader(settings: config.JwtConfig | None, loaded: LoadedRules,
     return JwtReader(header=token.header, cookie=token.cookie, payload_header=token.payload_header, keys=keys,
                      verified_by_proxy=settings.verified_by_proxy, algorithms=tuple(settings.algorithms),
                      issuer=settings.issuer, audience=settings.audience, leeway=settings.leeway, **fetching)
+
+
+# The id of the rule a CrowdSec captcha decision's challenge is issued
+# for (its credential cookie is sluice_pass_crowdsec); no rule of the file
+# may have it while the file has a crowdsec: section.
+CROWDSEC_RULE = "crowdsec"
+
+
+def _crowdsec(model: config.RulesFile, node: str, loaded: LoadedRules, issues: list[ConfigIssue],
+              notes: list[str]) -> tuple[CrowdSecBouncer | None, AlertPusher | None]:
+    """The ``crowdsec:`` section's bouncer and alert sender, inert until
+    the engine starts them; their secrets read now (a variable of the
+    environment that is not set is a warning: ``sluice check`` may run
+    where the secrets are not)."""
+    settings = model.crowdsec
+    if settings is None:
+        return None, None
+    for index, rule in enumerate(model.rules):
+        if rule.id == CROWDSEC_RULE:
+            issues.append(loaded.issue(("rules", index, "id"), f"the rule id {CROWDSEC_RULE!r} is the crowdsec: "
+                                       "section's (its captcha decisions' challenge); choose another"))
+    key = _secret_of(settings.key_file, settings.key_env, ("crowdsec", "key_file"), "bouncer key",
+                     loaded, issues, notes)
+    if settings.captcha == "challenge" and model.challenge.secret_file is None:
+        notes.append(f"{loaded.source}: crowdsec.captcha: challenge: a captcha decision gets Sluice's challenge, "
+                     "signed with challenge.secret_file, and the file sets none: a secret of this node's process "
+                     "signs it (a credential is accepted by no other node, nor after a restart); set "
+                     "challenge.secret_file, or captcha: ban")
+    bouncer = CrowdSecBouncer(settings.url, key, settings.poll, settings.timeout, settings.captcha,
+                              settings.max_decisions, node)
+    push = settings.push_bans
+    if push is None:
+        return bouncer, None
+    password = _secret_of(push.password_file, push.password_env, ("crowdsec", "push_bans", "password_file"),
+                          "machine password", loaded, issues, notes)
+    return bouncer, AlertPusher(settings.url, push.machine_id, password, settings.timeout, push.queue, node,
+                                retry=settings.poll)
+
+
+def _secret_of(file: str | None, variable: str | None, loc: Loc, what: str, loaded: LoadedRules,
+               issues: list[ConfigIssue], notes: list[str]) -> str | None:
+    """A secret from its file (read at validation already: a file changed
+    since is an issue) or its environment variable (unset: a note)."""
+    if file is not None:
+        try:
+            return resolve_file(file, loaded.base_dir).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            issues.append(loaded.issue(loc, f"cannot read the {what} file: {exc}"))
+            return None
+    assert variable is not None
+    value = os.environ.get(variable, "").strip()
+    if not value:
+        notes.append(f"{loaded.source}: the environment variable {variable} (the {what}) is not set here; "
+                     "Sluice cannot talk to the Local API without it")
+        return None
+    return value
+
+
+def _crowdsec_rule(settings: config.CrowdSecConfig | None) -> CompiledRule:
+    """The rule a captcha decision's challenge is issued for: its page and
+    credential are a challenge rule's; it counts nothing."""
+    assert settings is not None
+    model = config.Rule.model_validate({"id": CROWDSEC_RULE, "limit": {"requests": 1, "per": "1s"},
+                                        "action": "challenge"})
+    key_prefix, key = compile_key(CROWDSEC_RULE, ["ip"])
+    return CompiledRule(id=CROWDSEC_RULE, action="challenge", condition=None, key=key, key_prefix=key_prefix,
+                        limiter=build_limiter(model.limit, None).limiter, threshold=0, reset=None, overrides=(),
+                        page=CHALLENGE_PAGE, ban_duration=None, response=None,
+                        challenge=ChallengeSettings(cookie_name(CROWDSEC_RULE), settings.captcha_ttl))
 
 
 def _address_wide_rule(rules: Sequence[tuple[CompiledRule, config.Rule]],

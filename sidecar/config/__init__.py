@@ -42,6 +42,8 @@ from sidecar.config.models import (
     Condition,
     CountOn,
     CountryTest,
+    CrowdSecConfig,
+    CrowdSecPush,
     DecisionLogConfig,
     FailMode,
     GeoipConfig,
@@ -110,6 +112,7 @@ __all__ = [
     # models
     "BUILTIN_PAGE_TYPES", "Action", "AutoBanConfig", "Backend", "BanAction", "BanIncrementConfig", "BlockAction",
     "ChallengeAction", "ChallengeConfig", "ClientIPConfig", "ClusterConfig", "Condition", "CountOn",
+    "CrowdSecConfig", "CrowdSecPush",
     "DecisionLogConfig", "FailMode", "AsnTest", "CountryTest", "GeoipConfig", "IPTest", "JwtConfig", "JwtKeys",
     "JwtTest", "JwtToken", "Limit", "LimitModel", "LogKeys", "NamedTest", "NamedTests",
     "OverloadConfig", "OverloadMode", "Override", "ResetOn", "ResponseHeaderTest", "Rule", "RulesFile",

@@ -742,6 +742,94 @@ class TiersConfig(Strict):
         return self
 
 
+# An environment variable's name, as POSIX shells accept it.
+ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+
+
+class CrowdSecPush(Strict):
+    """Sluice's own bans sent to the Local API as alerts, by a machine
+    (``cscli machines add``): its id, and its password from a file or an
+    environment variable, never inline."""
+
+    machine_id: str = Field(min_length=1)
+    password_file: str | None = Field(None, min_length=1)
+    password_env: str | None = Field(None, pattern=ENV_NAME_PATTERN)
+    # Bans waiting to be sent; past it a ban is dropped (and counted).
+    queue: int = Field(1000, ge=1, le=100_000)
+
+    @field_validator("password_file")
+    @classmethod
+    def _password_readable(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and not read_text_file(value, info, "password file").strip():
+            raise ValueError(f"the password file {value!r} is empty")
+        return value
+
+    @model_validator(mode="after")
+    def _one_password(self) -> CrowdSecPush:
+        _exactly_one(self, ("password_file", "password_env"))
+        return self
+
+
+class CrowdSecConfig(Strict):
+    """The ``crowdsec:`` section: a CrowdSec Local API whose decisions
+    Sluice applies as a bouncer, and optionally sends its own bans to."""
+
+    url: str
+    # The bouncer's key (``cscli bouncers add``): a file, or an environment variable.
+    key_file: str | None = Field(None, min_length=1)
+    key_env: str | None = Field(None, pattern=ENV_NAME_PATTERN)
+    poll: Duration = 10.0
+    timeout: Duration = 2.0
+    # What a captcha decision does: Sluice's challenge, a ban, or nothing.
+    captcha: Literal["challenge", "ban", "ignore"] = "challenge"
+    # How long a solved challenge lets the client past a captcha decision.
+    captcha_ttl: Duration = 3600.0
+    # The decisions held at most (a community blocklist is tens of thousands).
+    max_decisions: int = Field(200_000, ge=1, le=10_000_000)
+    push_bans: CrowdSecPush | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _http(cls, value: str) -> str:
+        if not re.match(r"^https?://[^/\s?#]+(/[^\s?#]*)?$", value):
+            raise ValueError("the Local API's URL is http:// or https://, a host and an optional path, "
+                             "like http://127.0.0.1:8080")
+        return value.rstrip("/")
+
+    @field_validator("key_file")
+    @classmethod
+    def _key_readable(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and not read_text_file(value, info, "bouncer key file").strip():
+            raise ValueError(f"the bouncer key file {value!r} is empty")
+        return value
+
+    @field_validator("poll")
+    @classmethod
+    def _poll(cls, value: float) -> float:
+        if not 1 <= value <= 3600:
+            raise ValueError("decisions are polled every 1s to 1h")
+        return value
+
+    @field_validator("timeout")
+    @classmethod
+    def _timeout(cls, value: float) -> float:
+        if not 0 < value <= 60:
+            raise ValueError("a request's timeout is above 0 and at most 60s")
+        return value
+
+    @field_validator("captcha_ttl")
+    @classmethod
+    def _captcha_ttl(cls, value: float) -> float:
+        if not 60 <= value <= 7 * 86400:
+            raise ValueError("a solved challenge lasts from 1m to 7d")
+        return value
+
+    @model_validator(mode="after")
+    def _one_key(self) -> CrowdSecConfig:
+        _exactly_one(self, ("key_file", "key_env"))
+        return self
+
+
 class RulesFile(Strict):
     model_config = ConfigDict(defer_build=True)  # as Rule's
 
@@ -762,6 +850,7 @@ class RulesFile(Strict):
     jwt: JwtConfig | None = None
     geoip: GeoipConfig | None = None
     tiers: TiersConfig | None = None
+    crowdsec: CrowdSecConfig | None = None
     rules: list[Rule] = []
 
 

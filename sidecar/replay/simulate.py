@@ -8,6 +8,7 @@ the sweeps' candidate rulesets beside it, in one pass over the logs.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Collection, Sequence
@@ -67,7 +68,11 @@ class Replay:
 
     def __init__(self, ruleset: Ruleset, default_host: str = "", watched: Collection[str] | None = None) -> None:
         """``watched``: the ids of the rules to keep tallies for (all by
-        default); a sweep's replays watch only the rule they try."""
+        default); a sweep's replays watch only the rule they try. A
+        crowdsec: section is left out: its decisions are not in access
+        logs, and a replay neither polls a Local API nor sends it alerts."""
+        if ruleset.crowdsec is not None:
+            ruleset = dataclasses.replace(ruleset, crowdsec=None, crowdsec_rule=None, crowdsec_push=None)
         self.ruleset = ruleset
         self.default_host = default_host
         self.clock = VirtualClock()
