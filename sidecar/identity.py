@@ -35,6 +35,7 @@ import binascii
 import collections
 import json
 import logging
+import math
 import threading
 import time
 import types
@@ -172,9 +173,12 @@ class JwtReader:
         self.audience = audience
         self.leeway = leeway
         self.clock: Callable[[], float] = time.time
-        self.outcomes: collections.Counter[str] = collections.Counter()
+        self.outcomes: dict[str, int] = dict.fromkeys(OUTCOMES, 0)
         self.fetches: collections.Counter[str] = collections.Counter()
-        self._cache: dict[str, tuple[TokenRead, float, float]] = {}  # field -> (read, nbf, exp)
+        # field -> (read, earliest, latest): a valid token's is valid from
+        # earliest (nbf - leeway) until before latest (exp + leeway); the
+        # others' never is (inf, -inf), and is their outcome at any time.
+        self._cache: dict[str, tuple[TokenRead, float, float]] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._fetch_log = RateLimitedLog(log, 60)
@@ -183,7 +187,7 @@ class JwtReader:
 
     # -- lifecycle ------------------------------------------------------------
 
-    def start(self, clock: Callable[[], float], outcomes: collections.Counter[str],
+    def start(self, clock: Callable[[], float], outcomes: dict[str, int],
               fetches: collections.Counter[str]) -> None:
         """Read time from ``clock`` and count into the engine's counters;
         with a URL, fetch the keys now and every ``refresh`` seconds in a
@@ -252,9 +256,9 @@ class JwtReader:
             # A valid token remembered, in its time: found here, without
             # read's two calls (the common case, once per request).
             cached = self._cache.get(field) if field else None
-            if cached is not None and cached[0].outcome == "valid":
+            if cached is not None:
                 now = self.clock()
-                if cached[1] <= now + self.leeway and now - self.leeway < cached[2]:
+                if cached[1] <= now < cached[2]:
                     read = cached[0]
                     self.outcomes["valid"] += 1
             if read is None:
@@ -292,17 +296,19 @@ class JwtReader:
         cached = self._cache.get(field)
         if cached is None:
             token = self.token_in(field)
-            cached = self._examine(token) if token else (MISSING, 0.0, 0.0)
+            read, not_before, expires = self._examine(token) if token else (MISSING, 0.0, 0.0)
+            cached = (read, not_before - self.leeway, expires + self.leeway) if read.outcome == "valid" \
+                else (read, math.inf, -math.inf)
             if len(self._cache) >= CACHE_SIZE:
                 self._cache = {}
             self._cache[field] = cached
-        read, not_before, expires = cached
+        read, earliest, latest = cached
         if read.outcome != "valid":
             return read
         now = self.clock()
-        if now + self.leeway < not_before:
+        if now < earliest:
             return TokenRead("not_yet_valid")
-        if now - self.leeway >= expires:
+        if now >= latest:
             return TokenRead("expired")
         return read
 

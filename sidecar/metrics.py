@@ -29,6 +29,7 @@ from prometheus_client.registry import Collector
 
 from sidecar import version
 from sidecar.config import Action
+from sidecar.identity import OUTCOMES as JWT_OUTCOMES
 
 if TYPE_CHECKING:
     from sidecar.nodemetrics import NodeMetrics
@@ -124,9 +125,11 @@ class Metrics(Collector):
         self.overload_decisions: collections.Counter[tuple[str, str]] = collections.Counter()
         # Actions shadow rules would have taken, by (rule, action).
         self.shadow_actions: collections.Counter[tuple[str, str]] = collections.Counter()
-        # Tokens read for rules on claims, by outcome (sidecar.identity.OUTCOMES),
-        # and fetches of a JWKS URL, by result; and the keys tokens are verified with.
-        self.jwt_tokens: collections.Counter[str] = collections.Counter()
+        # Tokens read for rules on claims, by outcome (sidecar.identity.OUTCOMES:
+        # a plain dict of every outcome, counted once per request that reads
+        # a token, where a Counter's += costs twice as much), and fetches of
+        # a JWKS URL, by result; and the keys tokens are verified with.
+        self.jwt_tokens: dict[str, int] = dict.fromkeys(JWT_OUTCOMES, 0)
         self.jwt_fetches: collections.Counter[str] = collections.Counter()
         self.jwt_keys: Callable[[], int] = lambda: 0
         # A CrowdSec Local API's (sidecar.crowdsec): polls by result, decisions
@@ -257,7 +260,8 @@ class Metrics(Collector):
                                      "unknown_key, bad_signature, expired, not_yet_valid, bad_claims, no_keys).",
                                      labels=["outcome"])
         for outcome, count in self.jwt_tokens.items():
-            tokens.add_metric([outcome], count)
+            if count:
+                tokens.add_metric([outcome], count)
         yield tokens
         fetches = CounterMetricFamily("sluice_jwt_key_fetches", "Fetches of the JWKS URL, by result "
                                       "(succeeded, failed: the last keys are kept).", labels=["result"])
