@@ -19,13 +19,23 @@ with its own address and its own token, every check carrying its
 Passes are interleaved; each figure is the CPU time per check
 (``time.process_time``) of the fastest pass.
 
-Usage: ``.venv/bin/python bench/bench_identity.py [--passes 9] [--batch 20000]``.
+Then the check as deployed: the shipped nginx template in front of a
+``sluice serve`` keyed on ``jwt:sub`` and of one keyed on ``ip`` (the same
+1,000 clients, each with its token, from its address in a trusted
+X-Forwarded-For; wrk with bench/tokens.lua), interleaved passes, each
+Sluice's CPU per request from /proc (as bench_check.py measures it). Skip
+it with ``--in-process``.
+
+Usage: ``.venv/bin/python bench/bench_identity.py [--passes 9] [--batch 20000] [--seconds 5] [--rounds 6]
+[--in-process]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -51,7 +61,9 @@ from sidecar.tracing import Tracing  # noqa: E402
 from tests.geodb import write_asn_database  # noqa: E402
 from tests.jwks import Issuer  # noqa: E402
 
+TOKENS_LUA = ROOT / "bench" / "tokens.lua"
 RULE = """
+client_ip: {{trusted_proxies: [127.0.0.0/8]}}
 rules:
   - id: per-client
     key: [{key}]
@@ -92,6 +104,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--passes", type=int, default=9)
     parser.add_argument("--batch", type=int, default=20_000)
+    parser.add_argument("--seconds", type=int, default=5, help="each pass through nginx (default 5)")
+    parser.add_argument("--rounds", type=int, default=6, help="interleaved passes through nginx (default 6)")
+    parser.add_argument("--in-process", action="store_true", help="skip the checks through nginx")
     args = parser.parse_args()
     issuer = Issuer()
     with tempfile.TemporaryDirectory() as tmp:
@@ -151,6 +166,68 @@ def main() -> None:
             print(f"  {'':<10} keyed on {name:<10} {best[what, name]:6.2f} µs: {best[what, name] / ip_figure:.2f}x "
                   f"the address's{target}")
     print("  (with tracing off, the check keyed on ip is the untraced one: the doors hold None and build nothing)")
+    if not args.in_process:
+        through_nginx(issuer, tokens, args.seconds, args.rounds)
+
+
+def through_nginx(issuer: Issuer, tokens: list[str], seconds: int, rounds: int) -> None:
+    """The check as deployed: nginx's template before a Sluice keyed on
+    jwt:sub and one keyed on ip, each Sluice's CPU per request."""
+    import bench_check
+
+    bench_check.ensure_wrk()
+    with tempfile.TemporaryDirectory(prefix="sluice-bench-identity-") as tmp:
+        run = Path(tmp)
+        bench = bench_check.Bench(run)
+        (run / "jwks.json").write_text(json.dumps(issuer.jwks(("RS256",))))
+        (run / "tokens.txt").write_text("\n".join(tokens) + "\n")
+        configs = {}
+        try:
+            upstream = [bench.start_upstream()]
+            for name, key in (("ip", "ip"), ("jwt:sub", '"jwt:sub"')):
+                rules = run / f"rules-{name.replace(':', '-')}.yaml"
+                rules.write_text((JWT if name != "ip" else "") + RULE.format(key=key))
+                sluice, port = bench.start_sluice(f"sluice-{name}", rules=rules)
+                nginx, nginx_port = bench.start_nginx(f"nginx-{name.replace(':', '-')}", port)
+                configs[name] = bench_check.Config(name, f"http://127.0.0.1:{nginx_port}",
+                                                   {"sidecar": sluice, "nginx": nginx, "upstream": upstream})
+            for config in configs.values():
+                _wrk_pass(config, run / "tokens.txt", 1, keep=False)
+            for number in range(rounds):
+                for config in list(configs.values())[::1 if number % 2 == 0 else -1]:
+                    _wrk_pass(config, run / "tokens.txt", seconds)
+        except (OSError, subprocess.SubprocessError):
+            for log in sorted((run / "logs").glob("*")):
+                print(f"--- {log.name}\n{log.read_text(errors='replace')[-1500:]}", file=sys.stderr)
+            raise
+        finally:
+            bench.procs.stop()
+    ip_us, jwt_us = (configs[name].us_per_request("sidecar") for name in ("ip", "jwt:sub"))
+    print(f"  through nginx ({rounds} interleaved passes of {seconds} s, Sluice's CPU per request from /proc):")
+    print(f"             keyed on ip {ip_us:6.2f} µs")
+    print(f"             keyed on jwt:sub  {jwt_us:6.2f} µs: {jwt_us / ip_us:.2f}x the address's   (target <= 1.1)")
+
+
+def _wrk_pass(config, tokens_file: Path, seconds: int, keep: bool = True) -> None:  # type: ignore[no-untyped-def]
+    """One wrk pass of bench/tokens.lua, the CPU of the config's processes charged to it."""
+    import bench_check
+
+    every = [pid for pids in config.pids.values() for pid in pids]
+    before = {pid: bench_check.cpu_seconds(pid) for pid in every}
+    out = subprocess.run([bench_check.ensure_wrk(), "-t2", "-c32", f"-d{seconds}s", "-s", str(TOKENS_LUA),
+                          config.url, "--", str(tokens_file)], capture_output=True, text=True, check=True,
+                         timeout=seconds + 30).stdout
+    # nginx's cache loader ends a minute after nginx starts: what it used is what it had.
+    after = {pid: bench_check.cpu_seconds(pid) if Path(f"/proc/{pid}").exists() else before[pid] for pid in every}
+    done = re.search(r"(\d+) requests in ([\d.]+)(m?s)", out)
+    if done is None or "Non-2xx" in out:
+        raise SystemExit(f"wrk through {config.name}: no count, or refusals:\n{out}")
+    if not keep:
+        return
+    took = float(done.group(2)) / (1000 if done.group(3) == "ms" else 1)
+    config.passes.append(bench_check.Result(int(done.group(1)), took, 0, 0))
+    for role, pids in config.pids.items():
+        config.cpu[role] = config.cpu.get(role, 0.0) + sum(after[pid] - before[pid] for pid in pids)
 
 
 if __name__ == "__main__":
