@@ -41,3 +41,24 @@ def test_the_matcher_names_the_fields_and_tests() -> None:
     source = ruleset_from(RULES).match_source.text
     assert "request.headers.get('x-sluice-ja4', '').startswith(c1)" in source
     assert "modern-tls (line 4): ja4 prefix 't13'" in source
+
+
+def test_replay_counts_a_logged_fingerprint_whatever_address_it_came_from(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A JSON access log whose http_x_sluice_ja4 field holds the
+    listener's JA4 (Envoy: "%TLS_JA4_FINGERPRINT%"): replay counts the
+    fingerprint across the rotating addresses."""
+    import json
+
+    from sidecar.replay.simulate import replay_logs
+
+    start = 1_709_287_200.0
+    lines = [json.dumps({"remote_addr": f"198.51.100.{n}", "msec": f"{start + n:.3f}", "request": "GET / HTTP/1.1",
+                         "status": "200", "http_x_sluice_ja4": CHROME_LIKE if n % 2 else OLD_STACK})
+             for n in range(1, 9)]
+    (tmp_path / "access.log").write_text("\n".join(lines) + "\n")
+
+    report = replay_logs(ruleset_from(RULES), [str(tmp_path / "access.log")])
+
+    modern = next(rule for rule in report["rules"] if rule["id"] == "modern-tls")
+    # Four requests of one TLS stack from four addresses: two let in, two refused.
+    assert (modern["matched"], modern["allowed"], modern["blocked"]) == (4, 2, 2)
