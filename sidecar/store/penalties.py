@@ -4,9 +4,11 @@ an attack, most requests are such requests), as envoyproxy/ratelimit's
 local cache does for keys over limit.
 
 Exact where it answers: a key over limit stays so, and counts nothing, until
-its penalty (or a bucket's wait) ends, whatever other nodes do. What it does
-not see until the entry ends: a ban another node issued for the address (the
-request is refused by the rule's page instead of by closing it), and a key
+its penalty (or a bucket's wait) ends, whatever other nodes do. A ban this
+node's evaluation gave an address is seen: the store asks Redis for that
+address's requests while the ban lasts. What it does not see until the entry
+ends: a ban another node issued for the address (the request is refused by
+the rule's page instead of by closing it), and a key
 an administrator reset on the shared store by hand (redis-cli); what an
 administrator does through Sluice empties every node's cache within a second
 (``sidecar.store.redis_admin``). It never answers for a check that can ban

@@ -297,6 +297,10 @@ class RedisStore:
         self._writes: set[asyncio.Task[None]] = set()  # shadow bans being written
         # address -> when the shadow ban this node last wrote for it ends
         self._shadow_written = BoundedMap(max_keys, lambda expires: expires, clock)
+        # address -> when the ban an evaluation of this node gave it ends: its
+        # requests are asked of Redis (which refuses them with the ban), not
+        # answered from the cache of keys over limit with a rule's page.
+        self._banned_here = BoundedMap(max_keys, lambda expires: expires, clock)
         self._clock = clock
         self.admin = AdminCopy(self._admin_state, self._ban_record, self.penalties, clock)
         self.network_bans: NetworkBans = self.admin.network_bans  # read again in place on changes
@@ -327,9 +331,11 @@ class RedisStore:
         all at once: the checks that count per client share the address's
         slot with its ban record and are one atomic step; see docs/redis.md
         for what holds across slots."""
-        known = self.penalties.answer(now, checks)
-        if known is not None:
-            return known
+        banned = self._banned_here.data
+        if not banned or banned.get(address, now) <= now:
+            known = self.penalties.answer(now, checks)
+            if known is not None:
+                return known
         names = [counting_key(check.key) for check in checks]
         auto_ban = next((check.auto_ban for check in checks if check.auto_ban is not None), None)
         head = [self._now(now), address, self.node, repr(self._wall_clock())]
@@ -366,6 +372,8 @@ class RedisStore:
         evaluation = await self._combined(now, address, checks, parts, [record, counter], head[:11], quotas)
         if evaluation.ban is None:
             self.penalties.learn(now, checks, evaluation.hits)
+        else:
+            self._banned_here[address] = evaluation.ban.expires
         return evaluation
 
     def _parts(self, address: str, names: list[str]) -> list[_Part]:
@@ -746,6 +754,7 @@ class RedisStore:
         self.node = node
         self.penalties.configure(max_keys)
         self._shadow_written.max_keys = max_keys
+        self._banned_here.max_keys = max_keys
         # The new rules' checks are other kinds: a table of their own.
         self._rules.close()
         self._rules = _RuleTable(self.client, self._rules.body)

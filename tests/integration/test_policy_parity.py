@@ -9,13 +9,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 
 from sidecar.store.local import LocalStore
 from sidecar.store.redis import RedisStore
 from tests.integration.redis_server import RedisServer
 from tests.unit.dict_table import DictTable
-from tests.unit.policy_traces import Step, replay, traces
+from tests.unit.policy_traces import Request, Step, replay, traces
 
 pytestmark = pytest.mark.integration
 
@@ -23,6 +23,10 @@ pytestmark = pytest.mark.integration
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                    HealthCheck.too_slow])
 @given(trace=traces)
+# A key this node knows over limit, then a ban of the address by another rule
+# of this node: the next request of the address is the ban's, not the key's.
+@example(trace=[(0.0, Request("192.0.2.1", rules, False, False, repeat))
+                for rules, repeat in ((("ban",), 1), (("ban",), 1), (("fixed",), 3), (("ban",), 1), (("fixed",), 1))])
 def test_the_lua_decides_every_trace_as_the_policy_does(redis_server: RedisServer, trace: list[Step]) -> None:
     redis_server.client().flushdb()
 
