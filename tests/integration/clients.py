@@ -175,6 +175,16 @@ def assert_refused_by_closing(client: Client, path: str, front_door: str) -> Non
     assert closed
 
 
+def closed(client: Client, front_door: str, path: str = "/") -> bool:
+    """Whether the door refuses the client by closing (nginx: no response;
+    Envoy: an empty 403 with Connection: close)."""
+    try:
+        reply = client.request(path)
+    except CONNECTION_CLOSED:
+        return front_door == "nginx"
+    return reply.status == 403 and reply.headers.get("Connection") == "close"
+
+
 def let_in(client: Client, path: str) -> bool:
     """Whether the client's request to ``path`` is let in (200), not closed."""
     try:

@@ -25,11 +25,11 @@ import pytest
 
 from devstack.launcher import Stack
 from tests.integration.clients import (
-    CONNECTION_CLOSED,
     LOOPBACK,
     Client,
     assert_let_in_after_unban,
     assert_refused_by_closing,
+    closed,
 )
 from tests.integration.conftest import fresh_client_address, front_door_port, start_stack, wait_until
 from tests.integration.redis_server import RedisServer
@@ -202,16 +202,6 @@ def test_with_redis_a_tier_set_on_one_node_holds_at_the_other_nodes_door(
     assert admitted(4) == [200, 200, 200, 429]
     assert sluice_admin(second_node.port, "tier", "unset", key["X-Api-Key"]) == "removed the run-time assignment\n"
     wait_until(lambda: admitted(2) == [200, 429], "the first node reading the removal", 3)
-
-
-def closed(client: Client, front_door: str) -> bool:
-    """Whether the door refuses the client by closing (nginx: no response;
-    Envoy: an empty 403 with Connection: close)."""
-    try:
-        reply = client.request("/")
-    except CONNECTION_CLOSED:
-        return front_door == "nginx"
-    return reply.status == 403 and reply.headers.get("Connection") == "close"
 
 
 # --------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import pytest
 from devstack.launcher import Stack
 from sidecar.challenge import solve
 from tests.crowdsec import LocalApi
-from tests.integration.clients import CONNECTION_CLOSED, Client
+from tests.integration.clients import CONNECTION_CLOSED, Client, closed
 from tests.integration.conftest import (
     fresh_client_address,
     front_door_port,
@@ -85,16 +85,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory, lapi: LocalApi) -> Iterator[
 
 def polls(stack: Stack, result: str = "succeeded") -> float:
     return sluice_metric(stack, "sluice_crowdsec_polls_total", f'result="{result}"')
-
-
-def closed(client: Client, front_door: str) -> bool:
-    """Whether the door refuses the client by closing (nginx: no response;
-    Envoy: an empty 403 with Connection: close)."""
-    try:
-        reply = client.request("/")
-    except CONNECTION_CLOSED:
-        return front_door == "nginx"
-    return reply.status == 403 and reply.headers.get("Connection") == "close"
 
 
 @pytest.mark.parametrize("front_door", DOORS)
