@@ -20,7 +20,7 @@ from tests.unit.policy_traces import Request, Step, replay, traces
 pytestmark = pytest.mark.integration
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                    HealthCheck.too_slow])
 @given(trace=traces)
 # A key this node knows over limit, then a ban of the address by another rule

@@ -661,7 +661,7 @@ def sluice_log() -> Iterator[Records]:
         logger.removeHandler(records)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(answers=st.lists(scripts(), min_size=1, max_size=3))
 def test_whatever_the_next_service_answers_nginx_gets_a_defined_answer(answers: list[Script]) -> None:
     async def scenario() -> tuple[list[Answer], float, float, int]:

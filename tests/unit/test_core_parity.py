@@ -200,7 +200,7 @@ def connections(draw: st.DrawFn) -> list[Any]:
     return [advance, [piece.decode("latin-1") for piece in pieces]]
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=rule_sets(), sent=st.lists(connections(), min_size=1, max_size=12))
 def test_the_compiled_protocol_answers_every_connection_as_the_pure_one(twins: tuple[Twin, Twin], text: str,
                                                                         sent: list[Any]) -> None:
