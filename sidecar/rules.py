@@ -9,7 +9,6 @@ limiter objects; evaluating a request is then lookups and arithmetic only
 from __future__ import annotations
 
 import dataclasses
-import functools
 import linecache
 import math
 import os
@@ -901,23 +900,23 @@ def _tiers(settings: config.TiersConfig | None, loaded: LoadedRules, jwt: JwtRea
         else:
             assigned, problems = read_assignments(str(path), text, names)
             issues.extend(problems)
+    # The identity and the claim as the matcher reads dimensions (_dimension_value),
+    # but plain: a missing one is no identity, never the client's address.
+    source = _Expression(jwt)
+
+    def reader(expression: str) -> Callable[[CheckRequest], str | None]:
+        return cast(Callable[[CheckRequest], "str | None"], source.function(expression))
+
     identity = claim = None
     if jwt is not None and settings.claim is not None:
-        claim = functools.partial(jwt.claim, name=settings.claim)
+        claim = reader(f"jwt_claim(request, {source.constant(settings.claim)})")
     if settings.identity is not None:
         kind, _, name = settings.identity.partition(":")
-        if kind == "jwt":
-            identity = functools.partial(jwt.claim, name=name) if jwt is not None else None
-        else:
-            mapping = "headers" if kind == "header" else "cookies"
-            identity = functools.partial(_field_of, mapping, name)
+        if kind != "jwt":
+            identity = reader(_dimension_value(settings.identity, source))
+        elif jwt is not None:
+            identity = reader(f"jwt_claim(request, {source.constant(name)})")
     return Tiers(names, settings.default, identity, settings.identity or "", claim, assigned)
-
-
-def _field_of(mapping: str, name: str, request: CheckRequest) -> str | None:
-    """A request's header or cookie ``name``, if it has one."""
-    value: str | None = getattr(request, mapping).get(name)
-    return value
 
 
 def _tier_thresholds(rule: config.Rule, loc: Loc, settings: config.TiersConfig | None, overridden: bool,
