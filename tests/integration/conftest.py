@@ -252,3 +252,16 @@ def _accepts(port: int) -> bool:
             return True
     except OSError:
         return False
+
+
+@contextlib.contextmanager
+def stack_on(directory: Path, rules_text: str) -> Iterator[Stack]:
+    """A stack on the rules ``rules_text`` (written to DIRECTORY/rules.yaml,
+    so that files they name are found beside it), stopped afterwards."""
+    rules = directory / "rules.yaml"
+    rules.write_text(rules_text)
+    stack = start_stack(directory / "stack", rules)
+    try:
+        yield stack
+    finally:
+        stack.stop()

@@ -26,7 +26,7 @@ from tests.integration.conftest import (
     fresh_client_address,
     front_door_port,
     sluice_metric,
-    start_stack,
+    stack_on,
     unique_path,
     wait_until,
 )
@@ -73,14 +73,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory, lapi: LocalApi) -> Iterator[
     directory = tmp_path_factory.mktemp("crowdsec-stack")
     (directory / "bouncer.key").write_text(lapi.bouncer_key("sluice-test") + "\n")
     (directory / "machine.password").write_text(PASSWORD + "\n")
-    rules = directory / "rules.yaml"
-    rules.write_text(RULES.format(url=lapi.url))
-    started = start_stack(directory / "stack", rules)
-    try:
+    with stack_on(directory, RULES.format(url=lapi.url)) as started:
         wait_until(lambda: polls(started) >= 1, "Sluice read the decision stream", SEEN_WITHIN)
         yield started
-    finally:
-        started.stop()
 
 
 def polls(stack: Stack, result: str = "succeeded") -> float:

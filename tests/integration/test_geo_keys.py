@@ -15,7 +15,7 @@ import pytest
 from devstack.launcher import Stack
 from tests.geodb import NETWORKS, write_asn_database, write_country_database
 from tests.integration.clients import Client
-from tests.integration.conftest import fresh_client_address, front_door_port, start_stack, unique_path, wait_until
+from tests.integration.conftest import fresh_client_address, front_door_port, stack_on, unique_path, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -35,13 +35,8 @@ def geo_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack,
     directory = tmp_path_factory.mktemp("geo-stack")
     write_asn_database(directory / "asn.mmdb")
     write_country_database(directory / "country.mmdb")
-    rules = directory / "rules.yaml"
-    rules.write_text(RULES)
-    stack = start_stack(directory / "stack", rules)
-    try:
+    with stack_on(directory, RULES) as stack:
         yield stack, directory
-    finally:
-        stack.stop()
 
 
 def from_new_addresses(stack: Stack, front_door: str, path: str, times: int) -> list[int]:

@@ -21,9 +21,8 @@ from typing import Any
 import pytest
 import yaml
 
-from devstack.launcher import Stack
 from tests.integration.clients import Client
-from tests.integration.conftest import another_envoy, fresh_client_address, start_stack, unique_path
+from tests.integration.conftest import another_envoy, fresh_client_address, stack_on, unique_path
 from tests.jwks import Issuer
 
 pytestmark = pytest.mark.integration
@@ -73,15 +72,10 @@ def with_jwt_authn(bootstrap_text: str) -> str:
 @pytest.fixture(scope="module")
 def authn_envoy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     directory = tmp_path_factory.mktemp("jwt-authn")
-    rules = directory / "rules.yaml"
-    rules.write_text(RULES)
-    stack: Stack = start_stack(directory / "stack", rules)
-    try:
-        with another_envoy(with_jwt_authn((stack.run_dir / "envoy.yaml").read_text()), directory,
-                           "envoy-jwt-authn") as port:
-            yield port
-    finally:
-        stack.stop()
+    with stack_on(directory, RULES) as stack, \
+            another_envoy(with_jwt_authn((stack.run_dir / "envoy.yaml").read_text()), directory,
+                          "envoy-jwt-authn") as port:
+        yield port
 
 
 def statuses(port: int, path: str, headers: dict[str, str], times: int, new_address: bool = True) -> list[int]:

@@ -21,7 +21,7 @@ from tests.integration.conftest import (
     fresh_client_address,
     front_door_port,
     sluice_metric,
-    start_stack,
+    stack_on,
     unique_path,
     wait_until,
 )
@@ -61,14 +61,9 @@ def jwks() -> Iterator[JwksServer]:
 @pytest.fixture(scope="module")
 def jwt_stack(tmp_path_factory: pytest.TempPathFactory, jwks: JwksServer) -> Iterator[Stack]:
     directory = tmp_path_factory.mktemp("jwt-stack")
-    rules = directory / "rules.yaml"
-    rules.write_text(RULES.format(url=jwks.url))
-    stack = start_stack(directory / "stack", rules)
-    try:
+    with stack_on(directory, RULES.format(url=jwks.url)) as stack:
         wait_until(lambda: sluice_metric(stack, "sluice_jwt_keys") == 2, "Sluice fetched the JWKS", 15)
         yield stack
-    finally:
-        stack.stop()
 
 
 def token(sub: str, plan: str, algorithm: str = "RS256", generation: int = 0) -> str:

@@ -12,7 +12,7 @@ import pytest
 
 from devstack.launcher import Stack
 from tests.integration.clients import LOOPBACK, Client
-from tests.integration.conftest import fresh_client_address, front_door_port, start_stack, unique_path
+from tests.integration.conftest import fresh_client_address, front_door_port, stack_on, unique_path
 
 pytestmark = pytest.mark.integration
 
@@ -36,13 +36,8 @@ rules:
 def tiers_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     directory = tmp_path_factory.mktemp("tiers-stack")
     (directory / "tiers.yaml").write_text("pro: [key-from-file]\n")
-    rules = directory / "rules.yaml"
-    rules.write_text(RULES)
-    stack = start_stack(directory / "stack", rules)
-    try:
+    with stack_on(directory, RULES) as stack:
         yield stack
-    finally:
-        stack.stop()
 
 
 def statuses(stack: Stack, front_door: str, path: str, key: str, times: int) -> list[int]:

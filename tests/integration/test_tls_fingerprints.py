@@ -25,7 +25,7 @@ from tests.integration.conftest import (
     another_envoy,
     fresh_client_address,
     front_door_port,
-    start_stack,
+    stack_on,
     unique_path,
 )
 
@@ -44,16 +44,11 @@ rules:
 @pytest.fixture(scope="module")
 def tls_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, int]]:
     directory = tmp_path_factory.mktemp("tls-stack")
-    rules = directory / "rules.yaml"
-    rules.write_text(RULES)
-    stack = start_stack(directory / "stack", rules)
-    try:
+    with stack_on(directory, RULES) as stack:
         cert, key = write_certificate(directory)
         rendered = with_envoy_tls({"envoy.yaml": (stack.run_dir / "envoy.yaml").read_text()}, str(cert), str(key))
         with another_envoy(rendered["envoy.yaml"], directory, "envoy-tls") as port:
             yield stack, port
-    finally:
-        stack.stop()
 
 
 def tls_context(settings: str) -> ssl.SSLContext:

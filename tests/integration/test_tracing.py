@@ -15,7 +15,7 @@ from tests.integration.clients import Client
 from tests.integration.conftest import (
     fresh_client_address,
     front_door_port,
-    start_stack,
+    stack_on,
     unique_path,
     wait_until,
 )
@@ -43,13 +43,10 @@ def receiver() -> Iterator[OtlpReceiver]:
 @pytest.fixture(scope="module")
 def traced_stack(tmp_path_factory: pytest.TempPathFactory, receiver: OtlpReceiver) -> Iterator[Stack]:
     directory = tmp_path_factory.mktemp("traced-stack")
-    rules = directory / "rules.yaml"
-    rules.write_text(RULES)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("SLUICE_OTLP_ENDPOINT", receiver.url)
-        stack = start_stack(directory / "stack", rules)
-    yield stack
-    stack.stop()
+        patch.setenv("SLUICE_OTLP_ENDPOINT", receiver.url)  # read by the stack's Sluice as it starts
+        with stack_on(directory, RULES) as stack:
+            yield stack
 
 
 def wait_for_trace(receiver: OtlpReceiver, trace: str, count: int) -> list[ReceivedSpan]:
