@@ -1,14 +1,17 @@
-"""The two class decorators of Cython's pure-Python mode that the limiters'
-states use, as no-ops, for the pure-Python core where Cython is not
-installed (it is needed only to build the compiled core). Compiled, the
-states are extension types the garbage collector does not track: nothing
-they hold can lead back to them."""
+"""What the pure-Python core uses of Cython's pure-Python mode where Cython
+is not installed (it is needed only to build the compiled core): the two
+class decorators of the limiters' states and the resolved client, as
+no-ops, and ``compiled``, False. Compiled, the states and the client are
+extension types the garbage collector does not track: nothing they hold
+can lead back to them."""
 
 from __future__ import annotations
 
 from typing import TypeVar
 
 T = TypeVar("T")
+
+compiled = False  # what ``cython.compiled`` says to code that is not compiled
 
 
 def cclass(cls: T) -> T:

@@ -18,7 +18,9 @@ from sidecar.clientip import (
     ClientIPResolver,
     NetworkSet,
     NetworkTable,
+    _canonical_ipv4,
     _plain_ipv6,
+    dotted_quad,
 )
 
 # --------------------------------------------------------------------------
@@ -402,6 +404,24 @@ def test_ipv4_edge_spellings_agree_with_ipaddress(text: str) -> None:
     resolver = ClientIPResolver(TRUSTED)
     assert resolver.resolve(text, None) == _reference_resolve(TRUSTED, text, None)
     assert resolver.resolve("127.0.0.1", text) == _reference_resolve(TRUSTED, "127.0.0.1", text)
+
+
+@given(st.one_of(near_ipv4, ipv4_ints.map(lambda value: str(IPv4Address(value))), st.text(max_size=16),
+                 st.sampled_from(["01.2.3.4", "1.2.3.04", "0.0.0.0", "255.255.255.255", "256.0.0.0", "1.2.3.4.",
+                                  ".1.2.3.4", "1.2.3.1000", "9.9.9.9\n", "\u0661.\u0662.\u0663.\u0664"])))
+def test_canonical_ipv4_is_read_as_the_pattern_and_ipaddress_read_it(text: str) -> None:
+    """The compiled core reads canonical IPv4 in one pass (dotted_quad),
+    the pure one with the pattern: each agrees with ipaddress, and the
+    client resolved from it is written as ipaddress writes it."""
+    try:
+        expected = int(IPv4Address(text))
+    except ValueError:
+        expected = -1
+    assert dotted_quad(text) == expected
+    assert _canonical_ipv4(text) == (None if expected < 0 else expected)
+    client = ClientIPResolver().resolve(text, None)
+    if expected >= 0:
+        assert (client.key, client.text, client.numeric) == (text, str(IPv4Address(expected)), (4, expected))
 
 
 class Untouchable:
