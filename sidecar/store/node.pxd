@@ -5,6 +5,7 @@ cimport cython
 
 from sidecar.shm._zone cimport Zone as CompiledZone
 from sidecar.state cimport Check, CheckSpec
+from sidecar.store.records cimport key_name
 
 
 @cython.final
@@ -90,5 +91,6 @@ cdef class NodeTable:
     cpdef _drop_decoded(self)
     @cython.locals(slot=_Slot, slots=list, index=Py_ssize_t)
     cpdef _end(self)
-    @cython.locals(name=_Name, room=Py_ssize_t)
+    @cython.locals(name=_Name, room=Py_ssize_t, compiled=CompiledZone, text=bytes, digest=bytes, stripe=Py_ssize_t,
+                   label_stripe=Py_ssize_t)
     cpdef _Name _name(self, key, bint leases)

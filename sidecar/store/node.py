@@ -70,7 +70,7 @@ from sidecar.networkbans import NetworkBans
 from sidecar.policy import BAN_STEP, COUNTED_PENALTY, Note, Policy
 from sidecar.state import BanRecord, Check, CheckSpec, Clock, Evaluation, ResponseCount, epoch_clock
 from sidecar.store import records
-from sidecar.store.records import ELSEWHERE, digest_of, key_text
+from sidecar.store.records import ELSEWHERE, digest_of, key_name, key_text
 from sidecar.tiers import MAX_IDENTITY_CHARS, TierAssignments
 
 if TYPE_CHECKING:
@@ -557,12 +557,12 @@ class NodeTable:
     def _name(self, key: Hashable, leases: bool) -> _Name:
         """What the worker keeps about a key, worked out anew (its text's
         ``repr`` and digest cost more than the rest of its read)."""
-        text = key_text(key)
-        digest = digest_of(text)
-        zone, room = (self._leases, LEASE_TEXT) if leases else (self._states, TEXT_ROOM)
+        text, digest, prefix_text = key_name(key)
+        compiled, zone, room = (self._compiled_leases, self._leases, LEASE_TEXT) if leases \
+            else (self._compiled_states, self._states, TEXT_ROOM)
+        stripe = compiled.stripe_of(digest) if compiled is not None else zone.stripe_of(digest)  # in C
         label_stripe = self._labels.stripe_of(digest) if len(text) > room else -1
-        name = self._names[key] = _Name(digest, text, records.prefix_of(key)[1], leases, room,
-                                        zone.stripe_of(digest), label_stripe)
+        name = self._names[key] = _Name(digest, text, prefix_text, leases, room, stripe, label_stripe)
         return name
 
     def plan_key(self, key: Hashable, limiter: Limiter | None, leases: bool | None = None) -> _Slot:

@@ -5,3 +5,6 @@ cimport cython
 cpdef bytes encode_state(state, Py_ssize_t lease_slots)
 @cython.locals(kind=int)
 cpdef decode_state(bytes value, limiter)
+
+@cython.locals(known=tuple, text=bytes)
+cpdef tuple key_name(key)

@@ -675,6 +675,8 @@ def test_a_keys_text_reads_back_as_the_key(key: Any) -> None:
     assert text.startswith(code) and records.parse_prefix(prefix) == key[0]
     assert records.parse_key(text, {code: key[0]}) == key
     assert records.parse_key(text, {}) is None  # a prefix no worker wrote: not listed
+    # Worked out in one call, as the store does for each key it meets.
+    assert records.key_name(key) == (text, records.digest_of(text), prefix)
 
 
 @pytest.mark.parametrize("text", [b"", b"nonsense", b"(1, 2)", b"('a', 3)", b"\xff", b"(('a', 'b', 'c'),)",
