@@ -18,6 +18,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from tests.processes import stop_process
+
 START_SECONDS = 30.0
 
 CONFIG = """\
@@ -117,13 +119,7 @@ class LocalApi:
         raise RuntimeError(f"crowdsec did not answer on {self.url} within {START_SECONDS} s")
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)
         self.process = None
 
     # -- cscli ------------------------------------------------------------------

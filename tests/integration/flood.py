@@ -25,6 +25,7 @@ from devstack.launcher import find_envoy, find_nginx
 from sidecar.rendering import nginx_main_config
 from tests.integration.clients import LOOPBACK
 from tests.integration.conftest import free_port, metric_at
+from tests.processes import stop_process
 
 # Where the honest client comes from: another address than the flood's;
 # and the address of the probe that waits for the chain to answer.
@@ -55,16 +56,6 @@ def _wait_for_port(port: int, process: subprocess.Popen, what: str, log: Path, s
             if process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"{what} did not start: {log.read_text(errors='replace')[-3000:]}") from None
             time.sleep(0.05)
-
-
-def _stop(process: subprocess.Popen | None) -> None:
-    if process is not None and process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 class CountingUpstream:
@@ -111,7 +102,7 @@ class CountingUpstream:
         return count
 
     def stop(self) -> None:
-        _stop(self.process)
+        stop_process(self.process, 15)
 
 
 @dataclass
@@ -200,8 +191,8 @@ class FloodStack:
             time.sleep(0.1)
 
     def stop(self) -> None:
-        _stop(self.proxy)
-        _stop(self.sluice)
+        stop_process(self.proxy, 15)
+        stop_process(self.sluice, 15)
         self.upstream.stop()
 
     def get(self, path: str, source: str = HONEST_SOURCE, timeout: float = 10.0) -> tuple[int, float]:

@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.integration.conftest import free_port, wait_until
+from tests.processes import stop_process
 
 pytestmark = pytest.mark.integration
 
@@ -114,12 +115,7 @@ class LiveSluice:
             return False
 
     def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        stop_process(self.process)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
