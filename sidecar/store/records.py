@@ -87,14 +87,9 @@ def key_name(key: Hashable) -> tuple[bytes, bytes, bytes]:
     """A counting key's text (``key_text``), the digest of it that names its
     record (``digest_of``) and its prefix's text (``prefix_of``), worked out
     in one call: what the node store works out once for each key it meets."""
-    prefix = cast(CountingKey, key)[0]
-    known = _PREFIXES.get(prefix)
-    if known is None:
-        known = prefix_of(key)
-    text = known[0] + repr(cast(CountingKey, key)[1:]).encode()
-    hashing = _EMPTY_DIGEST.copy()
-    hashing.update(text)
-    return text, hashing.digest(), known[1]
+    code, prefix_text = prefix_of(key)
+    text = code + repr(cast(CountingKey, key)[1:]).encode()  # key_text, its prefix looked up once
+    return text, digest_of(text), prefix_text
 
 
 def parse_prefix(text: bytes) -> Any:
