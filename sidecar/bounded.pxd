@@ -18,3 +18,12 @@ cdef class BoundedMap:
     cpdef add(self, key, value, expires=*)
     @cython.locals(keys=list)
     cpdef _file(self, key, double expires)
+    @cython.locals(data=dict)
+    cpdef _drop_oldest(self, Py_ssize_t count)
+
+
+cdef class StateMap(BoundedMap):
+    @cython.locals(data=dict)
+    cpdef get(self, key)
+    @cython.locals(data=dict)
+    cpdef _drop_oldest(self, Py_ssize_t count)

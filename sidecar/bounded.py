@@ -1,6 +1,8 @@
 """A dict bounded in size, whose expired entries go first when it is full,
 then the least recently used: the memory store's tables, and every cache of
-a node (keys known over limit, shadow bans written, late checks' counts).
+a node (keys known over limit, shadow bans written, late checks' counts);
+and its variant for the counting keys' states, which finds the least
+recently used when it makes room (``StateMap``).
 """
 
 from __future__ import annotations
@@ -129,8 +131,14 @@ class BoundedMap:
             self._file(key, expires)
         target = max(0, min(self.max_keys - 1, self.max_keys * 9 // 10))
         if len(data) > target:
-            for key in list(itertools.islice(data, len(data) - target)):
-                del data[key]
+            self._drop_oldest(len(data) - target)
+
+    def _drop_oldest(self, count: int) -> None:
+        """Drop the ``count`` least recently used entries: the first in the
+        dict's order."""
+        data = self.data
+        for key in list(itertools.islice(data, count)):
+            del data[key]
 
     def _rebuild_wheel(self) -> None:
         """Drop the wheel's stale references: keys dropped since they were
@@ -163,3 +171,40 @@ class BoundedMap:
         self._wheel, self._slots = wheel, list(wheel)
         heapq.heapify(self._slots)
         self._filed = filed
+
+
+class StateMap(BoundedMap):
+    """The bounded map of the counting keys' states (the memory store's):
+    a read does not move its entry, it marks the state ``used``, and the
+    least recently used are found when room is made (the CLOCK algorithm's
+    second chance). A read is then one lookup where moving the entry to
+    the end is two lookups, a deletion and an insertion, for every check
+    of every rule.
+
+    Making room drops the oldest entries in the dict's order that were not
+    read since they were stored or last passed over; a read one is moved
+    to the end, unmarked, instead. A key read at least once between two
+    evictions is never dropped before a key that was not. Each mark is
+    cleared once for the read that set it, so making room stays O(1) per
+    request, amortized.
+
+    Its values are the limiters' states: each has a writable ``used``
+    attribute, False when made (see ``sidecar.limiters.base.Limiter``).
+    """
+
+    def get(self, key: Hashable) -> Any:
+        value = self.data.get(key)
+        if value is not None:
+            value.used = True
+        return value
+
+    def _drop_oldest(self, count: int) -> None:
+        data = self.data
+        while count > 0 and data:
+            for key in list(itertools.islice(data, count)):
+                value = data.pop(key)
+                if value.used:
+                    value.used = False
+                    data[key] = value  # its second chance: the newest entry
+                else:
+                    count -= 1

@@ -2,7 +2,12 @@
 # policy is an extension type, its loop over a request's checks typed.
 cimport cython
 
+from sidecar.limiters.records cimport Hit, refused
 from sidecar.state cimport Check, CheckSpec, Evaluation
+
+
+@cython.locals(evaluation=Evaluation)
+cpdef Evaluation evaluated(list hits)
 
 
 cdef class Policy:
@@ -10,6 +15,6 @@ cdef class Policy:
     cdef public object node
     cdef public object wall_clock
 
-    @cython.locals(check=Check, spec=CheckSpec, evaluation=Evaluation, refused=bint, hits=list, deferred=list,
-                   stored=bint)
+    @cython.locals(check=Check, spec=CheckSpec, evaluation=Evaluation, stopped=bint, hits=list, deferred=list,
+                   stored=bint, hit=Hit)
     cpdef Evaluation evaluate(self, double now, address, checks, bint can_delay=*, bint quotas=*)

@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 from sidecar.keys import CountingKey
-from sidecar.limiters import UNDER_LIMIT, Hit
 from sidecar.limiters.base import DeferredLimiter, Limiter
+from sidecar.limiters.records import UNDER_LIMIT, Hit, refused
 from sidecar.state import BanIncrement, BanRecord, Check, CheckSpec, Evaluation, PenaltyBan
 
 # What bans react to, kept as notes beside the bans (``StateTable.note``),
@@ -79,6 +79,19 @@ class StateTable(Protocol):
         """Keep a note until ``until``, replacing the one of that name."""
 
 
+def evaluated(hits: list[Hit]) -> Evaluation:
+    """The evaluation of a request whose hits are being appended to
+    ``hits``: no ban, no delay yet (made for every request; compiled,
+    without the call of the class and its defaults)."""
+    evaluation = Evaluation.__new__(Evaluation)
+    evaluation.ban = None
+    evaluation.new_ban = False
+    evaluation.hits = hits
+    evaluation.delay = 0.0
+    evaluation.quotas = None
+    return evaluation
+
+
 def carried_over(state: Any, limiter: Limiter) -> Any:
     """A state counted by a limiter that a reload replaced: its counts carry
     over to a limiter of the same algorithm, else it starts anew (None)."""
@@ -109,9 +122,9 @@ class Policy:
         if ban is not None and now < ban.expires:
             return Evaluation(ban=ban)
         hits: list[Hit] = []
-        evaluation = Evaluation(None, False, hits)  # positional: made for every request
+        evaluation = evaluated(hits)
         deferred: list[tuple[CountingKey, DeferredLimiter, Any, bool, Hit]] = []
-        refused = False
+        stopped = False
         read, keep = table.state, table.keep
         for check in checks:
             spec = check.spec
@@ -131,21 +144,21 @@ class Policy:
                 else:
                     hit = limiter.hit(state, now, spec.threshold, spec.amount)
             else:  # a bucket or a concurrency limit: assessed now, charged last
-                bucket = cast(DeferredLimiter, limiter)
+                bucket: DeferredLimiter = limiter  # type: ignore[assignment]  # deferred: the protocol's other half
                 stored = state is not None
                 if not stored:
                     state = bucket.new_state()
                 hit = bucket.assess(state, now, check.lease, spec.amount)
                 if hit.delay and not can_delay:
-                    hit = Hit(True, hit.delay)  # the wait queue is full: refuse
+                    hit = refused(hit.delay)  # the wait queue is full: refuse
                 deferred.append((key, bucket, state, stored, hit))
             hits.append(hit)
             if hit.over_limit and spec.stops:
-                refused = True
+                stopped = True
                 if address:
                     self._refused(evaluation, now, address, spec, key, hit)
                 break
-        if deferred and not refused:
+        if deferred and not stopped:
             # One over its limit that did not refuse (observe mode) is not
             # charged itself. A refused request leaves no new key (a new key
             # is never refused by its own bucket, and a ban cleared its key).

@@ -1,15 +1,18 @@
 """What the pure-Python core uses of Cython's pure-Python mode where Cython
 is not installed (it is needed only to build the compiled core): the two
-class decorators of the limiters' states and the resolved client, as
-no-ops, and ``compiled``, False. Compiled, the states and the client are
+class decorators of the limiters' states and the resolved client and the
+decorator that types a function's locals, as no-ops, and ``compiled``,
+False. Compiled, the states and the client are
 extension types the garbage collector does not track: nothing they hold
 can lead back to them."""
 
 from __future__ import annotations
 
-from typing import TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
 
 compiled = False  # what ``cython.compiled`` says to code that is not compiled
 
@@ -20,3 +23,7 @@ def cclass(cls: T) -> T:
 
 def no_gc(cls: T) -> T:
     return cls
+
+
+def locals(**types: object) -> Callable[[F], F]:  # noqa: A001 - Cython's name
+    return lambda function: function

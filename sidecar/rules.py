@@ -32,7 +32,7 @@ from sidecar.keys import CountingKey, KeyPrefix, key_dimensions, key_values
 from sidecar.limiters.base import Limiter
 from sidecar.limiters.registry import build_limiter
 from sidecar.request import CheckRequest
-from sidecar.state import AutoBan, BanIncrement, Check, CheckSpec, PenaltyBan
+from sidecar.state import AutoBan, BanIncrement, Check, CheckSpec, PenaltyBan, add_check
 from sidecar.store.redis_cluster import parse_node
 from sidecar.tiers import Tiers, read_assignments
 
@@ -616,7 +616,7 @@ _MATCHER_HEAD = """\
 # comment gives its rule, its line in the file and what it tests.
 def match(request, matched, checks, lease, has_credential):
     # The ip dimension's value (client_key) is read once, here.
-    add_rule, add_check, client_key = matched.append, checks.append, request.client.key
+    client_key = request.client.key
     verified = None  # whether the request is a verified bot's, once asked
 """
 
@@ -638,7 +638,7 @@ def compile_matcher(rules: Sequence[tuple[CompiledRule, config.Rule]], verified_
     source = _Expression(jwt, geo)
     filename = f"{loaded.source}.matcher.py"
     lines = _MATCHER_HEAD.format(source=_shown(loaded.source, 200), filename=_shown(filename, 200)).splitlines()
-    source.constant(Check, "Check")
+    source.constant(add_check, "add_check")
     source.constant(lambda request: any(bot.matches(request) for bot in verified_bots), "is_verified_bot")
     if tiers is not None and any(rule.tiers for rule, _ in rules):
         source.constant(tiers.tier_of, "tier_of")
@@ -705,10 +705,9 @@ def _rule_lines(rule: CompiledRule, model: config.Rule, loc: Loc, verified_bots:
                   f"{indent}spec = {name}.spec_for_tier(tier, spec)  # {rule.id} (line {line_of(loc + ('tiers',))}): "
                   f"the threshold of the request's tier"]
     key = _key(rule.key_prefix, source, names.format("key"), client_key="client_key")
-    lines += [f"{indent}add_rule({name})",
-              f"{indent}add_check(Check({spec}, {key}, lease))"
-              f"  # {rule.id} (line {line_of(loc + ('key',))}): key {', '.join(rule.key_prefix[1])}"
-              + ("" if model.key else " (the default)")]
+    lines.append(f"{indent}add_check(matched, checks, {name}, {spec}, {key}, lease)"
+                 f"  # {rule.id} (line {line_of(loc + ('key',))}): key {', '.join(rule.key_prefix[1])}"
+                 + ("" if model.key else " (the default)"))
     return lines
 
 

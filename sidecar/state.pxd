@@ -24,9 +24,14 @@ cdef class Check:
     cdef public object lease
 
 
+@cython.locals(check=Check)
+cpdef add_check(list matched, list checks, rule, CheckSpec spec, key, lease)
+
+
 cdef class Evaluation:
     cdef public object ban
     cdef public bint new_ban
     cdef public list hits
     cdef public double delay
     cdef public object quotas
+

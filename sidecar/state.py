@@ -16,6 +16,7 @@ except ModuleNotFoundError:  # the pure-Python core without Cython installed
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from sidecar.config import AutoBanConfig, BanIncrementConfig
 from sidecar.keys import CountingKey
@@ -147,8 +148,8 @@ class Check:
     (in a ruleset with a concurrency limit, else "").
 
     The ruleset's matcher (``rules.compile_matcher``) makes one for every
-    matching rule of every request, ``Check(spec, key, lease)``: a slotted
-    object of three fields costs what a tuple does. ``Check.of(rule_id, key,
+    matching rule of every request (``add_check``): a slotted object of
+    three fields costs what a tuple does. ``Check.of(rule_id, key,
     limiter, ...)`` spells every field of the spec, for the front doors that
     make a spec per request (the Rate Limit Service) and for tests; the
     spec's fields are also properties of the check.
@@ -211,6 +212,20 @@ class Check:
     @property
     def penalty_ban(self) -> PenaltyBan | None:
         return self.spec.penalty_ban
+
+
+def add_check(matched: list[Any], checks: list[Check], rule: Any, spec: CheckSpec, key: CountingKey,
+              lease: str) -> None:
+    """The ruleset's matcher's step for each rule a request matches: the
+    rule to ``matched``, its ``Check`` (``spec``, ``key``, ``lease``) to
+    ``checks``. One call of the matcher's for the two (compiled, without
+    the call of the class)."""
+    check = Check.__new__(Check)
+    check.spec = spec
+    check.key = key
+    check.lease = lease
+    matched.append(rule)
+    checks.append(check)
 
 
 @dataclass(frozen=True, slots=True)

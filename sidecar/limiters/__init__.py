@@ -18,34 +18,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+from sidecar.limiters.records import UNDER_LIMIT, Hit, admitted, record_equal, record_repr, refused
 
 if TYPE_CHECKING:
     from sidecar.limiters.base import Limiter
 
+__all__ = ["NO_PENALTY", "UNDER_LIMIT", "Hit", "Quota", "RuleLimit", "admitted", "lua_number", "record_equal",
+           "record_repr", "refused"]
+
 # One shared float for every state never penalized: -math.inf would make one
 # per state, 24 bytes of each tracked key.
 NO_PENALTY = -math.inf
-
-
-# The limiters' states are slotted classes written out rather than
-# dataclasses: the compiled core makes extension types of them (each
-# limiter's .pxd), which a slotted dataclass cannot become. They print and
-# compare as the dataclasses they were, through these two.
-
-def record_repr(record: Any) -> str:
-    """``WindowState(window=3, previous=0, ...)``: a record's fields in order."""
-    fields = ", ".join(f"{name}={getattr(record, name)!r}" for name in record.__match_args__)
-    return f"{type(record).__qualname__}({fields})"
-
-
-def record_equal(record: Any, other: Any) -> bool:
-    """Records of the same class with equal fields, in order, are equal."""
-    if other.__class__ is not record.__class__:
-        unlike: bool = NotImplemented  # the other operand's __eq__ is asked
-        return unlike
-    names = record.__match_args__
-    return tuple(getattr(record, name) for name in names) == tuple(getattr(other, name) for name in names)
 
 
 class Quota(NamedTuple):
@@ -56,24 +41,6 @@ class Quota(NamedTuple):
     remaining: int
     reset: float
     window: float
-
-
-@dataclass(slots=True)  # not frozen: made per bucket hit, and frozen __init__ is slow
-class Hit:
-    """The answer for one key: over limit or not, and the time to wait.
-
-    ``delay`` is how long an admitted request must be held (leaky bucket);
-    ``proposal`` is a bucket's new state, applied by ``commit`` only if the
-    whole request is admitted.
-    """
-
-    over_limit: bool
-    retry_after: float = 0.0
-    delay: float = 0.0
-    proposal: Any = None
-
-
-UNDER_LIMIT = Hit(False)
 
 
 def lua_number(value: float) -> str:

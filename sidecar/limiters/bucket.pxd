@@ -2,6 +2,8 @@
 # the buckets' base is an extension type. The .py stays the reference.
 cimport cython
 
+from sidecar.limiters.records cimport Hit, refused
+
 
 cdef class Bucket:
     cdef public object penalty

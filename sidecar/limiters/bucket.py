@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from sidecar.config import LimitModel, Rule, format_duration
-from sidecar.limiters import UNDER_LIMIT, Hit, lua_number
+from sidecar.limiters import lua_number
+from sidecar.limiters.records import UNDER_LIMIT, Hit, refused
 from sidecar.limiters.registry import LuaKind
 
 if TYPE_CHECKING:
@@ -28,7 +29,7 @@ class BucketLimit(LimitModel):
 
 
 def in_penalty(state: Any, now: float) -> Hit | None:
-    return Hit(True, state.penalty_until - now) if now < state.penalty_until else None
+    return refused(state.penalty_until - now) if now < state.penalty_until else None
 
 
 class Bucket:
@@ -51,9 +52,9 @@ class Bucket:
         """A bucket's refusal changes nothing, unless the rule sets an
         explicit penalty, which then starts."""
         if self.penalty is None:
-            return Hit(True, wait)
+            return refused(wait)
         state.penalty_until = now + self.penalty
-        return Hit(True, self.penalty)
+        return refused(self.penalty)
 
     def peek(self, state: Any, now: float) -> Hit:
         return in_penalty(state, now) or UNDER_LIMIT

@@ -2,10 +2,13 @@
 # the state and the concurrency limiter are extension types.
 cimport cython
 
+from sidecar.limiters.records cimport Hit, admitted, refused
+
 
 cdef class LeaseState:
     cdef public dict held
     cdef public object limiter
+    cdef public bint used
 
 
 cdef class ConcurrencyLimiter:

@@ -25,17 +25,8 @@ from typing import Any, ClassVar
 from pydantic import Field, field_validator
 
 from sidecar.config import Duration, LimitModel, Rule, format_duration
-from sidecar.limiters import (
-    NO_PENALTY,
-    UNDER_LIMIT,
-    Hit,
-    Quota,
-    RuleLimit,
-    lua_number,
-    record_equal,
-    record_repr,
-    registry,
-)
+from sidecar.limiters import NO_PENALTY, Quota, RuleLimit, lua_number, registry
+from sidecar.limiters.records import UNDER_LIMIT, Hit, admitted, record_equal, record_repr, refused
 
 CONCURRENT = registry.lua_kind("C", "window", "concurrent")
 
@@ -45,14 +36,16 @@ _anonymous = itertools.count()
 @cython.no_gc  # nothing a state holds leads back to it
 @cython.cclass
 class LeaseState:
-    """The leases a key holds (a record: see ``sidecar.limiters.record_repr``)."""
+    """The leases a key holds (a record: see ``sidecar.limiters.records.record_repr``)."""
 
-    __slots__ = __match_args__ = ("held", "limiter")
+    __match_args__ = ("held", "limiter")
+    __slots__ = (*__match_args__, "used")
 
     def __init__(self, held: dict[str, float], limiter: Any = None) -> None:
         self.held = held  # lease id -> when its lease ends, in the order taken
         # The limiter the state belongs to: a reload may give the key another.
         self.limiter = limiter
+        self.used = False  # read since the table last passed it over (sidecar.bounded.StateMap)
 
     def __repr__(self) -> str:
         return record_repr(self)
@@ -91,14 +84,14 @@ class ConcurrencyLimiter:
             del held[lease]
         if len(held) < self.limit:
             return None
-        return Hit(True, min(held.values()) - now)
+        return refused(min(held.values()) - now)
 
     def peek(self, state: LeaseState, now: float) -> Hit:
         return self._refusal(state, now) or UNDER_LIMIT
 
     def assess(self, state: LeaseState, now: float, lease: str = "", amount: int = 1) -> Hit:
         """One slot per request, whatever its ``amount``."""
-        return self._refusal(state, now) or Hit(False, proposal=(lease, now + self.lease))
+        return self._refusal(state, now) or admitted(0.0, (lease, now + self.lease))
 
     @staticmethod
     def commit(state: LeaseState, hit: Hit) -> None:

@@ -4,6 +4,7 @@
 cimport cython
 
 from sidecar.limiters.bucket cimport Bucket
+from sidecar.limiters.records cimport Hit, admitted
 
 
 cdef class LeakyState:
@@ -11,6 +12,7 @@ cdef class LeakyState:
     cdef public object last
     cdef public double penalty_until
     cdef public object limiter
+    cdef public bint used
 
 
 cdef class LeakyBucket(Bucket):
@@ -21,3 +23,5 @@ cdef class LeakyBucket(Bucket):
 
     cpdef LeakyState new_state(self)
     cpdef assess(self, LeakyState state, double now, lease=*, amount=*)
+    cpdef _excess(self, LeakyState state, now_ms, amount=*)
+    cpdef _wait_ms(self, LeakyState state, now_ms, amount=*)

@@ -12,8 +12,9 @@ from typing import Annotated, Any, ClassVar
 from pydantic import Field, PlainValidator, model_validator
 
 from sidecar.config import Rate, parse_rate
-from sidecar.limiters import NO_PENALTY, Hit, Quota, RuleLimit, record_equal, record_repr, registry
+from sidecar.limiters import NO_PENALTY, Quota, RuleLimit, registry
 from sidecar.limiters.bucket import Bucket, BucketLimit, in_penalty
+from sidecar.limiters.records import UNDER_LIMIT, Hit, admitted, record_equal, record_repr
 
 LEAKY = registry.lua_kind("L", "window", "buckets", "leaky")
 
@@ -23,9 +24,10 @@ LEAKY = registry.lua_kind("L", "window", "buckets", "leaky")
 class LeakyState:
     """nginx's two numbers per key: excess in thousandths of a request and
     the time of the last accounted request in milliseconds (a record: see
-    ``sidecar.limiters.record_repr``)."""
+    ``sidecar.limiters.records.record_repr``)."""
 
-    __slots__ = __match_args__ = ("excess", "last", "penalty_until", "limiter")
+    __match_args__ = ("excess", "last", "penalty_until", "limiter")
+    __slots__ = (*__match_args__, "used")
 
     def __init__(self, excess: int, last: int | None, penalty_until: float, limiter: Any = None) -> None:
         self.excess = excess
@@ -33,6 +35,7 @@ class LeakyState:
         self.penalty_until = penalty_until
         # The limiter the state belongs to: a reload may give the key another.
         self.limiter = limiter
+        self.used = False  # read since the table last passed it over (sidecar.bounded.StateMap)
 
     def __repr__(self) -> str:
         return record_repr(self)
@@ -81,12 +84,12 @@ class LeakyBucket(Bucket):
             return held
         now_ms = int(now * 1000 + 1e-6)  # whole ms; the epsilon absorbs float error
         if state.last is None and amount == 0:
-            return Hit(False)  # a look at a key never seen: nothing to write
+            return UNDER_LIMIT  # a look at a key never seen: nothing to write
         excess = 1000 * (amount - 1) if state.last is None else self._excess(state, now_ms, amount)
         if excess > self.burst:
             return self.refuse(state, now, self._wait_ms(state, now_ms, amount) / 1000)
         delay_ms = 0 if excess <= self.delay else (excess - self.delay) * 1000 // self.rate
-        return Hit(False, 0.0, delay_ms / 1000, (excess, now_ms))  # positional: made for every admitted request
+        return admitted(delay_ms / 1000, (excess, now_ms))
 
     def _excess(self, state: LeakyState, now_ms: int, amount: int = 1) -> int:
         assert state.last is not None

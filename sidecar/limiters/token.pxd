@@ -3,6 +3,7 @@
 cimport cython
 
 from sidecar.limiters.bucket cimport Bucket
+from sidecar.limiters.records cimport Hit, admitted
 
 
 cdef class TokenState:
@@ -10,6 +11,7 @@ cdef class TokenState:
     cdef public object last
     cdef public double penalty_until
     cdef public object limiter
+    cdef public bint used
 
 
 cdef class TokenBucket(Bucket):

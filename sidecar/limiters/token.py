@@ -12,8 +12,9 @@ from typing import Annotated, Any, ClassVar
 from pydantic import Field, PlainValidator, model_validator
 
 from sidecar.config import parse_refill
-from sidecar.limiters import NO_PENALTY, Hit, Quota, RuleLimit, lua_number, record_equal, record_repr, registry
+from sidecar.limiters import NO_PENALTY, Quota, RuleLimit, lua_number, registry
 from sidecar.limiters.bucket import Bucket, BucketLimit, in_penalty
+from sidecar.limiters.records import Hit, admitted, record_equal, record_repr
 from sidecar.plurals import plural
 
 TOKEN = registry.lua_kind("T", "window", "buckets", "token")
@@ -23,9 +24,10 @@ TOKEN = registry.lua_kind("T", "window", "buckets", "token")
 @cython.cclass
 class TokenState:
     """The tokens left, when they were counted (None: a key never seen) and
-    the end of the penalty period (a record: see ``sidecar.limiters.record_repr``)."""
+    the end of the penalty period (a record: see ``sidecar.limiters.records.record_repr``)."""
 
-    __slots__ = __match_args__ = ("tokens", "last", "penalty_until", "limiter")
+    __match_args__ = ("tokens", "last", "penalty_until", "limiter")
+    __slots__ = (*__match_args__, "used")
 
     def __init__(self, tokens: float, last: float | None, penalty_until: float, limiter: Any = None) -> None:
         self.tokens = tokens
@@ -33,6 +35,7 @@ class TokenState:
         self.penalty_until = penalty_until
         # The limiter the state belongs to: a reload may give the key another.
         self.limiter = limiter
+        self.used = False  # read since the table last passed it over (sidecar.bounded.StateMap)
 
     def __repr__(self) -> str:
         return record_repr(self)
@@ -75,7 +78,7 @@ class TokenBucket(Bucket):
         cost = self.cost * amount
         if cost > tokens:
             return self.refuse(state, now, (cost - tokens) / self.refill)
-        return Hit(False, 0.0, 0.0, (tokens - cost, now))  # positional: made for every admitted request
+        return admitted(0.0, (tokens - cost, now))
 
     @staticmethod
     def commit(state: TokenState, hit: Hit) -> None:

@@ -3,6 +3,8 @@
 # their counts C integers. The .py stays the reference and the pure-Python core.
 cimport cython
 
+from sidecar.limiters.records cimport Hit, refused
+
 
 cdef class WindowState:
     cdef public long long window
@@ -10,6 +12,7 @@ cdef class WindowState:
     cdef public long long current
     cdef public double penalty_until
     cdef public object limiter
+    cdef public bint used
 
 
 cdef class WindowCounter:

@@ -18,17 +18,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, field_validator
 
 from sidecar.config import Duration, LimitModel, format_duration
-from sidecar.limiters import (
-    NO_PENALTY,
-    UNDER_LIMIT,
-    Hit,
-    Quota,
-    RuleLimit,
-    lua_number,
-    record_equal,
-    record_repr,
-    registry,
-)
+from sidecar.limiters import NO_PENALTY, Quota, RuleLimit, lua_number, registry
+from sidecar.limiters.records import UNDER_LIMIT, Hit, record_equal, record_repr, refused
 
 WINDOW = registry.lua_kind("W", "window")
 
@@ -37,9 +28,10 @@ WINDOW = registry.lua_kind("W", "window")
 @cython.cclass
 class WindowState:
     """Two counters per key plus the end of the penalty period (a record:
-    see ``sidecar.limiters.record_repr``)."""
+    see ``sidecar.limiters.records.record_repr``)."""
 
-    __slots__ = __match_args__ = ("window", "previous", "current", "penalty_until", "limiter")
+    __match_args__ = ("window", "previous", "current", "penalty_until", "limiter")
+    __slots__ = (*__match_args__, "used")
 
     def __init__(self, window: int, previous: int, current: int, penalty_until: float, limiter: Any = None) -> None:
         self.window = window  # index of the current window: floor(now / period)
@@ -48,6 +40,7 @@ class WindowState:
         self.penalty_until = penalty_until
         # The limiter the state belongs to: a reload may give the key another.
         self.limiter = limiter
+        self.used = False  # read since the table last passed it over (sidecar.bounded.StateMap)
 
     def __repr__(self) -> str:
         return record_repr(self)
@@ -113,12 +106,12 @@ class WindowCounter:
         """Is the key in its penalty? Counts nothing (response-phase rules
         at request time)."""
         if now < state.penalty_until:
-            return Hit(True, state.penalty_until - now)
+            return refused(state.penalty_until - now)
         return UNDER_LIMIT
 
     def hit(self, state: WindowState, now: float, threshold: float, amount: int = 1) -> Hit:
         if now < state.penalty_until:
-            return Hit(True, state.penalty_until - now)
+            return refused(state.penalty_until - now)
         window = int(now // self.period)
         if window != state.window:
             if window == self._window:
@@ -149,8 +142,8 @@ class WindowCounter:
             return UNDER_LIMIT
         if self.penalty > 0:
             state.penalty_until = now + self.penalty
-            return Hit(True, self.penalty)
-        return Hit(True, self._fits_in(state, elapsed, threshold, amount))
+            return refused(self.penalty)
+        return refused(self._fits_in(state, elapsed, threshold, amount))
 
     def _fits_in(self, state: WindowState, elapsed: float, threshold: float, amount: int) -> float:
         """Seconds until ``amount`` would fit: this window's count weighs in

@@ -43,7 +43,7 @@ from typing import Any
 from sidecar.bounded import BoundedMap
 from sidecar.counters import CounterState, KeySelection
 from sidecar.keys import CountingKey, key_dimensions
-from sidecar.limiters import UNDER_LIMIT, Hit, Quota
+from sidecar.limiters import UNDER_LIMIT, Hit, Quota, refused
 from sidecar.limiters.registry import NO_LIMITER, lua_sources
 from sidecar.limiters.window import WINDOW
 from sidecar.networkbans import NetworkBans
@@ -231,7 +231,7 @@ BATCH = 1000
 
 
 def _hits(values: Sequence[Any]) -> list[Hit]:
-    return [Hit(True, float(values[i + 1])) if int(values[i]) else UNDER_LIMIT
+    return [refused(float(values[i + 1])) if int(values[i]) else UNDER_LIMIT
             for i in range(0, len(values), 2)]
 
 

@@ -36,6 +36,7 @@ class CellState:
     tat: float  # the theoretical arrival time: when the key is at rest again
     # The limiter the state belongs to: a reload may give the key another.
     limiter: Any = None
+    used: bool = False  # marked by the memory store's table when read
 
 
 class CellRate:

@@ -393,7 +393,7 @@ def test_pdb_steps_through_the_matcher_test_by_test_and_lists_its_source(sample:
     steps = [line for line in output.getvalue().splitlines() if "-> " in line]
     # Each step is one test of the first rule, then its check, as its source says.
     assert [step.split("-> ", 1)[1].split("  # ")[-1] for step in steps[2:]] == [
-        "login (line 10): path equals '/api/login'", "login (line 9): method in ['POST']", "add_rule(rule_login)"]
+        "login (line 10): path equals '/api/login'", "login (line 9): method in ['POST']", "login (line 11): key ip"]
     assert f"> {sample}.matcher.py(" in output.getvalue()
     # list shows the lines around the stop.
     assert "# rules[1]: everyone (line 14), log" in output.getvalue()

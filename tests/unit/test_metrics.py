@@ -3,6 +3,7 @@ reloads, the build, and the process; HEAD on the probes and /metrics."""
 
 from __future__ import annotations
 
+import collections
 import re
 import socket
 import threading
@@ -10,13 +11,15 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
 from sidecar.admin import Admin
 from sidecar.app import SluiceApp
-from sidecar.engine import Engine
+from sidecar.engine import Engine, count_rules
 from sidecar.health import HealthListener, Heartbeat
-from sidecar.metrics import Metrics
+from sidecar.metrics import RULE_SETS, Metrics
 from sidecar.rules import load_ruleset
 from tests.unit.conftest import FakeClock, Harness
 from tests.unit.test_app import call, envoy, forward, nginx
@@ -204,3 +207,28 @@ def test_the_probe_listener_answers_head_without_a_body_so_the_next_answer_on_th
 
     assert head.startswith(b"HTTP/1.1 200") and b"Content-Length: 10" in head
     assert get_head.startswith(b"HTTP/1.1 200") and get_body == b"ok\n"
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.lists(st.sampled_from([f"rule-{n}" for n in range(14)]), max_size=6), max_size=3000))
+def test_rules_counted_together_add_up_per_rule_in_bounded_memory(requests: list[list[str]]) -> None:
+    """Each request's rules are counted as one set (engine.count_rules):
+    read, ``rule_hits`` is what one count per rule would be, whatever sets
+    came and however many; never more than RULE_SETS sets are held."""
+    metrics = Metrics()
+    expected: collections.Counter[str] = collections.Counter()
+    for ids in requests:
+        count_rules(metrics, ids)
+        expected.update(ids)
+        assert len(metrics.rule_sets) <= RULE_SETS
+    assert metrics.rule_hits == expected
+    assert not metrics.rule_sets  # added up by the read
+    assert b"sluice_rule_hits_total" in generate_latest(metrics.registry) or not expected
+
+
+def test_a_flood_of_distinct_rule_sets_is_added_up_past_the_bound() -> None:
+    metrics = Metrics()
+    for number in range(3 * RULE_SETS):
+        count_rules(metrics, [f"rule-{number}"])
+        assert len(metrics.rule_sets) <= RULE_SETS
+    assert metrics.hits_of("rule-0") == 1 and sum(metrics.rule_hits.values()) == 3 * RULE_SETS

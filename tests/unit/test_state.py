@@ -1,7 +1,12 @@
 """BoundedMap: expired entries go first, then the least recently used, at
-O(1) cost per insertion."""
+O(1) cost per insertion. StateMap: the same, with a read marking the state
+instead of moving it (a second chance when room is made)."""
 
-from sidecar.bounded import BoundedMap
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sidecar.bounded import BoundedMap, StateMap
+from sidecar.limiters.window import WindowCounter
 
 
 class Expiring:
@@ -125,3 +130,90 @@ def test_a_value_replaced_many_times_keeps_one_reference():
     for key in range(100_000):
         m.add(key, Expiring(1e9))
     assert m.get("address") is None  # found expired through its earliest reference
+
+
+# --------------------------------------------------------------------------
+# StateMap: the counting keys' states
+# --------------------------------------------------------------------------
+
+COUNTER = WindowCounter(10, 60.0, 60.0)
+
+
+def state() -> object:
+    """A limiter's state that expires long after every test's clock."""
+    made = COUNTER.new_state()
+    made.penalty_until = 1e9  # expires_at: the end of the penalty, at the latest
+    return made
+
+
+def states(max_keys: int) -> StateMap:
+    return StateMap(max_keys, lambda value: value.limiter.expires_at(value), lambda: 0.0)
+
+
+def test_a_state_read_is_marked_and_not_moved():
+    m = states(10)
+    for key in range(3):
+        m.add(key, state())
+    value = m.get(0)
+    assert value is not None and value.used
+    assert list(m.data) == [0, 1, 2]  # in place: one lookup, no move
+    assert m.get("never stored") is None
+
+
+def test_a_state_read_since_room_was_last_made_outlives_older_unread_ones():
+    m = states(10)
+    for key in range(10):
+        m.add(key, state())
+    m.get(0)
+    m.add(10, state())
+    assert m.get(0) is not None and m.get(1) is None and m.get(10) is not None
+    assert len(m) == 10
+    assert list(m.data)[-2:] == [0, 10]  # its second chance: moved to the end when room was made
+    assert m.data[0].used  # marked again by the read above
+
+
+def test_when_every_state_was_read_the_oldest_goes_and_every_mark_is_cleared():
+    m = states(10)
+    for key in range(10):
+        m.add(key, state())
+    for key in range(10):
+        m.get(key)
+    m.add(10, state())
+    assert 0 not in m.data and len(m) == 10
+    assert not any(value.used for key, value in m.data.items() if key != 10)
+
+
+def test_a_key_read_between_every_eviction_survives_a_rotation_of_new_keys():
+    m = states(100)
+    kept = state()
+    m.add("kept", kept)
+    for key in range(50_000):
+        m.get("kept")
+        m.add(key, state())
+        assert len(m) <= 100
+    assert m.get("kept") is kept
+    assert m._filed <= 2 * len(m) + 1024 + 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 30)), max_size=300), st.integers(1, 12))
+def test_room_is_made_from_the_oldest_unread_states_first(operations, max_keys):
+    """Whatever the reads and stores: the map never holds more than
+    ``max_keys``; making room drops the oldest states not read since they
+    were stored or last passed over, in the map's order, and a read one
+    only when fewer unread ones are left than must go."""
+    m = states(max_keys)
+    for is_read, key in operations:
+        if is_read:
+            value = m.get(key)
+            assert value is None or value.used
+            continue
+        if key in m.data:
+            continue
+        before = list(m.data)
+        unread = [name for name in before if not m.data[name].used]
+        m.add(key, state())
+        assert len(m) <= max_keys
+        dropped = [name for name in before if name not in m.data]
+        if len(unread) >= len(dropped):
+            assert dropped == unread[:len(dropped)]

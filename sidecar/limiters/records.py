@@ -1,0 +1,87 @@
+"""The limiters' records: how they print and compare, and the answer a
+limiter gives for one key (``Hit``), made for every request a bucket admits.
+
+The records are slotted classes written out rather than dataclasses: the
+compiled core makes extension types of them (their .pxd files), which a
+slotted dataclass cannot become. They print and compare as the dataclasses
+they were, through ``record_repr`` and ``record_equal``.
+"""
+
+from __future__ import annotations
+
+try:
+    import cython
+except ModuleNotFoundError:  # the pure-Python core without Cython installed
+    from sidecar import purecython as cython
+
+from typing import Any
+
+
+def record_repr(record: Any) -> str:
+    """``WindowState(window=3, previous=0, ...)``: a record's fields in order."""
+    fields = ", ".join(f"{name}={getattr(record, name)!r}" for name in record.__match_args__)
+    return f"{type(record).__qualname__}({fields})"
+
+
+def record_equal(record: Any, other: Any) -> bool:
+    """Records of the same class with equal fields, in order, are equal."""
+    if other.__class__ is not record.__class__:
+        unlike: bool = NotImplemented  # the other operand's __eq__ is asked
+        return unlike
+    names = record.__match_args__
+    return tuple(getattr(record, name) for name in names) == tuple(getattr(other, name) for name in names)
+
+
+@cython.no_gc  # its proposal is a tuple of numbers or of a lease and a time
+@cython.cclass
+class Hit:
+    """The answer for one key: over limit or not, and the time to wait (a
+    record: see ``record_repr``).
+
+    ``delay`` is how long an admitted request must be held (leaky bucket);
+    ``proposal`` is a bucket's new state, applied by ``commit`` only if the
+    whole request is admitted.
+    """
+
+    __slots__ = __match_args__ = ("over_limit", "retry_after", "delay", "proposal")
+
+    def __init__(self, over_limit: bool, retry_after: float = 0.0, delay: float = 0.0,
+                 proposal: Any = None) -> None:
+        self.over_limit = over_limit
+        self.retry_after = retry_after
+        self.delay = delay
+        self.proposal = proposal
+
+    def __repr__(self) -> str:
+        return record_repr(self)
+
+    def __eq__(self, other: object) -> bool:
+        return record_equal(self, other)
+
+    __hash__ = None  # type: ignore[assignment]  # as a dataclass's that is not frozen
+
+
+def admitted(delay: float, proposal: Any) -> Hit:
+    """A bucket's ``Hit`` for a request it admits: what it proposes, and
+    the delay (made for every admitted request; compiled, without the
+    call of the class)."""
+    hit = Hit.__new__(Hit)
+    hit.over_limit = False
+    hit.retry_after = 0.0
+    hit.delay = delay
+    hit.proposal = proposal
+    return hit
+
+
+def refused(retry_after: float) -> Hit:
+    """The ``Hit`` of a request over limit, to retry after ``retry_after``
+    seconds (compiled, without the call of the class)."""
+    hit = Hit.__new__(Hit)
+    hit.over_limit = True
+    hit.retry_after = retry_after
+    hit.delay = 0.0
+    hit.proposal = None
+    return hit
+
+
+UNDER_LIMIT = Hit(False)
