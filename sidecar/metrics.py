@@ -89,11 +89,11 @@ COUNTERS = {
     "credentials": ("sluice_challenge_credentials_accepted",
                     "Requests let in by a challenge rule's valid credential (the rules before it within limits)."),
 }
-# Old names still exported beside the new, for one release: old name, attribute.
 # Sets of rule ids held before they are added up (see Metrics.rule_sets):
 # a ruleset's requests are counted by a few sets, which stay; any number of
 # them takes bounded memory.
 RULE_SETS = 1024
+# Old names still exported beside the new, for one release: old name, attribute.
 DEPRECATED = {"sluice_counter_resets": "resets"}
 
 
