@@ -2,6 +2,8 @@
 # bounded map is an extension type over a dict.
 cimport cython
 
+from sidecar.limiters.records cimport Algorithm
+
 
 cdef class BoundedMap:
     cdef public object max_keys
@@ -16,6 +18,7 @@ cdef class BoundedMap:
     cpdef get(self, key)
     @cython.locals(data=dict)
     cpdef add(self, key, value, expires=*)
+    cpdef double _expiry(self, value) except? -1.0
     @cython.locals(keys=list)
     cpdef _file(self, key, double expires)
     @cython.locals(data=dict)
@@ -23,7 +26,12 @@ cdef class BoundedMap:
 
 
 cdef class StateMap(BoundedMap):
+    cpdef double _expiry(self, value) except? -1.0
     @cython.locals(data=dict)
     cpdef get(self, key)
     @cython.locals(data=dict)
     cpdef _drop_oldest(self, Py_ssize_t count)
+
+
+@cython.locals(limiter=Algorithm)
+cpdef double state_expiry(state) except? -1.0

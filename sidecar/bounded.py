@@ -12,6 +12,8 @@ import itertools
 from collections.abc import Callable, Hashable
 from typing import Any
 
+from sidecar.limiters.records import Algorithm
+
 
 class BoundedMap:
     """A dict of at most ``max_keys`` entries: when full, expired entries go
@@ -62,8 +64,8 @@ class BoundedMap:
         if stored is None:
             self.add(key, value)
             return
-        expires = self._expires_at(value)
-        if expires < self._expires_at(stored):
+        expires = self._expiry(value)
+        if expires < self._expiry(stored):
             # The key's reference may be filed after its new expiry; one
             # that expires later keeps it, which is still a time before
             # which it cannot have expired.
@@ -78,7 +80,12 @@ class BoundedMap:
         if len(data) >= self.max_keys:
             self._make_room()
         data[key] = value
-        self._file(key, self._expires_at(value) if expires is None else expires)
+        self._file(key, self._expiry(value) if expires is None else expires)
+
+    def _expiry(self, value: Any) -> float:
+        """When ``value`` expires (the ``expires_at`` the map was made with)."""
+        expires: float = self._expires_at(value)
+        return expires
 
     def pop(self, key: Hashable, default: Any = None) -> Any:
         return self.data.pop(key, default)
@@ -112,7 +119,7 @@ class BoundedMap:
     def _make_room(self) -> None:
         data = self.data
         now = self._clock()
-        expires_at, wheel, slots = self._expires_at, self._wheel, self._slots
+        wheel, slots = self._wheel, self._slots
         current = self._slot(now)
         outlived: list[tuple[Hashable, float]] = []
         while slots and slots[0] < current:
@@ -122,7 +129,7 @@ class BoundedMap:
                 value = data.get(key)
                 if value is None:
                     continue  # dropped or forgotten since it was filed
-                expires = expires_at(value)
+                expires = self._expiry(value)
                 if expires <= now:
                     del data[key]
                 else:
@@ -189,8 +196,15 @@ class StateMap(BoundedMap):
     request, amortized.
 
     Its values are the limiters' states: each has a writable ``used``
-    attribute, False when made (see ``sidecar.limiters.base.Limiter``).
+    attribute, False when made, and its ``limiter``, which says when it
+    expires (see ``sidecar.limiters.base.Limiter``).
     """
+
+    def __init__(self, max_keys: int, clock: Callable[[], float]) -> None:
+        super().__init__(max_keys, state_expiry, clock)
+
+    def _expiry(self, value: Any) -> float:
+        return state_expiry(value)
 
     def get(self, key: Hashable) -> Any:
         value = self.data.get(key)
@@ -208,3 +222,11 @@ class StateMap(BoundedMap):
                     data[key] = value  # its second chance: the newest entry
                 else:
                     count -= 1
+
+
+def state_expiry(state: Any) -> float:
+    """When a key's state expires: its limiter says. Each state carries its
+    limiter (a reload may change it); compiled, the limiter is asked in C
+    (``sidecar.limiters.records.Algorithm``), once for every new key."""
+    limiter: Algorithm = state.limiter
+    return limiter.expires_at(state)

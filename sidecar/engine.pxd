@@ -1,7 +1,8 @@
 # Types of sidecar/engine.py for its compiled build (see setup.py): the
 # engine is compiled as it is written; its methods are Python functions,
-# the conclusion's hits and evaluation typed (a field read in C).
+# the conclusion's request, hits and evaluation typed (a field read in C).
 cimport cython
 
 from sidecar.limiters.records cimport Hit
+from sidecar.request cimport CheckRequest
 from sidecar.state cimport Evaluation

@@ -357,6 +357,7 @@ class Engine:
                 self._release_unless_held(decision)
         return decision
 
+    @cython.locals(request=CheckRequest)
     def _resolve(self, request: CheckRequest) -> None:
         """The client of a request a front door described (``UNRESOLVED``):
         ``resolve_client``, written out (this runs for every check)."""
@@ -649,7 +650,7 @@ class Engine:
                                           self.ruleset.difficulty)
         return Decision(outcome=DENY, rule=rule, retry_after=1, page=rule.page, challenge=challenge)
 
-    @cython.locals(evaluation=Evaluation, hit=Hit)
+    @cython.locals(request=CheckRequest, evaluation=Evaluation, hit=Hit)
     def _conclude(self, request: CheckRequest, matched: list[CompiledRule], checks: list[Check],
                   evaluation: Evaluation) -> Decision:
         """The decision from the store's evaluation."""

@@ -1,8 +1,9 @@
 # Types of sidecar/policy.py for its compiled build (see setup.py): the
-# policy is an extension type, its loop over a request's checks typed.
+# policy is an extension type, its loop over a request's checks typed (its
+# limiters' methods called in C).
 cimport cython
 
-from sidecar.limiters.records cimport Hit, refused
+from sidecar.limiters.records cimport Algorithm, Hit, refused
 from sidecar.state cimport Check, CheckSpec, Evaluation
 
 
@@ -16,5 +17,5 @@ cdef class Policy:
     cdef public object wall_clock
 
     @cython.locals(check=Check, spec=CheckSpec, evaluation=Evaluation, stopped=bint, hits=list, deferred=list,
-                   stored=bint, hit=Hit)
+                   stored=bint, hit=Hit, limiter=Algorithm, bucket=Algorithm)
     cpdef Evaluation evaluate(self, double now, address, checks, bint can_delay=*, bint quotas=*)

@@ -108,12 +108,7 @@ class CheckRequest:
     @property
     def cookies(self) -> dict[str, str]:
         if self._cookies is None:
-            cookies: dict[str, str] = {}
-            for part in self.headers.get("cookie", "").split(";"):
-                name, sep, value = part.strip().partition("=")
-                if sep and name and name not in cookies:
-                    cookies[name] = value.strip()
-            self._cookies = cookies
+            self._cookies = parse_cookies(self.headers.get("cookie", ""))
         return self._cookies
 
     @property
@@ -162,6 +157,16 @@ def parse_sent(value: str | None) -> float:
     except ValueError:
         return 0.0
     return sent if math.isfinite(sent) and sent > 0 else 0.0
+
+
+def parse_cookies(field: str) -> dict[str, str]:
+    """A Cookie field's cookies by name, the first of each name."""
+    cookies: dict[str, str] = {}
+    for part in field.split(";"):
+        name, sep, value = part.strip().partition("=")
+        if sep and name and name not in cookies:
+            cookies[name] = value.strip()
+    return cookies
 
 
 def parse_query(query_string: str) -> dict[str, str]:

@@ -11,7 +11,8 @@ Each algorithm is a module of this package that declares, in the registry
 its Rate Limit Service algorithms and the Redis scripts in ``sidecar/lua``
 that run it. Rules, the stores and replay ask the limiter (the ``Limiter``
 protocol of ``sidecar.limiters.base``) and never its type, so adding an
-algorithm is its module, its Lua and its tests.
+algorithm is its module, its Lua and its tests. Every limiter subclasses
+``Algorithm``, the base through which the compiled policy calls it.
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
-from sidecar.limiters.records import UNDER_LIMIT, Hit, admitted, record_equal, record_repr, refused
+from sidecar.limiters.records import UNDER_LIMIT, Algorithm, Hit, admitted, record_equal, record_repr, refused
 
 if TYPE_CHECKING:
     from sidecar.limiters.base import Limiter
 
-__all__ = ["NO_PENALTY", "UNDER_LIMIT", "Hit", "Quota", "RuleLimit", "admitted", "lua_number", "record_equal",
-           "record_repr", "refused"]
+__all__ = ["NO_PENALTY", "UNDER_LIMIT", "Algorithm", "Hit", "Quota", "RuleLimit", "admitted", "lua_number",
+           "record_equal", "record_repr", "refused"]
 
 # One shared float for every state never penalized: -math.inf would make one
 # per state, 24 bytes of each tracked key.
@@ -59,3 +60,10 @@ class RuleLimit:
     threshold: int
     penalty: float | None  # its length; None: a bucket that sets none
     score_header: str | None = None  # a score budget counts the score this response header carries
+
+    def __post_init__(self) -> None:
+        # The policy calls a limiter through its base (compiled, in C): one
+        # made of anything else is refused when the rules load, never in a check.
+        if not isinstance(self.limiter, Algorithm):
+            raise TypeError(f"{type(self.limiter).__qualname__} is not a limiter: a limiter subclasses "
+                            "sidecar.limiters.Algorithm")

@@ -9,15 +9,12 @@ unless the rule sets one.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sidecar.config import LimitModel, Rule, format_duration
 from sidecar.limiters import lua_number
-from sidecar.limiters.records import UNDER_LIMIT, Hit, refused
+from sidecar.limiters.records import UNDER_LIMIT, Algorithm, Hit, refused
 from sidecar.limiters.registry import LuaKind
-
-if TYPE_CHECKING:
-    from sidecar.limiters.base import DeferredLimiter
 
 
 class BucketLimit(LimitModel):
@@ -32,7 +29,7 @@ def in_penalty(state: Any, now: float) -> Hit | None:
     return refused(state.penalty_until - now) if now < state.penalty_until else None
 
 
-class Bucket:
+class Bucket(Algorithm):
     """The parts of a bucket that are not its arithmetic."""
 
     __slots__ = ("penalty", "per_second", "_lua_args")
@@ -59,7 +56,7 @@ class Bucket:
     def peek(self, state: Any, now: float) -> Hit:
         return in_penalty(state, now) or UNDER_LIMIT
 
-    def hit(self: DeferredLimiter, state: Any, now: float, threshold: float, amount: int = 1) -> Hit:
+    def hit(self, state: Any, now: float, threshold: float, amount: int = 1) -> Hit:
         """Charged at once: ``assess`` then ``commit``, as for a request of one rule."""
         hit = self.assess(state, now)
         if not hit.over_limit:

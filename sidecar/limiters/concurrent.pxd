@@ -2,7 +2,7 @@
 # the state and the concurrency limiter are extension types.
 cimport cython
 
-from sidecar.limiters.records cimport Hit, admitted, refused
+from sidecar.limiters.records cimport Algorithm, Hit, admitted, refused
 
 
 cdef class LeaseState:
@@ -11,7 +11,7 @@ cdef class LeaseState:
     cdef public bint used
 
 
-cdef class ConcurrencyLimiter:
+cdef class ConcurrencyLimiter(Algorithm):
     cdef public object limit
     cdef public double lease
     cdef public tuple _lua_limit
@@ -19,4 +19,13 @@ cdef class ConcurrencyLimiter:
     cpdef LeaseState new_state(self)
     @cython.locals(held=dict)
     cpdef _refusal(self, LeaseState state, double now)
-    cpdef assess(self, LeaseState state, double now, lease=*, amount=*)
+    # The Algorithm's methods take any state, each read as a LeaseState
+    # (_refusal's argument, or record).
+    cpdef Hit peek(self, state, double now)
+    cpdef Hit assess(self, state, double now, lease=*, amount=*)
+    @cython.locals(record=LeaseState)
+    cpdef commit(self, state, Hit hit)
+    @cython.locals(hit=Hit)
+    cpdef Hit hit(self, state, double now, double threshold, amount=*)
+    @cython.locals(record=LeaseState)
+    cpdef double expires_at(self, state) except? -1.0

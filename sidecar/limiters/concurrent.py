@@ -26,7 +26,7 @@ from pydantic import Field, field_validator
 
 from sidecar.config import Duration, LimitModel, Rule, format_duration
 from sidecar.limiters import NO_PENALTY, Quota, RuleLimit, lua_number, registry
-from sidecar.limiters.records import UNDER_LIMIT, Hit, admitted, record_equal, record_repr, refused
+from sidecar.limiters.records import UNDER_LIMIT, Algorithm, Hit, admitted, record_equal, record_repr, refused
 
 CONCURRENT = registry.lua_kind("C", "window", "concurrent")
 
@@ -56,7 +56,7 @@ class LeaseState:
     __hash__ = None  # type: ignore[assignment]  # changed in place, as a dataclass's
 
 
-class ConcurrencyLimiter:
+class ConcurrencyLimiter(Algorithm):
     """At most ``limit`` live leases per key. A state holds at most
     ``limit`` of them: the expired ones are dropped when the key is full,
     before it is judged, so a key below its limit costs no sweep."""
@@ -86,19 +86,19 @@ class ConcurrencyLimiter:
             return None
         return refused(min(held.values()) - now)
 
-    def peek(self, state: LeaseState, now: float) -> Hit:
+    def peek(self, state: Any, now: float) -> Hit:
         return self._refusal(state, now) or UNDER_LIMIT
 
-    def assess(self, state: LeaseState, now: float, lease: str = "", amount: int = 1) -> Hit:
+    def assess(self, state: Any, now: float, lease: str = "", amount: int = 1) -> Hit:
         """One slot per request, whatever its ``amount``."""
         return self._refusal(state, now) or admitted(0.0, (lease, now + self.lease))
 
-    @staticmethod
-    def commit(state: LeaseState, hit: Hit) -> None:
+    def commit(self, state: Any, hit: Hit) -> None:
+        record: LeaseState = state  # each method's state is read as its type (Algorithm)
         lease, ends = hit.proposal
-        state.held[lease] = ends
+        record.held[lease] = ends
 
-    def hit(self, state: LeaseState, now: float, threshold: float, amount: int = 1) -> Hit:
+    def hit(self, state: Any, now: float, threshold: float, amount: int = 1) -> Hit:
         """Taken at once, as for a request of one rule, under a lease id no
         report knows: such a slot ends with its lease."""
         hit = self.assess(state, now, f"anonymous-{next(_anonymous)}")
@@ -118,8 +118,9 @@ class ConcurrencyLimiter:
         live = [ends for ends in state.held.values() if ends > now]
         return Quota(max(0, self.limit - len(live)), (min(live) - now if live else 0.0), self.lease)
 
-    def expires_at(self, state: LeaseState) -> float:
-        return max(state.held.values(), default=NO_PENALTY)
+    def expires_at(self, state: Any) -> float:
+        record: LeaseState = state
+        return max(record.held.values(), default=NO_PENALTY)
 
     def longest_hold(self) -> float:
         return 0.0

@@ -3,7 +3,7 @@
 # on Python ints, nginx's integer for integer.
 cimport cython
 
-from sidecar.limiters.bucket cimport Bucket
+from sidecar.limiters.bucket cimport Bucket, in_penalty
 from sidecar.limiters.records cimport Hit, admitted
 
 
@@ -22,6 +22,12 @@ cdef class LeakyBucket(Bucket):
     cdef public bint holds
 
     cpdef LeakyState new_state(self)
-    cpdef assess(self, LeakyState state, double now, lease=*, amount=*)
+    # The Algorithm's methods take any state, each read as a LeakyState (record).
+    @cython.locals(record=LeakyState)
+    cpdef Hit assess(self, state, double now, lease=*, amount=*)
+    @cython.locals(record=LeakyState)
+    cpdef commit(self, state, Hit hit)
+    @cython.locals(record=LeakyState)
+    cpdef double expires_at(self, state) except? -1.0
     cpdef _excess(self, LeakyState state, now_ms, amount=*)
     cpdef _wait_ms(self, LeakyState state, now_ms, amount=*)

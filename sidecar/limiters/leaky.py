@@ -76,18 +76,19 @@ class LeakyBucket(Bucket):
     def new_state(self) -> LeakyState:
         return LeakyState(0, None, NO_PENALTY, self)
 
-    def assess(self, state: LeakyState, now: float, lease: str = "", amount: int = 1) -> Hit:
+    def assess(self, state: Any, now: float, lease: str = "", amount: int = 1) -> Hit:
         """``amount`` requests at once add ``amount`` to the excess (the
         first of a key's fills the bucket's first place, as one request does)."""
-        held = in_penalty(state, now)
+        record: LeakyState = state  # each method's state is read as its type (Algorithm)
+        held = in_penalty(record, now)
         if held is not None:
             return held
         now_ms = int(now * 1000 + 1e-6)  # whole ms; the epsilon absorbs float error
-        if state.last is None and amount == 0:
+        if record.last is None and amount == 0:
             return UNDER_LIMIT  # a look at a key never seen: nothing to write
-        excess = 1000 * (amount - 1) if state.last is None else self._excess(state, now_ms, amount)
+        excess = 1000 * (amount - 1) if record.last is None else self._excess(record, now_ms, amount)
         if excess > self.burst:
-            return self.refuse(state, now, self._wait_ms(state, now_ms, amount) / 1000)
+            return self.refuse(record, now, self._wait_ms(record, now_ms, amount) / 1000)
         delay_ms = 0 if excess <= self.delay else (excess - self.delay) * 1000 // self.rate
         return admitted(delay_ms / 1000, (excess, now_ms))
 
@@ -103,10 +104,10 @@ class LeakyBucket(Bucket):
         # The smallest ms with rate * ms // 1000 >= needed.
         return max(0, state.last - (-needed * 1000 // self.rate) - now_ms)
 
-    @staticmethod
-    def commit(state: LeakyState, hit: Hit) -> None:
+    def commit(self, state: Any, hit: Hit) -> None:
+        record: LeakyState = state
         if hit.proposal is not None:
-            state.excess, state.last = hit.proposal
+            record.excess, record.last = hit.proposal
 
     def quota(self, state: LeakyState, now: float, threshold: float) -> Quota:
         """Requests that would still be admitted now, the time to drain, and
@@ -119,14 +120,15 @@ class LeakyBucket(Bucket):
         drained = max(0, state.excess - self.rate * max(0, int(now * 1000 + 1e-6) - state.last) // 1000)
         return Quota(max(0, (self.burst - drained) // 1000), drained / self.rate, full_drain)
 
-    def expires_at(self, state: LeakyState) -> float:
-        if state.last is None:
-            return state.penalty_until
+    def expires_at(self, state: Any) -> float:
+        record: LeakyState = state
+        if record.last is None:
+            return record.penalty_until
         # Like nginx, keep a key at least 60 s after its last request, and
         # until its excess has drained: a forgotten key's next request would
         # start from excess 0 instead of 1000.
-        drained = state.last + state.excess * 1000 // self.rate
-        return max((max(drained, state.last + 60_000)) / 1000, state.penalty_until)
+        drained = record.last + record.excess * 1000 // self.rate
+        return max((max(drained, record.last + 60_000)) / 1000, record.penalty_until)
 
     def describe(self) -> str:
         # nginx keeps the rate in thousandths per second, 10r/m as 0.166r/s.

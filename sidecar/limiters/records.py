@@ -1,5 +1,6 @@
-"""The limiters' records: how they print and compare, and the answer a
-limiter gives for one key (``Hit``), made for every request a bucket admits.
+"""The limiters' records: how they print and compare, the answer a limiter
+gives for one key (``Hit``), made for every request a bucket admits, and
+the limiters' common base (``Algorithm``).
 
 The records are slotted classes written out rather than dataclasses: the
 compiled core makes extension types of them (their .pxd files), which a
@@ -85,3 +86,37 @@ def refused(retry_after: float) -> Hit:
 
 
 UNDER_LIMIT = Hit(False)
+
+
+@cython.cclass
+class Algorithm:
+    """What every limiter is made from: the methods of the ``Limiter``
+    protocol (``sidecar.limiters.base``) that a check calls. Compiled, the
+    policy and the state map call them in C through this type, where a
+    method looked up by name is a call of a Python object with its
+    arguments boxed. A limiter overrides those it answers (a window counter
+    no ``assess``); each takes its state as any object, as declared here,
+    and reads it as its own type. ``RuleLimit`` takes no other limiter."""
+
+    __slots__ = ()
+
+    def new_state(self) -> Any:
+        """A state for a key never seen (see ``Limiter.new_state``)."""
+        raise NotImplementedError
+
+    def peek(self, state: Any, now: float) -> Hit:
+        raise NotImplementedError
+
+    def hit(self, state: Any, now: float, threshold: float, amount: int = 1) -> Hit:
+        raise NotImplementedError
+
+    def assess(self, state: Any, now: float, lease: str = "", amount: int = 1) -> Hit:
+        """A deferred limiter's (see ``DeferredLimiter``)."""
+        raise NotImplementedError
+
+    def commit(self, state: Any, hit: Hit) -> None:
+        """A deferred limiter's (see ``DeferredLimiter``)."""
+        raise NotImplementedError
+
+    def expires_at(self, state: Any) -> float:
+        raise NotImplementedError

@@ -2,7 +2,7 @@
 # the state and the token bucket are extension types, tokens and times C doubles.
 cimport cython
 
-from sidecar.limiters.bucket cimport Bucket
+from sidecar.limiters.bucket cimport Bucket, in_penalty
 from sidecar.limiters.records cimport Hit, admitted
 
 
@@ -22,5 +22,10 @@ cdef class TokenBucket(Bucket):
     cpdef TokenState new_state(self)
     @cython.locals(last=double)
     cpdef double tokens_at(self, TokenState state, double now) except? -1.0
-    @cython.locals(tokens=double, cost=double)
-    cpdef assess(self, TokenState state, double now, lease=*, amount=*)
+    # The Algorithm's methods take any state, each read as a TokenState (record).
+    @cython.locals(record=TokenState, tokens=double, cost=double)
+    cpdef Hit assess(self, state, double now, lease=*, amount=*)
+    @cython.locals(record=TokenState)
+    cpdef commit(self, state, Hit hit)
+    @cython.locals(record=TokenState, full_at=double)
+    cpdef double expires_at(self, state) except? -1.0

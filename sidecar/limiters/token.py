@@ -68,21 +68,22 @@ class TokenBucket(Bucket):
             return state.tokens
         return min(float(self.capacity), state.tokens + self.refill * max(0.0, now - state.last))
 
-    def assess(self, state: TokenState, now: float, lease: str = "", amount: int = 1) -> Hit:
+    def assess(self, state: Any, now: float, lease: str = "", amount: int = 1) -> Hit:
         """``amount`` requests at once cost ``amount`` times the cost (0: a
         look that takes nothing)."""
-        held = in_penalty(state, now)
+        record: TokenState = state  # each method's state is read as its type (Algorithm)
+        held = in_penalty(record, now)
         if held is not None:
             return held
-        tokens = self.tokens_at(state, now)
+        tokens = self.tokens_at(record, now)
         cost = self.cost * amount
         if cost > tokens:
-            return self.refuse(state, now, (cost - tokens) / self.refill)
+            return self.refuse(record, now, (cost - tokens) / self.refill)
         return admitted(0.0, (tokens - cost, now))
 
-    @staticmethod
-    def commit(state: TokenState, hit: Hit) -> None:
-        state.tokens, state.last = hit.proposal
+    def commit(self, state: Any, hit: Hit) -> None:
+        record: TokenState = state
+        record.tokens, record.last = hit.proposal
 
     def quota(self, state: TokenState, now: float, threshold: float) -> Quota:
         """Requests the tokens now cover, and the time until the bucket is full."""
@@ -91,11 +92,12 @@ class TokenBucket(Bucket):
         tokens = self.tokens_at(state, now)
         return Quota(int(tokens // self.cost), (self.capacity - tokens) / self.refill, self.capacity / self.refill)
 
-    def expires_at(self, state: TokenState) -> float:
-        if state.last is None:
-            return state.penalty_until
-        full_at = state.last + (self.capacity - state.tokens) / self.refill
-        return max(full_at, state.penalty_until)
+    def expires_at(self, state: Any) -> float:
+        record: TokenState = state
+        if record.last is None:
+            return record.penalty_until
+        full_at = record.last + (self.capacity - record.tokens) / self.refill
+        return max(full_at, record.penalty_until)
 
     def describe(self) -> str:
         text = f"{plural(self.capacity, 'token')}, refill {self.refill:g}/s"

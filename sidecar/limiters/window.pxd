@@ -3,7 +3,7 @@
 # their counts C integers. The .py stays the reference and the pure-Python core.
 cimport cython
 
-from sidecar.limiters.records cimport Hit, refused
+from sidecar.limiters.records cimport Algorithm, Hit, refused
 
 
 cdef class WindowState:
@@ -15,7 +15,7 @@ cdef class WindowState:
     cdef public bint used
 
 
-cdef class WindowCounter:
+cdef class WindowCounter(Algorithm):
     cdef public object threshold
     cdef public double period
     cdef public double penalty
@@ -27,8 +27,12 @@ cdef class WindowCounter:
     cdef public object _window
 
     cpdef WindowState new_state(self)
-    cpdef peek(self, WindowState state, double now)
-    @cython.locals(window="long long", estimate=double, elapsed=double)
-    cpdef hit(self, WindowState state, double now, double threshold, amount=*)
+    # The Algorithm's methods take any state, each read as a WindowState (record).
+    @cython.locals(record=WindowState)
+    cpdef Hit peek(self, state, double now)
+    @cython.locals(record=WindowState, window="long long", estimate=double, elapsed=double)
+    cpdef Hit hit(self, state, double now, double threshold, amount=*)
     @cython.locals(elapsed=double, previous=double)
-    cpdef _fit(self, WindowState state, double now, double threshold, amount)
+    cpdef Hit _fit(self, WindowState state, double now, double threshold, amount)
+    @cython.locals(record=WindowState, horizon=double, penalty_until=double)
+    cpdef double expires_at(self, state) except? -1.0

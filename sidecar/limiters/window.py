@@ -19,7 +19,7 @@ from pydantic import Field, field_validator
 
 from sidecar.config import Duration, LimitModel, format_duration
 from sidecar.limiters import NO_PENALTY, Quota, RuleLimit, lua_number, registry
-from sidecar.limiters.records import UNDER_LIMIT, Hit, record_equal, record_repr, refused
+from sidecar.limiters.records import UNDER_LIMIT, Algorithm, Hit, record_equal, record_repr, refused
 
 WINDOW = registry.lua_kind("W", "window")
 
@@ -51,7 +51,7 @@ class WindowState:
     __hash__ = None  # type: ignore[assignment]  # changed in place, as a dataclass's
 
 
-class WindowCounter:
+class WindowCounter(Algorithm):
     """Sliding window counter (default) or fixed window, with a penalty period.
 
     Requests 1..M are counted; the one that brings the estimate to M starts
@@ -102,35 +102,37 @@ class WindowCounter:
         # Positional: made for every new key, and keywords cost a third more.
         return WindowState(-2, 0, 0, NO_PENALTY, self)  # window, previous, current, penalty_until
 
-    def peek(self, state: WindowState, now: float) -> Hit:
+    def peek(self, state: Any, now: float) -> Hit:
         """Is the key in its penalty? Counts nothing (response-phase rules
         at request time)."""
-        if now < state.penalty_until:
-            return refused(state.penalty_until - now)
+        record: WindowState = state  # each method's state is read as its type (Algorithm)
+        if now < record.penalty_until:
+            return refused(record.penalty_until - now)
         return UNDER_LIMIT
 
-    def hit(self, state: WindowState, now: float, threshold: float, amount: int = 1) -> Hit:
-        if now < state.penalty_until:
-            return refused(state.penalty_until - now)
+    def hit(self, state: Any, now: float, threshold: float, amount: int = 1) -> Hit:
+        record: WindowState = state
+        if now < record.penalty_until:
+            return refused(record.penalty_until - now)
         window = int(now // self.period)
-        if window != state.window:
+        if window != record.window:
             if window == self._window:
                 window = self._window
             else:
                 self._window = window
-            state.previous = state.current if window == state.window + 1 else 0
-            state.current = 0
-            state.window = window
+            record.previous = record.current if window == record.window + 1 else 0
+            record.current = 0
+            record.window = window
         if self.fit:
-            return self._fit(state, now, threshold, amount)
-        state.current += amount
-        estimate = float(state.current)
-        if self.sliding and state.previous:
+            return self._fit(record, now, threshold, amount)
+        record.current += amount
+        estimate = float(record.current)
+        if self.sliding and record.previous:
             elapsed = now - window * self.period
-            estimate += state.previous * (self.period - elapsed) / self.period
+            estimate += record.previous * (self.period - elapsed) / self.period
         # Compared as a real number, never rounded.
         if estimate > threshold if self.exceed else estimate >= threshold:
-            state.penalty_until = now + self.penalty
+            record.penalty_until = now + self.penalty
         return UNDER_LIMIT
 
     def _fit(self, state: WindowState, now: float, threshold: float, amount: int) -> Hit:
@@ -174,11 +176,12 @@ class WindowCounter:
             return Quota(max(0, math.floor(threshold - estimate)), self.period - elapsed, self.period)
         return Quota(max(0, math.ceil(threshold - estimate)), self.period - elapsed, self.period)
 
-    def expires_at(self, state: WindowState) -> float:
+    def expires_at(self, state: Any) -> float:
         """When the state stops mattering: its window no longer weighs in
         and its penalty is over."""
-        horizon = (state.window + (2 if self.sliding else 1)) * self.period
-        penalty_until = state.penalty_until
+        record: WindowState = state
+        horizon = (record.window + (2 if self.sliding else 1)) * self.period
+        penalty_until = record.penalty_until
         return horizon if horizon > penalty_until else penalty_until
 
     def longest_hold(self) -> float:

@@ -24,21 +24,13 @@ from sidecar.store.local import LocalStore
 from sidecar.tiers import TierAssignments
 
 
-def state_expiry(state: Any) -> float:
-    """When a key's state expires. Each state carries its limiter: a reload
-    may change it. (A function of this module, not a lambda: compiled, it
-    is no Python frame for every new key.)"""
-    expires: float = state.limiter.expires_at(state)
-    return expires
-
-
 class MemoryTable:
     """The policy's primitives over bounded maps of at most ``max_keys``
     entries each: the keys' states, the addresses' bans, and the notes that
     bans react to (a map per kind, so that one kind never evicts the other)."""
 
     def __init__(self, max_keys: int, clock: Clock) -> None:
-        self.states = StateMap(max_keys, state_expiry, clock)
+        self.states = StateMap(max_keys, clock)
         self.bans = BoundedMap(max_keys, lambda ban: ban.expires, clock)
         self.notes = {kind: BoundedMap(max_keys, lambda note: note[1], clock) for kind in (BAN_STEP, COUNTED_PENALTY)}
         # The map's own operations, one call each on the request path.

@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from sidecar.config import Duration, LimitModel, format_duration
-from sidecar.limiters import UNDER_LIMIT, Hit, Quota, RuleLimit, lua_number, registry
+from sidecar.limiters import UNDER_LIMIT, Algorithm, Hit, Quota, RuleLimit, lua_number, registry
 
 CELL_RATE = registry.lua_kind("G", "window", Path(__file__).with_name("cell_rate.lua"))
 
@@ -39,7 +39,7 @@ class CellState:
     used: bool = False  # marked by the memory store's table when read
 
 
-class CellRate:
+class CellRate(Algorithm):
     """GCRA: ``threshold`` requests per ``period``, at once from rest and
     then one per ``period / threshold``."""
 

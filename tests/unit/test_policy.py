@@ -5,11 +5,17 @@ decides as a plain dict does while nothing is evicted."""
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
+import pytest
 from hypothesis import given, settings
 
 from sidecar.at_once import run_at_once
+from sidecar.bounded import state_expiry
+from sidecar.limiters import UNDER_LIMIT, Hit, RuleLimit, refused
+from sidecar.limiters.window import WindowCounter
 from sidecar.policy import StateTable
+from sidecar.state import Check
 from sidecar.store import Deciding
 from sidecar.store.local import LocalStore
 from sidecar.store.memory import MemoryStore, MemoryTable
@@ -52,3 +58,49 @@ def test_a_ban_note_and_a_penalty_note_of_one_address_are_kept_apart() -> None:
     assert table.note(("counted penalty", "192.0.2.1", "r"), 50.0) is None  # kept until, not at
     assert table.forget_notes("192.0.2.1") == 2
     assert table.note(("ban step", "192.0.2.1", "r"), 10.0) is None
+
+
+# --------------------------------------------------------------------------
+# The limiters' base: what the policy calls, compiled or not
+# --------------------------------------------------------------------------
+
+
+class EveryOther(WindowCounter):
+    """A limiter written in Python over a compiled one: refuses every
+    other request of a key, whatever its count."""
+
+    def __init__(self) -> None:
+        super().__init__(1_000, 60.0, 60.0)
+        self.calls = 0
+
+    def hit(self, state: Any, now: float, threshold: float, amount: int = 1) -> Hit:
+        self.calls += 1
+        super().hit(state, now, threshold, amount)
+        return refused(1.0) if self.calls % 2 == 0 else UNDER_LIMIT
+
+
+def test_the_policy_calls_a_limiters_own_method_where_it_overrides_the_base() -> None:
+    limiter = EveryOther()
+    store = MemoryStore(100, "node", clock=lambda: 0.0)
+    check = Check.of("r", (("r", ("ip",)), "192.0.2.1"), limiter, 1_000, True)
+    refusals = [run_at_once(store.evaluate(10.0, "", [check])).hits[0].over_limit for _ in range(4)]
+    assert refusals == [False, True, False, True]
+    assert limiter.calls == 4
+    state = store.table.states.data[check.key]
+    assert state.current == 4  # the base's arithmetic ran under the override too
+    assert state_expiry(state) == limiter.expires_at(state) == 120.0  # asked of the state's limiter
+
+
+class NotALimiter:
+    """Every method of the protocol, but not a limiter's base."""
+
+    deferred = holds = scalable = leases = False
+
+    def new_state(self) -> object:
+        return object()
+
+
+def test_a_limit_of_something_that_is_not_a_limiter_is_refused_when_made() -> None:
+    with pytest.raises(TypeError, match="^NotALimiter is not a limiter: a limiter subclasses sidecar.limiters"):
+        RuleLimit(NotALimiter(), 10, None)
+    assert RuleLimit(EveryOther(), 10, None).limiter.calls == 0

@@ -147,7 +147,7 @@ def state() -> object:
 
 
 def states(max_keys: int) -> StateMap:
-    return StateMap(max_keys, lambda value: value.limiter.expires_at(value), lambda: 0.0)
+    return StateMap(max_keys, lambda: 0.0)
 
 
 def test_a_state_read_is_marked_and_not_moved():

@@ -1,0 +1,37 @@
+# Types of sidecar/request.py for its compiled build (see setup.py): the
+# request a front door describes is an extension type, made and read in C.
+cimport cython
+
+
+cdef class CheckRequest:
+    cdef public object method
+    cdef public object host
+    cdef public object uri
+    cdef public object path
+    cdef public object query_string
+    cdef public object headers
+    cdef public object client
+    cdef public object peer
+    cdef public object forwarded_for
+    cdef public object request_id
+    cdef public object tls_fingerprint
+    cdef public double sent
+    cdef public double refused_until
+    cdef public object refused_as
+    cdef public object proxy_expires
+    cdef public bint credential
+    cdef public object token
+    cdef public object _cookies
+    cdef public object _query
+
+
+@cython.locals(path=str, trailing=bint)
+cpdef str normalise_path(str raw_path)
+
+cpdef CheckRequest check_request(dict headers, str method, host, str uri, str peer, str host_field=*)
+
+@cython.locals(query=dict, field=str, name=str, value=str)
+cpdef dict parse_query(str query_string)
+
+@cython.locals(cookies=dict, part=str, name=str, sep=str, value=str)
+cpdef dict parse_cookies(str field)
