@@ -5,8 +5,11 @@ cimport cython
 from sidecar.limiters.records cimport Algorithm
 
 
+cpdef long long wheel_slot(double when)
+
+
 cdef class BoundedMap:
-    cdef public object max_keys
+    cdef public Py_ssize_t max_keys
     cdef public object _expires_at
     cdef public object _clock
     cdef public dict data
@@ -19,7 +22,7 @@ cdef class BoundedMap:
     @cython.locals(data=dict)
     cpdef add(self, key, value, expires=*)
     cpdef double _expiry(self, value) except? -1.0
-    @cython.locals(keys=list)
+    @cython.locals(keys=list, slot="long long")
     cpdef _file(self, key, double expires)
     @cython.locals(data=dict)
     cpdef _drop_oldest(self, Py_ssize_t count)

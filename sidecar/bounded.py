@@ -15,6 +15,15 @@ from typing import Any
 from sidecar.limiters.records import Algorithm
 
 
+def wheel_slot(when: float) -> int:
+    """The whole second of ``when``, a slot of the expiry wheel: slot 0 for
+    times before the clock's first second (-inf, a state never counted,
+    included)."""
+    if when < 1.0:
+        return 0
+    return int(when) if when < 1e18 else 1 << 62
+
+
 class BoundedMap:
     """A dict of at most ``max_keys`` entries: when full, expired entries go
     first, then the least recently used.
@@ -96,16 +105,8 @@ class BoundedMap:
     def __len__(self) -> int:
         return len(self.data)
 
-    @staticmethod
-    def _slot(when: float) -> int:
-        """The whole second of ``when``: slot 0 for times before the
-        clock's first second (-inf, a state never counted, included)."""
-        if when < 1.0:
-            return 0
-        return int(when) if when < 1e18 else 1 << 62
-
     def _file(self, key: Hashable, expires: float) -> None:
-        slot = self._slot(expires)
+        slot = wheel_slot(expires)
         keys = self._wheel.get(slot)
         if keys is None:
             self._wheel[slot] = [key]
@@ -120,7 +121,7 @@ class BoundedMap:
         data = self.data
         now = self._clock()
         wheel, slots = self._wheel, self._slots
-        current = self._slot(now)
+        current = wheel_slot(now)
         outlived: list[tuple[Hashable, float]] = []
         while slots and slots[0] < current:
             keys = wheel.pop(heapq.heappop(slots))

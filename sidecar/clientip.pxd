@@ -1,6 +1,7 @@
 # Types of sidecar/clientip.py for its compiled build (see setup.py): a
-# resolved client is an extension type; the resolver's walk and the fast
-# paths of IPv4 and IPv6 text are compiled, canonical IPv4 read in C.
+# resolved client and the resolver are extension types (the resolver's walk
+# calls its steps in C); the fast paths of IPv4 and IPv6 text are compiled,
+# canonical IPv4 read in C.
 cimport cython
 
 
@@ -18,3 +19,28 @@ cdef class ClientAddress:
 @cython.locals(value=cython.ulonglong, octet=cython.int, digits=cython.int, dots=cython.int,
                character=cython.Py_UCS4, code=cython.int)
 cpdef long long dotted_quad(str text)
+
+
+# The header and the peer are any str (the tests watch the walk through a
+# subclass); a field cut from them is a str.
+cdef class ClientIPResolver:
+    cdef public object trusted_proxies
+    cdef public object exempt
+    cdef public int ipv4_prefix
+    cdef public int ipv6_prefix
+    cdef public Py_ssize_t cache_size
+    cdef public dict _cache
+    cdef public dict _walks
+    cdef public object _ipv4_mask
+    cdef public object _ipv6_mask
+
+    @cython.locals(entry=tuple, client=ClientAddress)
+    cpdef ClientAddress resolve(self, peer, forwarded_for)
+    @cython.locals(end=Py_ssize_t, hops=Py_ssize_t, start=Py_ssize_t, entry=tuple)
+    cpdef ClientAddress _walk_forwarded_for(self, ClientAddress client, header)
+    @cython.locals(entry=tuple)
+    cpdef tuple _entry(self, text, Py_ssize_t start, Py_ssize_t end)
+    @cython.locals(entry=tuple, client=ClientAddress)
+    cpdef tuple _classify(self, str field)
+    @cython.locals(text=str)
+    cpdef tuple _parse(self, str field)

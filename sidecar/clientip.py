@@ -316,6 +316,7 @@ _BLANK: _Entry = (None, True)
 _MALFORMED: _Entry = (None, False)
 
 
+@cython.cclass
 class ClientIPResolver:
     """Turns (connecting peer, X-Forwarded-For) into a ClientAddress.
 
@@ -373,8 +374,8 @@ class ClientIPResolver:
     def resolve(self, peer: str, forwarded_for: str | None) -> ClientAddress:
         if not peer:
             return UNKNOWN_CLIENT
-        # The cache lookups are written out here and in the walk: this runs
-        # for every request.
+        # The peer's cache lookup is written out here: this runs for every
+        # request.
         entry = self._cache.get(peer) if len(peer) <= MAX_CACHED_ENTRY else None
         if entry is None:
             entry = self._entry(peer, 0, len(peer))
@@ -404,14 +405,11 @@ class ClientIPResolver:
         the client; if every entry is trusted, the leftmost one is. At most
         MAX_FORWARDED_HOPS fields are looked at (see the class).
         """
-        cache = self._cache
         end = len(header)
         hops = MAX_FORWARDED_HOPS
         while True:
             start = header.rfind(",", 0, end) + 1
-            entry = cache.get(header[start:end]) if end - start <= MAX_CACHED_ENTRY else None
-            if entry is None:
-                entry = self._entry(header, start, end)
+            entry = self._entry(header, start, end)
             if entry is not _BLANK:  # "a, , b," has empty entries; nginx skips them too
                 if entry[0] is None:
                     return client

@@ -21,6 +21,7 @@ cdef class LeakyBucket(Bucket):
     cdef public object delay
     cdef public bint holds
 
+    @cython.locals(state=LeakyState)
     cpdef LeakyState new_state(self)
     # The Algorithm's methods take any state, each read as a LeakyState (record).
     @cython.locals(record=LeakyState)

@@ -74,7 +74,14 @@ class LeakyBucket(Bucket):
         return max(0, self.burst - self.delay) * 1000 // self.rate / 1000
 
     def new_state(self) -> LeakyState:
-        return LeakyState(0, None, NO_PENALTY, self)
+        # Filled without the call of the class (see WindowCounter.new_state).
+        state = LeakyState.__new__(LeakyState)
+        state.excess = 0
+        state.last = None
+        state.penalty_until = NO_PENALTY
+        state.limiter = self
+        state.used = False
+        return state
 
     def assess(self, state: Any, now: float, lease: str = "", amount: int = 1) -> Hit:
         """``amount`` requests at once add ``amount`` to the excess (the

@@ -19,6 +19,7 @@ cdef class TokenBucket(Bucket):
     cdef public double refill
     cdef public object cost
 
+    @cython.locals(state=TokenState)
     cpdef TokenState new_state(self)
     @cython.locals(last=double)
     cpdef double tokens_at(self, TokenState state, double now) except? -1.0

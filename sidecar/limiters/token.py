@@ -61,7 +61,14 @@ class TokenBucket(Bucket):
         super().__init__(penalty, refill, TOKEN, (str(capacity), lua_number(refill), str(cost)))
 
     def new_state(self) -> TokenState:
-        return TokenState(float(self.capacity), None, NO_PENALTY, self)
+        # Filled without the call of the class (see WindowCounter.new_state).
+        state = TokenState.__new__(TokenState)
+        state.tokens = float(self.capacity)
+        state.last = None
+        state.penalty_until = NO_PENALTY
+        state.limiter = self
+        state.used = False
+        return state
 
     def tokens_at(self, state: TokenState, now: float) -> float:
         if state.last is None:

@@ -26,6 +26,7 @@ cdef class WindowCounter(Algorithm):
     cdef public tuple _lua_args
     cdef public object _window
 
+    @cython.locals(state=WindowState)
     cpdef WindowState new_state(self)
     # The Algorithm's methods take any state, each read as a WindowState (record).
     @cython.locals(record=WindowState)

@@ -99,8 +99,16 @@ class WindowCounter(Algorithm):
         self._window = -2
 
     def new_state(self) -> WindowState:
-        # Positional: made for every new key, and keywords cost a third more.
-        return WindowState(-2, 0, 0, NO_PENALTY, self)  # window, previous, current, penalty_until
+        # Made for every new key: compiled, its fields filled without the
+        # call of the class (as sidecar.limiters.records.admitted makes a Hit).
+        state = WindowState.__new__(WindowState)
+        state.window = -2
+        state.previous = 0
+        state.current = 0
+        state.penalty_until = NO_PENALTY
+        state.limiter = self
+        state.used = False
+        return state
 
     def peek(self, state: Any, now: float) -> Hit:
         """Is the key in its penalty? Counts nothing (response-phase rules
