@@ -51,6 +51,12 @@ _REQUEST_VERSION = b" HTTP/1.1\r\n"
 # that follow. At most NAMES_KEPT, the first seen (junk names only miss it).
 _NAMES: dict[str, tuple[str, bytes]] = {}
 NAMES_KEPT = 256
+# The names of the last heads read, field by field: the Nth field's name as
+# sent, in lower case as text and as bytes. A proxy sends the same names in
+# the same order with every check, so each is recognised by one comparison
+# of its bytes where the data are, with no text made or looked up. At most
+# NAMES_KEPT fields; a name that differs replaces its field's.
+_LAST_NAMES: list[tuple[bytes, str, bytes]] = []
 
 
 def is_token(byte: int) -> bool:
@@ -69,8 +75,9 @@ def is_value(byte: int) -> bool:
 
 
 def names_kept() -> int:
-    """How many header names are kept (at most NAMES_KEPT)."""
-    return len(_NAMES)
+    """How many header names are kept (at most NAMES_KEPT each: by name,
+    and by the field they came in last)."""
+    return max(len(_NAMES), len(_LAST_NAMES))
 
 
 def read_head(data: bytes, start: int, max_headers: int) -> Head | None:
@@ -113,11 +120,36 @@ def read_head(data: bytes, start: int, max_headers: int) -> Head | None:
             position += 2
             break
         name_start = position
-        while position < end and is_token(data[position]):
-            position += 1
-        if position == name_start or position >= end or data[position] != 58:  # ":"
-            return None
-        name_end = position
+        sent_name = None  # the field's name as sent, when not the last head's
+        if count < len(_LAST_NAMES):
+            last = _LAST_NAMES[count]
+            if not (data.startswith(last[0], position) and position + len(last[0]) < end
+                    and data[position + len(last[0])] == 58):  # ":"
+                last = None
+        else:
+            last = None
+        if last is not None:
+            position += len(last[0])
+            text, name = last[1], last[2]
+        else:
+            while position < end and is_token(data[position]):
+                position += 1
+            if position == name_start or position >= end or data[position] != 58:  # ":"
+                return None
+            # Each read as text straight from the data, its bytes from the
+            # text (all of it ASCII here): fewer objects made than slicing.
+            sent = data[name_start:position].decode("latin-1")
+            known = _NAMES.get(sent)
+            if known is not None:
+                text, name = known
+            else:
+                text = sent.lower()
+                name = text.encode("latin-1")
+                if data[name_start] in b"cCtTuUeEpP" and name in FRAMING_FIELDS:
+                    return None
+                if len(_NAMES) < NAMES_KEPT:
+                    _NAMES[sent] = (text, name)
+            sent_name = sent.encode("latin-1")
         position += 1
         while position < end and (data[position] == 32 or data[position] == 9):
             position += 1
@@ -130,22 +162,15 @@ def read_head(data: bytes, start: int, max_headers: int) -> Head | None:
         if value_end > value_start and (data[value_end - 1] == 32 or data[value_end - 1] == 9):
             return None  # trailing whitespace: left to httptools
         position += 2
+        if sent_name is not None:
+            # Remembered as its field's name for the heads that follow.
+            if count < len(_LAST_NAMES):
+                _LAST_NAMES[count] = (sent_name, text, name)
+            elif count < NAMES_KEPT:
+                _LAST_NAMES.append((sent_name, text, name))
         count += 1
         if count > max_headers:
             return None
-        # Each read as text straight from the data, its bytes from the text
-        # (all of it ASCII here): fewer objects made than slicing.
-        sent = data[name_start:name_end].decode("latin-1")
-        known = _NAMES.get(sent)
-        if known is not None:
-            text, name = known
-        else:
-            text = sent.lower()
-            name = text.encode("latin-1")
-            if data[name_start] in b"cCtTuUeEpP" and name in FRAMING_FIELDS:
-                return None
-            if len(_NAMES) < NAMES_KEPT:
-                _NAMES[sent] = (text, name)
         value_text = data[value_start:value_end].decode("latin-1")
         headers.append((name, value_text.encode("latin-1")))
         if fields is not None:

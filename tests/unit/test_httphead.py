@@ -200,6 +200,32 @@ def test_names_kept_are_bounded_whatever_names_a_client_sends() -> None:
         assert read_head(CHECK.replace(b"Accept: */*", b"Content-Length: 0"), 0, 100) is None
 
 
+def test_names_kept_by_field_are_bounded_however_many_fields_a_head_has() -> None:
+    last = 2 * NAMES_KEPT - 1
+    many = b"".join(b"X-Field-%d: %d\r\n" % (number, number) for number in range(last + 1))
+    for _ in range(2):
+        head = read_head(CHECK.replace(b"Accept: */*\r\n", many), 0, 4 * NAMES_KEPT)
+        assert head is not None and head[5] is not None and head[5][f"x-field-{last}"] == str(last)
+    assert names_kept() <= NAMES_KEPT
+
+
+@pytest.mark.parametrize("name", [b"X-Foobar", b"X-Fo", b"x-foo", b"X-Foo-", b"Content-Length", b"Connection"])
+def test_a_name_that_differs_from_the_last_heads_at_its_field_is_read_as_its_own(name: bytes) -> None:
+    """The last head's name at a field is recognised where the data hold
+    exactly it and then its colon: a longer or shorter name, another case,
+    or a field that frames a body is read as any other."""
+    last = CHECK.replace(b"Host: sluice", b"X-Foo: 1")
+    assert read_head(last, 0, 100)[5]["x-foo"] == "1"
+    head = read_head(last.replace(b"X-Foo: 1", name + b": 2"), 0, 100)
+    if name.lower() in FRAMING_FIELDS:
+        assert head is None
+    else:
+        assert head is not None and head[5] is not None and head[5][name.decode().lower()] == "2"
+        assert head[4][0] == (name.lower(), b"2")
+        assert ("x-foo" in head[5]) == (name.lower() == b"x-foo")
+    assert read_head(last, 0, 100)[4][0] == (b"x-foo", b"1")  # and the last head's is read again
+
+
 @pytest.mark.parametrize("data", [
     CHECK[:-1],  # not whole yet
     CHECK.replace(b"HTTP/1.1", b"HTTP/1.0"),  # closes the connection
