@@ -121,12 +121,9 @@ def read_head(data: bytes, start: int, max_headers: int) -> Head | None:
             break
         name_start = position
         sent_name = None  # the field's name as sent, when not the last head's
-        if count < len(_LAST_NAMES):
-            last = _LAST_NAMES[count]
-            if not (data.startswith(last[0], position) and position + len(last[0]) < end
-                    and data[position + len(last[0])] == 58):  # ":"
-                last = None
-        else:
+        last: tuple[bytes, str, bytes] | None = _LAST_NAMES[count] if count < len(_LAST_NAMES) else None
+        if last is not None and not (data.startswith(last[0], position) and position + len(last[0]) < end
+                                     and data[position + len(last[0])] == 58):  # ":"
             last = None
         if last is not None:
             position += len(last[0])
