@@ -23,7 +23,7 @@ from tests.unit.test_watch import FIVE, RULES
 
 pytestmark = pytest.mark.integration
 
-BROKEN = FIVE.replace("per: 1m", "per: whenever")  # line 4
+BROKEN = FIVE.replace("per: 1d", "per: whenever")  # line 4
 RELOADED = re.compile(r'"message":"reloaded \d+ rules? from ')
 
 
