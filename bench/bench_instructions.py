@@ -20,7 +20,11 @@ server turns it, and answers into a transport that drops the bytes:
 * ``sluice-no-rule``: Sluice's protocol and front door, without a rule;
 * ``sluice-one``: the ten rules of bench/bench_engine.py, one client;
 * ``sluice-rotating``: the same, a new one of 100,000 clients every check;
-* ``sluice-pure-one``: the pure-Python core (SLUICE_PURE_PYTHON=1), one client.
+* ``sluice-pure-one``: the pure-Python core (SLUICE_PURE_PYTHON=1), one client;
+* ``sluice-node-one``, ``sluice-node-rotating``: the ten rules over the
+  node's table (``sluice serve --workers N``'s store, sidecar.store.node),
+  its zones private to the process: what a worker executes for the
+  table's transactions, beside ``sluice-one`` and ``sluice-rotating``.
 
 A configuration's figure is the difference between a run that feeds
 ``--checks`` requests and one that feeds none (the same start, the same
@@ -28,7 +32,7 @@ warm-up of 2,000 checks), divided by ``--checks``. Ratios are taken between
 figures of the same run.
 
 Usage: ``.venv/bin/python bench/bench_instructions.py [--checks 3000]``
-(about six minutes). Needs valgrind (``make bench`` installs it). No
+(about eight minutes). Needs valgrind (``make bench`` installs it). No
 network: nothing is sent anywhere.
 """
 
@@ -50,7 +54,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(BENCH))
 
 WARM = 2_000
-CONFIGURATIONS = ("floor", "asgi", "sluice-no-rule", "sluice-one", "sluice-rotating", "sluice-pure-one")
+CONFIGURATIONS = ("floor", "asgi", "sluice-no-rule", "sluice-one", "sluice-rotating", "sluice-pure-one",
+                  "sluice-node-one", "sluice-node-rotating")
 COLLECTED = re.compile(r"Collected : (\d+)")
 
 
@@ -113,7 +118,14 @@ def protocol_for(configuration: str) -> Any:
     from sidecar.app import create_app
     from sidecar.server import protocol_factory
 
-    app = create_app(engine_for(NO_RULES if configuration == "sluice-no-rule" else TEN_RULES))
+    engine = engine_for(NO_RULES if configuration == "sluice-no-rule" else TEN_RULES)
+    if configuration.startswith("sluice-node"):
+        from sidecar.engine import Engine
+        from sidecar.store.node import NodeStore, NodeZones
+
+        ruleset = engine.ruleset
+        engine = Engine(ruleset, store=NodeStore(NodeZones.private(ruleset.max_keys), ruleset.node))
+    app = create_app(engine)
     config = Config(app, access_log=False, server_header=False, date_header=False, proxy_headers=False,
                     lifespan="off", http=protocol_factory())
     config.load()
@@ -133,7 +145,7 @@ async def feed(configuration: str, checks: int) -> None:
     protocol.connection_made(transport)
     if configuration.startswith("sluice"):
         freeze_loaded_objects()
-    rotating = configuration == "sluice-rotating"
+    rotating = configuration.endswith("rotating")
     requests = [nginx_check(number if rotating else 7) for number in range(WARM + checks)]
     for request in requests:
         expected = transport.answers + 1
@@ -193,6 +205,8 @@ def main() -> None:
             ("ten rules, one client / no rule", "sluice-one", "sluice-no-rule", ""),
             ("100,000 clients / one client", "sluice-rotating", "sluice-one", "(CPU target <= 1.2)"),
             ("compiled core / pure-Python core, one client", "sluice-one", "sluice-pure-one", ""),
+            ("node's table / memory store, one client", "sluice-node-one", "sluice-one", ""),
+            ("node's table / memory store, 100,000 clients", "sluice-node-rotating", "sluice-rotating", ""),
             ("trivial ASGI app / HTTP floor", "asgi", "floor", ""))
     for label, measured, reference, target in rows:
         print(f"  {label:<46} {per_check[measured] / per_check[reference]:6.3f}x   {target}")

@@ -156,6 +156,8 @@ cdef class Zone:
     cpdef stripe_of(self, digest)
     cpdef lock(self, stripes)
     cpdef unlock(self, stripes)
+    cpdef lock_mask(self, unsigned long long mask)
+    cpdef unlock_mask(self, unsigned long long mask)
     cpdef get(self, digest, double now)
     cpdef peek(self, digest, double now)
     cpdef put(self, digest, value, double expires, double now)
@@ -169,6 +171,9 @@ cdef class Zone:
     cdef Py_ssize_t _stripe_index(self, const unsigned char *digest) noexcept
     cdef sz_stripe *_locked_stripe(self, Py_ssize_t stripe) except NULL
     cdef int _check_stripes(self, object stripes) except -1
+    cdef int _check_mask(self, unsigned long long mask) except -1
+    cdef int _release_mask(self, unsigned long long mask) except -1
+    cdef object _release_noting(self, Py_ssize_t stripe, object error)
     cdef int _acquire(self, Py_ssize_t stripe) except -1
     cdef int _release(self, Py_ssize_t stripe) except -1
     cdef object _read(self, object digest, double now, bint refresh)

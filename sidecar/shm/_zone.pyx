@@ -48,11 +48,13 @@ cdef enum:
     HEADER_SIZE = 256
     STRIPE_HEADER = 128
     EXPIRED_SCAN = 8
+    MASK_STRIPES = 64  # stripes a mask of stripes names (lock_mask)
     SPINS = 64  # tries of a busy lock before sleeping on it (its owner holds it for a few microseconds)
 
 assert (pure_zone.FREE, pure_zone.LIVE, pure_zone.WRITING, pure_zone.NIL) == (FREE, LIVE, WRITING, NIL)
 assert (pure_zone.DIGEST_SIZE, pure_zone.RECORD_HEADER, pure_zone.HEADER_SIZE) == (DIGEST_SIZE, RECORD_HEADER, HEADER_SIZE)
 assert (pure_zone.STRIPE_HEADER, pure_zone.EXPIRED_SCAN) == (STRIPE_HEADER, EXPIRED_SCAN)
+assert pure_zone.MASK_STRIPES == MASK_STRIPES
 
 
 cdef inline const unsigned char *_digest(object digest) except NULL:
@@ -251,12 +253,57 @@ cdef class Zone:
         self._check_stripes(stripes)
         error = None
         for stripe in reversed(stripes):
-            try:
-                self._release(stripe)
-            except RuntimeError as problem:
-                error = problem
+            error = self._release_noting(stripe, error)
         if error is not None:
             raise error
+
+    cpdef lock_mask(self, unsigned long long mask):
+        """``lock`` of the stripes whose bits are set in ``mask`` (stripe n:
+        bit n; a zone of at most 64 stripes), in increasing order."""
+        self._check_open()
+        self._check_mask(mask)
+        cdef Py_ssize_t stripe
+        cdef unsigned long long taken = 0
+        try:
+            for stripe in range(self.stripes):
+                if mask >> stripe & 1:
+                    self._acquire(stripe)
+                    taken |= (<unsigned long long>1) << stripe
+        except BaseException:
+            self._release_mask(taken)
+            raise
+
+    cpdef unlock_mask(self, unsigned long long mask):
+        """``unlock`` of the stripes whose bits are set in ``mask``."""
+        self._check_open()
+        self._check_mask(mask)
+        self._release_mask(mask)
+
+    cdef int _release_mask(self, unsigned long long mask) except -1:
+        """Release the stripes of ``mask``, the highest first; one this
+        thread does not hold is a RuntimeError, after the others."""
+        cdef Py_ssize_t stripe
+        error = None
+        for stripe in range(self.stripes - 1, -1, -1):
+            if mask >> stripe & 1:
+                error = self._release_noting(stripe, error)
+        if error is not None:
+            raise error
+        return 0
+
+    cdef object _release_noting(self, Py_ssize_t stripe, object error):
+        """Release ``stripe``: the RuntimeError of one not held, else ``error``."""
+        try:
+            self._release(stripe)
+        except RuntimeError as problem:
+            return problem
+        return error
+
+    cdef int _check_mask(self, unsigned long long mask) except -1:
+        if self.stripes > MASK_STRIPES or (self.stripes < MASK_STRIPES and mask >> self.stripes):
+            pure_zone.check_mask(mask, self.stripes)
+            raise ValueError(f"a mask of stripes names stripes 0 to {self.stripes - 1}: {mask:#x}")
+        return 0
 
     def locked(self, stripes):
         """Hold these stripes' locks for a ``with`` block."""

@@ -63,6 +63,7 @@ STRIPE_HEADER = 128  # the lock slot, then the stripe's fields, two cache lines
 RECORD_HEADER = 40
 ALIGN = 64
 EXPIRED_SCAN = 8  # least recently used records looked at for an expired one
+MASK_STRIPES = 64  # stripes a mask of stripes names (Zone.lock_mask): one bit each
 DIGEST_SIZE = 16
 MAX_STRIPES = 1 << 16
 MAX_VALUE_SIZE = 0xFFFF  # the length is a u16
@@ -248,6 +249,18 @@ def check_stripes(stripes: Iterable[int], count: int) -> list[int]:
     return checked
 
 
+def check_mask(mask: object, count: int) -> list[int]:
+    """The stripes a mask of stripes names (stripe n: bit n), in increasing
+    order, checked: a zone of at most MASK_STRIPES stripes, no bit past its last."""
+    if type(mask) is not int or mask < 0 or mask >> MASK_STRIPES:
+        raise ValueError(f"a mask of stripes is a whole number of {MASK_STRIPES} bits, not {mask!r}")
+    if count > MASK_STRIPES:
+        raise ValueError(f"a mask names {MASK_STRIPES} stripes at most; this zone has {count}: lock a list")
+    if mask >> count:
+        raise ValueError(f"a mask of stripes names stripes 0 to {count - 1}: {mask:#x}")
+    return [stripe for stripe in range(count) if mask >> stripe & 1]
+
+
 def _describe(thing: object) -> str:
     if isinstance(thing, (bytes, bytearray, memoryview)):
         return f"{type(thing).__name__} of {len(thing)} bytes"
@@ -370,6 +383,14 @@ class Zone:
         self._held.difference_update(checked)
         if unheld:
             raise RuntimeError(f"stripe {unheld[-1]} is not locked by this thread")
+
+    def lock_mask(self, mask: int) -> None:
+        """``lock`` of the stripes whose bits are set in ``mask`` (stripe n: bit n)."""
+        self.lock(check_mask(mask, self.stripes))
+
+    def unlock_mask(self, mask: int) -> None:
+        """``unlock`` of the stripes whose bits are set in ``mask``."""
+        self.unlock(check_mask(mask, self.stripes))
 
     @contextmanager
     def locked(self, stripes: Sequence[int]) -> Iterator[None]:

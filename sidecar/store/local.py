@@ -60,10 +60,15 @@ class LocalStore:
 
 def plain_evaluation(store: object) -> PlainEvaluation | None:
     """``store.evaluate`` as a plain function, when it is ``LocalStore``'s
-    own: its policy's ``evaluate``, without a coroutine (the engine's
-    ``decide_now``). None for any other store, and for a local store whose
-    class overrides ``evaluate`` (to record what it decided, or to fail):
-    that one is asked through its coroutine."""
+    own (its policy's ``evaluate``) or the node-wide store's (its
+    ``decide``), without a coroutine (the engine's ``decide_now``). None
+    for any other store, and for one whose class overrides ``evaluate`` (to
+    record what it decided, or to fail): that one is asked through its
+    coroutine."""
     if isinstance(store, LocalStore) and getattr(type(store), "evaluate", None) is LocalStore.evaluate:
         return store.policy.evaluate
+    from sidecar.store.node import NodeStore  # asked once a store: no import at every check
+
+    if isinstance(store, NodeStore) and getattr(type(store), "evaluate", None) is NodeStore.evaluate:
+        return store.decide  # what its evaluate awaits
     return None

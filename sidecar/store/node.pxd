@@ -3,9 +3,16 @@
 # decision's reads and writes of the zones cost few Python calls.
 cimport cython
 
+from sidecar.limiters.records cimport Algorithm
 from sidecar.shm._zone cimport Zone as CompiledZone
 from sidecar.state cimport Check, CheckSpec
-from sidecar.store.records cimport key_name
+from sidecar.store.records cimport encode_state, key_name
+
+
+@cython.locals(check=Check, spec=CheckSpec)
+cpdef bint over_slots(checks, Py_ssize_t slots) except -1
+@cython.locals(bit="unsigned long long")
+cpdef unsigned long long stripe_bit(Py_ssize_t stripe)
 
 
 @cython.final
@@ -62,14 +69,16 @@ cdef class NodeTable:
     cdef public dict _names
     cdef public dict _ban_names
     cdef public set _known_prefixes
-    cdef public list _order
-    cdef public list _stripes
-    cdef public set _ban_stripes
-    cdef public set _note_stripes
-    cdef public set _state_stripes
-    cdef public set _lease_stripes
-    cdef public set _label_stripes
-    cdef public set _prefix_stripes
+    cdef public unsigned long long _ban_mask
+    cdef public unsigned long long _note_mask
+    cdef public unsigned long long _state_mask
+    cdef public unsigned long long _lease_mask
+    cdef public unsigned long long _label_mask
+    cdef public unsigned long long _prefix_mask
+    cdef public list _locking
+    cdef public list _compiled_locking
+    cdef public list _locked_masks
+    cdef public Py_ssize_t _held
     cdef public object _states
     cdef public object _leases
     cdef public object _labels
@@ -80,11 +89,18 @@ cdef class NodeTable:
 
     @cython.locals(slot=_Slot, name=_Name, value_size=Py_ssize_t, compiled=CompiledZone)
     cpdef _Slot plan_key(self, key, limiter, leases=*)
+    @cython.locals(named=tuple)
+    cpdef plan_ban(self, address)
+    cpdef plan_note(self, name)
     @cython.locals(check=Check, spec=CheckSpec)
     cpdef plan_checks(self, address, checks)
     @cython.locals(slot=_Slot, slots=list, index=Py_ssize_t, labelled=bint, now=double, expires=double,
-                   kept=double, compiled=CompiledZone)
+                   kept=double, compiled=CompiledZone, limiter=Algorithm)
     cpdef _commit(self)
+    @cython.locals(masks=list, index=Py_ssize_t, mask="unsigned long long", compiled=CompiledZone)
+    cpdef _lock(self)
+    @cython.locals(masks=list, index=Py_ssize_t, mask="unsigned long long", compiled=CompiledZone)
+    cpdef _unlock(self)
     @cython.locals(slot=_Slot, slots=list, index=Py_ssize_t, name=_Name, compiled=CompiledZone)
     cpdef _Slot _slot(self, key)
     @cython.locals(slot=_Slot, slots=list, index=Py_ssize_t)

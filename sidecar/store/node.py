@@ -70,7 +70,7 @@ from sidecar.networkbans import NetworkBans
 from sidecar.policy import BAN_STEP, COUNTED_PENALTY, Note, Policy
 from sidecar.state import BanRecord, Check, CheckSpec, Clock, Evaluation, ResponseCount, epoch_clock
 from sidecar.store import records
-from sidecar.store.records import ELSEWHERE, digest_of, key_name, key_text
+from sidecar.store.records import ELSEWHERE, digest_of, encode_state, key_name, key_text
 from sidecar.tiers import MAX_IDENTITY_CHARS, TierAssignments
 
 if TYPE_CHECKING:
@@ -129,6 +129,11 @@ TIER_NAME_BYTES = 32
 TIER_VALUE = 1 + TIER_NAME_BYTES + MAX_IDENTITY_CHARS
 # The lock order: zones in this order, each zone's stripes in increasing order.
 ZONE_ORDER = ("bans", "notes", "states", "leases", "labels", "shadow", "networks", "prefixes", "tiers")
+# The zones a decision's transaction locks, in the lock order (an
+# administrator's operations lock the others), and the most stripes each may
+# have: a transaction plans each zone's stripes as a mask, stripe n bit n.
+LOCKED = ("bans", "notes", "states", "leases", "labels", "prefixes")
+MASK_STRIPES = 64
 # Key prefixes (a rule id and its dimensions' names) a node holds: a
 # ruleset's rules, their challenge and penalty counters, and the Rate Limit
 # Service's descriptors.
@@ -147,6 +152,8 @@ class Zone(Protocol):
     def stripe_of(self, digest: bytes) -> int: ...
     def lock(self, stripes: Sequence[int]) -> None: ...
     def unlock(self, stripes: Sequence[int]) -> None: ...
+    def lock_mask(self, mask: int) -> None: ...
+    def unlock_mask(self, mask: int) -> None: ...
     def get(self, digest: bytes, now: float) -> bytes | None: ...
     def peek(self, digest: bytes, now: float) -> bytes | None: ...
     def put(self, digest: bytes, value: bytes, expires: float, now: float) -> None: ...
@@ -394,6 +401,23 @@ def _running(pid: int) -> bool:
     return True
 
 
+def over_slots(checks: Sequence[Check], slots: int) -> bool:
+    """Whether a check's concurrency limit is above ``slots`` leases (the
+    store then caps it: ``NodeStore._within_slots``)."""
+    for check in checks:  # a loop, not a generator: this runs for every decision
+        spec = check.spec
+        limiter = spec.limiter
+        if limiter.leases and cast(ConcurrencyLimiter, limiter).limit > slots:
+            return True
+    return False
+
+
+def stripe_bit(stripe: int) -> int:
+    """A stripe's bit in a mask of stripes."""
+    bit = 1
+    return bit << stripe
+
+
 class NotPlanned(RuntimeError):
     """The policy asked for a record the store did not lock for it: a bug."""
 
@@ -526,13 +550,19 @@ class NodeTable:
         self._notes: dict[Note, list[Any]] = {}  # name -> [digest, (value, until), read, changed]
         self._names: dict[Hashable, _Name] = {}  # key -> what the worker worked out about it
         self._known_prefixes: set[bytes] = set()  # the codes of prefixes this worker wrote
-        self._ban_names: dict[str, bytes] = {}  # address -> digest
-        # The stripes to lock, zone by zone in the lock order.
-        self._order: list[Zone] = [zones.zones[name] for name in ZONE_ORDER]
-        self._stripes: list[set[int]] = [set() for _ in ZONE_ORDER]
-        (self._ban_stripes, self._note_stripes, self._state_stripes, self._lease_stripes,
-         self._label_stripes) = self._stripes[:5]
-        self._prefix_stripes = self._stripes[ZONE_ORDER.index("prefixes")]
+        self._ban_names: dict[str, tuple[bytes, int]] = {}  # address -> (digest, its stripe's bit)
+        # The stripes to lock in each zone a transaction locks (LOCKED), as
+        # masks of stripes: stripe n is bit n.
+        self._ban_mask = self._note_mask = self._state_mask = self._lease_mask = 0
+        self._label_mask = self._prefix_mask = 0
+        self._locking: list[Zone] = [zones.zones[name] for name in LOCKED]
+        self._compiled_locking: list[Any] = [compiled_zone(zone) for zone in self._locking]
+        for name, zone in zip(LOCKED, self._locking):
+            if zone.stripes > MASK_STRIPES:
+                raise ValueError(f"the {name} zone has {zone.stripes} stripes; a transaction locks zones of "
+                                 f"at most {MASK_STRIPES}")
+        self._locked_masks: list[int] = []  # the masks the running transaction locked, zone by zone
+        self._held = 0  # the zones it locked (the first ones of LOCKED)
         self._states = zones.states
         self._leases = zones.leases
         self._labels = zones.labels
@@ -549,8 +579,8 @@ class NodeTable:
         self._used = 0
         self._bans.clear()
         self._notes.clear()
-        for stripes in self._stripes:
-            stripes.clear()
+        self._ban_mask = self._note_mask = self._state_mask = self._lease_mask = 0
+        self._label_mask = self._prefix_mask = 0
         if len(self._names) >= NAMES_KEPT:
             self._names.clear()  # between transactions: no key planned is forgotten
 
@@ -577,16 +607,16 @@ class NodeTable:
             name = self._name(key, leases)
         if leases:
             zone, value_size, compiled = self._leases, self._lease_value_size, self._compiled_leases
-            self._lease_stripes.add(name.stripe)
+            self._lease_mask |= stripe_bit(name.stripe)
         else:
             zone, value_size, compiled = self._states, self._state_value_size, self._compiled_states
-            self._state_stripes.add(name.stripe)
+            self._state_mask |= stripe_bit(name.stripe)
         if name.labelled:
-            self._label_stripes.add(name.label_stripe)
+            self._label_mask |= stripe_bit(name.label_stripe)
         prefix = None
         if name.code not in self._known_prefixes:
             prefix = name.prefix_text
-            self._prefix_stripes.add(self.zones.prefixes.stripe_of(digest_of(prefix)))
+            self._prefix_mask |= stripe_bit(self.zones.prefixes.stripe_of(digest_of(prefix)))
         if self._used == len(self._slots):
             self._slots.append(_Slot())
         slot = self._slots[self._used]
@@ -598,34 +628,34 @@ class NodeTable:
 
     def plan_ban(self, address: str) -> None:
         if address not in self._bans:
-            digest = self._ban_names.get(address)
-            if digest is None:
+            named = self._ban_names.get(address)
+            if named is None:
                 if len(self._ban_names) >= NAMES_KEPT:
                     self._ban_names.clear()
-                digest = self._ban_names[address] = records.ban_name(address)
-            self._bans[address] = [digest, None, False, False]
-            self._ban_stripes.add(self.zones.bans.stripe_of(digest))
+                digest = records.ban_name(address)
+                named = self._ban_names[address] = (digest, stripe_bit(self.zones.bans.stripe_of(digest)))
+            self._bans[address] = [named[0], None, False, False]
+            self._ban_mask |= named[1]
 
     def plan_note(self, name: Note) -> None:
         if name not in self._notes:
             digest = records.note_name(name)
             self._notes[name] = [digest, None, False, False]
-            self._note_stripes.add(self.zones.notes.stripe_of(digest))
+            self._note_mask |= stripe_bit(self.zones.notes.stripe_of(digest))
 
     def plan_checks(self, address: str, checks: Sequence[Check]) -> None:
         """Everything ``Policy.evaluate`` may touch for these checks (see
         ``_refused``, ``_unsolved_penalty`` and ``_escalated`` there)."""
         self.plan_ban(address)
-        plan_key = self.plan_key
         for check in checks:
             spec = check.spec
-            plan_key(check.key, spec.limiter)
+            self.plan_key(check.key, spec.limiter)
             if not address:
                 continue
             if spec.auto_ban is not None:
-                plan_key(spec.auto_ban.key(address), spec.auto_ban.limiter)
+                self.plan_key(spec.auto_ban.key(address), spec.auto_ban.limiter)
             if spec.penalty_ban is not None:
-                plan_key(spec.penalty_ban.key(spec.rule_id, address), spec.penalty_ban.limiter)
+                self.plan_key(spec.penalty_ban.key(spec.rule_id, address), spec.penalty_ban.limiter)
                 self.plan_note((COUNTED_PENALTY, address, spec.rule_id))
             if spec.ban_increment is not None:
                 self.plan_note((BAN_STEP, address, spec.rule_id))
@@ -635,13 +665,8 @@ class NodeTable:
     def run(self, action: Callable[..., Any], *args: Any) -> Any:
         """``action(*args)`` with the planned stripes locked, then every
         change written; nothing is written when it raises."""
-        taken: list[tuple[Zone, list[int]]] = []
         try:
-            for zone, stripes in zip(self._order, self._stripes):
-                if stripes:
-                    locked = sorted(stripes)
-                    zone.lock(locked)
-                    taken.append((zone, locked))
+            self._lock()
             result = action(*args)
             self._commit()
             return result
@@ -649,9 +674,38 @@ class NodeTable:
             self._drop_decoded()  # the action may have changed states it did not write
             raise
         finally:
-            for zone, locked in reversed(taken):
-                zone.unlock(locked)
+            self._unlock()
             self._end()
+
+    def _lock(self) -> None:
+        """Lock the planned stripes, zone by zone in the lock order. When a
+        zone's fail, it has unlocked its own, and ``_unlock`` unlocks the
+        zones locked before it."""
+        masks = self._locked_masks = [self._ban_mask, self._note_mask, self._state_mask, self._lease_mask,
+                                      self._label_mask, self._prefix_mask]
+        self._held = 0
+        for index in range(len(masks)):
+            mask = masks[index]
+            if mask:
+                compiled = self._compiled_locking[index]
+                if compiled is not None:
+                    compiled.lock_mask(mask)  # in C
+                else:
+                    self._locking[index].lock_mask(mask)
+            self._held = index + 1
+
+    def _unlock(self) -> None:
+        """Unlock what ``_lock`` locked, in the reverse order."""
+        masks = self._locked_masks
+        for index in range(self._held - 1, -1, -1):
+            mask = masks[index]
+            if mask:
+                compiled = self._compiled_locking[index]
+                if compiled is not None:
+                    compiled.unlock_mask(mask)  # in C
+                else:
+                    self._locking[index].unlock_mask(mask)
+        self._held = 0
 
     def _drop_decoded(self) -> None:
         """Forget the decoded states of the transaction's keys."""
@@ -694,7 +748,7 @@ class NodeTable:
                     if slot.labelled:
                         self._labels.delete(slot.digest)
                 continue
-            value = records.encode_state(state, lease_slots)
+            value = encode_state(state, lease_slots)
             text = slot.text
             labelled = slot.labelled
             # The key's text in the record when it fits the room planned
@@ -708,7 +762,8 @@ class NodeTable:
             if not (slot.changed or slot.forgotten) and value == slot.raw:
                 slot.keep_decoded(value, state)
                 continue  # read, not changed
-            expires = state.limiter.expires_at(state)
+            limiter = state.limiter
+            expires = limiter.expires_at(state)  # in C
             kept = expires + STALE_KEPT if expires > NEVER else now + STALE_KEPT
             compiled = slot.compiled
             if compiled is not None:
@@ -915,11 +970,7 @@ class NodeStore:
         holds (a reload raised it past the largest at start) run at that
         many: the zones keep their size until a restart."""
         slots = self.zones.lease_slots
-        for check in checks:  # a loop, not a generator: this runs for every decision
-            limiter = check.spec.limiter
-            if limiter.leases and cast(ConcurrencyLimiter, limiter).limit > slots:
-                break
-        else:
+        if not over_slots(checks, slots):
             return checks
         return [Check(self._capped_spec(check.spec), check.key, check.lease)
                 if check.spec.limiter.leases and cast(ConcurrencyLimiter, check.spec.limiter).limit > slots

@@ -172,13 +172,16 @@ def encode_state(state: Any, lease_slots: int) -> bytes:
     limits at that many before it decides."""
     kind = type(state)
     if kind is WindowState:
-        return _pack_window(WINDOW, state.window, state.previous, state.current, state.penalty_until)
+        window = state  # each read as its type: its fields in C
+        return _pack_window(WINDOW, window.window, window.previous, window.current, window.penalty_until)
     if kind is TokenState:
-        last = state.last
-        return _pack_token(TOKEN, state.tokens, math.nan if last is None else last, state.penalty_until)
+        token = state
+        last = token.last
+        return _pack_token(TOKEN, token.tokens, math.nan if last is None else last, token.penalty_until)
     if kind is LeakyState:
-        last = state.last
-        return _pack_leaky(LEAKY, state.excess, NO_LAST if last is None else last, state.penalty_until)
+        leaky = state
+        last = leaky.last
+        return _pack_leaky(LEAKY, leaky.excess, NO_LAST if last is None else last, leaky.penalty_until)
     if kind is LeaseState:
         return _encode_leases(state.held, lease_slots)
     return _encode_other(state)

@@ -772,6 +772,28 @@ def test_a_table_calls_the_compiled_zone_in_c_and_the_pure_one_as_any_object() -
         assert table.run(table.state, key) == state
 
 
+def test_a_table_refuses_a_zone_of_more_stripes_than_a_mask_has_bits() -> None:
+    sizes = zone_sizes(100, 16)
+    made = {name: PureZone.private(*size) for name, size in sizes.items()}
+    made["notes"] = PureZone.private(65 * 64, sizes["notes"].value_size, 65)
+    with pytest.raises(ValueError, match="the notes zone has 65 stripes; a transaction locks zones of at most 64"):
+        NodeTable(NodeZones("", made))
+
+
+@pytest.mark.parametrize("zone_type", ZONE_TYPES, ids=lambda zone: zone.__module__)
+def test_the_engine_asks_the_node_store_without_a_coroutine_unless_evaluate_is_overridden(zone_type: Any) -> None:
+    from sidecar.store.local import plain_evaluation
+
+    store = node_store(zone_type=zone_type)
+    assert plain_evaluation(store) == store.decide
+
+    class Watched(NodeStore):
+        async def evaluate(self, *arguments: Any, **options: Any) -> Any:
+            return await super().evaluate(*arguments, **options)
+
+    assert plain_evaluation(Watched(NodeZones.private(100, zone_type=zone_type), "node")) is None
+
+
 # -- the table's counters -------------------------------------------------------------
 
 

@@ -456,6 +456,50 @@ def test_a_stripe_locked_twice_or_unlocked_unheld_is_a_runtime_error(zone):
     zone.unlock([0, 1])
 
 
+def test_a_mask_locks_the_stripes_of_its_bits_and_no_other(zone):
+    on_zero, on_one = (next(digest(n) for n in range(100) if zone.stripe_of(digest(n)) == stripe) for stripe in (0, 1))
+    zone.lock_mask(0b10)
+    zone.put(on_one, b"one", 10.0, 0.0)
+    with pytest.raises(RuntimeError, match="not locked"):
+        zone.put(on_zero, b"zero", 10.0, 0.0)
+    zone.unlock_mask(0b10)
+    with pytest.raises(RuntimeError, match="not locked"):
+        zone.get(on_one, 0.0)
+    zone.lock_mask(0b11)
+    assert (zone.get(on_zero, 0.0), zone.get(on_one, 0.0)) == (None, b"one")
+    zone.unlock_mask(0b11)
+    zone.lock_mask(0)  # no stripe: nothing to lock
+    zone.unlock_mask(0)
+    zone.lock([0, 1])  # nothing was left locked
+    zone.unlock([0, 1])
+
+
+@pytest.mark.parametrize("zone_class", ZONES)
+def test_a_mask_that_fails_leaves_none_of_its_stripes_locked(zone_class):
+    zone = zone_class.private(64, 8, 4)
+    with pytest.raises(ValueError, match="stripes 0 to 3"):
+        zone.lock_mask(0b10001)  # bit 4: past the last stripe
+    zone.lock([2])
+    with pytest.raises(RuntimeError, match="already locked"):
+        zone.lock_mask(0b0111)
+    zone.lock([0, 1])  # the mask's stripes before the busy one were unlocked again
+    with pytest.raises(RuntimeError, match="not locked"):
+        zone.unlock_mask(0b1111)  # stripe 3 is not held...
+    zone.lock([0, 1, 2, 3])  # ...and the others were unlocked all the same
+    zone.unlock([0, 1, 2, 3])
+    zone.close()
+
+
+@pytest.mark.parametrize("zone_class", ZONES)
+def test_a_zone_of_more_stripes_than_a_mask_has_bits_is_locked_by_list(zone_class):
+    zone = zone_class.private(65 * 8, 8, 65)
+    with pytest.raises(ValueError, match="64 stripes at most"):
+        zone.lock_mask(1)
+    zone.lock([0, 64])
+    zone.unlock([0, 64])
+    zone.close()
+
+
 def test_a_record_of_a_stripe_nobody_locked_is_not_touched(zone):
     key = digest("unlocked")
     for operation in (lambda: zone.get(key, 0.0), lambda: zone.put(key, b"v", 1.0, 0.0),
