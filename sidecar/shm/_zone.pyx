@@ -48,13 +48,15 @@ cdef enum:
     HEADER_SIZE = 256
     STRIPE_HEADER = 128
     EXPIRED_SCAN = 8
+    SECRET_AT = 128
+    SECRET_SIZE = 16
     MASK_STRIPES = 64  # stripes a mask of stripes names (lock_mask)
     SPINS = 64  # tries of a busy lock before sleeping on it (its owner holds it for a few microseconds)
 
 assert (pure_zone.FREE, pure_zone.LIVE, pure_zone.WRITING, pure_zone.NIL) == (FREE, LIVE, WRITING, NIL)
 assert (pure_zone.DIGEST_SIZE, pure_zone.RECORD_HEADER, pure_zone.HEADER_SIZE) == (DIGEST_SIZE, RECORD_HEADER, HEADER_SIZE)
 assert (pure_zone.STRIPE_HEADER, pure_zone.EXPIRED_SCAN) == (STRIPE_HEADER, EXPIRED_SCAN)
-assert pure_zone.MASK_STRIPES == MASK_STRIPES
+assert (pure_zone.MASK_STRIPES, pure_zone.SECRET_AT, pure_zone.SECRET_SIZE) == (MASK_STRIPES, SECRET_AT, SECRET_SIZE)
 
 
 cdef inline const unsigned char *_digest(object digest) except NULL:
@@ -160,6 +162,8 @@ cdef class Zone:
         header = bytearray(pure_zone.LAYOUT.size)
         pure_zone.write_layout(header, found, pure_zone.LOCKS_ROBUST)
         memcpy(self._base, <const char *>header, len(header))
+        secret = os.urandom(SECRET_SIZE)
+        memcpy(self._base + SECRET_AT, <const char *>secret, SECRET_SIZE)
         cdef Py_ssize_t stripe
         cdef int rc
         for stripe in range(self.stripes):
@@ -439,6 +443,13 @@ cdef class Zone:
         return total
 
     # -- counters -----------------------------------------------------------
+
+    @property
+    def secret(self):
+        """The 16 random bytes drawn when the zone was made, the same for
+        every process attached to it."""
+        self._check_open()
+        return PyBytes_FromStringAndSize(<char *>self._base + SECRET_AT, SECRET_SIZE)
 
     @property
     def recoveries(self):

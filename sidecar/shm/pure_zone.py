@@ -14,9 +14,12 @@ reads any zone file for tests (``verify``).
 The layout, in native byte order (a zone never leaves its machine):
 
 - the zone's header (``HEADER_SIZE`` bytes): its magic, version, the kind of
-  locks it carries, the layout's numbers, and four counters on a cache
-  line of their own (a generation the store bumps, locks recovered, LRU
-  evictions, locks that had to wait);
+  locks it carries, the layout's numbers, four counters on a cache line of
+  their own (a generation the store bumps, locks recovered, LRU evictions,
+  locks that had to wait), and on the next line a secret of 16 random
+  bytes drawn when the zone is made (``secret``: the store keys the
+  digests that name its records with it, so that nobody outside the node
+  can tell which stripe or bucket a key of their choosing falls in);
 - ``stripes`` stripes of ``stripe_size`` bytes, each: a lock slot
   (``LOCK_SLOT`` bytes, a ``pthread_mutex_t`` in the compiled zone), the
   stripe's own fields (the newest and oldest record, the free list, how many
@@ -54,7 +57,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 MAGIC = b"SLUICEZN"
-VERSION = 1
+VERSION = 2  # 2: the header holds a secret
 LOCKS_NONE = 0  # made by this twin: no process-shared lock in the slots
 LOCKS_ROBUST = 1  # made by the compiled zone: robust process-shared mutexes
 HEADER_SIZE = 256
@@ -79,6 +82,7 @@ LAYOUT = struct.Struct("=8sIIIIIIIIQQII")
 COUNTERS_AT = 64
 GENERATION_AT, RECOVERIES_AT, EVICTIONS_AT, WAITS_AT = 64, 72, 80, 88
 READY_AT = 56
+SECRET_AT, SECRET_SIZE = 128, 16
 # A stripe's fields after its lock slot: newest, oldest, free list head,
 # records ever taken (fresh), records in use, the record the undo copy is of.
 STRIPE_FIELDS = struct.Struct("=IIIIII")
@@ -201,6 +205,11 @@ def write_layout(buffer: bytearray | mmap.mmap, found: Layout, locks: int) -> No
                      found.file_size, 0, 0)
 
 
+def write_secret(buffer: bytearray | mmap.mmap) -> None:
+    """Draw a new zone's secret (see ``Zone.secret``)."""
+    buffer[SECRET_AT:SECRET_AT + SECRET_SIZE] = os.urandom(SECRET_SIZE)
+
+
 def mark_ready(buffer: bytearray | mmap.mmap) -> None:
     _U32.pack_into(buffer, READY_AT, 1)
 
@@ -302,6 +311,7 @@ class Zone:
             raise
         os.close(fd)
         write_layout(mapped, found, LOCKS_NONE)
+        write_secret(mapped)
         mark_ready(mapped)
         return Zone(mapped, found, path)
 
@@ -326,6 +336,7 @@ class Zone:
         found = layout(capacity, value_size, stripes)
         buffer = bytearray(found.file_size)
         write_layout(buffer, found, LOCKS_NONE)
+        write_secret(buffer)
         mark_ready(buffer)
         return Zone(buffer, found, None)
 
@@ -498,6 +509,12 @@ class Zone:
                    for stripe in range(self.stripes))
 
     # -- counters -----------------------------------------------------------
+
+    @property
+    def secret(self) -> bytes:
+        """The 16 random bytes drawn when the zone was made, the same for
+        every process attached to it."""
+        return bytes(self._memory()[SECRET_AT:SECRET_AT + SECRET_SIZE])
 
     @property
     def recoveries(self) -> int:

@@ -6,7 +6,7 @@ cimport cython
 from sidecar.limiters.records cimport Algorithm
 from sidecar.shm._zone cimport Zone as CompiledZone
 from sidecar.state cimport Check, CheckSpec
-from sidecar.store.records cimport encode_state, key_name
+from sidecar.store.records cimport Namer, encode_state
 
 
 @cython.locals(check=Check, spec=CheckSpec)
@@ -84,6 +84,7 @@ cdef class NodeTable:
     cdef public object _labels
     cdef public Py_ssize_t _state_value_size
     cdef public Py_ssize_t _lease_value_size
+    cdef public Namer _namer
     cdef public CompiledZone _compiled_states
     cdef public CompiledZone _compiled_leases
 
@@ -95,7 +96,7 @@ cdef class NodeTable:
     @cython.locals(check=Check, spec=CheckSpec)
     cpdef plan_checks(self, address, checks)
     @cython.locals(slot=_Slot, slots=list, index=Py_ssize_t, labelled=bint, now=double, expires=double,
-                   kept=double, compiled=CompiledZone, limiter=Algorithm)
+                   kept=double, compiled=CompiledZone, limiter=Algorithm, flags=int)
     cpdef _commit(self)
     @cython.locals(masks=list, index=Py_ssize_t, mask="unsigned long long", compiled=CompiledZone)
     cpdef _lock(self)

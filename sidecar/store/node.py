@@ -3,7 +3,8 @@ serve --workers N`` decides over one table in shared memory, as nginx's
 ``limit_req`` workers do over one zone.
 
 The table is a few zones (``sidecar.shm``): fixed-size records named by a
-16-byte digest, sized once at start from the rules file's ``max_keys``,
+16-byte digest (SipHash keyed by a secret drawn when the zones are made:
+``sidecar.store.records.Namer``), sized once at start from the rules file's ``max_keys``,
 split into stripes that each have a lock, and bounded by expiry then LRU
 eviction. ``NodeZones`` makes them (the parent process of ``serve``),
 attaches to them (each worker) and removes them (the parent, at exit):
@@ -70,7 +71,7 @@ from sidecar.networkbans import NetworkBans
 from sidecar.policy import BAN_STEP, COUNTED_PENALTY, Note, Policy
 from sidecar.state import BanRecord, Check, CheckSpec, Clock, Evaluation, ResponseCount, epoch_clock
 from sidecar.store import records
-from sidecar.store.records import ELSEWHERE, digest_of, encode_state, key_name, key_text
+from sidecar.store.records import ELSEWHERE, SPENT, Namer, encode_state, key_text
 from sidecar.tiers import MAX_IDENTITY_CHARS, TierAssignments
 
 if TYPE_CHECKING:
@@ -93,7 +94,7 @@ TABLE_FIGURES = (
 
 # Seconds a state stays readable after it stops mattering (see the module's docstring).
 STALE_KEPT = 3600.0
-NEVER = -math.inf  # a state that never stops mattering says so
+NEVER = -math.inf  # what a state that matters at no time says its expiry is
 # Bytes of value per record. A state's record: its state (33 bytes at most,
 # a window's) and its key's text when it fits in the 47 bytes left (a rule
 # keyed by the address: "(('login', ('ip',)), '2001:db8:85a3:8d3::/64')"),
@@ -166,6 +167,9 @@ class Zone(Protocol):
     def unlink(self) -> None: ...
 
     @property
+    def secret(self) -> bytes: ...
+
+    @property
     def recoveries(self) -> int: ...
 
     @property
@@ -233,6 +237,8 @@ class NodeZones:
         self.lease_slots = (self.leases.value_size - LEASE_TEXT - records.lease_value_bytes(0)) \
             // records.LEASE_BYTES
         self.max_keys = self.states.capacity
+        # The digests that name every record, keyed by the states zone's secret.
+        self.names = Namer(self.states.secret)
 
     def sized_for(self, max_keys: int) -> bool:
         """Whether the zones were made for ``max_keys`` keys."""
@@ -307,9 +313,9 @@ class NodeZones:
                 for name, zone in self.zones.items()}
 
 
-def tier_name(identity: str) -> bytes:
+def tier_name(names: Namer, identity: str) -> bytes:
     """The digest of an identity's record in the tiers zone."""
-    return digest_of(identity.encode("utf-8", "surrogatepass"))
+    return names.digest(identity.encode("utf-8", "surrogatepass"))
 
 
 def encode_tier(identity: str, tier: str) -> bytes:
@@ -399,6 +405,13 @@ def _running(pid: int) -> bool:
     except OSError:
         return True  # another user's: running
     return True
+
+
+def in_force(value: bytes, expires: float, now: float) -> bool:
+    """Whether a state's record, kept until ``expires``, holds a state in
+    force at ``now``: not only kept ``STALE_KEPT`` after it stopped
+    mattering, nor one that matters at no time (``SPENT``)."""
+    return expires - STALE_KEPT > now and not value[0] & SPENT
 
 
 def over_slots(checks: Sequence[Check], slots: int) -> bool:
@@ -568,6 +581,7 @@ class NodeTable:
         self._labels = zones.labels
         self._state_value_size = zones.states.value_size
         self._lease_value_size = zones.leases.value_size
+        self._namer = zones.names
         self._compiled_states = compiled_zone(zones.states)
         self._compiled_leases = compiled_zone(zones.leases)
 
@@ -587,7 +601,7 @@ class NodeTable:
     def _name(self, key: Hashable, leases: bool) -> _Name:
         """What the worker keeps about a key, worked out anew (its text's
         ``repr`` and digest cost more than the rest of its read)."""
-        text, digest, prefix_text = key_name(key)
+        text, digest, prefix_text = self._namer.key_name(key)
         compiled, zone, room = (self._compiled_leases, self._leases, LEASE_TEXT) if leases \
             else (self._compiled_states, self._states, TEXT_ROOM)
         stripe = compiled.stripe_of(digest) if compiled is not None else zone.stripe_of(digest)  # in C
@@ -616,7 +630,7 @@ class NodeTable:
         prefix = None
         if name.code not in self._known_prefixes:
             prefix = name.prefix_text
-            self._prefix_mask |= stripe_bit(self.zones.prefixes.stripe_of(digest_of(prefix)))
+            self._prefix_mask |= stripe_bit(self.zones.prefixes.stripe_of(self._namer.digest(prefix)))
         if self._used == len(self._slots):
             self._slots.append(_Slot())
         slot = self._slots[self._used]
@@ -632,14 +646,14 @@ class NodeTable:
             if named is None:
                 if len(self._ban_names) >= NAMES_KEPT:
                     self._ban_names.clear()
-                digest = records.ban_name(address)
+                digest = self._namer.ban_name(address)
                 named = self._ban_names[address] = (digest, stripe_bit(self.zones.bans.stripe_of(digest)))
             self._bans[address] = [named[0], None, False, False]
             self._ban_mask |= named[1]
 
     def plan_note(self, name: Note) -> None:
         if name not in self._notes:
-            digest = records.note_name(name)
+            digest = self._namer.note_name(name)
             self._notes[name] = [digest, None, False, False]
             self._note_mask |= stripe_bit(self.zones.notes.stripe_of(digest))
 
@@ -749,6 +763,11 @@ class NodeTable:
                         self._labels.delete(slot.digest)
                 continue
             value = encode_state(state, lease_slots)
+            limiter = state.limiter
+            expires = limiter.expires_at(state)  # in C
+            # A state that matters at no time (a lease state without a
+            # lease) is kept readable, never listed as in force.
+            flags = 0 if expires > NEVER else SPENT
             text = slot.text
             labelled = slot.labelled
             # The key's text in the record when it fits the room planned
@@ -758,12 +777,12 @@ class NodeTable:
             if not labelled and len(value) + len(text) <= slot.value_size:
                 value += text
             else:
-                value = bytes((value[0] | ELSEWHERE,)) + value[1:]
+                flags |= ELSEWHERE
+            if flags:
+                value = bytes((value[0] | flags,)) + value[1:]
             if not (slot.changed or slot.forgotten) and value == slot.raw:
                 slot.keep_decoded(value, state)
                 continue  # read, not changed
-            limiter = state.limiter
-            expires = limiter.expires_at(state)  # in C
             kept = expires + STALE_KEPT if expires > NEVER else now + STALE_KEPT
             compiled = slot.compiled
             if compiled is not None:
@@ -786,7 +805,7 @@ class NodeTable:
     def _write_prefix(self, prefix: bytes, code: bytes, now: float) -> None:
         """Keep a key prefix for the admin API's listings (once per worker)."""
         if len(prefix) <= PREFIX_VALUE:
-            self.zones.prefixes.put(digest_of(prefix), prefix, math.inf, now)
+            self.zones.prefixes.put(self._namer.digest(prefix), prefix, math.inf, now)
         self._known_prefixes.add(code)
 
     # -- the primitives ----------------------------------------------------------------
@@ -1023,7 +1042,7 @@ class NodeStore:
         forgotten = 0
         for key in keys:
             text = key_text(key)
-            digest = digest_of(text)
+            digest = zones.names.digest(text)
             found = False
             for zone in (zones.states, zones.leases):
                 stripes = [zone.stripe_of(digest)]
@@ -1084,7 +1103,7 @@ class NodeStore:
 
     def record_shadow_ban(self, record: BanRecord) -> None:
         shadow = self.zones.shadow
-        digest = records.ban_name(record.address)
+        digest = self.zones.names.ban_name(record.address)
         value = records.encode_ban(record, shadow.value_size)
         self._one(shadow, digest, lambda: shadow.put(digest, value, record.expires, self._clock()))
 
@@ -1093,7 +1112,7 @@ class NodeStore:
 
     async def lift_shadow_ban(self, address: str) -> bool:
         shadow = self.zones.shadow
-        digest = records.ban_name(address)
+        digest = self.zones.names.ban_name(address)
         lifted = bool(self._one(shadow, digest, lambda: shadow.delete(digest)))
         if lifted:
             self.changed()
@@ -1124,7 +1143,7 @@ class NodeStore:
 
     async def lift_ban(self, address: str) -> bool:
         bans = self.zones.bans
-        digest = records.ban_name(address)
+        digest = self.zones.names.ban_name(address)
         lifted = bool(self._one(bans, digest, lambda: bans.delete(digest)))
         if lifted:
             self.changed()
@@ -1132,7 +1151,7 @@ class NodeStore:
 
     async def ban_of(self, now: float, address: str) -> BanRecord | None:
         bans = self.zones.bans
-        digest = records.ban_name(address)
+        digest = self.zones.names.ban_name(address)
         value = self._one(bans, digest, lambda: bans.peek(digest, now))
         return None if value is None else records.decode_ban(value)
 
@@ -1147,7 +1166,7 @@ class NodeStore:
     async def ban_network(self, now: float, network: str, duration: float, reason: str) -> BanRecord:
         ban = BanRecord(network, "", self.node, self._wall_clock(), now + duration, duration, reason=reason)
         networks = self.zones.networks
-        digest = records.ban_name(network)
+        digest = self.zones.names.ban_name(network)
         value = records.encode_ban(ban, networks.value_size)
         self._one(networks, digest, lambda: networks.put(digest, value, ban.expires, now))
         self.changed()
@@ -1155,7 +1174,7 @@ class NodeStore:
 
     async def lift_network_ban(self, now: float, network: str) -> bool:
         networks = self.zones.networks
-        digest = records.ban_name(network)
+        digest = self.zones.names.ban_name(network)
         lifted = bool(self._one(networks, digest, lambda: networks.delete(digest)))
         if lifted:
             self.changed()
@@ -1179,7 +1198,7 @@ class NodeStore:
         assignments again at its next request."""
         tiers = self.zones.tiers
         value = encode_tier(identity, tier)
-        digest = tier_name(identity)
+        digest = tier_name(self.zones.names, identity)
         now = self._clock()
 
         def put() -> None:
@@ -1195,7 +1214,7 @@ class NodeStore:
 
     async def unassign_tier(self, identity: str) -> bool:
         tiers = self.zones.tiers
-        digest = tier_name(identity)
+        digest = tier_name(self.zones.names, identity)
         removed = bool(self._one(tiers, digest, lambda: tiers.delete(digest)))
         self._tier_assignments.remove(identity)
         if removed:
@@ -1248,7 +1267,7 @@ class NodeStore:
 
     def _stored(self, now: float, key: CountingKey) -> bool:
         """Whether the key has a state in force at ``now`` (not only kept)."""
-        digest = [digest_of(key_text(key))]
+        digest = [self.zones.names.digest(key_text(key))]
         return any(self._in_force_of(zone, digest, now) for zone in (self.zones.states, self.zones.leases))
 
     def _prefixes(self, now: float) -> dict[bytes, Any]:
@@ -1277,7 +1296,7 @@ class NodeStore:
                 zone.lock([stripe])
                 try:
                     live = [(digest, value) for digest, value, expires in zone.scan(stripe, now)
-                            if expires - STALE_KEPT > now]
+                            if in_force(value, expires, now)]
                 finally:
                     zone.unlock([stripe])
                 for digest, value in live:
@@ -1300,7 +1319,7 @@ class NodeStore:
 
     async def describe_keys(self, now: float, keys: Sequence[Described]) -> list[CounterState | None]:
         zones = self.zones
-        digests = [digest_of(key_text(key)) for key, _, _ in keys]
+        digests = [self.zones.names.digest(key_text(key)) for key, _, _ in keys]
         # The records in force: a state's own limiter says when it stops
         # mattering, which a record read back knows only as its expiry.
         found = {**self._in_force_of(zones.states, digests, now), **self._in_force_of(zones.leases, digests, now)}
@@ -1316,7 +1335,7 @@ class NodeStore:
             zone.lock([stripe])
             try:
                 found.update((digest, value) for digest, value, expires in zone.scan(stripe, now)
-                             if digest in wanted and expires - STALE_KEPT > now)
+                             if digest in wanted and in_force(value, expires, now))
             finally:
                 zone.unlock([stripe])
         return found

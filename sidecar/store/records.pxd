@@ -11,8 +11,33 @@ cpdef bytes encode_state(state, Py_ssize_t lease_slots)
 @cython.locals(kind=int)
 cpdef decode_state(bytes value, limiter)
 
-cpdef bytes digest_of(bytes text)
 @cython.locals(known=tuple)
 cpdef tuple prefix_of(key)
-@cython.locals(text=bytes)
-cpdef tuple key_name(key)
+
+cdef unsigned long long _MASK64, _SIP0, _SIP1, _SIP2, _SIP3
+
+
+@cython.final
+cdef class _SipState:
+    cdef unsigned long long v0, v1, v2, v3
+
+    @cython.locals(v0="unsigned long long", v1="unsigned long long", v2="unsigned long long",
+                   v3="unsigned long long", turn=int)
+    cdef void rounds(self, int count) noexcept
+
+
+@cython.locals(state=_SipState, raw="const unsigned char *", length=Py_ssize_t, start=Py_ssize_t, take=Py_ssize_t,
+               shift=Py_ssize_t, word="unsigned long long", byte="unsigned long long", last="unsigned long long",
+               first="unsigned long long")
+cpdef bytes siphash128(unsigned long long k0, unsigned long long k1, bytes data)
+
+
+@cython.final
+cdef class Namer:
+    cdef readonly unsigned long long k0, k1
+
+    cpdef bytes digest(self, bytes text)
+    @cython.locals(text=bytes)
+    cpdef tuple key_name(self, key)
+    cpdef bytes ban_name(self, str address)
+    cpdef bytes note_name(self, name)

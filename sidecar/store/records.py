@@ -21,6 +21,11 @@ flag, and its text is kept in the labels zone under the same digest.
 
 from __future__ import annotations
 
+try:
+    import cython
+except ModuleNotFoundError:  # the pure-Python core without Cython installed
+    from sidecar import purecython as cython
+
 import ast
 import dataclasses
 import hashlib
@@ -41,18 +46,121 @@ from sidecar.policy import BAN_STEP, COUNTED_PENALTY, Note
 from sidecar.state import BanRecord
 
 DIGEST_BYTES = 16
+SECRET_BYTES = 16
 _blake2b = hashlib.blake2b
-# A BLAKE2b of 16 bytes with nothing hashed yet: a copy of it hashes a
-# name for less than a new one, whose parameters are parsed every time.
-_EMPTY_DIGEST = _blake2b(digest_size=DIGEST_BYTES)
+
+# -- the digests that name records ---------------------------------------------
+
+_MASK64 = 0xFFFFFFFFFFFFFFFF  # a C integer's wrap, for the same code run as Python
+# SipHash's initial words ("somepseudorandomlygeneratedbytes").
+_SIP0, _SIP1, _SIP2, _SIP3 = 0x736F6D6570736575, 0x646F72616E646F6D, 0x6C7967656E657261, 0x7465646279746573
+_pack_words = struct.Struct("<QQ").pack
 
 
-def digest_of(text: bytes) -> bytes:
-    """The 16 bytes a record is named by: BLAKE2b of its name's text, the
-    same in every worker (Python's own ``hash`` is seeded per process)."""
-    hashing = _EMPTY_DIGEST.copy()
-    hashing.update(text)
-    return hashing.digest()
+@cython.cclass
+class _SipState:
+    """SipHash's four words (``siphash128``)."""
+
+    __slots__ = ("v0", "v1", "v2", "v3")
+    v0: int
+    v1: int
+    v2: int
+    v3: int
+
+    def rounds(self, count: int) -> None:
+        """``count`` SipRounds."""
+        v0, v1, v2, v3 = self.v0, self.v1, self.v2, self.v3
+        for turn in range(count):  # noqa: B007 - counted, not read
+            v0 = (v0 + v1) & _MASK64
+            v1 = ((v1 << 13) | (v1 >> 51)) & _MASK64
+            v1 ^= v0
+            v0 = ((v0 << 32) | (v0 >> 32)) & _MASK64
+            v2 = (v2 + v3) & _MASK64
+            v3 = ((v3 << 16) | (v3 >> 48)) & _MASK64
+            v3 ^= v2
+            v0 = (v0 + v3) & _MASK64
+            v3 = ((v3 << 21) | (v3 >> 43)) & _MASK64
+            v3 ^= v0
+            v2 = (v2 + v1) & _MASK64
+            v1 = ((v1 << 17) | (v1 >> 47)) & _MASK64
+            v1 ^= v2
+            v2 = ((v2 << 32) | (v2 >> 32)) & _MASK64
+        self.v0, self.v1, self.v2, self.v3 = v0, v1, v2, v3
+
+
+def siphash128(k0: int, k1: int, data: bytes) -> bytes:
+    """SipHash-2-4 with its 128-bit output (Aumasson and Bernstein) of
+    ``data`` under the key whose two little-endian halves are ``k0`` and
+    ``k1``: a keyed hash, so that nobody without the key can choose names
+    that meet in one stripe or bucket. Compiled, the words are C integers."""
+    state = _SipState.__new__(_SipState)  # its words set here, in C, without a call of the class
+    state.v0 = k0 ^ _SIP0
+    state.v1 = k1 ^ _SIP1 ^ 0xEE  # 0xEE: the 128-bit output
+    state.v2 = k0 ^ _SIP2
+    state.v3 = k1 ^ _SIP3
+    raw = data  # compiled: its bytes, read in C
+    length = len(data)
+    start = 0
+    while True:
+        take = min(8, length - start)
+        word = 0
+        for shift in range(take):
+            byte = raw[start + shift]
+            word |= byte << (8 * shift)
+        if take < 8:
+            last = length & 0xFF
+            word |= last << 56  # the last word: what is left, and the length
+        state.v3 ^= word
+        state.rounds(2)
+        state.v0 ^= word
+        if take < 8:
+            break
+        start += 8
+    state.v2 ^= 0xEE
+    state.rounds(4)
+    first = state.v0 ^ state.v1 ^ state.v2 ^ state.v3
+    state.v1 ^= 0xDD
+    state.rounds(4)
+    return _pack_words(first, state.v0 ^ state.v1 ^ state.v2 ^ state.v3)
+
+
+@cython.cclass
+class Namer:
+    """The 16-byte digests that name a node's records: SipHash-2-4 (128
+    bits) of a name's text keyed by the node's secret (the states zone's,
+    ``sidecar.shm``'s ``Zone.secret``), the same in every worker (Python's
+    own ``hash`` is seeded per process). Nobody outside the node can tell
+    which stripe a key of their choosing falls in, so nobody can crowd one
+    stripe to evict a key they aim at: the table's LRU is as hard to game
+    as one of its whole size."""
+
+    __slots__ = ("k0", "k1")
+
+    def __init__(self, secret: bytes) -> None:
+        if len(secret) != SECRET_BYTES:
+            raise ValueError(f"a node's secret is {SECRET_BYTES} bytes, not {len(secret)}")
+        self.k0 = int.from_bytes(secret[:8], "little")
+        self.k1 = int.from_bytes(secret[8:], "little")
+
+    def digest(self, text: bytes) -> bytes:
+        """The digest of a name's text."""
+        return siphash128(self.k0, self.k1, text)
+
+    def key_name(self, key: Hashable) -> tuple[bytes, bytes, bytes]:
+        """A counting key's text (``key_text``), the digest of it that names
+        its record and its prefix's text (``prefix_of``), worked out in one
+        call: what the node store works out once for each key it meets."""
+        code, prefix_text = prefix_of(key)
+        text = code + repr(cast(CountingKey, key)[1:]).encode()  # key_text, its prefix looked up once
+        return text, siphash128(self.k0, self.k1, text), prefix_text
+
+    def ban_name(self, address: str) -> bytes:
+        """The digest of an address's (or a network's) ban record."""
+        return siphash128(self.k0, self.k1, address.encode())
+
+    def note_name(self, name: Note) -> bytes:
+        """The digest of a note's record."""
+        return siphash128(self.k0, self.k1, repr(name).encode())
 
 
 # -- counting keys -------------------------------------------------------------
@@ -81,15 +189,6 @@ def key_text(key: Hashable) -> bytes:
     """A counting key as text: its prefix's code, then the ``repr`` of its
     values (text values are quoted and escaped: unambiguous, always UTF-8)."""
     return prefix_of(key)[0] + repr(cast(CountingKey, key)[1:]).encode()
-
-
-def key_name(key: Hashable) -> tuple[bytes, bytes, bytes]:
-    """A counting key's text (``key_text``), the digest of it that names its
-    record (``digest_of``) and its prefix's text (``prefix_of``), worked out
-    in one call: what the node store works out once for each key it meets."""
-    code, prefix_text = prefix_of(key)
-    text = code + repr(cast(CountingKey, key)[1:]).encode()  # key_text, its prefix looked up once
-    return text, digest_of(text), prefix_text
 
 
 def parse_prefix(text: bytes) -> Any:
@@ -128,11 +227,12 @@ def _is_prefix(value: Any) -> bool:
 
 # -- limiter states --------------------------------------------------------------
 
-# The first byte of a state's record: its layout, and ELSEWHERE when the
-# key's text is in the labels zone.
+# The first byte of a state's record: its layout, ELSEWHERE when the key's
+# text is in the labels zone, and SPENT when its state matters at no time.
 WINDOW, TOKEN, LEAKY, LEASES, OTHER = 1, 2, 3, 4, 5
 ELSEWHERE = 0x80
-KIND_MASK = 0x7F
+SPENT = 0x40  # its state matters at no time (a lease state without a lease): kept, not in force
+KIND_MASK = 0x3F
 
 _WINDOW = struct.Struct("<Bqqqd")  # window, previous, current, penalty_until
 _TOKEN = struct.Struct("<Bddd")  # tokens, last (NaN: None), penalty_until
@@ -306,10 +406,6 @@ _BAN = struct.Struct("<dddBi")  # started_wall, expires, duration, shadow, step
 BAN_TEXTS = 4  # address, rule id, node, reason: a length byte and UTF-8 each
 
 
-def ban_name(address: str) -> bytes:
-    return digest_of(address.encode())
-
-
 def encode_ban(record: BanRecord, room: int) -> bytes:
     """A ban record in at most ``room`` bytes. Texts are shortened to fit
     (at a character boundary), the reason first, then the node's name: in
@@ -351,10 +447,6 @@ def decode_ban(value: bytes) -> BanRecord:
 _NOTE_HEAD = struct.Struct("<B8s")  # the value's form, the address's hash
 _STEP = struct.Struct("<qd")  # an escalating ban's step and length
 NOTE_STEP, NOTE_TRUE, NOTE_OTHER = 1, 2, 3
-
-
-def note_name(name: Note) -> bytes:
-    return digest_of(repr(name).encode())
 
 
 def address_hash(address: str) -> bytes:

@@ -500,6 +500,23 @@ def test_a_zone_of_more_stripes_than_a_mask_has_bits_is_locked_by_list(zone_clas
     zone.close()
 
 
+def test_a_zone_s_secret_is_drawn_when_it_is_made_and_read_by_every_process(tmp_path):
+    made = {zone_class: [zone_class.create(tmp_path / f"{zone_class.__module__}-{n}", 64, 8, 2) for n in range(2)]
+            for zone_class in BUILT}
+    for zone_class, zones in made.items():
+        secrets = [zone.secret for zone in zones]
+        assert all(len(secret) == 16 for secret in secrets) and secrets[0] != secrets[1]
+        assert zone_class.private(64, 8, 2).secret != zone_class.private(64, 8, 2).secret
+    for zone_class, zones in made.items():
+        zone = zones[0]
+        for reader in {PureZone, zone_class}:  # the twin reads any zone; the compiled zone, its own
+            attached = reader.attach(zone.path)
+            assert attached.secret == zone.secret
+            attached.close()
+        for each in zones:
+            each.close()
+
+
 def test_a_record_of_a_stripe_nobody_locked_is_not_touched(zone):
     key = digest("unlocked")
     for operation in (lambda: zone.get(key, 0.0), lambda: zone.put(key, b"v", 1.0, 0.0),
