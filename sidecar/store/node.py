@@ -4,10 +4,11 @@ serve --workers N`` decides over one table in shared memory, as nginx's
 
 The table is a few zones (``sidecar.shm``): fixed-size records named by a
 16-byte digest (SipHash keyed by a secret drawn when the zones are made:
-``sidecar.store.records.Namer``), sized once at start from the rules file's ``max_keys``,
-split into stripes that each have a lock, and bounded by expiry then LRU
-eviction. ``NodeZones`` makes them (the parent process of ``serve``),
-attaches to them (each worker) and removes them (the parent, at exit):
+``sidecar.store.records.Namer``), sized once at start from the rules
+file's ``max_keys``, split into stripes that each have a lock, and bounded
+by expiry then LRU eviction. ``NodeZones`` makes them (the parent process
+of ``serve``), attaches to them (each worker) and removes them (the
+parent, at exit):
 
 - ``states``: each counting key's limiter state and the key's text
   (``sidecar.store.records``), at most 128 bytes a key;
@@ -692,9 +693,9 @@ class NodeTable:
             self._end()
 
     def _lock(self) -> None:
-        """Lock the planned stripes, zone by zone in the lock order. When a
-        zone's fail, it has unlocked its own, and ``_unlock`` unlocks the
-        zones locked before it."""
+        """Lock the planned stripes, zone by zone in the lock order. A zone
+        that fails to lock its stripes has unlocked those it took, and
+        ``_unlock`` unlocks the zones locked before it."""
         masks = self._locked_masks = [self._ban_mask, self._note_mask, self._state_mask, self._lease_mask,
                                       self._label_mask, self._prefix_mask]
         self._held = 0
