@@ -98,10 +98,12 @@ cdef class NodeTable:
     @cython.locals(slot=_Slot, slots=list, index=Py_ssize_t, labelled=bint, now=double, expires=double,
                    kept=double, compiled=CompiledZone, limiter=Algorithm, flags=int)
     cpdef _commit(self)
-    @cython.locals(masks=list, index=Py_ssize_t, mask="unsigned long long", compiled=CompiledZone)
+    @cython.locals(masks=list, index=Py_ssize_t)
     cpdef _lock(self)
-    @cython.locals(masks=list, index=Py_ssize_t, mask="unsigned long long", compiled=CompiledZone)
+    @cython.locals(masks=list, index=Py_ssize_t)
     cpdef _unlock(self)
+    @cython.locals(compiled=CompiledZone)
+    cdef int _lock_zone(self, Py_ssize_t index, unsigned long long mask, bint lock) except -1
     @cython.locals(slot=_Slot, slots=list, index=Py_ssize_t, name=_Name, compiled=CompiledZone)
     cpdef _Slot _slot(self, key)
     @cython.locals(slot=_Slot, slots=list, index=Py_ssize_t)

@@ -700,27 +700,31 @@ class NodeTable:
                                       self._label_mask, self._prefix_mask]
         self._held = 0
         for index in range(len(masks)):
-            mask = masks[index]
-            if mask:
-                compiled = self._compiled_locking[index]
-                if compiled is not None:
-                    compiled.lock_mask(mask)  # in C
-                else:
-                    self._locking[index].lock_mask(mask)
+            if masks[index]:
+                self._lock_zone(index, masks[index], True)
             self._held = index + 1
 
     def _unlock(self) -> None:
         """Unlock what ``_lock`` locked, in the reverse order."""
         masks = self._locked_masks
         for index in range(self._held - 1, -1, -1):
-            mask = masks[index]
-            if mask:
-                compiled = self._compiled_locking[index]
-                if compiled is not None:
-                    compiled.unlock_mask(mask)  # in C
-                else:
-                    self._locking[index].unlock_mask(mask)
+            if masks[index]:
+                self._lock_zone(index, masks[index], False)
         self._held = 0
+
+    def _lock_zone(self, index: int, mask: int, lock: bool) -> None:
+        """Lock (or unlock) the stripes of ``mask`` in the zone ``LOCKED[index]``:
+        the compiled zone in C."""
+        compiled = self._compiled_locking[index]
+        if compiled is not None:
+            if lock:
+                compiled.lock_mask(mask)
+            else:
+                compiled.unlock_mask(mask)
+        elif lock:
+            self._locking[index].lock_mask(mask)
+        else:
+            self._locking[index].unlock_mask(mask)
 
     def _drop_decoded(self) -> None:
         """Forget the decoded states of the transaction's keys."""
