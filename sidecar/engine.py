@@ -602,8 +602,8 @@ class Engine:
         # ruleset's resolver made knows whether it is exempt (no lookup).
         if exempt.networks and (client.exempt if client.exempt_by is exempt else client.exempt_in(exempt)):
             return ALLOWED
-        # One call, banned or not: it answers at once when no network is banned.
-        if network_bans.find_client(client, self.clock()) is not None:
+        # Asked only while a network is banned (nearly never).
+        if network_bans.banning and network_bans.find_client(client, self.clock()) is not None:
             metrics.banned_requests.value += 1
             return CLOSED
         crowdsec = ruleset.crowdsec  # a CrowdSec Local API's decisions (sidecar.crowdsec)

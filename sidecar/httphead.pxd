@@ -15,6 +15,8 @@ cpdef Py_ssize_t names_kept()
 @cython.locals(end=Py_ssize_t, position=Py_ssize_t, target_start=Py_ssize_t, target_end=Py_ssize_t,
                path_end=Py_ssize_t, path=str, query=bytes,
                name_start=Py_ssize_t, value_start=Py_ssize_t, value_end=Py_ssize_t,
-               count=Py_ssize_t, headers=list, fields=dict, name=bytes, text=str, value_text=str,
-               sent=str, known=tuple, known_fields=Py_ssize_t, last=tuple, sent_name=bytes)
+               count=Py_ssize_t, fields=dict, text=str, sent=str, known=str, last=tuple,
+               sent_name=bytes)
 cpdef tuple read_head(bytes data, Py_ssize_t start, Py_ssize_t max_headers)
+
+cpdef list field_list(dict fields)

@@ -1,3 +1,6 @@
+# cython: boundscheck=False, wraparound=False
+# Compiled, an index of the data is not checked again (nor read from its end):
+# read_head tests that a position is within the data before it reads there.
 """A check's request head read in one call, for the heads that need no more.
 
 A check from nginx or Envoy is a GET with a dozen header fields and no body.
@@ -18,6 +21,8 @@ reads only
 * header fields written ``name: value`` with a token for a name, optional
   spaces or tabs before the value, a value of visible ASCII with inner
   spaces and tabs, nothing after it, and CRLF after each line and the head;
+* no name twice (header_map joins a repeated name's values, from the
+  fields as httptools gives them);
 * no field that frames a body or changes the connection: Content-Length,
   Transfer-Encoding, Upgrade, Expect, Connection and Proxy-Connection send
   the head to httptools (which decides the request's length and whether the
@@ -37,26 +42,27 @@ FRAMING_FIELDS = frozenset({b"content-length", b"transfer-encoding", b"upgrade",
                             b"proxy-connection"})
 # A head read: its method; its target's path as text (percent escapes not
 # yet decoded), as bytes, and its query (b"" for none), as httptools'
-# parse_url splits the target; its header fields (names in lower case,
-# values as sent); the same fields as text by name when no name comes twice
-# (what sidecar.frontdoors.common.header_map makes of them; None otherwise);
-# and the offset just past its end.
-Head = tuple[str, str, bytes, bytes, list[tuple[bytes, bytes]], "dict[str, str] | None", int]
+# parse_url splits the target; its header fields as text by name (names in
+# lower case, values as sent: what sidecar.frontdoors.common.header_map
+# makes of them, as no name comes twice); and the offset just past its end.
+# The fields as ASGI lists them are made only when asked (``field_list``):
+# a check answered by the protocol never needs them.
+Head = tuple[str, str, bytes, bytes, dict[str, str], int]
 
 _REQUEST_VERSION = b" HTTP/1.1\r\n"
 
-# Header names as sent, with their names in lower case as text and as
-# bytes: the proxies send the same dozen names with every check, each then
-# read with one lookup, and its text's hash already made for the lookups
-# that follow. At most NAMES_KEPT, the first seen (junk names only miss it).
-_NAMES: dict[str, tuple[str, bytes]] = {}
+# Header names as sent, with their names in lower case: the proxies send
+# the same dozen names with every check, each then read with one lookup,
+# and its text's hash already made for the lookups that follow. At most
+# NAMES_KEPT, the first seen (junk names only miss it).
+_NAMES: dict[str, str] = {}
 NAMES_KEPT = 256
 # The names of the last heads read, field by field: the Nth field's name as
-# sent, in lower case as text and as bytes. A proxy sends the same names in
+# sent, and in lower case. A proxy sends the same names in
 # the same order with every check, so each is recognised by one comparison
 # of its bytes where the data are, with no text made or looked up. At most
 # NAMES_KEPT fields; a name that differs replaces its field's.
-_LAST_NAMES: list[tuple[bytes, str, bytes]] = []
+_LAST_NAMES: list[tuple[bytes, str]] = []
 
 
 def is_token(byte: int) -> bool:
@@ -110,8 +116,7 @@ def read_head(data: bytes, start: int, max_headers: int) -> Head | None:
     if not data.startswith(_REQUEST_VERSION, position):
         return None
     position += 11
-    headers: list[tuple[bytes, bytes]] = []
-    fields: dict[str, str] | None = {}
+    fields: dict[str, str] = {}
     count = 0
     while True:
         if position + 1 >= end:
@@ -121,31 +126,29 @@ def read_head(data: bytes, start: int, max_headers: int) -> Head | None:
             break
         name_start = position
         sent_name = None  # the field's name as sent, when not the last head's
-        last: tuple[bytes, str, bytes] | None = _LAST_NAMES[count] if count < len(_LAST_NAMES) else None
+        last: tuple[bytes, str] | None = _LAST_NAMES[count] if count < len(_LAST_NAMES) else None
         if last is not None and not (data.startswith(last[0], position) and position + len(last[0]) < end
                                      and data[position + len(last[0])] == 58):  # ":"
             last = None
         if last is not None:
             position += len(last[0])
-            text, name = last[1], last[2]
+            text = last[1]
         else:
             while position < end and is_token(data[position]):
                 position += 1
             if position == name_start or position >= end or data[position] != 58:  # ":"
                 return None
-            # Each read as text straight from the data, its bytes from the
-            # text (all of it ASCII here): fewer objects made than slicing.
+            # Read as text straight from the data (all of it ASCII here).
             sent = data[name_start:position].decode("latin-1")
             known = _NAMES.get(sent)
             if known is not None:
-                text, name = known
+                text = known
             else:
                 text = sent.lower()
-                name = text.encode("latin-1")
-                if data[name_start] in b"cCtTuUeEpP" and name in FRAMING_FIELDS:
+                if data[name_start] in b"cCtTuUeEpP" and text.encode("latin-1") in FRAMING_FIELDS:
                     return None
                 if len(_NAMES) < NAMES_KEPT:
-                    _NAMES[sent] = (text, name)
+                    _NAMES[sent] = text
             sent_name = sent.encode("latin-1")
         position += 1
         while position < end and (data[position] == 32 or data[position] == 9):
@@ -162,19 +165,22 @@ def read_head(data: bytes, start: int, max_headers: int) -> Head | None:
         if sent_name is not None:
             # Remembered as its field's name for the heads that follow.
             if count < len(_LAST_NAMES):
-                _LAST_NAMES[count] = (sent_name, text, name)
+                _LAST_NAMES[count] = (sent_name, text)
             elif count < NAMES_KEPT:
-                _LAST_NAMES.append((sent_name, text, name))
+                _LAST_NAMES.append((sent_name, text))
         count += 1
         if count > max_headers:
             return None
-        value_text = data[value_start:value_end].decode("latin-1")
-        headers.append((name, value_text.encode("latin-1")))
-        if fields is not None:
-            known_fields = len(fields)
-            fields[text] = value_text
-            if len(fields) == known_fields:
-                fields = None  # a name repeated: header_map joins its values
+        fields[text] = data[value_start:value_end].decode("latin-1")
+        if len(fields) < count:
+            return None  # a name repeated: header_map joins its values
     path = data[target_start:path_end].decode("ascii")
     query = data[path_end + 1:target_end] if path_end + 1 < target_end else b""
-    return method, path, path.encode("ascii"), query, headers, fields, position
+    return method, path, path.encode("ascii"), query, fields, position
+
+
+def field_list(fields: dict[str, str]) -> list[tuple[bytes, bytes]]:
+    """A head's fields as an ASGI scope lists them (names in lower case,
+    values as sent, in the order sent), for a check that leaves the
+    protocol for the ASGI path."""
+    return [(name.encode("latin-1"), value.encode("latin-1")) for name, value in fields.items()]

@@ -16,7 +16,6 @@ With several workers, a scrape answers for all of them
 
 from __future__ import annotations
 
-import bisect
 import collections
 import time
 from collections.abc import Callable, Iterator
@@ -30,11 +29,10 @@ from prometheus_client.registry import Collector
 from sidecar import version
 from sidecar.config import Action
 from sidecar.identity import OUTCOMES as JWT_OUTCOMES
+from sidecar.latency import LATENCY_BUCKETS, LatencyHistogram
 
 if TYPE_CHECKING:
     from sidecar.nodemetrics import NodeMetrics
-
-LATENCY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
 
 
 class Tally:
@@ -47,20 +45,6 @@ class Tally:
 
     def inc(self, amount: int = 1) -> None:
         self.value += amount
-
-
-class LatencyHistogram:
-    __slots__ = ("counts", "total", "count")
-
-    def __init__(self) -> None:
-        self.counts = [0] * (len(LATENCY_BUCKETS) + 1)
-        self.total = 0.0
-        self.count = 0
-
-    def observe(self, seconds: float) -> None:
-        self.counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
-        self.total += seconds
-        self.count += 1
 
 
 # name, help text: the plain counters the engine and the app add to.

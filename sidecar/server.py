@@ -72,7 +72,7 @@ from sidecar.asgi import Scope
 from sidecar.exchange import App, AsgiExchange, closing_answer, encode_reply
 from sidecar.frontdoors.common import HEADER_MAP, Reply
 from sidecar.frontdoors.routes import RouteTable
-from sidecar.httphead import read_head
+from sidecar.httphead import field_list, read_head
 from sidecar.overload import AddressRefusals, LoopWatch
 from sidecar.ratelog import RateLimitedLog
 
@@ -300,9 +300,9 @@ class LimitedHttpProtocol(asyncio.Protocol):
             if self._responding is not None or self.transport.is_closing():
                 break  # behind an unfinished answer, or after the last: the parser's
             head = read_head(data, start, self.max_headers)
-            if head is None or head[6] > window:
+            if head is None or head[5] > window:
                 break
-            method, path, raw_path, query, headers, fields, head_end = head
+            method, path, raw_path, query, fields, head_end = head
             if "%" in path:
                 path = urllib.parse.unquote(path)
             door = doors.exact.get(path) or doors.find(path)
@@ -310,16 +310,16 @@ class LimitedHttpProtocol(asyncio.Protocol):
                 break  # not a check: the parser reads it for the ASGI path
             start = head_end
             self._keep_alive = True
-            if fields is not None and door.refusals.entries and not self.server_state.default_headers:
+            if door.refusals.entries and not self.server_state.default_headers:
                 # A refusal answered again from its bytes, without a scope.
                 stored = door.again(method, fields)
                 if stored is not None:
                     self.transport.write(stored)
                     self._answered()
                     continue
-            scope = self._request_scope("1.1", method, path, raw_path, query, headers)
-            if fields is not None:
-                scope[HEADER_MAP] = fields
+            # The fields as ASGI lists them are made only for the ASGI path (_answer).
+            scope = self._request_scope("1.1", method, path, raw_path, query, None)
+            scope[HEADER_MAP] = fields
             self._answer(door, scope)
         if start == 0:
             return data
@@ -330,8 +330,10 @@ class LimitedHttpProtocol(asyncio.Protocol):
         return data[window:] if window < len(data) else None
 
     def _request_scope(self, http_version: str, method: str, path: str, raw_path: bytes, query: bytes,
-                       headers: list[tuple[bytes, bytes]]) -> Scope:
-        """A request's ASGI scope on this connection, however its head was read."""
+                       headers: list[tuple[bytes, bytes]] | None) -> Scope:
+        """A request's ASGI scope on this connection, however its head was
+        read (``headers`` None: a check's head read by sidecar.httphead,
+        whose fields are the scope's ``HEADER_MAP`` until it goes to ASGI)."""
         return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": http_version,
                 "server": self.server, "client": self.client, "scheme": self.scheme, "root_path": "",
                 "headers": headers, "state": self.app_state.copy(), "method": method, "path": path,
@@ -459,6 +461,8 @@ class LimitedHttpProtocol(asyncio.Protocol):
             # Held by a leaky bucket (or to be asked of the next auth
             # service): the ASGI path waits and answers, in order with what
             # follows on this connection.
+            if scope["headers"] is None:
+                scope["headers"] = field_list(scope[HEADER_MAP])
             exchange = AsgiExchange(scope, self, keep_alive, False)
             exchange.request_complete()
             self._start(exchange)

@@ -44,6 +44,7 @@ from sidecar.frontdoors.common import (
     Route,
     Service,
     header_map,
+    new_reply,
     respond,
 )
 from sidecar.ratelog import RateLimitedLog
@@ -176,7 +177,7 @@ def describe_nginx(scope: Scope, headers: dict[str, str]) -> CheckRequest:
 
 def answer_nginx(request: CheckRequest, decision: Decision) -> Reply:
     if decision.outcome == ALLOW:
-        return Reply(200, allow_headers(decision), b"")
+        return new_reply((200, allow_headers(decision), b""))
     # A refusal that holds for every request of the client: nginx may
     # answer it from its cache until then (sluice-server.conf).
     cached = [(PROXY_EXPIRES_HEADER, f"@{request.proxy_expires}")] if request.proxy_expires else []

@@ -155,13 +155,15 @@ def test_a_check_enters_each_module_once_down_and_back_up(check: bytes, front_do
     assert "chain.py" not in entered
 
 
-@pytest.mark.parametrize(("rules", "check", "status"), [
-    (STORED_REFUSAL_RULES, NGINX_CHECK, b"403 Forbidden"),
-    (DECIDED_REFUSAL_RULES, NGINX_CHECK, b"403 Forbidden"),
-    (DECIDED_REFUSAL_RULES, ENVOY_CHECK, b"429 Too Many Requests"),
-    (DECIDED_REFUSAL_RULES, FORWARD_AUTH_CHECK, b"429 Too Many Requests"),
+# A refusal answered again is counted by the metrics in one call
+# (refused_again); a decided one has its latency observed.
+@pytest.mark.parametrize(("rules", "check", "status", "counted_in"), [
+    (STORED_REFUSAL_RULES, NGINX_CHECK, b"403 Forbidden", "metrics.py"),
+    (DECIDED_REFUSAL_RULES, NGINX_CHECK, b"403 Forbidden", "latency.py"),
+    (DECIDED_REFUSAL_RULES, ENVOY_CHECK, b"429 Too Many Requests", "latency.py"),
+    (DECIDED_REFUSAL_RULES, FORWARD_AUTH_CHECK, b"429 Too Many Requests", "latency.py"),
 ], ids=["nginx-stored", "nginx-decided", "envoy-decided", "forward-auth-decided"])
-def test_a_refused_check_enters_each_module_once(rules: str, check: bytes, status: bytes) -> None:
+def test_a_refused_check_enters_each_module_once(rules: str, check: bytes, status: bytes, counted_in: str) -> None:
     protocol, transport = connection(rules)
     for _ in range(3):  # allowed, refused (and kept, when it holds for the client), refused
         protocol.data_received(check)
@@ -172,7 +174,7 @@ def test_a_refused_check_enters_each_module_once(rules: str, check: bytes, statu
 
     assert len(transport.written) == 1 and transport.written[0].startswith(b"HTTP/1.1 " + status + b"\r\n")
     assert entered[0] == "server.py"
-    for module in ("app.py", "engine.py", "metrics.py"):
+    for module in ("app.py", "engine.py", counted_in):
         assert module in entered, entered
     assert entered_again(entered) == [], entered
 

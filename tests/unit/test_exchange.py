@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from sidecar.asgi import Receive, Scope, Send
 from sidecar.exchange import HEADER_VALUE_FORBIDDEN, encode_reply, forbidden_in_value
-from sidecar.frontdoors.common import Reply
+from sidecar.frontdoors.common import Reply, new_reply
 from tests.unit.http_wire import LOOPBACK, closed_by_server, read_answer, request, serving
 
 
@@ -230,3 +230,14 @@ def test_a_check_answer_never_carries_a_forbidden_byte_in_a_field(value: str) ->
     expected = value.encode("latin-1", "replace")
     assert field == [b"x-page: " + (b"" if HEADER_VALUE_FORBIDDEN.search(expected) else expected)]
     assert keep_alive
+
+
+@given(st.sampled_from([200, 401, 403, 429]),
+       st.lists(st.tuples(st.sampled_from(["X-Sluice-Pending", "Vary"]), st.text(max_size=5)), max_size=3),
+       st.binary(max_size=8))
+def test_a_reply_made_in_c_is_the_reply_the_named_tuple_makes(status: int, headers: list[tuple[str, str]],
+                                                                body: bytes) -> None:
+    made = new_reply((status, headers, body))
+    assert type(made) is Reply and made == Reply(status, headers, body)
+    assert (made.status, made.headers, made.body) == (status, headers, body)
+    assert encode_reply(made, "GET", True, []) == encode_reply(Reply(status, headers, body), "GET", True, [])

@@ -19,7 +19,7 @@ from uvicorn.server import ServerState
 from sidecar import server
 from sidecar.app import SluiceApp
 from sidecar.engine import Engine
-from sidecar.httphead import FRAMING_FIELDS, NAMES_KEPT, names_kept, read_head
+from sidecar.httphead import FRAMING_FIELDS, NAMES_KEPT, field_list, names_kept, read_head
 from sidecar.server import LimitedHttpProtocol
 from tests.unit.conftest import FakeClock, RecordingTransport, ruleset_from
 
@@ -78,20 +78,18 @@ def assert_read_as_httptools(data: bytes) -> None:
     head = read_head(data, 0, 100)
     if head is None:
         return
-    method, path, raw_path, query, headers, fields, end = head
+    method, path, raw_path, query, fields, end = head
     whole = Reader(data[:end])
     assert not whole.refused
     assert len(whole.requests) == 1 and whole.requests[0].complete
     request = whole.requests[0]
-    assert (whole.methods[0], request.headers, request.body) == (method.encode("ascii"), headers, b"")
+    # The fields, in order, as httptools reads them; no name twice.
+    assert (whole.methods[0], request.headers, request.body) == (method.encode("ascii"), field_list(fields), b"")
     # The target, split as the protocol splits httptools' (parse_url).
     url = httptools.parse_url(request.url)
     assert (url.path, url.query or b"") == (raw_path, query)
     assert path == raw_path.decode("ascii")
     assert whole.keep_alive == [True]
-    if fields is not None:
-        assert fields == {name.decode("latin-1"): value.decode("latin-1") for name, value in headers}
-        assert len(fields) == len(headers)
     # Nothing of the head is left for later: httptools, given one byte
     # less, has not finished the request.
     short = Reader(data[:end - 1])
@@ -167,11 +165,12 @@ def test_a_mutated_check_is_read_as_httptools_reads_it_or_left_to_it(data: bytes
 
 
 def test_a_check_is_read_whole_with_its_fields_by_name() -> None:
-    method, path, raw_path, query, headers, fields, end = read_head(CHECK + CHECK, 0, 100) or pytest.fail("not read")
+    method, path, raw_path, query, fields, end = read_head(CHECK + CHECK, 0, 100) or pytest.fail("not read")
     assert (method, path, raw_path, query, end) == ("GET", "/v1/nginx/auth", b"/v1/nginx/auth", b"", len(CHECK))
-    assert headers[0] == (b"host", b"sluice") and (b"x-sluice-tls-fingerprint", b"") in headers
-    assert fields is not None and fields["x-original-uri"] == "/shop/cart?id=3"
-    assert read_head(CHECK + CHECK, end, 100) == (method, path, raw_path, query, headers, fields, 2 * len(CHECK))
+    assert list(fields)[:2] == ["host", "x-sluice-client-addr"] and fields["x-sluice-tls-fingerprint"] == ""
+    assert fields["x-original-uri"] == "/shop/cart?id=3"
+    assert field_list(fields)[0] == (b"host", b"sluice") and (b"x-sluice-tls-fingerprint", b"") in field_list(fields)
+    assert read_head(CHECK + CHECK, end, 100) == (method, path, raw_path, query, fields, 2 * len(CHECK))
     assert read_head(CHECK.replace(b"auth", b"auth?a=1?b"), 0, 100)[1:4] == ("/v1/nginx/auth", b"/v1/nginx/auth",
                                                                            b"a=1?b")
 
@@ -183,20 +182,20 @@ def test_a_field_that_frames_a_body_or_the_connection_leaves_the_head_to_httptoo
 
 
 @pytest.mark.parametrize("value", [b"", b"1", b"a"])
-def test_a_name_sent_twice_leaves_the_fields_to_header_map_whatever_its_values(value: bytes) -> None:
-    head = read_head(CHECK.replace(b"Accept: */*", b"X-Twice: " + value + b"\r\nX-TWICE: " + value), 0, 100)
-    assert head is not None and head[5] is None and head[4].count((b"x-twice", value)) == 2
+def test_a_name_sent_twice_leaves_the_head_to_httptools_whatever_its_values(value: bytes) -> None:
+    """header_map joins a repeated name's values, from httptools' fields."""
+    assert read_head(CHECK.replace(b"Accept: */*", b"X-Twice: " + value + b"\r\nX-TWICE: " + value), 0, 100) is None
+    assert read_head(CHECK.replace(b"Accept: */*", b"X-Twice: " + value + b"\r\nX-Once: " + value), 0, 100)
 
 
 def test_names_kept_are_bounded_whatever_names_a_client_sends() -> None:
     for number in range(2 * NAMES_KEPT):
         head = read_head(CHECK.replace(b"Accept: */*", b"X-Junk-%d: 1" % number), 0, 100)
-        assert head is not None and (b"x-junk-%d" % number, b"1") in head[4]
-        assert head[5] is not None and head[5][f"x-junk-{number}"] == "1"
+        assert head is not None and head[4][f"x-junk-{number}"] == "1"
     assert names_kept() <= NAMES_KEPT
     # A name kept answers as it was read; a framing field is never kept.
     for _ in range(2):
-        assert read_head(CHECK.replace(b"Accept: */*", b"X-JUNK-1: 2"), 0, 100)[5]["x-junk-1"] == "2"
+        assert read_head(CHECK.replace(b"Accept: */*", b"X-JUNK-1: 2"), 0, 100)[4]["x-junk-1"] == "2"
         assert read_head(CHECK.replace(b"Accept: */*", b"Content-Length: 0"), 0, 100) is None
 
 
@@ -205,7 +204,7 @@ def test_names_kept_by_field_are_bounded_however_many_fields_a_head_has() -> Non
     many = b"".join(b"X-Field-%d: %d\r\n" % (number, number) for number in range(last + 1))
     for _ in range(2):
         head = read_head(CHECK.replace(b"Accept: */*\r\n", many), 0, 4 * NAMES_KEPT)
-        assert head is not None and head[5] is not None and head[5][f"x-field-{last}"] == str(last)
+        assert head is not None and head[4][f"x-field-{last}"] == str(last)
     assert names_kept() <= NAMES_KEPT
 
 
@@ -215,15 +214,14 @@ def test_a_name_that_differs_from_the_last_heads_at_its_field_is_read_as_its_own
     exactly it and then its colon: a longer or shorter name, another case,
     or a field that frames a body is read as any other."""
     last = CHECK.replace(b"Host: sluice", b"X-Foo: 1")
-    assert read_head(last, 0, 100)[5]["x-foo"] == "1"
+    assert read_head(last, 0, 100)[4]["x-foo"] == "1"
     head = read_head(last.replace(b"X-Foo: 1", name + b": 2"), 0, 100)
     if name.lower() in FRAMING_FIELDS:
         assert head is None
     else:
-        assert head is not None and head[5] is not None and head[5][name.decode().lower()] == "2"
-        assert head[4][0] == (name.lower(), b"2")
-        assert ("x-foo" in head[5]) == (name.lower() == b"x-foo")
-    assert read_head(last, 0, 100)[4][0] == (b"x-foo", b"1")  # and the last head's is read again
+        assert head is not None and list(head[4].items())[0] == (name.decode().lower(), "2")
+        assert ("x-foo" in head[4]) == (name.lower() == b"x-foo")
+    assert list(read_head(last, 0, 100)[4].items())[0] == ("x-foo", "1")  # and the last head's is read again
 
 
 @pytest.mark.parametrize("data", [
@@ -258,13 +256,14 @@ rules:
 """
 
 
-def answers(reads: list[bytes], reads_heads: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[bytes], bool]:
+def answers(reads: list[bytes], reads_heads: bool, monkeypatch: pytest.MonkeyPatch,
+            rules: str = RULES) -> tuple[list[bytes], bool]:
     """What the protocol writes for these reads of one connection (the
     checks it answers at once), and whether it closed the connection."""
     monkeypatch.setattr(server, "READS_HEADS", reads_heads)
     # Both clocks stand still: the answers (X-Accel-Expires, reset) are the
     # same in both runs.
-    engine = Engine(ruleset_from(RULES), clock=FakeClock(), wall_clock=FakeClock(1_800_000_000.25))
+    engine = Engine(ruleset_from(rules), clock=FakeClock(), wall_clock=FakeClock(1_800_000_000.25))
     config = Config(app=SluiceApp(engine), lifespan="off", log_level="warning", proxy_headers=False)
     config.load()
     loop = asyncio.new_event_loop()
@@ -332,3 +331,32 @@ def test_a_read_of_whole_checks_never_reaches_the_parser_when_heads_are_read(
     written, _ = answers([CHECK + CHECK.replace(b"GET", b"HEAD")], reads_heads, monkeypatch)
     assert len(written) == 2 and all(answer.startswith(b"HTTP/1.1 200 OK\r\n") for answer in written)
     assert urls == ([] if reads_heads else [b"/v1/nginx/auth", b"/v1/nginx/auth"])
+
+
+HOLDING = """
+rules:
+  - id: smooth
+    key: [ip]
+    limit: {rate: 1r/s, burst: 5}
+    action: block
+"""
+
+
+@pytest.mark.parametrize("reads_heads", [True, False])
+def test_a_check_that_leaves_for_the_asgi_path_lists_its_fields_as_httptools_reads_them(
+        reads_heads: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A check the protocol does not answer itself (here held by a leaky
+    bucket) goes to the ASGI path with the scope's header fields, in order,
+    however its head was read."""
+    scopes: list[dict[str, object]] = []
+    exchange = server.AsgiExchange
+
+    def recorded(scope: dict[str, object], *args: object) -> object:
+        scopes.append(scope)
+        return exchange(scope, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(server, "AsgiExchange", recorded)
+    written, _ = answers([CHECK + CHECK], reads_heads, monkeypatch, HOLDING)
+    assert len(written) == 1 and written[0].startswith(b"HTTP/1.1 200 OK\r\n")  # the second waits its turn
+    assert len(scopes) == 1
+    assert scopes[0]["headers"] == Reader(CHECK).requests[0].headers

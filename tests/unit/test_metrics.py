@@ -3,6 +3,7 @@ reloads, the build, and the process; HEAD on the probes and /metrics."""
 
 from __future__ import annotations
 
+import bisect
 import collections
 import re
 import socket
@@ -19,6 +20,7 @@ from sidecar.admin import Admin
 from sidecar.app import SluiceApp
 from sidecar.engine import Engine, count_rules
 from sidecar.health import HealthListener, Heartbeat
+from sidecar.latency import LATENCY_BUCKETS, LatencyHistogram
 from sidecar.metrics import RULE_SETS, Metrics
 from sidecar.rules import load_ruleset
 from tests.unit.conftest import FakeClock, Harness
@@ -232,3 +234,22 @@ def test_a_flood_of_distinct_rule_sets_is_added_up_past_the_bound() -> None:
         count_rules(metrics, [f"rule-{number}"])
         assert len(metrics.rule_sets) <= RULE_SETS
     assert metrics.hits_of("rule-0") == 1 and sum(metrics.rule_hits.values()) == 3 * RULE_SETS
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.floats(allow_nan=True), st.sampled_from(LATENCY_BUCKETS)), max_size=30))
+def test_the_latency_histogram_counts_each_check_in_the_bucket_bisect_names(seconds: list[float]) -> None:
+    """Each observation in the first bucket whose bound is not below it
+    (bisect_left, the reference; on a bound, that bound's bucket), and the
+    sum and number of them, on either core."""
+    histogram = LatencyHistogram()
+    expected = [0] * (len(LATENCY_BUCKETS) + 1)
+    for value in seconds:
+        histogram.observe(value)
+        expected[bisect.bisect_left(LATENCY_BUCKETS, value)] += 1
+    assert histogram.counts == expected
+    assert histogram.count == len(seconds)
+    total = 0.0
+    for value in seconds:
+        total += value
+    assert histogram.total == total or (histogram.total != histogram.total and total != total)

@@ -1,0 +1,11 @@
+# Types of sidecar/latency.py for its compiled build (see setup.py).
+cimport cython
+
+
+cdef class LatencyHistogram:
+    cdef public list counts
+    cdef public double total
+    cdef public long long count
+
+    @cython.locals(index=Py_ssize_t)
+    cpdef void observe(self, double seconds)
