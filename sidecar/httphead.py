@@ -58,10 +58,10 @@ _REQUEST_VERSION = b" HTTP/1.1\r\n"
 _NAMES: dict[str, str] = {}
 NAMES_KEPT = 256
 # The names of the last heads read, field by field: the Nth field's name as
-# sent, and in lower case. A proxy sends the same names in
-# the same order with every check, so each is recognised by one comparison
-# of its bytes where the data are, with no text made or looked up. At most
-# NAMES_KEPT fields; a name that differs replaces its field's.
+# sent, and in lower case. A proxy sends the same names in the same order
+# with every check, so each is recognised by one comparison of its bytes
+# where the data are, with no text made or looked up. At most NAMES_KEPT
+# fields; a name that differs replaces its field's.
 _LAST_NAMES: list[tuple[bytes, str]] = []
 
 
