@@ -213,6 +213,20 @@ class StateMap(BoundedMap):
             value.used = True
         return value
 
+    def peek(self, key: Hashable) -> Any:
+        """The key's state, or None; not a use (an administrator's look)."""
+        return self.data.get(key)
+
+    def marked(self, key: Hashable) -> bool:
+        """Whether the key was read since it was stored or last passed over
+        when room was made (False when not held)."""
+        value = self.data.get(key)
+        return value is not None and bool(value.used)
+
+    def items(self) -> list[tuple[Hashable, Any]]:
+        """(key, state) of every key, oldest first."""
+        return list(self.data.items())
+
     def _drop_oldest(self, count: int) -> None:
         data = self.data
         while count > 0 and data:

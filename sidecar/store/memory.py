@@ -9,11 +9,13 @@ of its maps. Every operation answers at once.
 
 from __future__ import annotations
 
+import importlib
 import time
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
-from sidecar.bounded import BoundedMap, StateMap
+from sidecar import core
+from sidecar.bounded import BoundedMap
 from sidecar.counters import CounterState, KeySelection
 from sidecar.keys import CountingKey
 from sidecar.limiters.base import Limiter
@@ -22,6 +24,23 @@ from sidecar.state import BanRecord, Clock, epoch_clock
 from sidecar.store import Described
 from sidecar.store.local import LocalStore
 from sidecar.tiers import TierAssignments
+
+
+def _state_map_class() -> type:
+    """The map of the keys' states: the compiled one (``sidecar._statemap``,
+    C records) with the compiled core, else its pure twin."""
+    if core.PURE:
+        from sidecar.bounded import StateMap as Pure
+
+        return Pure
+    compiled: type = importlib.import_module("sidecar._statemap").StateMap
+    return compiled
+
+
+if TYPE_CHECKING:
+    from sidecar.bounded import StateMap
+else:
+    StateMap = _state_map_class()
 
 
 class MemoryTable:
@@ -155,8 +174,8 @@ class MemoryStore(LocalStore):
     async def find_keys(self, now: float, selection: KeySelection, limit: int | None = None) -> list[CountingKey]:
         # A look through every key: at most max_keys, for an administrator.
         found: list[CountingKey] = []
-        states = self.table.states.data
-        candidates = [(selection.key, states.get(selection.key))] if selection.key is not None else states.items()
+        states = self.table.states
+        candidates = [(selection.key, states.peek(selection.key))] if selection.key is not None else states.items()
         for key, state in candidates:
             if state is not None and selection.holds(cast(CountingKey, key)) \
                     and state.limiter.expires_at(state) > now:
@@ -172,7 +191,7 @@ class MemoryStore(LocalStore):
                   threshold: float) -> CounterState | None:
         """As the Redis store's inspect.lua describes a key: read, never
         counted, and without refreshing its recency."""
-        state = self.table.states.data.get(key)
+        state = self.table.states.peek(key)
         if state is None or state.limiter.expires_at(state) <= now:
             return None
         if limiter is None:

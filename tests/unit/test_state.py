@@ -1,12 +1,20 @@
 """BoundedMap: expired entries go first, then the least recently used, at
 O(1) cost per insertion. StateMap: the same, with a read marking the state
-instead of moving it (a second chance when room is made)."""
+instead of moving it (a second chance when room is made); with the compiled
+core, its C twin too (sidecar/_statemap.pyx), held to the pure one."""
 
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sidecar import core
 from sidecar.bounded import BoundedMap, StateMap
 from sidecar.limiters.window import WindowCounter
+from sidecar.store.memory import MemoryTable
 
 
 class Expiring:
@@ -146,21 +154,34 @@ def state() -> object:
     return made
 
 
-def states(max_keys: int) -> StateMap:
-    return StateMap(max_keys, lambda: 0.0)
+# The pure map, and the compiled one beside it when the compiled core runs.
+STATE_MAPS: list[Callable[..., Any]] = [StateMap]
+if not core.PURE:
+    STATE_MAPS.append(importlib.import_module("sidecar._statemap").StateMap)
 
 
-def test_a_state_read_is_marked_and_not_moved():
+@pytest.fixture(params=STATE_MAPS, ids=lambda kind: kind.__module__)
+def states(request: pytest.FixtureRequest) -> Callable[[int], Any]:
+    """A maker of state maps of ``max_keys`` on a clock at 0, either kind."""
+    return lambda max_keys: request.param(max_keys, lambda: 0.0)
+
+
+def test_the_memory_store_uses_the_map_of_its_core():
+    table = MemoryTable(10, lambda: 0.0)
+    assert type(table.states).__module__ == ("sidecar.bounded" if core.PURE else "sidecar._statemap")
+
+
+def test_a_state_read_is_marked_and_not_moved(states):
     m = states(10)
     for key in range(3):
         m.add(key, state())
     value = m.get(0)
-    assert value is not None and value.used
+    assert value is not None and m.marked(0)
     assert list(m.data) == [0, 1, 2]  # in place: one lookup, no move
     assert m.get("never stored") is None
 
 
-def test_a_state_read_since_room_was_last_made_outlives_older_unread_ones():
+def test_a_state_read_since_room_was_last_made_outlives_older_unread_ones(states):
     m = states(10)
     for key in range(10):
         m.add(key, state())
@@ -169,10 +190,10 @@ def test_a_state_read_since_room_was_last_made_outlives_older_unread_ones():
     assert m.get(0) is not None and m.get(1) is None and m.get(10) is not None
     assert len(m) == 10
     assert list(m.data)[-2:] == [0, 10]  # its second chance: moved to the end when room was made
-    assert m.data[0].used  # marked again by the read above
+    assert m.marked(0)  # marked again by the read above
 
 
-def test_when_every_state_was_read_the_oldest_goes_and_every_mark_is_cleared():
+def test_when_every_state_was_read_the_oldest_goes_and_every_mark_is_cleared(states):
     m = states(10)
     for key in range(10):
         m.add(key, state())
@@ -180,10 +201,10 @@ def test_when_every_state_was_read_the_oldest_goes_and_every_mark_is_cleared():
         m.get(key)
     m.add(10, state())
     assert 0 not in m.data and len(m) == 10
-    assert not any(value.used for key, value in m.data.items() if key != 10)
+    assert not any(m.marked(key) for key in m.data if key != 10)
 
 
-def test_a_key_read_between_every_eviction_survives_a_rotation_of_new_keys():
+def test_a_key_read_between_every_eviction_survives_a_rotation_of_new_keys(states):
     m = states(100)
     kept = state()
     m.add("kept", kept)
@@ -195,25 +216,101 @@ def test_a_key_read_between_every_eviction_survives_a_rotation_of_new_keys():
     assert m._filed <= 2 * len(m) + 1024 + 1
 
 
+@pytest.mark.parametrize("kind", STATE_MAPS, ids=lambda kind: kind.__module__)
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.booleans(), st.integers(0, 30)), max_size=300), st.integers(1, 12))
-def test_room_is_made_from_the_oldest_unread_states_first(operations, max_keys):
+def test_room_is_made_from_the_oldest_unread_states_first(kind, operations, max_keys):
     """Whatever the reads and stores: the map never holds more than
     ``max_keys``; making room drops the oldest states not read since they
     were stored or last passed over, in the map's order, and a read one
     only when fewer unread ones are left than must go."""
-    m = states(max_keys)
+    m = kind(max_keys, lambda: 0.0)
     for is_read, key in operations:
         if is_read:
             value = m.get(key)
-            assert value is None or value.used
+            assert value is None or m.marked(key)
             continue
         if key in m.data:
             continue
         before = list(m.data)
-        unread = [name for name in before if not m.data[name].used]
+        unread = [name for name in before if not m.marked(name)]
         m.add(key, state())
         assert len(m) <= max_keys
         dropped = [name for name in before if name not in m.data]
         if len(unread) >= len(dropped):
             assert dropped == unread[:len(dropped)]
+
+
+# --------------------------------------------------------------------------
+# The compiled map against the pure one
+# --------------------------------------------------------------------------
+
+def expiring_state(expires: float) -> Any:
+    """A window's state that expires at ``expires`` (its penalty's end)."""
+    made = COUNTER.new_state()
+    made.penalty_until = expires
+    return made
+
+
+def contents(m: Any) -> list[tuple[Any, float, bool]]:
+    """What a map holds, in its order: each key, its state's expiry and mark."""
+    return [(key, value.penalty_until, m.marked(key)) for key, value in m.items()]
+
+
+# Half seconds: expiries that fall on the clock and on a slot's edge.
+HALVES = st.integers(0, 24).map(lambda halves: halves / 2)
+KEYS = st.one_of(st.integers(0, 40), st.tuples(st.just(("rule", ("ip",))), st.sampled_from(["a", "b", "c", "d"])))
+OPERATIONS = st.lists(st.one_of(
+    st.tuples(st.just("add"), KEYS, HALVES),
+    st.tuples(st.just("set"), KEYS, HALVES),
+    st.tuples(st.just("get"), KEYS, st.just(0.0)),
+    st.tuples(st.just("pop"), KEYS, st.just(0.0)),
+    st.tuples(st.just("advance"), st.just(0), HALVES),
+    st.tuples(st.just("max_keys"), st.integers(1, 16), st.just(0.0)),
+), max_size=400)
+
+
+@pytest.mark.skipif(core.PURE, reason="the compiled map: the compiled core only")
+@settings(max_examples=300, deadline=None)
+@given(OPERATIONS, st.integers(1, 16))
+def test_the_compiled_map_keeps_what_the_pure_map_keeps_in_its_order(operations, max_keys):
+    """Any stores (new keys and held ones), reads, removals, passing time
+    and changes of the cap: both maps answer alike and hold the same keys
+    in the same order, with the same states and marks."""
+    compiled = importlib.import_module("sidecar._statemap").StateMap
+    clock = [0.0]
+    pure, other = StateMap(max_keys, lambda: clock[0]), compiled(max_keys, lambda: clock[0])
+    for kind, key, number in operations:
+        if kind == "advance":
+            clock[0] += number
+        elif kind == "max_keys":
+            pure.max_keys = other.max_keys = key
+        elif kind == "add":
+            pure.add(key, expiring_state(clock[0] + number))
+            other.add(key, expiring_state(clock[0] + number))
+        elif kind == "set":
+            pure[key] = expiring_state(clock[0] + number)
+            other[key] = expiring_state(clock[0] + number)
+        elif kind == "get":
+            assert (pure.get(key) is None) == (other.get(key) is None)
+        else:
+            assert (pure.pop(key) is None) == (other.pop(key) is None)
+        assert contents(other) == contents(pure)
+        assert len(other) == len(pure) and (key in other) == (key in pure.data)
+        assert (other.peek(key) is None) == (pure.peek(key) is None)
+
+
+@pytest.mark.skipif(core.PURE, reason="the compiled map: the compiled core only")
+def test_the_compiled_map_grows_and_drops_keys_under_rotation_without_losing_one():
+    """Many more keys than its first records, then a rotation that evicts:
+    every key it says it holds is found, and no other."""
+    m = importlib.import_module("sidecar._statemap").StateMap(5_000, lambda: 0.0)
+    for key in range(5_000):
+        m.add(("rule", str(key)), expiring_state(1e9))
+    assert len(m) == 5_000 and all(m.peek(("rule", str(key))) is not None for key in range(5_000))
+    for key in range(5_000, 50_000):
+        m.add(("rule", str(key)), expiring_state(1e9))
+        assert len(m) <= 5_000
+    held = [key for key, _ in m.items()]
+    assert len(held) == len(m) and all(key in m for key in held)
+    assert not any(("rule", str(key)) in m for key in range(40_000))

@@ -1,0 +1,482 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+"""The compiled map of the counting keys' states: ``sidecar.bounded.StateMap``
+(read its docstring first) over a table of C records instead of a dict and
+lists of keys.
+
+What it keeps is the pure map's, and so is every choice it makes: a read
+marks the key (in its record here, not on the state: ``marked``); when full, the keys of past expiry slots that have
+expired go, then the oldest unread keys down to nine tenths, a read one
+moved to the newest end instead, its mark cleared. The property tests hold
+the two to the same contents in the same order after any operations.
+
+How it keeps it differs, for a rotation of new keys (an attack through
+many addresses), where the pure map spends most of its time:
+
+- each key is a record in one array: its hash, key, state, and the links of
+  two lists threaded through the records, by index;
+- the recency list, oldest to newest, stands for the dict's order;
+- each slot of the expiry wheel is a list of its records: a record is
+  unlinked when its key goes, so the wheel holds no stale reference, never
+  needs a rebuild, and making room never hashes a key again;
+- the index is open addressing with linear probing over the records, each
+  entry a record's number and the high bits of its key's hash, so a probe
+  reads a record only when the bits match; a removal shifts the probe's
+  later entries back instead of leaving a tombstone.
+
+Records are allocated as needed (doubling, up to ``max_keys``), never
+beyond what the map has held at once, through Python's raw allocator (tracemalloc counts them); a smaller ``max_keys`` applies at the next insertion, as in
+the pure map.
+"""
+
+cimport cython
+from cpython.object cimport Py_EQ, PyObject, PyObject_Hash, PyObject_RichCompareBool
+from cpython.ref cimport Py_DECREF, Py_INCREF
+from libc.stdint cimport int32_t, uint32_t, uint64_t
+from cpython.mem cimport PyMem_RawFree, PyMem_RawMalloc, PyMem_RawRealloc
+from libc.string cimport memset
+
+import heapq
+
+from sidecar.bounded cimport state_expiry, wheel_slot
+
+
+cdef enum:
+    NONE = -1  # no record: the end of a list
+    FIRST_RECORDS = 64  # records allocated at first
+    RECENT_SLOTS = 16  # slots found without the wheel's dict (a power of 2)
+
+
+# An index entry's halves: the tag (the hash's top bits) and the record's number + 1.
+cdef uint64_t TAG_BITS = (<uint64_t>0xFFFFFFFF) << 32
+cdef uint64_t NUMBER_BITS = <uint64_t>0xFFFFFFFF
+
+
+cdef struct Record:
+    PyObject *key  # NULL: a free record (its ``newer`` links the free list)
+    PyObject *value
+    long long slot  # the wheel slot it is filed under
+    uint32_t tag  # the top 32 bits of its key's mixed hash, as in its index entry
+    bint used  # read since stored or last passed over (the pure map's state.used)
+    int32_t older  # the recency list
+    int32_t newer
+    int32_t wheel_prev  # its wheel slot's list
+    int32_t wheel_next
+
+
+@cython.final
+@cython.no_gc
+cdef class _Slot:
+    """One second of the expiry wheel: its records, first filed first."""
+    cdef long long number
+    cdef int32_t first
+    cdef int32_t last
+
+
+cdef inline uint64_t mixed(Py_hash_t hash) noexcept:
+    """The key's hash spread over 64 bits (Fibonacci hashing): its top bits
+    place it in the index, and are kept beside its record's number."""
+    return <uint64_t>hash * <uint64_t>0x9E3779B97F4A7C15ULL
+
+
+@cython.final
+cdef class StateMap:
+    """``sidecar.bounded.StateMap`` in C; see the module's docstring."""
+
+    cdef public Py_ssize_t max_keys
+    cdef object _clock
+    cdef Record *_records
+    cdef int32_t _allocated  # records allocated
+    cdef int32_t _count  # live records
+    cdef int32_t _free  # first free record, NONE when every one allocated is live
+    cdef int32_t _untouched  # records never used yet: _untouched .. _allocated - 1
+    cdef int32_t _oldest
+    cdef int32_t _newest
+    # The index: 2 ** _bits entries, each 0 (empty) or the key's mixed hash's
+    # top 32 bits << 32 | its record's number + 1.
+    cdef uint64_t *_index
+    cdef int _bits
+    cdef dict _wheel  # slot -> _Slot
+    cdef list _slots  # heap of the wheel's slots (some may be gone: skipped)
+    # Slots filed into lately, each at its number modulo RECENT_SLOTS (or
+    # None): the rules' few periods make few slots a second.
+    cdef list _recent
+
+    def __cinit__(self, Py_ssize_t max_keys, clock):
+        self.max_keys = max_keys
+        self._clock = clock
+        self._records = NULL
+        self._index = NULL
+        self._allocated = self._count = self._untouched = 0
+        self._free = self._oldest = self._newest = NONE
+        self._bits = 0
+        self._wheel = {}
+        self._slots = []
+        self._recent = [None] * RECENT_SLOTS
+        self._grow(FIRST_RECORDS)
+
+    def __dealloc__(self):
+        cdef int32_t index
+        if self._records != NULL:
+            for index in range(self._untouched):
+                if self._records[index].key != NULL:
+                    Py_DECREF(<object>self._records[index].key)
+                    Py_DECREF(<object>self._records[index].value)
+            PyMem_RawFree(self._records)
+        PyMem_RawFree(self._index)
+
+    # -- the index ------------------------------------------------------------
+
+    cdef int _grow(self, Py_ssize_t wanted) except -1:
+        """Room for ``wanted`` records, and an index of at least twice as many
+        entries, rebuilt from the live records."""
+        cdef Record *records
+        cdef uint64_t *index
+        cdef int bits = 4
+        cdef int32_t number
+        if wanted > 0x3FFFFFFF:
+            raise MemoryError("a state map holds at most 2 ** 30 keys")
+        records = <Record *>PyMem_RawRealloc(self._records, wanted * sizeof(Record))
+        if records == NULL:
+            raise MemoryError()
+        self._records = records
+        memset(&records[self._allocated], 0, (wanted - self._allocated) * sizeof(Record))
+        self._allocated = <int32_t>wanted
+        while (<Py_ssize_t>1 << bits) < 2 * wanted:
+            bits += 1
+        index = <uint64_t *>PyMem_RawMalloc((<size_t>1 << bits) * sizeof(uint64_t))
+        if index == NULL:
+            raise MemoryError()
+        memset(index, 0, (<size_t>1 << bits) * sizeof(uint64_t))
+        PyMem_RawFree(self._index)
+        self._index = index
+        self._bits = bits
+        number = self._oldest
+        while number != NONE:
+            self._place(<uint64_t>records[number].tag << 32, number)
+            number = records[number].newer
+        return 0
+
+    cdef inline size_t _home(self, uint64_t hashed) noexcept:
+        return <size_t>(hashed >> (64 - self._bits))
+
+    cdef void _place(self, uint64_t hashed, int32_t number) noexcept:
+        cdef size_t mask = (<size_t>1 << self._bits) - 1
+        cdef size_t at = self._home(hashed)
+        while self._index[at] != 0:
+            at = (at + 1) & mask
+        self._index[at] = (hashed & TAG_BITS) | <uint64_t>(number + 1)
+        self._records[number].tag = <uint32_t>(hashed >> 32)
+
+    cdef size_t _entry_of(self, int32_t number) noexcept:
+        """The index entry of a live record, found from its tag: no hash of
+        its key, no read of it."""
+        cdef size_t mask = (<size_t>1 << self._bits) - 1
+        cdef uint64_t entry = (<uint64_t>self._records[number].tag << 32) | <uint64_t>(number + 1)
+        cdef size_t at = self._home(entry)
+        while self._index[at] != entry:
+            at = (at + 1) & mask
+        return at
+
+    cdef Py_ssize_t _find(self, key, uint64_t hashed) except -2:
+        """The index entry of ``key``'s record, or -1 (then ``key`` is not held)."""
+        cdef size_t mask = (<size_t>1 << self._bits) - 1
+        cdef size_t at = self._home(hashed)
+        cdef uint64_t entry, tag = hashed & TAG_BITS
+        cdef PyObject *stored
+        while True:
+            entry = self._index[at]
+            if entry == 0:
+                return -1
+            if (entry & TAG_BITS) == tag:
+                stored = self._records[<int32_t>(entry & NUMBER_BITS) - 1].key
+                if stored == <PyObject *>key or PyObject_RichCompareBool(<object>stored, key, Py_EQ):
+                    return <Py_ssize_t>at
+            at = (at + 1) & mask
+
+    cdef void _unplace(self, size_t at) noexcept:
+        """Empty an index entry, shifting back the later entries of its probe
+        that may no longer be found past the gap (linear probing's deletion)."""
+        cdef size_t mask = (<size_t>1 << self._bits) - 1
+        cdef size_t gap = at, home
+        cdef uint64_t entry
+        while True:
+            at = (at + 1) & mask
+            entry = self._index[at]
+            if entry == 0:
+                break
+            home = self._home(entry)
+            # Keep the entry where it is when its home lies cyclically in (gap, at].
+            if (gap < at and gap < home <= at) or (gap > at and (home > gap or home <= at)):
+                continue
+            self._index[gap] = entry
+            gap = at
+        self._index[gap] = 0
+
+    # -- the lists ------------------------------------------------------------
+
+    cdef void _link_newest(self, int32_t number) noexcept:
+        cdef Record *record = &self._records[number]
+        record.older = self._newest
+        record.newer = NONE
+        if self._newest != NONE:
+            self._records[self._newest].newer = number
+        else:
+            self._oldest = number
+        self._newest = number
+
+    cdef void _unlink_recency(self, int32_t number) noexcept:
+        cdef Record *record = &self._records[number]
+        if record.older != NONE:
+            self._records[record.older].newer = record.newer
+        else:
+            self._oldest = record.newer
+        if record.newer != NONE:
+            self._records[record.newer].older = record.older
+        else:
+            self._newest = record.older
+
+    cdef int _file(self, int32_t number, double expires) except -1:
+        """File the record under the wheel slot of ``expires``, last."""
+        cdef long long slot = wheel_slot(expires)
+        cdef _Slot filed = <_Slot>self._recent[slot & (RECENT_SLOTS - 1)]
+        cdef Record *record = &self._records[number]
+        if filed is None or filed.number != slot:
+            filed = self._wheel.get(slot)
+            if filed is None:
+                filed = _Slot.__new__(_Slot)
+                filed.number = slot
+                filed.first = filed.last = NONE
+                self._wheel[slot] = filed
+                heapq.heappush(self._slots, slot)
+                if len(self._slots) > 2 * len(self._wheel) + 64:
+                    # Slots emptied and made again: drop the heap's duplicates.
+                    self._slots = list(self._wheel)
+                    heapq.heapify(self._slots)
+            self._recent[slot & (RECENT_SLOTS - 1)] = filed
+        record.slot = slot
+        record.wheel_next = NONE
+        record.wheel_prev = filed.last
+        if filed.last != NONE:
+            self._records[filed.last].wheel_next = number
+        else:
+            filed.first = number
+        filed.last = number
+        return 0
+
+    cdef int _unfile(self, int32_t number) except -1:
+        cdef Record *record = &self._records[number]
+        cdef _Slot filed = self._wheel[record.slot]
+        if record.wheel_prev != NONE:
+            self._records[record.wheel_prev].wheel_next = record.wheel_next
+        else:
+            filed.first = record.wheel_next
+        if record.wheel_next != NONE:
+            self._records[record.wheel_next].wheel_prev = record.wheel_prev
+        else:
+            filed.last = record.wheel_prev
+        if filed.first == NONE:
+            del self._wheel[record.slot]
+            if self._recent[record.slot & (RECENT_SLOTS - 1)] is filed:
+                self._recent[record.slot & (RECENT_SLOTS - 1)] = None
+        return 0
+
+    # -- records --------------------------------------------------------------
+
+    cdef int _drop(self, int32_t number, size_t at) except -1:
+        """Drop the record ``number`` (index entry ``at``), keeping its key
+        and value alive until the map is consistent again."""
+        cdef Record *record = &self._records[number]
+        cdef object key = <object>record.key
+        cdef object value = <object>record.value
+        self._unplace(at)
+        self._unlink_recency(number)
+        self._unfile(number)
+        record.key = record.value = NULL
+        record.newer = self._free
+        self._free = number
+        self._count -= 1
+        Py_DECREF(key)
+        Py_DECREF(value)
+        return 0
+
+    cdef int _drop_key(self, int32_t number) except -1:
+        """Drop a record found by its number (making room)."""
+        return self._drop(number, self._entry_of(number))
+
+    cdef int32_t _new_record(self) except -1:
+        cdef int32_t number
+        if self._free != NONE:
+            number = self._free
+            self._free = self._records[number].newer
+            return number
+        if self._untouched == self._allocated:
+            # Doubling, but no further than the cap: the map never holds more.
+            self._grow(max(min(2 * <Py_ssize_t>self._allocated, self.max_keys), self._allocated + 1))
+        number = self._untouched
+        self._untouched += 1
+        return number
+
+    # -- the map --------------------------------------------------------------
+
+    cpdef get(self, key):
+        cdef uint64_t hashed = mixed(PyObject_Hash(key))
+        cdef Py_ssize_t at = self._find(key, hashed)
+        cdef Record *record
+        if at < 0:
+            return None
+        record = &self._records[<int32_t>(self._index[at] & NUMBER_BITS) - 1]
+        record.used = True
+        return <object>record.value
+
+    def peek(self, key):
+        """The key's state, or None; not a use (an administrator's look)."""
+        cdef Py_ssize_t at = self._find(key, mixed(PyObject_Hash(key)))
+        if at < 0:
+            return None
+        return <object>self._records[<int32_t>(self._index[at] & NUMBER_BITS) - 1].value
+
+    cpdef add(self, key, value, expires=None):
+        """Store a key, most often one not in the map (see the pure map's
+        ``add``); a key held already keeps its place, its new state filed
+        under an earlier slot only."""
+        cdef uint64_t hashed = mixed(PyObject_Hash(key))
+        cdef double when = state_expiry(value) if expires is None else <double>expires
+        cdef int32_t number
+        cdef Py_ssize_t at
+        cdef object stored
+        if self._count >= self.max_keys:
+            self._make_room()
+        at = self._find(key, hashed)
+        if at >= 0:
+            number = <int32_t>(self._index[at] & NUMBER_BITS) - 1
+            stored = <object>self._records[number].value
+            Py_INCREF(value)
+            self._records[number].value = <PyObject *>value
+            self._records[number].used = False  # a new state, unread (as the pure map's)
+            Py_DECREF(stored)
+            if wheel_slot(when) < self._records[number].slot:
+                self._unfile(number)
+                self._file(number, when)
+            return
+        number = self._new_record()
+        Py_INCREF(key)
+        Py_INCREF(value)
+        self._records[number].key = <PyObject *>key
+        self._records[number].value = <PyObject *>value
+        self._records[number].used = False
+        self._count += 1
+        self._place(hashed, number)
+        self._link_newest(number)
+        self._file(number, when)
+
+    def __setitem__(self, key, value):
+        cdef Py_ssize_t at = self._find(key, mixed(PyObject_Hash(key)))
+        cdef int32_t number
+        cdef object stored
+        cdef double expires
+        if at < 0:
+            self.add(key, value)
+            return
+        number = <int32_t>(self._index[at] & NUMBER_BITS) - 1
+        stored = <object>self._records[number].value
+        if stored is value:
+            return
+        expires = state_expiry(value)
+        Py_INCREF(value)
+        self._records[number].value = <PyObject *>value
+        self._records[number].used = False
+        if wheel_slot(expires) < self._records[number].slot:
+            self._unfile(number)
+            self._file(number, expires)
+        Py_DECREF(stored)
+
+    def pop(self, key, default=None):
+        cdef Py_ssize_t at = self._find(key, mixed(PyObject_Hash(key)))
+        cdef int32_t number
+        cdef object value
+        if at < 0:
+            return default
+        number = <int32_t>(self._index[at] & NUMBER_BITS) - 1
+        value = <object>self._records[number].value
+        self._drop(number, <size_t>at)
+        return value
+
+    def marked(self, key):
+        """Whether the key was read since it was stored or last passed over
+        when room was made (False when not held)."""
+        cdef Py_ssize_t at = self._find(key, mixed(PyObject_Hash(key)))
+        return at >= 0 and self._records[<int32_t>(self._index[at] & NUMBER_BITS) - 1].used
+
+    def __len__(self):
+        return self._count
+
+    def __contains__(self, key):
+        return self._find(key, mixed(PyObject_Hash(key))) >= 0
+
+    def items(self):
+        """(key, state) of every key, oldest first."""
+        cdef list found = []
+        cdef int32_t number = self._oldest
+        while number != NONE:
+            found.append((<object>self._records[number].key, <object>self._records[number].value))
+            number = self._records[number].newer
+        return found
+
+    def values(self):
+        return [value for _, value in self.items()]
+
+    @property
+    def data(self):
+        """A copy of the map as a dict, oldest first (tests and listings)."""
+        return dict(self.items())
+
+    @property
+    def _filed(self):
+        """References in the wheel: one per key, never a stale one."""
+        return self._count
+
+    # -- making room ----------------------------------------------------------
+
+    cdef int _make_room(self) except -1:
+        cdef double now = self._clock()
+        cdef long long current = wheel_slot(now)
+        cdef _Slot filed
+        cdef long long slot
+        cdef int32_t number, following
+        cdef double expires
+        cdef Py_ssize_t target
+        while self._slots and <long long>self._slots[0] < current:
+            slot = heapq.heappop(self._slots)
+            filed = self._wheel.get(slot)
+            if filed is None:
+                continue  # emptied since (its keys dropped or forgotten)
+            number = filed.first
+            while number != NONE:
+                following = self._records[number].wheel_next
+                expires = state_expiry(<object>self._records[number].value)
+                if expires <= now:
+                    self._drop_key(number)
+                else:
+                    # Outlived its slot: filed again, under a slot not yet past.
+                    self._unfile(number)
+                    self._file(number, expires)
+                number = following
+        target = max(0, min(self.max_keys - 1, self.max_keys * 9 // 10))
+        if self._count > target:
+            self._drop_oldest(self._count - target)
+        return 0
+
+    cdef int _drop_oldest(self, Py_ssize_t count) except -1:
+        """The oldest unread states go; a read one is moved to the newest
+        end, unmarked (its second chance)."""
+        cdef int32_t number
+        while count > 0 and self._oldest != NONE:
+            number = self._oldest
+            if self._records[number].used:
+                self._records[number].used = False
+                self._unlink_recency(number)
+                self._link_newest(number)
+            else:
+                self._drop_key(number)
+                count -= 1
+        return 0
