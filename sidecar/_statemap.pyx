@@ -40,8 +40,14 @@ import heapq
 from sidecar.bounded cimport state_expiry, wheel_slot
 
 
+cdef extern from *:
+    # GCC's and Clang's: ask for a line of memory before it is read.
+    void prefetch "__builtin_prefetch"(const void *address) noexcept nogil
+
+
 cdef enum:
     NONE = -1  # no record: the end of a list
+    EVICTED_TOGETHER = 16  # records whose memory is asked for at once when making room
     FIRST_RECORDS = 64  # records allocated at first
     RECENT_SLOTS = 16  # slots found without the wheel's dict (a power of 2)
 
@@ -265,7 +271,9 @@ cdef class StateMap:
 
     cdef int _unfile(self, int32_t number) except -1:
         cdef Record *record = &self._records[number]
-        cdef _Slot filed = self._wheel[record.slot]
+        cdef _Slot filed = <_Slot>self._recent[record.slot & (RECENT_SLOTS - 1)]
+        if filed is None or filed.number != record.slot:
+            filed = self._wheel[record.slot]
         if record.wheel_prev != NONE:
             self._records[record.wheel_prev].wheel_next = record.wheel_next
         else:
@@ -468,15 +476,39 @@ cdef class StateMap:
 
     cdef int _drop_oldest(self, Py_ssize_t count) except -1:
         """The oldest unread states go; a read one is moved to the newest
-        end, unmarked (its second chance)."""
+        end, unmarked (its second chance).
+
+        Records are taken EVICTED_TOGETHER at a time, oldest first, and the
+        memory that dropping them reads (each key, state and index entry)
+        is asked for before the first is dropped: under rotation none of
+        it is in the CPU's cache, and fetched together the misses overlap
+        instead of following one another. Each is then dropped or moved in
+        turn, as it would be one at a time: each is the oldest when its
+        turn comes."""
+        cdef int32_t taken[EVICTED_TOGETHER]
+        cdef int count_taken, index
         cdef int32_t number
+        cdef Record *record
         while count > 0 and self._oldest != NONE:
+            count_taken = 0
             number = self._oldest
-            if self._records[number].used:
-                self._records[number].used = False
-                self._unlink_recency(number)
-                self._link_newest(number)
-            else:
-                self._drop_key(number)
-                count -= 1
+            while number != NONE and count_taken < EVICTED_TOGETHER:
+                record = &self._records[number]
+                prefetch(record.key)
+                prefetch(record.value)
+                prefetch(&self._index[self._home(<uint64_t>record.tag << 32)])
+                taken[count_taken] = number
+                count_taken += 1
+                number = record.newer
+            for index in range(count_taken):
+                if count == 0:
+                    break
+                number = taken[index]
+                if self._records[number].used:
+                    self._records[number].used = False
+                    self._unlink_recency(number)
+                    self._link_newest(number)
+                else:
+                    self._drop_key(number)
+                    count -= 1
         return 0

@@ -642,8 +642,23 @@ def freeze_loaded_objects() -> None:
     hundreds of thousands of objects of the imported packages were walked
     each time, besides the store's states. They live as long as the process,
     so freezing them loses nothing; objects made later are collected as
-    always."""
-    gc.collect()
+    always.
+
+    Collections run until they stop untracking: a collection untracks a
+    tuple only when its items are untracked already, and a rule's key
+    prefix is a tuple holding a tuple (its dimensions' names). Frozen while
+    still tracked, a prefix would keep tracked every counting key built on
+    it, for as long as the key is stored: every full collection would walk
+    the store's keys, and every eviction would unlink one from the
+    collector's lists. Untracked, a key is untracked by its first young
+    collection."""
+    tracked = len(gc.get_objects())
+    while True:
+        gc.collect()
+        left = len(gc.get_objects())
+        if left >= tracked:
+            break
+        tracked = left
     gc.freeze()
 
 

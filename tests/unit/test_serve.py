@@ -10,7 +10,10 @@ from pathlib import Path
 import pytest
 
 from sidecar.cli import service
-from sidecar.server import YOUNG_GENERATION_THRESHOLD
+from sidecar.engine import Engine
+from sidecar.request import CheckRequest
+from sidecar.server import YOUNG_GENERATION_THRESHOLD, freeze_loaded_objects, tune_garbage_collector
+from tests.unit.conftest import ruleset_from
 
 
 def settings(rules: Path, secret: str | None) -> dict:
@@ -43,6 +46,39 @@ def test_each_process_collects_young_objects_in_large_batches(tmp_path: Path) ->
         assert gc.get_threshold()[0] == YOUNG_GENERATION_THRESHOLD > 700
     finally:
         gc.set_threshold(*before)
+
+
+KEYED_RULE = """
+rules:
+  - id: api-key
+    key: [ip, "header:x-api-key"]
+    limit: {requests: 1000, per: 10s}
+    action: block
+"""
+
+
+def test_keys_stored_after_start_leave_the_garbage_collector() -> None:
+    """At start, what is loaded is frozen once collections stop untracking:
+    a rule's key prefix (a tuple holding its dimensions' tuple) is then
+    untracked, and so is every key a decision stores, at its first young
+    collection. A prefix frozen tracked would keep each stored key tracked
+    for its life: walked by every full collection, unlinked at eviction."""
+    threshold = gc.get_threshold()
+    tune_garbage_collector()  # as serve does, before it loads the rules
+    engine = Engine(ruleset_from(KEYED_RULE))
+    try:
+        freeze_loaded_objects()
+        for n in range(50):
+            engine.decide_now(CheckRequest("GET", "example.com", "/", {"x-api-key": f"key-{n}"},
+                                           engine.resolve_client(f"192.0.2.{n}", None), "r"))
+        gc.collect(0)
+        keys = [key for key, _ in engine.store.table.states.items()]
+        assert len(keys) == 50
+        assert not gc.is_tracked(keys[0][0])  # the rule's prefix
+        assert [key for key in keys if gc.is_tracked(key)] == []
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*threshold)
 
 
 @pytest.mark.parametrize("udp", [False, True], ids=["port", "hook-udp"])
