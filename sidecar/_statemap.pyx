@@ -4,16 +4,18 @@
 lists of keys.
 
 What it keeps is the pure map's, and so is every choice it makes: a read
-marks the key (in its record here, not on the state: ``marked``); when full, the keys of past expiry slots that have
-expired go, then the oldest unread keys down to nine tenths, a read one
-moved to the newest end instead, its mark cleared. The property tests hold
-the two to the same contents in the same order after any operations.
+marks the key (in its record here, not on the state: ``marked``); when
+full, the keys of past expiry slots that have expired go, then the oldest
+unread keys down to nine tenths, a read one moved to the newest end
+instead, its mark cleared. The property tests hold the two to the same
+contents in the same order after any operations.
 
 How it keeps it differs, for a rotation of new keys (an attack through
 many addresses), where the pure map spends most of its time:
 
-- each key is a record in one array: its hash, key, state, and the links of
-  two lists threaded through the records, by index;
+- each key is a record in one array: its hash's top bits, key, state and
+  read mark, and the links of two lists threaded through the records, by
+  index;
 - the recency list, oldest to newest, stands for the dict's order;
 - each slot of the expiry wheel is a list of its records: a record is
   unlinked when its key goes, so the wheel holds no stale reference, never
@@ -24,15 +26,17 @@ many addresses), where the pure map spends most of its time:
   later entries back instead of leaving a tombstone.
 
 Records are allocated as needed (doubling, up to ``max_keys``), never
-beyond what the map has held at once, through Python's raw allocator (tracemalloc counts them); a smaller ``max_keys`` applies at the next insertion, as in
-the pure map.
+beyond what the map has held at once, through Python's raw allocator
+(tracemalloc counts them); a smaller ``max_keys`` applies at the next
+insertion, as in the pure map. Making room asks for the memory of the next
+records to drop before it drops them (``_drop_oldest``).
 """
 
 cimport cython
+from cpython.mem cimport PyMem_RawFree, PyMem_RawMalloc, PyMem_RawRealloc
 from cpython.object cimport Py_EQ, PyObject, PyObject_Hash, PyObject_RichCompareBool
 from cpython.ref cimport Py_DECREF, Py_INCREF
 from libc.stdint cimport int32_t, uint32_t, uint64_t
-from cpython.mem cimport PyMem_RawFree, PyMem_RawMalloc, PyMem_RawRealloc
 from libc.string cimport memset
 
 import heapq
