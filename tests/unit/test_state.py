@@ -3,7 +3,9 @@ O(1) cost per insertion. StateMap: the same, with a read marking the state
 instead of moving it (a second chance when room is made); with the compiled
 core, its C twin too (sidecar/_statemap.pyx), held to the pure one."""
 
+import gc
 import importlib
+import tracemalloc
 from collections.abc import Callable
 from typing import Any
 
@@ -314,3 +316,25 @@ def test_the_compiled_map_grows_and_drops_keys_under_rotation_without_losing_one
     held = [key for key, _ in m.items()]
     assert len(held) == len(m) and all(key in m for key in held)
     assert not any(("rule", str(key)) in m for key in range(40_000))
+
+
+@pytest.mark.skipif(core.PURE, reason="the compiled map: the compiled core only")
+def test_the_compiled_map_takes_no_more_memory_however_many_keys_rotate_through_it():
+    """Full at 2,000 keys, then 60,000 new keys through it: what it holds
+    (records, index, keys and states) does not grow past what it held
+    when it first filled."""
+    tracemalloc.start()
+    try:
+        m = importlib.import_module("sidecar._statemap").StateMap(2_000, lambda: 0.0)
+        for key in range(2_000):
+            m.add(("rule", str(key)), expiring_state(1e9))
+        gc.collect()
+        full = tracemalloc.get_traced_memory()[0]
+        for key in range(2_000, 62_000):
+            m.add(("rule", str(key)), expiring_state(1e9))
+        gc.collect()
+        rotated = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert len(m) <= 2_000
+    assert rotated - full < 16 * 1024  # a key's worth of its 2,000 is about 200 bytes
