@@ -328,6 +328,23 @@ cdef class StateMap:
         self._untouched += 1
         return number
 
+    cdef inline int32_t _number(self, Py_ssize_t at) noexcept:
+        """The record of the index entry ``at``."""
+        return <int32_t>(self._index[at] & NUMBER_BITS) - 1
+
+    cdef int _replace(self, int32_t number, value, double expires) except -1:
+        """A held key's new state: in its place, unread (a new state, as the
+        pure map's), filed again only under an earlier slot."""
+        cdef object stored = <object>self._records[number].value
+        Py_INCREF(value)
+        self._records[number].value = <PyObject *>value
+        self._records[number].used = False
+        Py_DECREF(stored)
+        if wheel_slot(expires) < self._records[number].slot:
+            self._unfile(number)
+            self._file(number, expires)
+        return 0
+
     # -- the map --------------------------------------------------------------
 
     cpdef get(self, key):
@@ -336,7 +353,7 @@ cdef class StateMap:
         cdef Record *record
         if at < 0:
             return None
-        record = &self._records[<int32_t>(self._index[at] & NUMBER_BITS) - 1]
+        record = &self._records[self._number(at)]
         record.used = True
         return <object>record.value
 
@@ -345,7 +362,7 @@ cdef class StateMap:
         cdef Py_ssize_t at = self._find(key, mixed(PyObject_Hash(key)))
         if at < 0:
             return None
-        return <object>self._records[<int32_t>(self._index[at] & NUMBER_BITS) - 1].value
+        return <object>self._records[self._number(at)].value
 
     cpdef add(self, key, value, expires=None):
         """Store a key, most often one not in the map (see the pure map's
@@ -355,20 +372,11 @@ cdef class StateMap:
         cdef double when = state_expiry(value) if expires is None else <double>expires
         cdef int32_t number
         cdef Py_ssize_t at
-        cdef object stored
         if self._count >= self.max_keys:
             self._make_room()
         at = self._find(key, hashed)
         if at >= 0:
-            number = <int32_t>(self._index[at] & NUMBER_BITS) - 1
-            stored = <object>self._records[number].value
-            Py_INCREF(value)
-            self._records[number].value = <PyObject *>value
-            self._records[number].used = False  # a new state, unread (as the pure map's)
-            Py_DECREF(stored)
-            if wheel_slot(when) < self._records[number].slot:
-                self._unfile(number)
-                self._file(number, when)
+            self._replace(self._number(at), value, when)
             return
         number = self._new_record()
         Py_INCREF(key)
@@ -384,23 +392,12 @@ cdef class StateMap:
     def __setitem__(self, key, value):
         cdef Py_ssize_t at = self._find(key, mixed(PyObject_Hash(key)))
         cdef int32_t number
-        cdef object stored
-        cdef double expires
         if at < 0:
             self.add(key, value)
             return
-        number = <int32_t>(self._index[at] & NUMBER_BITS) - 1
-        stored = <object>self._records[number].value
-        if stored is value:
-            return
-        expires = state_expiry(value)
-        Py_INCREF(value)
-        self._records[number].value = <PyObject *>value
-        self._records[number].used = False
-        if wheel_slot(expires) < self._records[number].slot:
-            self._unfile(number)
-            self._file(number, expires)
-        Py_DECREF(stored)
+        number = self._number(at)
+        if <PyObject *>value != self._records[number].value:
+            self._replace(number, value, state_expiry(value))
 
     def pop(self, key, default=None):
         cdef Py_ssize_t at = self._find(key, mixed(PyObject_Hash(key)))
@@ -408,7 +405,7 @@ cdef class StateMap:
         cdef object value
         if at < 0:
             return default
-        number = <int32_t>(self._index[at] & NUMBER_BITS) - 1
+        number = self._number(at)
         value = <object>self._records[number].value
         self._drop(number, <size_t>at)
         return value
@@ -417,7 +414,7 @@ cdef class StateMap:
         """Whether the key was read since it was stored or last passed over
         when room was made (False when not held)."""
         cdef Py_ssize_t at = self._find(key, mixed(PyObject_Hash(key)))
-        return at >= 0 and self._records[<int32_t>(self._index[at] & NUMBER_BITS) - 1].used
+        return at >= 0 and self._records[self._number(at)].used
 
     def __len__(self):
         return self._count
