@@ -16,6 +16,12 @@ many addresses), where the pure map spends most of its time:
 - each key is a record in one array: its hash's top bits, key, state and
   read mark, and the links of two lists threaded through the records, by
   index;
+- a key that is a tuple of two or three items (a rule's prefix and one or
+  two values, such as an address: nearly every counting key) is kept as
+  its items, not as the tuple, and ``items`` makes the tuple again when
+  asked. Under rotation the tuple was one more object a key to allocate
+  and, when the key went, two more lines of memory to read (its counts
+  and the collector's header);
 - the recency list, oldest to newest, stands for the dict's order;
 - each slot of the expiry wheel is a list of its records: a record is
   unlinked when its key goes, so the wheel holds no stale reference, never
@@ -36,7 +42,10 @@ cimport cython
 from cpython.mem cimport PyMem_RawFree, PyMem_RawMalloc, PyMem_RawRealloc
 from cpython.object cimport Py_EQ, PyObject, PyObject_Hash, PyObject_RichCompareBool
 from cpython.ref cimport Py_DECREF, Py_INCREF
-from libc.stdint cimport int32_t, uint32_t, uint64_t
+from cpython.tuple cimport (
+    PyTuple_Check, PyTuple_CheckExact, PyTuple_GET_ITEM, PyTuple_GET_SIZE, PyTuple_New, PyTuple_SET_ITEM,
+)
+from libc.stdint cimport int32_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memset
 
 import heapq
@@ -54,6 +63,7 @@ cdef enum:
     EVICTED_TOGETHER = 16  # records whose memory is asked for at once when making room
     FIRST_RECORDS = 64  # records allocated at first
     RECENT_SLOTS = 16  # slots found without the wheel's dict (a power of 2)
+    MOST_ITEMS = 3  # a tuple key of up to this many items is kept as its items
 
 
 # An index entry's halves: the tag (the hash's top bits) and the record's number + 1.
@@ -63,10 +73,12 @@ cdef uint64_t NUMBER_BITS = <uint64_t>0xFFFFFFFF
 
 cdef struct Record:
     PyObject *key  # NULL: a free record (its ``newer`` links the free list)
+    PyObject *rest[MOST_ITEMS - 1]  # a tuple key's items after the first (then ``key`` is the first)
     PyObject *value
     long long slot  # the wheel slot it is filed under
     uint32_t tag  # the top 32 bits of its key's mixed hash, as in its index entry
-    bint used  # read since stored or last passed over (the pure map's state.used)
+    uint8_t items  # a tuple key's items kept (``key`` and ``rest``); 0: ``key`` is the whole key
+    uint8_t used  # read since stored or last passed over (the pure map's state.used)
     int32_t older  # the recency list
     int32_t newer
     int32_t wheel_prev  # its wheel slot's list
@@ -129,8 +141,7 @@ cdef class StateMap:
         if self._records != NULL:
             for index in range(self._untouched):
                 if self._records[index].key != NULL:
-                    Py_DECREF(<object>self._records[index].key)
-                    Py_DECREF(<object>self._records[index].value)
+                    self._release(&self._records[index])
             PyMem_RawFree(self._records)
         PyMem_RawFree(self._index)
 
@@ -192,16 +203,84 @@ cdef class StateMap:
         cdef size_t mask = (<size_t>1 << self._bits) - 1
         cdef size_t at = self._home(hashed)
         cdef uint64_t entry, tag = hashed & TAG_BITS
-        cdef PyObject *stored
+        cdef Record *record
         while True:
             entry = self._index[at]
             if entry == 0:
                 return -1
             if (entry & TAG_BITS) == tag:
-                stored = self._records[<int32_t>(entry & NUMBER_BITS) - 1].key
-                if stored == <PyObject *>key or PyObject_RichCompareBool(<object>stored, key, Py_EQ):
+                record = &self._records[<int32_t>(entry & NUMBER_BITS) - 1]
+                if record.items == 0:
+                    if record.key == <PyObject *>key or PyObject_RichCompareBool(<object>record.key, key, Py_EQ):
+                        return <Py_ssize_t>at
+                elif self._holds_items(record, key):
                     return <Py_ssize_t>at
             at = (at + 1) & mask
+
+    cdef int _holds_items(self, Record *record, key) except -1:
+        """Whether the tuple kept as its items equals ``key``, compared as
+        the tuple would have been: item by item, the stored one first."""
+        cdef PyObject *item
+        cdef Py_ssize_t index
+        if not PyTuple_Check(key):
+            return PyObject_RichCompareBool(self._key(record), key, Py_EQ)
+        if PyTuple_GET_SIZE(key) != record.items:
+            return False
+        item = PyTuple_GET_ITEM(key, 0)
+        if item != record.key and not PyObject_RichCompareBool(<object>record.key, <object>item, Py_EQ):
+            return False
+        for index in range(1, record.items):
+            item = PyTuple_GET_ITEM(key, index)
+            if item != record.rest[index - 1] and \
+                    not PyObject_RichCompareBool(<object>record.rest[index - 1], <object>item, Py_EQ):
+                return False
+        return True
+
+    cdef object _key(self, Record *record):
+        """A live record's key: the tuple made again from its items, or the
+        key itself."""
+        cdef Py_ssize_t index
+        cdef object key
+        if record.items == 0:
+            return <object>record.key
+        key = PyTuple_New(record.items)
+        Py_INCREF(<object>record.key)
+        PyTuple_SET_ITEM(key, 0, <object>record.key)
+        for index in range(1, record.items):
+            Py_INCREF(<object>record.rest[index - 1])
+            PyTuple_SET_ITEM(key, index, <object>record.rest[index - 1])
+        return key
+
+    cdef void _keep_key(self, Record *record, key) noexcept:
+        """Hold ``key`` in a new record: a short exact tuple as its items."""
+        cdef Py_ssize_t index, size
+        if PyTuple_CheckExact(key) and 2 <= PyTuple_GET_SIZE(key) <= MOST_ITEMS:
+            size = PyTuple_GET_SIZE(key)
+            record.items = <uint8_t>size
+            record.key = PyTuple_GET_ITEM(key, 0)
+            for index in range(1, size):
+                record.rest[index - 1] = PyTuple_GET_ITEM(key, index)
+                Py_INCREF(<object>record.rest[index - 1])
+        else:
+            record.items = 0
+            record.key = <PyObject *>key
+        Py_INCREF(<object>record.key)
+
+    cdef void _release(self, Record *record) noexcept:
+        """Let go of what a record held (it is already out of the map: a
+        key's or state's deallocation may run any code)."""
+        cdef PyObject *key = record.key
+        cdef PyObject *value = record.value
+        cdef PyObject *rest[MOST_ITEMS - 1]
+        cdef Py_ssize_t index, items = record.items
+        for index in range(1, items):
+            rest[index - 1] = record.rest[index - 1]
+        record.key = record.value = NULL
+        record.items = 0
+        Py_DECREF(<object>key)
+        for index in range(1, items):
+            Py_DECREF(<object>rest[index - 1])
+        Py_DECREF(<object>value)
 
     cdef void _unplace(self, size_t at) noexcept:
         """Empty an index entry, shifting back the later entries of its probe
@@ -297,18 +376,15 @@ cdef class StateMap:
     cdef int _drop(self, int32_t number, size_t at) except -1:
         """Drop the record ``number`` (index entry ``at``), keeping its key
         and value alive until the map is consistent again."""
-        cdef Record *record = &self._records[number]
-        cdef object key = <object>record.key
-        cdef object value = <object>record.value
+        cdef Record record = self._records[number]
         self._unplace(at)
         self._unlink_recency(number)
         self._unfile(number)
-        record.key = record.value = NULL
-        record.newer = self._free
+        self._records[number].key = self._records[number].value = NULL
+        self._records[number].newer = self._free
         self._free = number
         self._count -= 1
-        Py_DECREF(key)
-        Py_DECREF(value)
+        self._release(&record)
         return 0
 
     cdef int _drop_key(self, int32_t number) except -1:
@@ -372,6 +448,7 @@ cdef class StateMap:
         cdef double when = state_expiry(value) if expires is None else <double>expires
         cdef int32_t number
         cdef Py_ssize_t at
+        cdef Record *record
         if self._count >= self.max_keys:
             self._make_room()
         at = self._find(key, hashed)
@@ -379,10 +456,10 @@ cdef class StateMap:
             self._replace(self._number(at), value, when)
             return
         number = self._new_record()
-        Py_INCREF(key)
+        record = &self._records[number]
+        self._keep_key(record, key)
         Py_INCREF(value)
-        self._records[number].key = <PyObject *>key
-        self._records[number].value = <PyObject *>value
+        record.value = <PyObject *>value
         self._records[number].used = False
         self._count += 1
         self._place(hashed, number)
@@ -414,7 +491,7 @@ cdef class StateMap:
         """Whether the key was read since it was stored or last passed over
         when room was made (False when not held)."""
         cdef Py_ssize_t at = self._find(key, mixed(PyObject_Hash(key)))
-        return at >= 0 and self._records[self._number(at)].used
+        return at >= 0 and self._records[self._number(at)].used != 0
 
     def __len__(self):
         return self._count
@@ -427,7 +504,7 @@ cdef class StateMap:
         cdef list found = []
         cdef int32_t number = self._oldest
         while number != NONE:
-            found.append((<object>self._records[number].key, <object>self._records[number].value))
+            found.append((self._key(&self._records[number]), <object>self._records[number].value))
             number = self._records[number].newer
         return found
 
@@ -495,7 +572,14 @@ cdef class StateMap:
             number = self._oldest
             while number != NONE and count_taken < EVICTED_TOGETHER:
                 record = &self._records[number]
-                prefetch(record.key)
+                # A tuple key's first item is a rule's prefix, which every
+                # key of the rule shares: its others are the ones to fetch.
+                if record.items == 0:
+                    prefetch(record.key)
+                else:
+                    prefetch(record.rest[0])
+                    if record.items > 2:
+                        prefetch(record.rest[1])
                 prefetch(record.value)
                 prefetch(&self._index[self._home(<uint64_t>record.tag << 32)])
                 taken[count_taken] = number

@@ -3,6 +3,7 @@ O(1) cost per insertion. StateMap: the same, with a read marking the state
 instead of moving it (a second chance when room is made); with the compiled
 core, its C twin too (sidecar/_statemap.pyx), held to the pure one."""
 
+import collections
 import gc
 import importlib
 import tracemalloc
@@ -254,14 +255,49 @@ def expiring_state(expires: float) -> Any:
     return made
 
 
-def contents(m: Any) -> list[tuple[Any, float, bool]]:
-    """What a map holds, in its order: each key, its state's expiry and mark."""
-    return [(key, value.penalty_until, m.marked(key)) for key, value in m.items()]
+def contents(m: Any) -> list[tuple[str, float, bool]]:
+    """What a map holds, in its order: each key (written out: which of
+    equal values it kept shows), its state's expiry and mark."""
+    return [(repr(key), value.penalty_until, m.marked(key)) for key, value in m.items()]
 
 
 # Half seconds: expiries that fall on the clock and on a slot's edge.
 HALVES = st.integers(0, 24).map(lambda halves: halves / 2)
-KEYS = st.one_of(st.integers(0, 40), st.tuples(st.just(("rule", ("ip",))), st.sampled_from(["a", "b", "c", "d"])))
+
+
+class Colliding:
+    """A value whose hash is every other's: keys that differ in it alone
+    share their hash, so that a lookup compares them item by item."""
+
+    def __init__(self, number: int) -> None:
+        self.number = number
+
+    def __hash__(self) -> int:
+        return 7
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Colliding) and other.number == self.number
+
+    def __repr__(self) -> str:
+        return f"Colliding({self.number})"
+
+
+# A key's values: equal ones of other types (1, 1.0 and True), text made anew
+# each time (equal, never the same object), and values of one hash.
+VALUES = st.one_of(st.sampled_from(["a", "b", 1, 1.0, True]),
+                   st.sampled_from(["ab", "cd"]).map(lambda text: text[:1] + text[1:]),
+                   st.integers(0, 2).map(Colliding))
+Pair = collections.namedtuple("Pair", "prefix value")
+# Counting keys' shapes: a prefix and one value or two (the compiled map
+# keeps such a tuple as its items), three (kept whole), a tuple subclass
+# equal to a pair, and keys that are no tuple.
+KEYS = st.one_of(
+    st.integers(0, 40),
+    st.tuples(st.just(("rule", ("ip",))), VALUES),
+    st.tuples(st.just(("two", ("ip", "path"))), VALUES, VALUES),
+    st.tuples(st.just(("three", ("a", "b", "c"))), VALUES, VALUES, VALUES),
+    st.tuples(st.just(("rule", ("ip",))), VALUES).map(lambda items: Pair(*items)),
+)
 OPERATIONS = st.lists(st.one_of(
     st.tuples(st.just("add"), KEYS, HALVES),
     st.tuples(st.just("set"), KEYS, HALVES),
