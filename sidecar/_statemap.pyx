@@ -396,6 +396,10 @@ cdef class StateMap:
         if self._free != NONE:
             number = self._free
             self._free = self._records[number].newer
+            if self._free != NONE:
+                # The next new key's record, freed when room was last made
+                # and out of the cache by now: asked for a key ahead.
+                prefetch(&self._records[self._free])
             return number
         if self._untouched == self._allocated:
             # Doubling, but no further than the cap: the map never holds more.
