@@ -6,6 +6,7 @@ core, its C twin too (sidecar/_statemap.pyx), held to the pure one."""
 import collections
 import gc
 import importlib
+import sys
 import tracemalloc
 from collections.abc import Callable
 from typing import Any
@@ -352,6 +353,23 @@ def test_the_compiled_map_grows_and_drops_keys_under_rotation_without_losing_one
     held = [key for key, _ in m.items()]
     assert len(held) == len(m) and all(key in m for key in held)
     assert not any(("rule", str(key)) in m for key in range(40_000))
+
+
+@pytest.mark.skipif(core.PURE, reason="the compiled map: the compiled core only")
+def test_the_compiled_map_keeps_a_short_tuple_key_as_its_items_and_a_longer_one_whole():
+    """A key of two or three items is held by its items, not by the tuple
+    (no object more a key); one of four is held itself. Both are found by
+    an equal tuple and listed as equal tuples."""
+    m = importlib.import_module("sidecar._statemap").StateMap(10, lambda: 0.0)
+    prefix = ("rule", ("ip", "path"))
+    short, long = (prefix, "192.0.2.1", "/a"), (prefix, "192.0.2.1", "/a", "x")
+    short_references, long_references = sys.getrefcount(short), sys.getrefcount(long)
+    m.add(short, expiring_state(1e9))
+    m.add(long, expiring_state(1e9))
+    assert sys.getrefcount(short) == short_references
+    assert sys.getrefcount(long) == long_references + 1
+    assert m.peek((prefix, "192.0.2." + "1", "/a")) is not None and m.peek(tuple(long)) is not None
+    assert [key for key, _ in m.items()] == [short, long]
 
 
 @pytest.mark.skipif(core.PURE, reason="the compiled map: the compiled core only")
