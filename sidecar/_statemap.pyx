@@ -85,6 +85,9 @@ cdef struct Record:
     int32_t wheel_next
 
 
+cdef object NOTHING = object()  # no key missed (a key may be None)
+
+
 @cython.final
 @cython.no_gc
 cdef class _Slot:
@@ -122,6 +125,11 @@ cdef class StateMap:
     # Slots filed into lately, each at its number modulo RECENT_SLOTS (or
     # None): the rules' few periods make few slots a second.
     cdef list _recent
+    # The key the last ``get`` did not find, and its hash: the policy
+    # stores a new key right after reading it, and ``add`` then neither
+    # hashes it nor looks for it again. Any ``add`` forgets it.
+    cdef object _missed
+    cdef uint64_t _missed_hash
 
     def __cinit__(self, Py_ssize_t max_keys, clock):
         self.max_keys = max_keys
@@ -134,6 +142,7 @@ cdef class StateMap:
         self._wheel = {}
         self._slots = []
         self._recent = [None] * RECENT_SLOTS
+        self._missed = NOTHING
         self._grow(FIRST_RECORDS)
 
     def __dealloc__(self):
@@ -432,6 +441,8 @@ cdef class StateMap:
         cdef Py_ssize_t at = self._find(key, hashed)
         cdef Record *record
         if at < 0:
+            self._missed = key
+            self._missed_hash = hashed
             return None
         record = &self._records[self._number(at)]
         record.used = True
@@ -448,14 +459,19 @@ cdef class StateMap:
         """Store a key, most often one not in the map (see the pure map's
         ``add``); a key held already keeps its place, its new state filed
         under an earlier slot only."""
-        cdef uint64_t hashed = mixed(PyObject_Hash(key))
         cdef double when = state_expiry(value) if expires is None else <double>expires
+        cdef bint missed = key is self._missed
+        cdef uint64_t hashed = self._missed_hash if missed else mixed(PyObject_Hash(key))
         cdef int32_t number
         cdef Py_ssize_t at
         cdef Record *record
+        self._missed = NOTHING
         if self._count >= self.max_keys:
             self._make_room()
-        at = self._find(key, hashed)
+            # Dropping a key runs its state's deallocation, which may store.
+            missed = False
+        # Not found by the last read, and nothing stored since: still not held.
+        at = -1 if missed else self._find(key, hashed)
         if at >= 0:
             self._replace(self._number(at), value, when)
             return

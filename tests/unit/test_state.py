@@ -372,6 +372,27 @@ def test_the_compiled_map_keeps_a_short_tuple_key_as_its_items_and_a_longer_one_
     assert [key for key, _ in m.items()] == [short, long]
 
 
+class StoringWhenDropped:
+    """A state whose deallocation stores a key into a map."""
+
+    def __init__(self, into: Any, key: Any) -> None:
+        self.into, self.key = into, key
+        self.used = False  # the pure map's read mark
+
+    def __del__(self) -> None:
+        self.into.add(self.key, expiring_state(1e9), 1e9)
+
+
+def test_a_key_missed_then_stored_while_room_is_made_is_held_once(states: Callable[..., Any]) -> None:
+    """A read misses a key; storing it then makes room, and the state
+    dropped stores that key as it goes: the key is held once."""
+    m = states(1)
+    m.add("old", StoringWhenDropped(m, "new"), 1e9)
+    assert m.get("new") is None
+    m.add("new", expiring_state(1e9), 1e9)
+    assert len(m) == 1 and [key for key, _ in m.items()] == ["new"]
+
+
 @pytest.mark.skipif(core.PURE, reason="the compiled map: the compiled core only")
 def test_the_compiled_map_takes_no_more_memory_however_many_keys_rotate_through_it():
     """Full at 2,000 keys, then 60,000 new keys through it: what it holds
