@@ -31,7 +31,9 @@ def test_the_lua_decides_every_trace_as_the_policy_does(redis_server: RedisServe
     redis_server.client().flushdb()
 
     async def through_redis() -> list:
-        store = RedisStore.from_url(redis_server.url, "node", server_time=False)
+        # The decisions are compared, not the deadline: a machine that stalls
+        # past the default 0.1 s must not fail a connection here.
+        store = RedisStore.from_url(redis_server.url, "node", timeout=5.0, server_time=False)
         try:
             return await replay(store, trace)
         finally:
