@@ -72,12 +72,13 @@ cdef uint64_t NUMBER_BITS = <uint64_t>0xFFFFFFFF
 
 
 cdef struct Record:
-    PyObject *key  # NULL: a free record (its ``newer`` links the free list)
-    PyObject *rest[MOST_ITEMS - 1]  # a tuple key's items after the first (then ``key`` is the first)
+    # The key, or a short tuple key's items (``items`` of them); parts[0]
+    # NULL: a free record (its ``newer`` links the free list).
+    PyObject *parts[MOST_ITEMS]
     PyObject *value
     long long slot  # the wheel slot it is filed under
     uint32_t tag  # the top 32 bits of its key's mixed hash, as in its index entry
-    uint8_t items  # a tuple key's items kept (``key`` and ``rest``); 0: ``key`` is the whole key
+    uint8_t items  # a tuple key's items kept in ``parts``; 0: parts[0] is the whole key
     uint8_t used  # read since stored or last passed over (the pure map's state.used)
     int32_t older  # the recency list
     int32_t newer
@@ -149,8 +150,8 @@ cdef class StateMap:
         cdef int32_t index
         if self._records != NULL:
             for index in range(self._untouched):
-                if self._records[index].key != NULL:
-                    self._release(&self._records[index])
+                if self._records[index].parts[0] != NULL:
+                    self._release(self._records[index])
             PyMem_RawFree(self._records)
         PyMem_RawFree(self._index)
 
@@ -220,7 +221,8 @@ cdef class StateMap:
             if (entry & TAG_BITS) == tag:
                 record = &self._records[<int32_t>(entry & NUMBER_BITS) - 1]
                 if record.items == 0:
-                    if record.key == <PyObject *>key or PyObject_RichCompareBool(<object>record.key, key, Py_EQ):
+                    if record.parts[0] == <PyObject *>key or \
+                            PyObject_RichCompareBool(<object>record.parts[0], key, Py_EQ):
                         return <Py_ssize_t>at
                 elif self._holds_items(record, key):
                     return <Py_ssize_t>at
@@ -235,13 +237,10 @@ cdef class StateMap:
             return PyObject_RichCompareBool(self._key(record), key, Py_EQ)
         if PyTuple_GET_SIZE(key) != record.items:
             return False
-        item = PyTuple_GET_ITEM(key, 0)
-        if item != record.key and not PyObject_RichCompareBool(<object>record.key, <object>item, Py_EQ):
-            return False
-        for index in range(1, record.items):
+        for index in range(record.items):
             item = PyTuple_GET_ITEM(key, index)
-            if item != record.rest[index - 1] and \
-                    not PyObject_RichCompareBool(<object>record.rest[index - 1], <object>item, Py_EQ):
+            if item != record.parts[index] and \
+                    not PyObject_RichCompareBool(<object>record.parts[index], <object>item, Py_EQ):
                 return False
         return True
 
@@ -251,45 +250,33 @@ cdef class StateMap:
         cdef Py_ssize_t index
         cdef object key
         if record.items == 0:
-            return <object>record.key
+            return <object>record.parts[0]
         key = PyTuple_New(record.items)
-        Py_INCREF(<object>record.key)
-        PyTuple_SET_ITEM(key, 0, <object>record.key)
-        for index in range(1, record.items):
-            Py_INCREF(<object>record.rest[index - 1])
-            PyTuple_SET_ITEM(key, index, <object>record.rest[index - 1])
+        for index in range(record.items):
+            Py_INCREF(<object>record.parts[index])
+            PyTuple_SET_ITEM(key, index, <object>record.parts[index])
         return key
 
     cdef void _keep_key(self, Record *record, key) noexcept:
         """Hold ``key`` in a new record: a short exact tuple as its items."""
-        cdef Py_ssize_t index, size
+        cdef Py_ssize_t index
         if PyTuple_CheckExact(key) and 2 <= PyTuple_GET_SIZE(key) <= MOST_ITEMS:
-            size = PyTuple_GET_SIZE(key)
-            record.items = <uint8_t>size
-            record.key = PyTuple_GET_ITEM(key, 0)
-            for index in range(1, size):
-                record.rest[index - 1] = PyTuple_GET_ITEM(key, index)
-                Py_INCREF(<object>record.rest[index - 1])
+            record.items = <uint8_t>PyTuple_GET_SIZE(key)
+            for index in range(record.items):
+                record.parts[index] = PyTuple_GET_ITEM(key, index)
+                Py_INCREF(<object>record.parts[index])
         else:
             record.items = 0
-            record.key = <PyObject *>key
-        Py_INCREF(<object>record.key)
+            record.parts[0] = <PyObject *>key
+            Py_INCREF(key)
 
-    cdef void _release(self, Record *record) noexcept:
-        """Let go of what a record held (it is already out of the map: a
-        key's or state's deallocation may run any code)."""
-        cdef PyObject *key = record.key
-        cdef PyObject *value = record.value
-        cdef PyObject *rest[MOST_ITEMS - 1]
-        cdef Py_ssize_t index, items = record.items
-        for index in range(1, items):
-            rest[index - 1] = record.rest[index - 1]
-        record.key = record.value = NULL
-        record.items = 0
-        Py_DECREF(<object>key)
-        for index in range(1, items):
-            Py_DECREF(<object>rest[index - 1])
-        Py_DECREF(<object>value)
+    cdef void _release(self, Record record) noexcept:
+        """Let go of what a record held: a copy, taken once the map no
+        longer has it (a key's or state's deallocation may run any code)."""
+        cdef Py_ssize_t index
+        for index in range(max(record.items, 1)):
+            Py_DECREF(<object>record.parts[index])
+        Py_DECREF(<object>record.value)
 
     cdef void _unplace(self, size_t at) noexcept:
         """Empty an index entry, shifting back the later entries of its probe
@@ -389,11 +376,11 @@ cdef class StateMap:
         self._unplace(at)
         self._unlink_recency(number)
         self._unfile(number)
-        self._records[number].key = self._records[number].value = NULL
+        self._records[number].parts[0] = self._records[number].value = NULL
         self._records[number].newer = self._free
         self._free = number
         self._count -= 1
-        self._release(&record)
+        self._release(record)
         return 0
 
     cdef int _drop_key(self, int32_t number) except -1:
@@ -595,11 +582,9 @@ cdef class StateMap:
                 # A tuple key's first item is a rule's prefix, which every
                 # key of the rule shares: its others are the ones to fetch.
                 if record.items == 0:
-                    prefetch(record.key)
-                else:
-                    prefetch(record.rest[0])
-                    if record.items > 2:
-                        prefetch(record.rest[1])
+                    prefetch(record.parts[0])
+                for index in range(1, record.items):
+                    prefetch(record.parts[index])
                 prefetch(record.value)
                 prefetch(&self._index[self._home(<uint64_t>record.tag << 32)])
                 taken[count_taken] = number
