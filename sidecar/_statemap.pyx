@@ -547,7 +547,8 @@ cdef class StateMap:
             while number != NONE:
                 following = self._records[number].wheel_next
                 expires = state_expiry(<object>self._records[number].value)
-                if expires <= now:
+                # Expired before this second, as the pure map decides.
+                if expires < <double>current:
                     self._drop_key(number)
                 else:
                     # Outlived its slot: filed again, under a slot not yet past.

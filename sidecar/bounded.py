@@ -35,8 +35,8 @@ class BoundedMap:
     cannot have expired, and only the keys of slots already past need a
     look: one whose expiry moved on is filed again under its new slot.
 
-    When the map is full, the keys of past slots that have really expired
-    go, then the oldest entries down to nine tenths. Each key costs one
+    When the map is full, the keys of past slots that expired before the
+    current second go, then the oldest entries down to nine tenths. Each key costs one
     ``expires_at`` when stored and one per slot it outlives; entries
     dropped leave stale wheel references, which are skipped, and the wheel
     is rebuilt from the map whenever they outnumber its keys (full or not:
@@ -131,7 +131,10 @@ class BoundedMap:
                 if value is None:
                     continue  # dropped or forgotten since it was filed
                 expires = self._expiry(value)
-                if expires <= now:
+                # Expired before this second: a key whose expiry falls
+                # within it waits for the next second's look, whether a
+                # reference of its own or a stale one led here.
+                if expires < current:
                     del data[key]
                 else:
                     outlived.append((key, expires))
