@@ -35,6 +35,10 @@ from tests.integration.sluice_serve import SluiceServe
 pytestmark = pytest.mark.integration
 
 BUDGET = 50
+# The bursts' windows are the clock's hours, so that a burst seldom has to
+# wait for one with room left before a boundary (see the waits below).
+WINDOW = "1h"
+WINDOW_SECONDS = 3600
 
 
 
@@ -46,7 +50,7 @@ rules:
   - id: per-key
     match: {{header: {{name: x-k, present: true}}}}
     key: ["header:x-k"]
-    limit: {{requests: {BUDGET}, per: 60s}}
+    limit: {{requests: {BUDGET}, per: {WINDOW}}}
     action: block
 """)
     # The proxies' own timeouts for Sluice (1 s in the templates) let a
@@ -118,11 +122,11 @@ def test_a_burst_of_a_thousand_on_the_memory_store_admits_exactly_the_budget(mem
 
 def assert_burst_admits_the_budget(stack: Stack, door: str, concurrency: int) -> None:
     port, path, headers = door_port(stack, door)
-    # The rule's windows are the clock's minutes. A burst across a boundary
+    # The rule's windows are the clock's hours. A burst across a boundary
     # meets the sliding estimate, which weighs the previous window's count by
     # what is left of it (49.99 of 50 just after the boundary): one request
     # more is admitted there, as documented. Bursts here start with 10 s left.
-    wait_until(lambda: time.time() % 60 < 50, "a window with 10 s left", 15)
+    wait_until(lambda: time.time() % WINDOW_SECONDS < WINDOW_SECONDS - 10, "a window with 10 s left", 15)
     errors_before = sluice_metric(stack, "sluice_store_errors_total")
     internal_before = sluice_metric(stack, "sluice_internal_errors_total")
     statuses = burst(port, concurrency, path, {**headers, "x-k": uuid.uuid4().hex},
@@ -142,7 +146,7 @@ def assert_burst_admits_the_budget(stack: Stack, door: str, concurrency: int) ->
 # burst + 1); neither bucket refills in the time of a test.
 M = 500
 ACROSS_PROCESSES = 1200
-LIMITS = {"window": f"{{requests: {M}, per: 60s}}",
+LIMITS = {"window": f"{{requests: {M}, per: {WINDOW}}}",
           "tokens": f"{{tokens: {M}, refill: 0.001/m}}",
           "leaky": f"{{rate: 1r/m, burst: {M - 1}, nodelay: true}}"}
 
@@ -173,7 +177,7 @@ def test_two_processes_of_two_workers_admit_exactly_the_budget(two_processes: li
         # The burst within one window: across a boundary the sliding
         # estimate weighs the previous window (see docs/rules.md), which is not
         # what is tested here.
-        wait_until(lambda: time.time() % 60 < 55, "a window with 5 s left", 10)
+        wait_until(lambda: time.time() % WINDOW_SECONDS < WINDOW_SECONDS - 5, "a window with 5 s left", 10)
     # Forward-auth answers a refusal with 429, and a store that failed
     # (fail: closed) with 503.
     with busy_cores(2 if busy else 0):
