@@ -5,4 +5,4 @@ cimport cython
 
 from sidecar.limiters.records cimport Hit
 from sidecar.request cimport CheckRequest
-from sidecar.state cimport Evaluation
+from sidecar.state cimport Check, CheckSpec, Evaluation

@@ -46,7 +46,7 @@ from sidecar.request import UNRESOLVED, CheckRequest
 from sidecar.responses import ResponsePhase
 from sidecar.rules import CompiledRule, Ruleset
 from sidecar.signing import derive_key
-from sidecar.state import BanRecord, Check, Clock, Evaluation, epoch_clock
+from sidecar.state import BanRecord, Check, CheckSpec, Clock, Evaluation, epoch_clock
 from sidecar.store import StateStore, StoreUnavailable, open_local_counts, open_store
 from sidecar.store.local import PlainEvaluation, plain_evaluation
 from sidecar.tokens import Tokens
@@ -650,7 +650,7 @@ class Engine:
                                           self.ruleset.difficulty)
         return Decision(outcome=DENY, rule=rule, retry_after=1, page=rule.page, challenge=challenge)
 
-    @cython.locals(request=CheckRequest, evaluation=Evaluation, hit=Hit)
+    @cython.locals(request=CheckRequest, evaluation=Evaluation, hit=Hit, check=Check, spec=CheckSpec)
     def _conclude(self, request: CheckRequest, matched: list[CompiledRule], checks: list[Check],
                   evaluation: Evaluation) -> Decision:
         """The decision from the store's evaluation."""
@@ -672,10 +672,11 @@ class Engine:
         counted: list[str] = []
         for rule, check, hit in zip(matched, checks, evaluation.hits):
             if not hit.over_limit:
-                if rule.plain:
-                    counted.append(rule.id)
+                spec = check.spec
+                if spec.plain:  # the rule's, read from the check's spec: a field in C
+                    counted.append(spec.rule_id)
                     continue
-                spec, key = check.spec, check.key
+                key = check.key
                 if rule.counts:
                     counted.append(rule.id)
                     if rule.reset_on is not None:

@@ -502,9 +502,10 @@ class CompiledRule:
         threshold = float(self.threshold)
         # A shadow challenge is never issued, so it counts towards no ban.
         bans_for_challenges = self.challenge is not None and not self.shadow
+        plain = counts and self.reset_on is None and not self.limiter.leases
         spec = CheckSpec(self.id, self.limiter, threshold, stops, applied_ban, counts,
                          self.auto_ban if bans_for_challenges else None, 1, self.ban_increment,
-                         self.penalty_ban if bans_for_challenges else None)
+                         self.penalty_ban if bans_for_challenges else None, plain)
         # A verified bot that triggers a ban is let through.
         bot_spec = dataclasses.replace(spec, stops=stops and applied_ban is None, ban_duration=None,
                                        auto_ban=None, penalty_ban=None)
@@ -519,7 +520,7 @@ class CompiledRule:
                       for tier, tier_threshold in (self.tiers or {}).items()}
         for name, value in (("stops", stops), ("counts", counts), ("applied_ban", applied_ban),
                             ("base_threshold", threshold), ("spec", spec), ("bot_spec", bot_spec),
-                            ("plain", counts and self.reset_on is None and not self.limiter.leases),
+                            ("plain", plain),
                             ("override_specs", override_specs), ("tier_specs", tier_specs)):
             object.__setattr__(self, name, value)
 

@@ -16,6 +16,7 @@ cdef class CheckSpec:
     cdef readonly object amount
     cdef readonly object ban_increment
     cdef readonly object penalty_ban
+    cdef readonly bint plain
 
 
 cdef class Check:

@@ -138,6 +138,9 @@ class CheckSpec:
     amount: int = 1
     ban_increment: BanIncrement | None = None  # repeat bans of the address by the rule escalate
     penalty_ban: PenaltyBan | None = None  # over limit counts a penalty towards a ban (then_ban_after)
+    # Within its limit, nothing to do after the store but count the hit: no
+    # response phase, no reset_on, no concurrency slot (its rule's ``plain``).
+    plain: bool = False
 
 
 @cython.no_gc  # nothing it holds leads back to it

@@ -54,6 +54,7 @@ read without touching the zones).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -1008,9 +1009,7 @@ class NodeStore:
         log.warning("rule %s: a concurrent limit of %d runs as %d until Sluice restarts: the shared table's "
                     "records were sized at start for %d leases", spec.rule_id, limiter.limit,
                     self.zones.lease_slots, self.zones.lease_slots)
-        capped = CheckSpec(spec.rule_id, ConcurrencyLimiter(self.zones.lease_slots, limiter.lease),
-                           spec.threshold, spec.stops, spec.ban_duration, spec.count, spec.auto_ban, spec.amount,
-                           spec.ban_increment, spec.penalty_ban)
+        capped = dataclasses.replace(spec, limiter=ConcurrencyLimiter(self.zones.lease_slots, limiter.lease))
         self._capped[id(spec)] = (spec, capped)
         return capped
 
