@@ -36,14 +36,14 @@ class BoundedMap:
     look: one whose expiry moved on is filed again under its new slot.
 
     When the map is full, the keys of past slots that expired before the
-    current second go, then the oldest entries down to nine tenths. Each key costs one
-    ``expires_at`` when stored and one per slot it outlives; entries
-    dropped leave stale wheel references, which are skipped, and the wheel
-    is rebuilt from the map whenever they outnumber its keys (full or not:
-    a key popped and stored again on every request, as a concurrency
-    limit's is, must not grow it). So an attack
-    rotating through millions of addresses costs O(1) per request, with no
-    sweep over the map, and never more memory than the cap.
+    current second go, then the oldest entries down to nine tenths. Each
+    key costs one ``expires_at`` when stored and one per slot it outlives;
+    entries dropped leave stale wheel references, which are skipped, and
+    the wheel is rebuilt from the map whenever they outnumber its keys
+    (full or not: a key popped and stored again on every request, as a
+    concurrency limit's is, must not grow it). So an attack rotating
+    through millions of addresses costs O(1) per request, with no sweep
+    over the map, and never more memory than the cap.
     """
 
     def __init__(self, max_keys: int, expires_at: Callable[[Any], float],
