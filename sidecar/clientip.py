@@ -23,7 +23,7 @@ from typing import Any, Generic, TypeVar
 try:
     import cython
 except ModuleNotFoundError:  # the pure-Python core without Cython installed
-    from sidecar import purecython as cython
+    from sidecar import purecython as cython  # type: ignore[no-redef]
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network

@@ -16,7 +16,7 @@ from __future__ import annotations
 try:
     import cython
 except ModuleNotFoundError:  # the pure-Python core without Cython installed
-    from sidecar import purecython as cython
+    from sidecar import purecython as cython  # type: ignore[no-redef]
 
 import itertools
 from collections.abc import Mapping

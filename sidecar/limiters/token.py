@@ -5,7 +5,7 @@ from __future__ import annotations
 try:
     import cython
 except ModuleNotFoundError:  # the pure-Python core without Cython installed
-    from sidecar import purecython as cython
+    from sidecar import purecython as cython  # type: ignore[no-redef]
 
 from typing import Annotated, Any, ClassVar
 
