@@ -487,9 +487,6 @@ class CompiledRule:
     # verified bot (never banned, by a challenge's bans neither).
     spec: CheckSpec = field(init=False)
     bot_spec: CheckSpec = field(init=False)
-    # Nothing to do after the store when within the limit but count the hit
-    # (no response phase, no reset_on, no concurrency slot).
-    plain: bool = field(init=False)
     # Per override: its networks, and the spec and bot spec with its threshold.
     override_specs: tuple[tuple[NetworkSet, CheckSpec, CheckSpec], ...] = field(init=False)
     # Per tier it lists: the spec and bot spec with the tier's threshold.
@@ -502,6 +499,8 @@ class CompiledRule:
         threshold = float(self.threshold)
         # A shadow challenge is never issued, so it counts towards no ban.
         bans_for_challenges = self.challenge is not None and not self.shadow
+        # Nothing to do after the store when within the limit but count the
+        # hit (the spec's plain): no response phase, no reset_on, no slot.
         plain = counts and self.reset_on is None and not self.limiter.leases
         spec = CheckSpec(self.id, self.limiter, threshold, stops, applied_ban, counts,
                          self.auto_ban if bans_for_challenges else None, 1, self.ban_increment,
@@ -520,7 +519,6 @@ class CompiledRule:
                       for tier, tier_threshold in (self.tiers or {}).items()}
         for name, value in (("stops", stops), ("counts", counts), ("applied_ban", applied_ban),
                             ("base_threshold", threshold), ("spec", spec), ("bot_spec", bot_spec),
-                            ("plain", plain),
                             ("override_specs", override_specs), ("tier_specs", tier_specs)):
             object.__setattr__(self, name, value)
 
