@@ -21,10 +21,14 @@ cdef class ClientAddress:
 cpdef long long dotted_quad(str text)
 
 
+cpdef bint levels_hold(dict levels, version, value) except -1
+
+
 # The header and the peer are any str (the tests watch the walk through a
 # subclass); a field cut from them is a str.
 cdef class ClientIPResolver:
-    cdef public object trusted_proxies
+    cdef readonly object trusted_proxies
+    cdef dict _trusted
     cdef public object exempt
     cdef public int ipv4_prefix
     cdef public int ipv6_prefix
@@ -34,7 +38,7 @@ cdef class ClientIPResolver:
     cdef public object _ipv4_mask
     cdef public object _ipv6_mask
 
-    @cython.locals(entry=tuple, client=ClientAddress)
+    @cython.locals(entry=tuple, client=ClientAddress, end=Py_ssize_t)
     cpdef ClientAddress resolve(self, peer, forwarded_for)
     @cython.locals(end=Py_ssize_t, hops=Py_ssize_t, start=Py_ssize_t, entry=tuple)
     cpdef ClientAddress _walk_forwarded_for(self, ClientAddress client, header)

@@ -156,6 +156,9 @@ def parse_address(text: str) -> IPAddress | None:
 
 V = TypeVar("V")
 
+# A NetworkTable's levels: IP version -> ((mask, {network value: value}), ...).
+Levels = dict[int, tuple[tuple[int, dict[int, Any]], ...]]
+
 
 class NetworkTable(Generic[V]):
     """Networks, each with a value, found by an address's value.
@@ -189,10 +192,15 @@ class NetworkTable(Generic[V]):
                 yield found
 
     def holds(self, version: int, value: int) -> bool:
-        for mask, values in self.levels[version]:
-            if value & mask in values:
-                return True
-        return False
+        return levels_hold(self.levels, version, value)
+
+
+def levels_hold(levels: Levels, version: int, value: int) -> bool:
+    """Whether a network of ``levels`` holds the address of that value."""
+    for mask, values in levels[version]:
+        if value & mask in values:
+            return True
+    return False
 
 
 def _mask(version: int, length: int) -> int:
@@ -236,6 +244,12 @@ class NetworkSet:
 
     def holds_value(self, version: int, value: int) -> bool:
         return self._table.holds(version, value)
+
+    @property
+    def levels(self) -> Levels:
+        """Its table's levels (``NetworkTable.levels``), for a caller that
+        looks values up on its own path (``levels_hold``)."""
+        return self._table.levels
 
 
 # Canonical dotted IPv4, the only form ``ipaddress`` accepts: four decimal
@@ -339,8 +353,9 @@ class ClientIPResolver:
     Memory is bounded whatever the header sizes: the only state is a cache
     from the text of one field or peer of at most ``MAX_CACHED_ENTRY`` (64)
     characters to what it is (address, key, trusted), and one from a whole
-    header of at most ``MAX_CACHED_HEADER`` (128) characters to the walk's
-    answer, each emptied whenever it holds ``cache_size`` entries (at most
+    header of two fields or more and at most ``MAX_CACHED_HEADER`` (128)
+    characters to the walk's answer (a header of one field is that field's
+    entry in the first), each emptied whenever it holds ``cache_size`` entries (at most
     about 400 bytes an entry: 1.6 MB each with the default 4096). A longer
     field is classified without being remembered and without copying more
     than 45 characters of it (the longest address; a zone id after ``%`` is
@@ -359,6 +374,9 @@ class ClientIPResolver:
         exempt: NetworkSet | None = None,
     ) -> None:
         self.trusted_proxies = NetworkSet(trusted_proxies)
+        # Its levels, looked up in without a call of the set for each new
+        # client (compiled: in C).
+        self._trusted = self.trusted_proxies.levels
         # The ruleset's exempt networks: each client made is told whether
         # they hold it (ClientAddress.exempt_in).
         self.exempt = exempt
@@ -386,13 +404,20 @@ class ClientIPResolver:
         # not touched.
         if not entry[1] or not forwarded_for:
             return client
+        end = len(forwarded_for)
+        if "," not in forwarded_for:
+            # One field (one proxy: the common case). The walk's answer is
+            # that field's address (None: none), which the field cache
+            # remembers: under a rotation of addresses, one cache entry a
+            # client instead of two.
+            walked = self._entry(forwarded_for, 0, end)[0]
+            return client if walked is None else walked
         # The walk depends on the header alone, once the peer is trusted:
         # the same header (one client behind the same proxies) is walked once.
-        walked = self._walks.get(forwarded_for, _UNWALKED) if len(forwarded_for) <= MAX_CACHED_HEADER \
-            else _UNWALKED
+        walked = self._walks.get(forwarded_for, _UNWALKED) if end <= MAX_CACHED_HEADER else _UNWALKED
         if walked is _UNWALKED:
             walked = self._walk_forwarded_for(None, forwarded_for)
-            if len(forwarded_for) <= MAX_CACHED_HEADER and self.cache_size > 0:
+            if end <= MAX_CACHED_HEADER and self.cache_size > 0:
                 if len(self._walks) >= self.cache_size:
                     self._walks.clear()
                 self._walks[forwarded_for] = walked
@@ -481,17 +506,18 @@ class ClientIPResolver:
         if value is not None:
             # Canonical text is the address's own: its key when unreduced.
             key = text if self.ipv4_prefix == 32 else self._ipv4_key(value)
-            return ClientAddress(None, key, value, text=text), self.trusted_proxies.holds_value(4, value)
+            # Arguments by position: a call without keywords.
+            return ClientAddress(None, key, value, -1, text), levels_hold(self._trusted, 4, value)
         value = _plain_ipv6(text)
         if value is not None:
             if value >> 32 == 0xFFFF:  # IPv4-mapped: the IPv4 address
                 value &= 0xFFFFFFFF
-                return ClientAddress(None, self._ipv4_key(value), value), self.trusted_proxies.holds_value(4, value)
-            return ClientAddress(None, self._ipv6_key(value), ipv6=value), self.trusted_proxies.holds_value(6, value)
+                return ClientAddress(None, self._ipv4_key(value), value), levels_hold(self._trusted, 4, value)
+            return ClientAddress(None, self._ipv6_key(value), ipv6=value), levels_hold(self._trusted, 6, value)
         address = parse_address(text)
         if address is None:
             return _MALFORMED
-        trusted = self.trusted_proxies.holds_value(address.version, int(address))
+        trusted = levels_hold(self._trusted, address.version, int(address))
         return ClientAddress(address, self.key_for(address)), trusted
 
     def _ipv4_key(self, value: int) -> str:

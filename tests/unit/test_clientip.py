@@ -568,6 +568,22 @@ def test_memory_stays_bounded_with_many_distinct_short_headers() -> None:
     assert len(resolver._walks) <= 4096 and len(resolver._cache) <= 4096
 
 
+@pytest.mark.parametrize("header", ["203.0.113.7", " 203.0.113.7 ", "not an address", "10.0.0.9", "",
+                                    "2001:db8::1", "   "])
+def test_a_header_of_one_field_is_remembered_once_as_that_field(header: str) -> None:
+    """A header of one field (one proxy: a rotation of addresses sends
+    nothing else) is resolved as its field, which the field cache
+    remembers: the header cache, which a walk of two fields or more
+    fills, stays empty, and the answer is the walk's."""
+    resolver = ClientIPResolver(TRUSTED)
+    for _ in range(2):
+        assert resolver.resolve("127.0.0.1", header) == _reference_resolve(TRUSTED, "127.0.0.1", header)
+    assert resolver._walks == {}
+    assert len(resolver._cache) == (1 if header else 0) + 1  # the field, and the peer
+    resolver.resolve("127.0.0.1", f"198.51.100.2, {header}")
+    assert len(resolver._walks) == 1
+
+
 # --------------------------------------------------------------------------
 # Networks looked up by value
 # --------------------------------------------------------------------------
