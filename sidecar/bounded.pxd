@@ -3,6 +3,7 @@
 cimport cython
 
 from sidecar.limiters.records cimport Algorithm
+from sidecar.keystate cimport limiter_of
 
 
 cpdef long long wheel_slot(double when)

@@ -12,6 +12,7 @@ import itertools
 from collections.abc import Callable, Hashable
 from typing import Any
 
+from sidecar.keystate import limiter_of
 from sidecar.limiters.records import Algorithm
 
 
@@ -244,7 +245,8 @@ class StateMap(BoundedMap):
 
 def state_expiry(state: Any) -> float:
     """When a key's state expires: its limiter says. Each state carries its
-    limiter (a reload may change it); compiled, the limiter is asked in C
-    (``sidecar.limiters.records.Algorithm``), once for every new key."""
-    limiter: Algorithm = state.limiter
+    limiter (a reload may change it); compiled, the limiter is read and
+    asked in C (``sidecar.limiters.records.Algorithm``), once for every new
+    key."""
+    limiter: Algorithm = limiter_of(state)
     return limiter.expires_at(state)

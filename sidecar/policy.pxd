@@ -4,6 +4,7 @@
 cimport cython
 
 from sidecar.limiters.records cimport Algorithm, Hit, refused
+from sidecar.keystate cimport limiter_of
 from sidecar.state cimport Check, CheckSpec, Evaluation
 
 

@@ -33,6 +33,7 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Protocol
 
 from sidecar.keys import CountingKey
+from sidecar.keystate import limiter_of
 from sidecar.limiters.base import DeferredLimiter, Limiter
 from sidecar.limiters.records import UNDER_LIMIT, Hit, refused
 from sidecar.state import BanIncrement, BanRecord, Check, CheckSpec, Evaluation, PenaltyBan
@@ -131,7 +132,7 @@ class Policy:
             key = check.key
             limiter = spec.limiter
             state = read(key)
-            if state is not None and state.limiter is not limiter:
+            if state is not None and limiter_of(state) is not limiter:
                 state = carried_over(state, limiter)
             if not spec.count:  # a look: a response-phase rule's penalty
                 hit = limiter.peek(state, now) if state is not None else UNDER_LIMIT

@@ -5,6 +5,7 @@ decides as a plain dict does while nothing is evicted."""
 from __future__ import annotations
 
 import inspect
+import types
 from typing import Any
 
 import pytest
@@ -12,15 +13,16 @@ from hypothesis import given, settings
 
 from sidecar.at_once import run_at_once
 from sidecar.bounded import state_expiry
+from sidecar.keystate import limiter_of
 from sidecar.limiters import UNDER_LIMIT, Hit, RuleLimit, refused
 from sidecar.limiters.window import WindowCounter
-from sidecar.policy import StateTable
+from sidecar.policy import StateTable, carried_over
 from sidecar.state import Check
 from sidecar.store import Deciding
 from sidecar.store.local import LocalStore
 from sidecar.store.memory import MemoryStore, MemoryTable
 from tests.unit.dict_table import DictTable
-from tests.unit.policy_traces import Step, replay, traces
+from tests.unit.policy_traces import SPECS, Step, replay, traces
 
 
 def public(cls: type) -> set[str]:
@@ -89,6 +91,21 @@ def test_the_policy_calls_a_limiters_own_method_where_it_overrides_the_base() ->
     state = store.table.states.data[check.key]
     assert state.current == 4  # the base's arithmetic ran under the override too
     assert state_expiry(state) == limiter.expires_at(state) == 120.0  # asked of the state's limiter
+
+
+@pytest.mark.parametrize("name", ["block", "tokens", "paced", "slots"])
+def test_a_states_limiter_is_read_as_its_attribute_whatever_its_kind(name: str) -> None:
+    """``limiter_of`` (read in C by the compiled policy and state map) is
+    the state's ``limiter``: for each kind of state, after a reload gave
+    the state another limiter, and for any other object."""
+    limiter = SPECS[name].limiter
+    state = limiter.new_state()
+    assert limiter_of(state) is state.limiter is limiter
+    other = type(limiter).__new__(type(limiter))
+    assert carried_over(state, other) is state
+    assert limiter_of(state) is other is not limiter
+    anything = types.SimpleNamespace(limiter=limiter)
+    assert limiter_of(anything) is limiter
 
 
 class NotALimiter:
