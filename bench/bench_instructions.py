@@ -31,9 +31,20 @@ A configuration's figure is the difference between a run that feeds
 warm-up of 2,000 checks), divided by ``--checks``. Ratios are taken between
 figures of the same run.
 
-Usage: ``.venv/bin/python bench/bench_instructions.py [--checks 3000]``
-(about eight minutes). Needs valgrind (``make bench`` installs it). No
-network: nothing is sent anywhere.
+With ``--cache``, callgrind also simulates the CPU's caches and each
+configuration's figure comes with the reads and writes a check makes that
+miss a last-level cache of 4 MB (16 ways, lines of 64 bytes): what a
+rotation of clients costs beyond its instructions, the same on every run.
+The simulation ignores software prefetches. The rotating configurations
+store eight keys a client in a map of 100,000: their checks evict only
+after about 12,500 clients, so ``--checks 20000`` counts evictions where
+the default does not.
+
+Usage: ``.venv/bin/python bench/bench_instructions.py [--checks 3000]
+[--cache] [--configurations sluice-one,sluice-rotating]`` (about eight
+minutes for every configuration; about twice that with ``--cache``).
+Needs valgrind (``make bench`` installs it). No network: nothing is sent
+anywhere.
 """
 
 from __future__ import annotations
@@ -56,7 +67,11 @@ sys.path.insert(0, str(BENCH))
 WARM = 2_000
 CONFIGURATIONS = ("floor", "asgi", "sluice-no-rule", "sluice-one", "sluice-rotating", "sluice-pure-one",
                   "sluice-node-one", "sluice-node-rotating")
-COLLECTED = re.compile(r"Collected : (\d+)")
+COLLECTED = re.compile(r"Collected : ([\d ]+)")
+# The simulated last-level cache of --cache: 4 MB, 16 ways, lines of 64 bytes.
+LAST_LEVEL = "--LL=4194304,16,64"
+# Callgrind's events with its cache simulation, in the order it counts them.
+CACHE_EVENTS = ("Ir", "Dr", "Dw", "I1mr", "D1mr", "D1mw", "ILmr", "DLmr", "DLmw")
 
 
 class Transport(asyncio.Transport):
@@ -169,35 +184,55 @@ def child(configuration: str, checks: int) -> None:
 
 def instructions(configuration: str, checks: int) -> int:
     """Instructions of one run of ``configuration`` feeding ``checks`` checks after the warm-up."""
+    return counted(configuration, checks)["Ir"]
+
+
+def counted(configuration: str, checks: int, cache: bool = False) -> dict[str, int]:
+    """Callgrind's totals of one run of ``configuration`` feeding ``checks``
+    checks after the warm-up: its instructions (``Ir``), and with ``cache``
+    every event of its cache simulation (``CACHE_EVENTS``)."""
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     env.pop("SLUICE_PURE_PYTHON", None)
     if configuration == "sluice-pure-one":
         env["SLUICE_PURE_PYTHON"] = "1"
-    result = subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable,
-                             __file__, "--child", configuration, str(checks)],
-                            capture_output=True, text=True, env=env, timeout=1800)
+    simulation = ["--cache-sim=yes", LAST_LEVEL] if cache else []
+    result = subprocess.run(["valgrind", "--tool=callgrind", *simulation, "--callgrind-out-file=/dev/null",
+                             sys.executable, __file__, "--child", configuration, str(checks)],
+                            capture_output=True, text=True, env=env, timeout=3600)
     found = COLLECTED.search(result.stderr)
     if result.returncode != 0 or found is None:
         raise SystemExit(f"{configuration}: valgrind failed ({result.returncode}):\n{result.stderr[-2000:]}")
-    return int(found.group(1))
+    return dict(zip(CACHE_EVENTS if cache else ("Ir",), map(int, found.group(1).split()), strict=True))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checks", type=int, default=3_000, help="checks counted per configuration (default 3000)")
+    parser.add_argument("--cache", action="store_true",
+                        help="also count the checks' misses of a simulated 4 MB last-level cache")
+    parser.add_argument("--configurations", default=",".join(CONFIGURATIONS),
+                        help=f"the configurations measured, comma-separated (default: all: {','.join(CONFIGURATIONS)})")
     parser.add_argument("--child", nargs=2, metavar=("CONFIGURATION", "CHECKS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args.child[0], int(args.child[1]))
         return
+    measured = args.configurations.split(",")
+    unknown = sorted(set(measured) - set(CONFIGURATIONS))
+    if unknown:
+        parser.error(f"unknown configurations: {', '.join(unknown)}")
     started = time.monotonic()
     print(f"bench_instructions: instructions per check under callgrind, {args.checks:,} checks after "
-          f"{WARM:,} of warm-up, fed in process")
+          f"{WARM:,} of warm-up, fed in process"
+          + ("; misses of a simulated last-level cache of 4 MB, 16 ways" if args.cache else ""))
     per_check: dict[str, float] = {}
-    for configuration in CONFIGURATIONS:
-        none, some = instructions(configuration, 0), instructions(configuration, args.checks)
-        per_check[configuration] = (some - none) / args.checks
-        print(f"  {configuration:<18} {per_check[configuration]:>10,.0f} instructions per check")
+    for configuration in measured:
+        none, some = counted(configuration, 0, args.cache), counted(configuration, args.checks, args.cache)
+        each = {event: (some[event] - none[event]) / args.checks for event in some}
+        per_check[configuration] = each["Ir"]
+        misses = f", {each['DLmr']:6.1f} + {each['DLmw']:6.1f} last-level misses (reads + writes)" \
+            if args.cache else ""
+        print(f"  {configuration:<20} {each['Ir']:>10,.0f} instructions per check{misses}")
     print("\nRatios (same run):")
     rows = (("ten rules, one client / trivial ASGI app", "sluice-one", "asgi", "(CPU target <= 0.9)"),
             ("ten rules, 100,000 clients / trivial ASGI app", "sluice-rotating", "asgi", "(CPU target <= 0.9)"),
@@ -208,8 +243,9 @@ def main() -> None:
             ("node's table / memory store, one client", "sluice-node-one", "sluice-one", ""),
             ("node's table / memory store, 100,000 clients", "sluice-node-rotating", "sluice-rotating", ""),
             ("trivial ASGI app / HTTP floor", "asgi", "floor", ""))
-    for label, measured, reference, target in rows:
-        print(f"  {label:<46} {per_check[measured] / per_check[reference]:6.3f}x   {target}")
+    for label, numerator, reference, target in rows:
+        if numerator in per_check and reference in per_check:
+            print(f"  {label:<46} {per_check[numerator] / per_check[reference]:6.3f}x   {target}")
     print(f"\n(bench_instructions took {time.monotonic() - started:.0f} s)")
 
 
