@@ -355,14 +355,15 @@ class ClientIPResolver:
     characters to what it is (address, key, trusted), and one from a whole
     header of two fields or more and at most ``MAX_CACHED_HEADER`` (128)
     characters to the walk's answer (a header of one field is that field's
-    entry in the first), each emptied whenever it holds ``cache_size`` entries (at most
-    about 400 bytes an entry: 1.6 MB each with the default 4096). A longer
-    field is classified without being remembered and without copying more
-    than 45 characters of it (the longest address; a zone id after ``%`` is
-    checked in place, as counting drops it).
+    entry in the first), each emptied whenever it holds ``cache_size``
+    entries (at most about 400 bytes an entry: 1.6 MB each with the default
+    4096). A longer field is classified without being remembered and
+    without copying more than 45 characters of it (the longest address; a
+    zone id after ``%`` is checked in place, as counting drops it).
 
     ``ipaddress`` is the reference for what an address is; canonical dotted
-    IPv4, the common case, is recognised without it.
+    IPv4, the common case, is recognised without it. The trusted proxies
+    are the ones the resolver is made with.
     """
 
     def __init__(
