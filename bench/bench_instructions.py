@@ -233,7 +233,6 @@ def main() -> None:
         misses = f", {each['DLmr']:6.1f} + {each['DLmw']:6.1f} last-level misses (reads + writes)" \
             if args.cache else ""
         print(f"  {configuration:<20} {each['Ir']:>10,.0f} instructions per check{misses}")
-    print("\nRatios (same run):")
     rows = (("ten rules, one client / trivial ASGI app", "sluice-one", "asgi", "(CPU target <= 0.9)"),
             ("ten rules, 100,000 clients / trivial ASGI app", "sluice-rotating", "asgi", "(CPU target <= 0.9)"),
             ("no rule / trivial ASGI app", "sluice-no-rule", "asgi", ""),
@@ -243,9 +242,11 @@ def main() -> None:
             ("node's table / memory store, one client", "sluice-node-one", "sluice-one", ""),
             ("node's table / memory store, 100,000 clients", "sluice-node-rotating", "sluice-rotating", ""),
             ("trivial ASGI app / HTTP floor", "asgi", "floor", ""))
-    for label, numerator, reference, target in rows:
-        if numerator in per_check and reference in per_check:
-            print(f"  {label:<46} {per_check[numerator] / per_check[reference]:6.3f}x   {target}")
+    shown = [row for row in rows if row[1] in per_check and row[2] in per_check]
+    if shown:
+        print("\nRatios (same run):")
+    for label, numerator, reference, target in shown:
+        print(f"  {label:<46} {per_check[numerator] / per_check[reference]:6.3f}x   {target}")
     print(f"\n(bench_instructions took {time.monotonic() - started:.0f} s)")
 
 
