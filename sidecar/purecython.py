@@ -1,10 +1,11 @@
 """What the pure-Python core uses of Cython's pure-Python mode where Cython
-is not installed (it is needed only to build the compiled core): the two
-class decorators of the limiters' states and the resolved client and the
-decorator that types a function's locals, as no-ops, and ``compiled``,
-False. Compiled, the states and the client are
-extension types the garbage collector does not track: nothing they hold
-can lead back to them."""
+is not installed (it is needed only to build the compiled core): the
+class decorators of the limiters' states, the resolved client and the
+objects made for every check (``freelist``: compiled, a few released
+instances kept for the next ones), and the decorator that types a
+function's locals, as no-ops, and ``compiled``, False. Compiled, the
+states and the client are extension types the garbage collector does not
+track: nothing they hold can lead back to them."""
 
 from __future__ import annotations
 
@@ -27,3 +28,7 @@ def no_gc(cls: T) -> T:
 
 def locals(**types: object) -> Callable[[F], F]:  # noqa: A001 - Cython's name
     return lambda function: function
+
+
+def freelist(size: int) -> Callable[[T], T]:
+    return lambda cls: cls

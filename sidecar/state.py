@@ -143,6 +143,7 @@ class CheckSpec:
     plain: bool = False
 
 
+@cython.freelist(16)
 @cython.no_gc  # nothing it holds leads back to it
 @cython.cclass
 class Check:
@@ -262,6 +263,7 @@ class BanRecord:
 
 
 @dataclass  # not slotted: the compiled core makes an extension type of it (state.pxd)
+@cython.freelist(8)
 @cython.no_gc  # nothing it holds leads back to it
 @cython.cclass
 class Evaluation:

@@ -33,6 +33,7 @@ def record_equal(record: Any, other: Any) -> bool:
     return tuple(getattr(record, name) for name in names) == tuple(getattr(other, name) for name in names)
 
 
+@cython.freelist(16)
 @cython.no_gc  # its proposal is a tuple of numbers or of a lease and a time
 @cython.cclass
 class Hit:
