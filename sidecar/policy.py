@@ -96,7 +96,7 @@ def evaluated(hits: list[Hit]) -> Evaluation:
 def carried_over(state: Any, limiter: Limiter) -> Any:
     """A state counted by a limiter that a reload replaced: its counts carry
     over to a limiter of the same algorithm, else it starts anew (None)."""
-    if type(state.limiter) is not type(limiter):
+    if type(limiter_of(state)) is not type(limiter):
         return None
     state.limiter = limiter
     return state
@@ -237,7 +237,7 @@ class Policy:
         penalty towards then_ban_after."""
         table = self.table
         state = table.state(key)
-        if state is not None and (state.limiter is limiter or carried_over(state, limiter) is not None):
+        if state is not None and (limiter_of(state) is limiter or carried_over(state, limiter) is not None):
             return limiter.hit(state, now, threshold, amount)
         state = limiter.new_state()  # a new key, or the rule was reloaded as another algorithm
         hit = limiter.hit(state, now, threshold, amount)
@@ -247,7 +247,7 @@ class Policy:
     def state_for(self, key: Hashable, limiter: Limiter) -> Any:
         """The key's state for this limiter, stored or new (not stored)."""
         state = self.table.state(key)
-        if state is not None and state.limiter is not limiter:
+        if state is not None and limiter_of(state) is not limiter:
             state = carried_over(state, limiter)
         return state if state is not None else limiter.new_state()
 
@@ -259,7 +259,8 @@ class Policy:
         for key in keys:
             state = table.state(key)
             # A reload may have made the key another kind's.
-            if state is not None and state.limiter.leases and state.limiter.release(state, lease):
+            own = limiter_of(state) if state is not None else None
+            if own is not None and own.leases and own.release(state, lease):
                 released += 1
                 if not state.held:
                     table.forget(key)

@@ -15,7 +15,7 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from sidecar import core
-from sidecar.bounded import BoundedMap
+from sidecar.bounded import BoundedMap, state_expiry
 from sidecar.counters import CounterState, KeySelection
 from sidecar.keys import CountingKey
 from sidecar.limiters.base import Limiter
@@ -178,7 +178,7 @@ class MemoryStore(LocalStore):
         candidates = [(selection.key, states.peek(selection.key))] if selection.key is not None else states.items()
         for key, state in candidates:
             if state is not None and selection.holds(cast(CountingKey, key)) \
-                    and state.limiter.expires_at(state) > now:
+                    and state_expiry(state) > now:
                 found.append(cast(CountingKey, key))
                 if limit is not None and len(found) >= limit:
                     break
@@ -192,7 +192,7 @@ class MemoryStore(LocalStore):
         """As the Redis store's inspect.lua describes a key: read, never
         counted, and without refreshing its recency."""
         state = self.table.states.peek(key)
-        if state is None or state.limiter.expires_at(state) <= now:
+        if state is None or state_expiry(state) <= now:
             return None
         if limiter is None:
             own = state.limiter
