@@ -181,7 +181,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
     from tests.integration.redis_server import RedisServer
 
     server = RedisServer(tmp_path_factory.mktemp("redis"))
-    server.start()
+    server.start(move=True)
     yield server
     server.stop()
 

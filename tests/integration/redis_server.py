@@ -38,20 +38,46 @@ class RedisServer:
         return [REDIS_SERVER, "--port", str(self.port), "--bind", LOOPBACK, "--save", "",
                 "--appendonly", "no", "--dir", str(self.directory), *self.arguments]
 
-    def start(self) -> None:
-        """Start (or start again, on the same port) and wait until it answers."""
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def start(self, move: bool = False) -> None:
+        """Start (or start again, on the same port) and wait until it
+        answers. The server that answers must be this process: a port found
+        free can be taken before this one binds it, and a test must never
+        share another's server. With ``move`` (nothing knows the port yet)
+        another free port is tried then; otherwise the reason is raised."""
+        for _ in range(5):
+            if self._started():
+                return
+            if not move:
+                break
+            self.port = free_port()
+        raise RuntimeError(f"redis-server could not bind port {self.port}, taken by another process: "
+                           f"{' '.join(self.command())}")
+
+    def _started(self) -> bool:
+        """Run the server; True once this process answers on the port, False
+        when it exited (the port was taken)."""
         self.process = subprocess.Popen(self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis(host=LOOPBACK, port=self.port, socket_timeout=0.5)
         deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                return
-            except redis.exceptions.ConnectionError:
-                if time.monotonic() > deadline or self.process.poll() is not None:
+        try:
+            while True:
+                try:
+                    if client.info("server")["process_id"] == self.process.pid:
+                        return True
+                except redis.exceptions.RedisError:
+                    pass  # not listening yet, or another server that is not this one
+                if self.process.poll() is not None:
+                    return False
+                if time.monotonic() > deadline:
                     self.stop()
-                    raise RuntimeError(f"redis-server did not start: {' '.join(self.command())}") from None
+                    raise RuntimeError(f"redis-server did not start: {' '.join(self.command())}")
                 time.sleep(0.02)
+        finally:
+            client.close()
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -175,7 +201,7 @@ class RedisCluster:
     def start(self) -> None:
         for node in self.nodes:
             node.directory.mkdir(parents=True, exist_ok=True)
-            node.start()
+            node.start(move=True)
         subprocess.run([shutil.which("redis-cli") or "/usr/bin/redis-cli", "--cluster", "create",
                         *self.addresses, "--cluster-yes"],
                        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=60)

@@ -47,7 +47,13 @@ class SluiceServe:
         assert self.process is not None
         if self.process.poll() is None:
             self.process.terminate()
-            self.process.wait(timeout=20)
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+                raise AssertionError("sluice serve did not stop within 20 s of SIGTERM; its log ends:\n"
+                                     + self.log.read_text(errors="replace")[-4000:]) from None
 
     def get(self, path: str, headers: dict[str, str] | None = None) -> int:
         """The status of one GET on a fresh connection (workers take turns)."""
