@@ -14,7 +14,7 @@ from pydantic import Field, PlainValidator, model_validator
 from sidecar.config import Rate, parse_rate
 from sidecar.limiters import NO_PENALTY, Quota, RuleLimit, registry
 from sidecar.limiters.bucket import Bucket, BucketLimit, in_penalty
-from sidecar.limiters.records import UNDER_LIMIT, Hit, admitted, record_equal, record_repr
+from sidecar.limiters.records import UNDER_LIMIT, Hit, admitted, place_in_lines, record_equal, record_repr
 
 LEAKY = registry.lua_kind("L", "window", "buckets", "leaky")
 
@@ -44,6 +44,9 @@ class LeakyState:
         return record_equal(self, other)
 
     __hash__ = None  # type: ignore[assignment]  # changed in place, as a dataclass's
+
+
+place_in_lines(LeakyState)  # each instance in one line of the cache, compiled
 
 
 class LeakyBucket(Bucket):

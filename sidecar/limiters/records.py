@@ -15,7 +15,17 @@ try:
 except ModuleNotFoundError:  # the pure-Python core without Cython installed
     from sidecar import purecython as cython  # type: ignore[no-redef]
 
+import importlib
 from typing import Any
+
+
+def place_in_lines(kind: type) -> None:
+    """Compiled, a state's type: each instance in one line of the CPU's
+    cache, from blocks kept for the next instances (``sidecar._slab``);
+    called by each limiter module right after the class, before any
+    instance exists. As Python: nothing (Python's allocator)."""
+    if cython.compiled:
+        importlib.import_module("sidecar._slab").place_in_lines(kind)
 
 
 def record_repr(record: Any) -> str:
