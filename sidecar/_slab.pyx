@@ -14,9 +14,8 @@ Only for a type of Sluice's whose instances fit in 64 bytes, have no
 items and are not tracked by the garbage collector, and before it has any
 instance: each limiter module places its state's type right after the
 class, as an instance made by the usual allocator must not come back to
-this one. The
-pure-Python core keeps Python's allocator: nothing here changes what an
-instance holds or does.
+this one. The pure-Python core keeps Python's allocator: nothing here
+changes what an instance holds or does.
 """
 
 from cpython.mem cimport PyMem_RawMalloc
@@ -80,13 +79,16 @@ cdef void release(void *block) noexcept:
     released = free
 
 
+cdef bint fits(PyTypeObjectSlots *slots) noexcept:
+    """Whether a type's instances fit a block and the collector never tracks them."""
+    return slots.tp_basicsize <= LINE and slots.tp_itemsize == 0 and not slots.tp_flags & Py_TPFLAGS_HAVE_GC
+
+
 def place_in_lines(kind):
     """Give ``kind``'s instances a line of the cache each (see the module)."""
-    cdef PyTypeObjectSlots *slots
-    if not isinstance(kind, type) or not kind.__module__.startswith("sidecar."):
+    if not isinstance(kind, type) or not kind.__module__.startswith("sidecar.") \
+            or not fits(<PyTypeObjectSlots *><PyObject *>kind):
         raise TypeError(f"{kind!r}: not an untracked type of Sluice's, of fixed instances of at most {LINE} bytes")
-    slots = <PyTypeObjectSlots *><PyObject *>kind
-    if slots.tp_basicsize > LINE or slots.tp_itemsize != 0 or slots.tp_flags & Py_TPFLAGS_HAVE_GC:
-        raise TypeError(f"{kind!r}: not an untracked type of Sluice's, of fixed instances of at most {LINE} bytes")
+    cdef PyTypeObjectSlots *slots = <PyTypeObjectSlots *><PyObject *>kind
     slots.tp_alloc = allocate
     slots.tp_free = release
