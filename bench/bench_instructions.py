@@ -45,7 +45,7 @@ in the map once in about 1,250 (a tenth of the map at once), so
 default does.
 
 Usage: ``.venv/bin/python bench/bench_instructions.py [--checks 3000]
-[--cache] [--configurations sluice-one,sluice-rotating]`` (about eight
+[--cache] [--configurations sluice-one,sluice-rotating]`` (about nine
 minutes for every configuration; about twice that with ``--cache``).
 Needs valgrind (``make bench`` installs it). No network: nothing is sent
 anywhere.
