@@ -69,12 +69,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(BENCH))
 
 WARM = 2_000
-# The rotating configurations' warm-up: their map of 100,000 keys (eight a
-# client) is full after 12,500 clients, so every check counted after this
-# one stores keys in a full map, as under a sustained rotation, and none
-# pays for the map's growth (its records and index doubled up to max_keys),
-# which happens once.
-ROTATING_WARM = 15_000
+ROTATING_WARM = 15_000  # past a full map of the rotating clients' keys (the docstring says why)
 CONFIGURATIONS = ("floor", "asgi", "sluice-no-rule", "sluice-one", "sluice-rotating", "sluice-pure-one",
                   "sluice-node-one", "sluice-node-rotating")
 COLLECTED = re.compile(r"Collected : ([\d ]+)")
@@ -191,11 +186,6 @@ def child(configuration: str, checks: int) -> None:
         assert core.PURE == pure, f"{configuration} runs the {'pure' if core.PURE else 'compiled'} core"
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(feed(configuration, checks))
-
-
-def instructions(configuration: str, checks: int) -> int:
-    """Instructions of one run of ``configuration`` feeding ``checks`` checks after the warm-up."""
-    return counted(configuration, checks)["Ir"]
 
 
 def counted(configuration: str, checks: int, cache: bool = False) -> dict[str, int]:

@@ -18,6 +18,7 @@ from sidecar import core
 from sidecar.bounded import BoundedMap, state_expiry
 from sidecar.counters import CounterState, KeySelection
 from sidecar.keys import CountingKey
+from sidecar.keystate import limiter_of
 from sidecar.limiters.base import Limiter
 from sidecar.policy import BAN_STEP, COUNTED_PENALTY, Note
 from sidecar.state import BanRecord, Clock, epoch_clock
@@ -194,10 +195,10 @@ class MemoryStore(LocalStore):
         state = self.table.states.peek(key)
         if state is None or state_expiry(state) <= now:
             return None
+        own = limiter_of(state)
         if limiter is None:
-            own = state.limiter
             return CounterState(key, 0.0 if own.leases else own.peek(state, now).retry_after, None)
-        if type(state.limiter) is not type(limiter):
+        if type(own) is not type(limiter):
             state = limiter.new_state()  # another algorithm's state: the rule's starts anew
         # A concurrency limit has no penalty: it refuses while full.
         penalty = 0.0 if limiter.leases else limiter.peek(state, now).retry_after
