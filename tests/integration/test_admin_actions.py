@@ -213,8 +213,20 @@ NOW = 1_000_000.0
 ADDRESS = "192.0.2.7"
 
 
+@pytest.fixture(scope="module")
+def lone_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A Redis no running Sluice uses. The stacks' nodes read the admin slot
+    on the real clock: at each new admin version they drop from the
+    networks' index every ban ended by then, and a ban given at ``NOW``
+    (1970) has ended for them."""
+    server = RedisServer(tmp_path_factory.mktemp("lone-redis"))
+    server.start(move=True)
+    yield server
+    server.stop()
+
+
 @pytest.fixture(params=["redis", "cluster"])
-def two_nodes(request: pytest.FixtureRequest, redis_server: RedisServer):
+def two_nodes(request: pytest.FixtureRequest, lone_redis: RedisServer):
     """Makes two nodes' stores on one shared Redis (in the test's loop)."""
     from sidecar.store.redis import RedisStore
     from sidecar.store.redis_cluster import parse_node
@@ -225,8 +237,8 @@ def two_nodes(request: pytest.FixtureRequest, redis_server: RedisServer):
         nodes = [parse_node(address) for address in cluster.addresses]
         return lambda: [RedisStore.from_url("redis://", name, server_time=False, cluster=nodes[i:i + 1],
                                             clock=lambda: NOW) for i, name in enumerate("ab")]
-    redis_server.client().flushdb()
-    return lambda: [RedisStore.from_url(redis_server.url, name, server_time=False, clock=lambda: NOW)
+    lone_redis.client().flushdb()
+    return lambda: [RedisStore.from_url(lone_redis.url, name, server_time=False, clock=lambda: NOW)
                     for name in "ab"]
 
 
