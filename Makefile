@@ -76,6 +76,7 @@ bench: $(INSTALLED) core nginx wrk redis-server valgrind
 	$(VENV)/bin/python bench/bench_zone.py
 	$(VENV)/bin/python bench/bench_workers.py
 	$(VENV)/bin/python bench/bench_proto.py
+	$(VENV)/bin/python bench/bench_hints.py
 	$(VENV)/bin/python bench/bench_identity.py
 	$(VENV)/bin/python bench/bench_instructions.py
 

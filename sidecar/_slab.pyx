@@ -24,6 +24,11 @@ from libc.stdint cimport uintptr_t
 from libc.string cimport memset
 
 
+cdef extern from *:
+    # GCC's and Clang's: ask for a line of memory before it is read.
+    void prefetch "__builtin_prefetch"(const void *address) noexcept nogil
+
+
 cdef extern from "Python.h":
     ctypedef PyObject *(*allocfunc)(PyTypeObject *, Py_ssize_t)
     ctypedef void (*freefunc)(void *)
@@ -59,6 +64,10 @@ cdef PyObject *allocate(PyTypeObject *kind, Py_ssize_t items) noexcept:
     if released != NULL:
         block = released
         released = released.next
+        if released != NULL:
+            # The next state's block, released when room was last made and
+            # out of the cache by now: asked for a state ahead.
+            prefetch(released)
     else:
         if carved == CHUNK_BLOCKS:
             raw = <char *>PyMem_RawMalloc((CHUNK_BLOCKS + 1) * LINE)

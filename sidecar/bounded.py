@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from sidecar.keystate import limiter_of
@@ -216,6 +216,10 @@ class StateMap(BoundedMap):
         if value is not None:
             value.used = True
         return value
+
+    def expect(self, checks: Sequence[Any]) -> None:
+        """A hint that the checks' keys are read next (the compiled map asks
+        for their memory ahead); this map ignores it."""
 
     def peek(self, key: Hashable) -> Any:
         """The key's state, or None; not a use (an administrator's look)."""

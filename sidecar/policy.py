@@ -64,6 +64,11 @@ class StateTable(Protocol):
         """Store a state the key does not hold yet: a new key's, or one
         that replaces a state of another algorithm."""
 
+    def expect(self, checks: Sequence[Check]) -> None:
+        """A hint, given before the checks' keys are read in turn: a table
+        may ask for their memory ahead (the compiled memory map does), or
+        ignore it."""
+
     def forget(self, key: Hashable) -> bool:
         """Drop the key's state; whether it had one."""
 
@@ -127,6 +132,8 @@ class Policy:
         deferred: list[tuple[CountingKey, DeferredLimiter, Any, bool, Hit]] = []
         stopped = False
         read, keep = table.state, table.keep
+        if len(checks) > 1:
+            table.expect(checks)
         for check in checks:
             spec = check.spec
             key = check.key

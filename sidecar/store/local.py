@@ -2,7 +2,7 @@
 primitives, answered at once.
 
 ``LocalStore`` is the deciding role (``sidecar.store.Deciding``) of any
-in-process table: a new in-process backend implements the seven members of
+in-process table: a new in-process backend implements the eight members of
 ``StateTable`` and gets the whole request phase from here. The memory store
 (``sidecar.store.memory``) is one, with the roles of bans, inspection and
 lifecycle beside it.

@@ -56,6 +56,7 @@ class MemoryTable:
         # The map's own operations, one call each on the request path.
         self.state: Callable[[Hashable], Any] = self.states.get
         self.keep: Callable[[Hashable, Any], None] = self.states.add
+        self.expect: Callable[[Sequence[Any]], None] = self.states.expect
 
     def forget(self, key: Hashable) -> bool:
         return self.states.pop(key) is not None

@@ -549,7 +549,7 @@ NAMES_KEPT = 16_384
 
 
 class NodeTable:
-    """The policy's seven primitives (``sidecar.policy.StateTable``) over
+    """The policy's primitives (``sidecar.policy.StateTable``) over
     the zones, inside one transaction at a time: ``plan_*`` names the
     records the transaction may touch, ``run`` locks their stripes, runs
     the action, writes back and unlocks. Records are read when the policy
@@ -847,6 +847,9 @@ class NodeTable:
         slot = self._slot(key)
         slot.state = state
         slot.changed = True
+
+    def expect(self, checks: Sequence[Check]) -> None:
+        """The transaction planned and read its records already: no hint needed."""
 
     def forget(self, key: Hashable) -> bool:
         slot = self._slot(key)

@@ -1,16 +1,16 @@
-"""The smallest in-process backend: the seven primitives of
-``sidecar.policy.StateTable`` over plain dicts, and no policy. Wrapped in
+"""The smallest in-process backend: the eight members of
+``sidecar.policy.StateTable`` over plain dicts (its hint ignored), and no policy. Wrapped in
 ``LocalStore`` it decides as the memory store does (the store contract's
 deciding tests run on it); it never bounds nor expires anything, which a
 real backend would."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 from sidecar.policy import Note
-from sidecar.state import BanRecord
+from sidecar.state import BanRecord, Check
 
 
 class DictTable:
@@ -24,6 +24,9 @@ class DictTable:
 
     def keep(self, key: Hashable, state: Any) -> None:
         self.states[key] = state
+
+    def expect(self, checks: Sequence[Check]) -> None:
+        pass  # a hint; nothing to ask for ahead in a dict
 
     def forget(self, key: Hashable) -> bool:
         return self.states.pop(key, None) is not None

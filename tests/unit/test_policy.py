@@ -1,5 +1,5 @@
 """The request-phase policy (sidecar.policy) over its tables: the smallest
-in-process backend is its seven primitives, and the memory store's table
+in-process backend is its eight members, and the memory store's table
 decides as a plain dict does while nothing is evicted."""
 
 from __future__ import annotations
@@ -121,3 +121,26 @@ def test_a_limit_of_something_that_is_not_a_limiter_is_refused_when_made() -> No
     with pytest.raises(TypeError, match="^NotALimiter is not a limiter: a limiter subclasses sidecar.limiters"):
         RuleLimit(NotALimiter(), 10, None)
     assert RuleLimit(EveryOther(), 10, None).limiter.calls == 0
+
+
+class ExpectingTable(DictTable):
+    """The smallest table, noting the hints it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.expected: list[list[Any]] = []
+
+    def expect(self, checks: Any) -> None:
+        self.expected.append([check.key for check in checks])
+
+
+def test_the_policy_tells_the_table_which_keys_it_reads_next_when_there_are_several() -> None:
+    limiter = WindowCounter(5, 60.0, 60.0)
+    table = ExpectingTable()
+    store = LocalStore(table, "node")
+    policy = store.policy
+    one = [Check.of("a", ("a", "192.0.2.1"), limiter, 5.0, True)]
+    two = [*one, Check.of("b", ("b", "192.0.2.1"), limiter, 5.0, True)]
+    policy.evaluate(0.0, "192.0.2.1", one)
+    policy.evaluate(0.0, "192.0.2.1", two)
+    assert table.expected == [[("a", "192.0.2.1"), ("b", "192.0.2.1")]]

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from sidecar import core
 from sidecar.bounded import BoundedMap, StateMap
 from sidecar.limiters.window import WindowCounter
+from sidecar.state import Check
 from sidecar.store.memory import MemoryTable
 
 
@@ -306,7 +307,15 @@ OPERATIONS = st.lists(st.one_of(
     st.tuples(st.just("pop"), KEYS, st.just(0.0)),
     st.tuples(st.just("advance"), st.just(0), HALVES),
     st.tuples(st.just("max_keys"), st.integers(1, 16), st.just(0.0)),
+    # A hint of the keys read next, then the first so many of them read in
+    # turn (the very objects, as the policy reads its checks' keys).
+    st.tuples(st.just("expect"), st.lists(KEYS, max_size=6), st.integers(0, 6)),
 ), max_size=400)
+
+
+def checks_of(keys: list[Any]) -> list[Check]:
+    """A request's checks of these keys (``StateMap.expect``'s argument)."""
+    return [Check.of("rule", key, COUNTER, 10.0, True) for key in keys]
 
 
 @pytest.mark.skipif(core.PURE, reason="the compiled map: the compiled core only")
@@ -316,14 +325,27 @@ OPERATIONS = st.lists(st.one_of(
 # made: the pure map meets it through the reference its slot held before.
 @example([("add", ("k", "cd"), 0.0), ("add", 0, 0.0), ("pop", ("k", "cd"), 0.0),
           ("add", ("k", "cd"), 1.0), ("advance", 0, 1.0), ("add", 1, 0.0)], 2)
+# Keys held, told and read in turn: each read takes the hash the hint kept.
+@example([("add", ("rule", "a"), 5.0), ("add", ("two", "a", 1), 5.0),
+          ("expect", [("rule", "a"), ("two", "a", 1), ("rule", "b")], 3)], 4)
 def test_the_compiled_map_keeps_what_the_pure_map_keeps_in_its_order(operations, max_keys):
-    """Any stores (new keys and held ones), reads, removals, passing time
-    and changes of the cap: both maps answer alike and hold the same keys
-    in the same order, with the same states and marks."""
+    """Any stores (new keys and held ones), reads, removals, passing time,
+    changes of the cap and hints of the keys read next (``expect``, asked
+    of the compiled map whatever its size, and followed by reads in any
+    order): both maps answer alike and hold the same keys in the same
+    order, with the same states and marks."""
     compiled = importlib.import_module("sidecar._statemap").StateMap
     clock = [0.0]
     pure, other = StateMap(max_keys, lambda: clock[0]), compiled(max_keys, lambda: clock[0])
+    other.expect_from = 0
     for kind, key, number in operations:
+        if kind == "expect":
+            pure.expect(checks_of(key))
+            other.expect(checks_of(key))
+            for read in key[:number]:
+                assert (pure.get(read) is None) == (other.get(read) is None)
+                assert contents(other) == contents(pure)
+            continue
         if kind == "advance":
             clock[0] += number
         elif kind == "max_keys":
@@ -417,3 +439,40 @@ def test_the_compiled_map_takes_no_more_memory_however_many_keys_rotate_through_
         tracemalloc.stop()
     assert len(m) <= 2_000
     assert rotated - full < 16 * 1024  # a key's worth of its 2,000 is about 200 bytes
+
+
+@pytest.mark.skipif(core.PURE, reason="the compiled map: the compiled core only")
+def test_the_compiled_map_holds_the_keys_it_was_told_to_expect_until_the_next_hint_only() -> None:
+    """``expect`` keeps the keys it hashed for their reads, and lets go of
+    them at the next hint and with the map: no key outlives its request's
+    next one. A map smaller than ``expect_from`` keeps none."""
+    compiled = importlib.import_module("sidecar._statemap").StateMap
+    key = ("rule", "".join(["192.0.2.", "7"]))  # made here: only this test holds it
+    held = sys.getrefcount(key)
+    small = compiled(10, lambda: 0.0)
+    small.expect(checks_of([key, ("rule", "other")]))
+    assert sys.getrefcount(key) == held  # under expect_from: a hint ignored
+    m = compiled(10, lambda: 0.0)
+    m.expect_from = 0
+    m.expect(checks_of([key, ("rule", "other")]))
+    assert sys.getrefcount(key) == held + 1
+    assert m.get(key) is None and m.get(("rule", "other")) is None  # read with the hashes kept
+    m.add(key, expiring_state(1e9))  # held as its items: the tuple itself is not kept
+    assert m.get(key) is not None
+    m.expect([])
+    assert sys.getrefcount(key) == held
+    m.expect(checks_of([key, key]))
+    assert sys.getrefcount(key) == held + 2
+    del m
+    gc.collect()
+    assert sys.getrefcount(key) == held
+
+
+@pytest.mark.skipif(core.PURE, reason="the compiled map: the compiled core only")
+def test_the_compiled_map_takes_only_checks_as_a_hint() -> None:
+    m = importlib.import_module("sidecar._statemap").StateMap(10, lambda: 0.0)
+    m.expect_from = 0
+    with pytest.raises(TypeError):
+        m.expect([("rule", "a"), ("rule", "b")])
+    m.add(("rule", "a"), expiring_state(1e9))
+    assert m.get(("rule", "a")) is not None
