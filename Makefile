@@ -77,6 +77,7 @@ bench: $(INSTALLED) core nginx wrk redis-server valgrind
 	$(VENV)/bin/python bench/bench_workers.py
 	$(VENV)/bin/python bench/bench_proto.py
 	$(VENV)/bin/python bench/bench_hints.py
+	$(VENV)/bin/python bench/bench_cold.py
 	$(VENV)/bin/python bench/bench_identity.py
 	$(VENV)/bin/python bench/bench_instructions.py
 
