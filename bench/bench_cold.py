@@ -51,6 +51,7 @@ CONFIGURATIONS = (("asgi", "asgi", 1, 2_000),
                   ("one client", "sluice-one", 1, 2_000),
                   ("5,000 returning clients", "sluice-rotating", 5_000, 60_000),
                   ("new clients (100,000 rotating)", "sluice-rotating", 0, 150_000))
+KEPT_ALIVE = 24 * 3600.0  # seconds an idle connection stays open
 ROWS = (("ten rules, one client / trivial ASGI app", "one client", "asgi"),
         ("ten rules, 5,000 returning clients / trivial ASGI app", "5,000 returning clients", "asgi"),
         ("ten rules, new clients / trivial ASGI app", "new clients (100,000 rotating)", "asgi"),
@@ -62,7 +63,9 @@ class Fed:
     """One configuration's protocol, fed its checks in turn."""
 
     def __init__(self, configuration: str, clients: int) -> None:
-        self.protocol = protocol_for(configuration)
+        # Another configuration's blocks come between this one's: its
+        # connection must outlive them (closed, it would answer no more).
+        self.protocol = protocol_for(configuration, keep_alive=KEPT_ALIVE)
         self.transport = Transport()
         self.protocol.connection_made(self.transport)
         self.clients = clients
@@ -82,6 +85,7 @@ class Fed:
             expected = transport.answers + 1
             protocol.data_received(request)
             while transport.answers < expected:
+                assert not transport.closing, "the connection was closed"
                 await asyncio.sleep(0)
             taken += time.perf_counter() - started
         return taken

@@ -112,8 +112,10 @@ class Transport(asyncio.Transport):
         return 0
 
 
-def protocol_for(configuration: str) -> Any:
-    """The protocol that serves ``configuration``, made as its server makes it."""
+def protocol_for(configuration: str, keep_alive: float = 5.0) -> Any:
+    """The protocol that serves ``configuration``, made as its server makes
+    it; an idle connection is closed after ``keep_alive`` seconds (uvicorn's
+    default: 5)."""
     from uvicorn.config import Config
     from uvicorn.server import ServerState
 
@@ -130,7 +132,7 @@ def protocol_for(configuration: str) -> Any:
         namespace = {}
         exec(BARE_APP, namespace)  # noqa: S102 - the bench's own source
         config = Config(namespace["app"], access_log=False, server_header=False, date_header=False,
-                        proxy_headers=False, lifespan="off", http="httptools")
+                        proxy_headers=False, lifespan="off", http="httptools", timeout_keep_alive=keep_alive)
         config.load()
         return HttpToolsProtocol(config=config, server_state=ServerState(), app_state={})
     from bench_engine import NO_RULES, TEN_RULES, engine_for
@@ -147,7 +149,7 @@ def protocol_for(configuration: str) -> Any:
         engine = Engine(ruleset, store=NodeStore(NodeZones.private(ruleset.max_keys), ruleset.node))
     app = create_app(engine)
     config = Config(app, access_log=False, server_header=False, date_header=False, proxy_headers=False,
-                    lifespan="off", http=protocol_factory())
+                    lifespan="off", http=protocol_factory(), timeout_keep_alive=keep_alive)
     config.load()
     return protocol_factory()(config=config, server_state=ServerState(), app_state={})
 
