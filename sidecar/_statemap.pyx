@@ -31,6 +31,10 @@ many addresses), where the pure map spends most of its time:
   reads a record only when the bits match; a removal shifts the probe's
   later entries back instead of leaving a tombstone.
 
+A key is hashed as Python hashes it, with the hash of its prefix (a
+rule's id and its dimensions' names, the tuple that begins every key of
+the rule) kept instead of worked out again for every key (``key_hash``).
+
 A request's keys are read one after the other, each read waiting for its
 lines of memory when many clients' keys have pushed them out of the CPU's
 cache. ``expect``, the policy's hint of the keys it reads next, asks for
@@ -46,7 +50,8 @@ records to drop before it drops them (``_drop_oldest``).
 cimport cython
 from cpython.mem cimport PyMem_RawFree, PyMem_RawMalloc, PyMem_RawRealloc
 from cpython.object cimport Py_EQ, PyObject, PyObject_Hash, PyObject_RichCompareBool
-from cpython.ref cimport Py_DECREF, Py_INCREF
+from cpython.ref cimport Py_DECREF, Py_INCREF, Py_XDECREF
+from cpython.unicode cimport PyUnicode_CheckExact
 from cpython.tuple cimport (
     PyTuple_Check, PyTuple_CheckExact, PyTuple_GET_ITEM, PyTuple_GET_SIZE, PyTuple_New, PyTuple_SET_ITEM,
 )
@@ -106,6 +111,90 @@ cdef class _Slot:
     cdef long long number
     cdef int32_t first
     cdef int32_t last
+
+
+# The hashes of the prefixes of keys (a rule's id and its dimensions'
+# names, a tuple the rule makes once and puts first in each of its keys),
+# kept by the prefix object (a reference held, so that no other object
+# takes its address), a few of them: hashing a key then hashes its values
+# only, not the nested tuple of texts before them, whose memory is then
+# not read either.
+cdef enum:
+    PREFIXES = 128  # prefixes whose hash is kept (2 ** 7: the slot is a hash's top 7 bits)
+
+cdef PyObject *prefix_objects[PREFIXES]
+cdef Py_hash_t prefix_hashes[PREFIXES]
+memset(prefix_objects, 0, sizeof(prefix_objects))
+
+# CPython's tuple hash (Objects/tupleobject.c, xxHash's mixing, 64 bits).
+cdef uint64_t XXPRIME_1 = 11400714785074694791ULL
+cdef uint64_t XXPRIME_2 = 14029467366897019727ULL
+cdef uint64_t XXPRIME_5 = 2870177450012600261ULL
+
+
+cdef bint _unchanging(object value) noexcept:
+    """Whether ``value``'s hash can never change: a text, or a tuple of
+    such values (a prefix is one)."""
+    cdef Py_ssize_t index
+    if PyUnicode_CheckExact(value):
+        return True
+    if not PyTuple_CheckExact(value):
+        return False
+    for index in range(PyTuple_GET_SIZE(value)):
+        if not _unchanging(<object>PyTuple_GET_ITEM(value, index)):
+            return False
+    return True
+
+
+cdef Py_hash_t _prefix_hash(object prefix) except? -1:
+    """``hash(prefix)``, kept for the next keys of the prefix."""
+    # The address spread over the slots (Fibonacci hashing): prefixes made
+    # one after the other lie a few lines apart.
+    cdef size_t slot = <size_t>((<uint64_t><size_t><PyObject *>prefix * <uint64_t>0x9E3779B97F4A7C15ULL) >> 57)
+    cdef Py_hash_t hashed
+    if prefix_objects[slot] == <PyObject *>prefix:
+        return prefix_hashes[slot]
+    hashed = PyObject_Hash(prefix)
+    if _unchanging(prefix):
+        Py_XDECREF(prefix_objects[slot])
+        Py_INCREF(prefix)
+        prefix_objects[slot] = <PyObject *>prefix
+        prefix_hashes[slot] = hashed
+    return hashed
+
+
+cdef Py_hash_t key_hash(object key) except? -1:
+    """``hash(key)``: for a tuple key whose first item is a tuple (a
+    counting key: its prefix, then its values), CPython's tuple hash worked
+    out here with the prefix's hash kept (``_prefix_hash``); any other key's
+    own hash."""
+    cdef Py_ssize_t index, size
+    cdef uint64_t accumulated, lane
+    cdef Py_hash_t hashed
+    if not PyTuple_CheckExact(key):
+        return PyObject_Hash(key)
+    size = PyTuple_GET_SIZE(key)
+    if size == 0 or not PyTuple_CheckExact(<object>PyTuple_GET_ITEM(key, 0)):
+        return PyObject_Hash(key)
+    accumulated = XXPRIME_5
+    for index in range(size):
+        if index == 0:
+            hashed = _prefix_hash(<object>PyTuple_GET_ITEM(key, 0))
+        else:
+            hashed = PyObject_Hash(<object>PyTuple_GET_ITEM(key, index))
+        lane = <uint64_t>hashed
+        accumulated += lane * XXPRIME_2
+        accumulated = (accumulated << 31) | (accumulated >> 33)
+        accumulated *= XXPRIME_1
+    accumulated += <uint64_t>size ^ (XXPRIME_5 ^ 3527539ULL)
+    if accumulated == <uint64_t>-1:
+        return 1546275796
+    return <Py_hash_t>accumulated
+
+
+def hash_of(key):
+    """The hash the map works a key out by (``hash(key)``; for the tests)."""
+    return key_hash(key)
 
 
 cdef inline uint64_t mixed(Py_hash_t hash) noexcept:
@@ -470,7 +559,7 @@ cdef class StateMap:
         count = min(len(checks), <Py_ssize_t>MOST_EXPECTED)
         for index in range(count):
             key = (<Check?>checks[index]).key
-            self._expected_hash[index] = mixed(PyObject_Hash(key))
+            self._expected_hash[index] = mixed(key_hash(key))
             Py_INCREF(key)
             self._expected[index] = <PyObject *>key
             self._expected_count = <int>index + 1
@@ -512,7 +601,7 @@ cdef class StateMap:
         if next < self._expected_count and <PyObject *>key == self._expected[next]:
             self._expected_next = next + 1
             return self._expected_hash[next]
-        return mixed(PyObject_Hash(key))
+        return mixed(key_hash(key))
 
     cpdef get(self, key):
         cdef uint64_t hashed = self._hash_of(key)
@@ -528,7 +617,7 @@ cdef class StateMap:
 
     def peek(self, key):
         """The key's state, or None; not a use (an administrator's look)."""
-        cdef Py_ssize_t at = self._find(key, mixed(PyObject_Hash(key)))
+        cdef Py_ssize_t at = self._find(key, mixed(key_hash(key)))
         if at < 0:
             return None
         return <object>self._records[self._number(at)].value
@@ -539,7 +628,7 @@ cdef class StateMap:
         under an earlier slot only."""
         cdef double when = state_expiry(value) if expires is None else <double>expires
         cdef bint missed = key is self._missed
-        cdef uint64_t hashed = self._missed_hash if missed else mixed(PyObject_Hash(key))
+        cdef uint64_t hashed = self._missed_hash if missed else mixed(key_hash(key))
         cdef int32_t number
         cdef Py_ssize_t at
         cdef Record *record
@@ -565,7 +654,7 @@ cdef class StateMap:
         self._file(number, when)
 
     def __setitem__(self, key, value):
-        cdef Py_ssize_t at = self._find(key, mixed(PyObject_Hash(key)))
+        cdef Py_ssize_t at = self._find(key, mixed(key_hash(key)))
         cdef int32_t number
         if at < 0:
             self.add(key, value)
@@ -575,7 +664,7 @@ cdef class StateMap:
             self._replace(number, value, state_expiry(value))
 
     def pop(self, key, default=None):
-        cdef Py_ssize_t at = self._find(key, mixed(PyObject_Hash(key)))
+        cdef Py_ssize_t at = self._find(key, mixed(key_hash(key)))
         cdef int32_t number
         cdef object value
         if at < 0:
@@ -588,14 +677,14 @@ cdef class StateMap:
     def marked(self, key):
         """Whether the key was read since it was stored or last passed over
         when room was made (False when not held)."""
-        cdef Py_ssize_t at = self._find(key, mixed(PyObject_Hash(key)))
+        cdef Py_ssize_t at = self._find(key, mixed(key_hash(key)))
         return at >= 0 and self._records[self._number(at)].used != 0
 
     def __len__(self):
         return self._count
 
     def __contains__(self, key):
-        return self._find(key, mixed(PyObject_Hash(key))) >= 0
+        return self._find(key, mixed(key_hash(key))) >= 0
 
     def items(self):
         """(key, state) of every key, oldest first."""

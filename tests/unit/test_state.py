@@ -476,3 +476,19 @@ def test_the_compiled_map_takes_only_checks_as_a_hint() -> None:
         m.expect([("rule", "a"), ("rule", "b")])
     m.add(("rule", "a"), expiring_state(1e9))
     assert m.get(("rule", "a")) is not None
+
+
+@pytest.mark.skipif(core.PURE, reason="the compiled map: the compiled core only")
+@settings(max_examples=500, deadline=None)
+@given(st.one_of(KEYS, st.tuples(st.tuples(st.text(max_size=3), st.tuples(st.text(max_size=3))),
+                                  st.text(), st.text(), st.text()),
+                 st.tuples(st.tuples(), st.integers()), st.tuples(), st.text(), st.none()))
+def test_the_compiled_map_hashes_a_key_as_python_does(key: Any) -> None:
+    """A counting key's prefix hash is kept by the prefix; the key's hash is
+    still ``hash(key)``, for a prefix met before or not, and an equal key
+    with another prefix object hashes alike."""
+    hash_of = importlib.import_module("sidecar._statemap").hash_of
+    assert hash_of(key) == hash_of(key) == hash(key)
+    if isinstance(key, tuple) and key and isinstance(key[0], tuple):
+        copied = (tuple(list(key[0])), *key[1:])  # an equal prefix, another object (unless empty)
+        assert hash_of(copied) == hash(key)
