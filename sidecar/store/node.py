@@ -849,7 +849,9 @@ class NodeTable:
         slot.changed = True
 
     def expect(self, checks: Sequence[Check]) -> None:
-        """The transaction planned and read its records already: no hint needed."""
+        """A hint this table does not take: the transaction planned every
+        record before it locked them, and reads each when the policy first
+        asks."""
 
     def forget(self, key: Hashable) -> bool:
         slot = self._slot(key)
