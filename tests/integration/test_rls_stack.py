@@ -6,6 +6,7 @@ the rules: a ban the Rate Limit Service issues closes the client at nginx."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import urllib.request
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from devstack.launcher import Stack
+from devstack.launcher import ENVOY_ADMIN_HOST, Stack
 from tests.integration.clients import CONNECTION_CLOSED, Client
 from tests.integration.conftest import fresh_client_address, sluice_metric, start_stack
 
@@ -30,9 +31,68 @@ def rls_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     rules.write_text("rules: []\n")  # the HTTP doors refuse only what is banned
     stack = start_stack(run_dir, rules, rls_config=EXAMPLE_CONFIG)
     try:
+        wait_until_the_rls_answers(stack)
         yield stack
     finally:
         stack.stop()
+
+
+# Envoy's ratelimit filter counts the calls it let through unchecked here.
+FAILED_OPEN = r"ratelimit\.(error|failure_mode_allowed)$"
+RLS_ANSWER_SECONDS = 10.0
+
+
+def envoy_stats(stack: Stack, pattern: str) -> dict[str, int]:
+    """The counters of envoy-rls's admin /stats whose names match ``pattern``."""
+    connection = http.client.HTTPConnection(ENVOY_ADMIN_HOST, stack.ports.envoy_rls_admin, timeout=2.0)
+    try:
+        connection.request("GET", f"/stats?filter={pattern}")
+        text = connection.getresponse().read().decode()
+    finally:
+        connection.close()
+    stats: dict[str, int] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(": ")
+        if value.isdigit():
+            stats[name] = int(value)
+    return stats
+
+
+def failed_open(stack: Stack) -> int:
+    return sum(envoy_stats(stack, FAILED_OPEN).values())
+
+
+def why_unanswered(stack: Stack) -> str:
+    """What envoy-rls and Sluice say about the Rate Limit Service's calls."""
+    counted = {name: value for name, value in envoy_stats(stack, "ratelimit|sluice_grpc").items() if value}
+    logs = stack.run_dir / "logs"
+    tails = "\n".join(f"--- {name}:\n" + "\n".join((logs / name).read_text(errors="replace").splitlines()[-15:])
+                      for name in ("envoy-rls.log", "sluice.log") if (logs / name).is_file())
+    return f"Envoy's counters: {counted}\n{tails}"
+
+
+def wait_until_the_rls_answers(stack: Stack) -> None:
+    """Until a request through envoy-rls carries the headers of Sluice's
+    answer. The filter fails open (failure_mode_deny: false): a stack
+    whose Rate Limit Service does not answer yet lets every request
+    through, which the tests below would take for counts gone wrong. The
+    probe's address is one no test sends from."""
+    probe = rls_client(stack)
+    deadline = time.monotonic() + RLS_ANSWER_SECONDS
+    while "x-ratelimit-limit" not in probe.request("/").headers:
+        if time.monotonic() > deadline:
+            pytest.fail(f"no answer of Sluice's Rate Limit Service through envoy-rls within "
+                        f"{RLS_ANSWER_SECONDS} s\n{why_unanswered(stack)}")
+        time.sleep(0.01)
+
+
+@pytest.fixture(autouse=True)
+def envoy_never_fails_open(rls_stack: Stack) -> Iterator[None]:
+    """Each test: no request let through because Sluice's Rate Limit
+    Service did not answer, or answered with an error."""
+    before = failed_open(rls_stack)
+    yield
+    assert failed_open(rls_stack) == before, why_unanswered(rls_stack)
 
 
 def rls_client(stack: Stack) -> Client:
