@@ -203,6 +203,11 @@ cdef inline uint64_t mixed(Py_hash_t hash) noexcept:
     return <uint64_t>hash * <uint64_t>0x9E3779B97F4A7C15ULL
 
 
+cdef inline uint64_t hashed_key(object key) except? 0:
+    """The key's hash as the map places it: ``key_hash``, mixed."""
+    return mixed(key_hash(key))
+
+
 @cython.final
 cdef class StateMap:
     """``sidecar.bounded.StateMap`` in C; see the module's docstring."""
@@ -559,7 +564,7 @@ cdef class StateMap:
         count = min(len(checks), <Py_ssize_t>MOST_EXPECTED)
         for index in range(count):
             key = (<Check?>checks[index]).key
-            self._expected_hash[index] = mixed(key_hash(key))
+            self._expected_hash[index] = hashed_key(key)
             Py_INCREF(key)
             self._expected[index] = <PyObject *>key
             self._expected_count = <int>index + 1
@@ -601,7 +606,7 @@ cdef class StateMap:
         if next < self._expected_count and <PyObject *>key == self._expected[next]:
             self._expected_next = next + 1
             return self._expected_hash[next]
-        return mixed(key_hash(key))
+        return hashed_key(key)
 
     cpdef get(self, key):
         cdef uint64_t hashed = self._hash_of(key)
@@ -617,7 +622,7 @@ cdef class StateMap:
 
     def peek(self, key):
         """The key's state, or None; not a use (an administrator's look)."""
-        cdef Py_ssize_t at = self._find(key, mixed(key_hash(key)))
+        cdef Py_ssize_t at = self._find(key, hashed_key(key))
         if at < 0:
             return None
         return <object>self._records[self._number(at)].value
@@ -628,7 +633,7 @@ cdef class StateMap:
         under an earlier slot only."""
         cdef double when = state_expiry(value) if expires is None else <double>expires
         cdef bint missed = key is self._missed
-        cdef uint64_t hashed = self._missed_hash if missed else mixed(key_hash(key))
+        cdef uint64_t hashed = self._missed_hash if missed else hashed_key(key)
         cdef int32_t number
         cdef Py_ssize_t at
         cdef Record *record
@@ -654,7 +659,7 @@ cdef class StateMap:
         self._file(number, when)
 
     def __setitem__(self, key, value):
-        cdef Py_ssize_t at = self._find(key, mixed(key_hash(key)))
+        cdef Py_ssize_t at = self._find(key, hashed_key(key))
         cdef int32_t number
         if at < 0:
             self.add(key, value)
@@ -664,7 +669,7 @@ cdef class StateMap:
             self._replace(number, value, state_expiry(value))
 
     def pop(self, key, default=None):
-        cdef Py_ssize_t at = self._find(key, mixed(key_hash(key)))
+        cdef Py_ssize_t at = self._find(key, hashed_key(key))
         cdef int32_t number
         cdef object value
         if at < 0:
@@ -677,14 +682,14 @@ cdef class StateMap:
     def marked(self, key):
         """Whether the key was read since it was stored or last passed over
         when room was made (False when not held)."""
-        cdef Py_ssize_t at = self._find(key, mixed(key_hash(key)))
+        cdef Py_ssize_t at = self._find(key, hashed_key(key))
         return at >= 0 and self._records[self._number(at)].used != 0
 
     def __len__(self):
         return self._count
 
     def __contains__(self, key):
-        return self._find(key, mixed(key_hash(key))) >= 0
+        return self._find(key, hashed_key(key)) >= 0
 
     def items(self):
         """(key, state) of every key, oldest first."""
