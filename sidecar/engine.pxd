@@ -1,9 +1,53 @@
 # Types of sidecar/engine.py for its compiled build (see setup.py): the
-# engine is compiled as it is written; its methods are Python functions,
-# the conclusion's request, checks, specs, hits and evaluation typed (a field
-# read in C).
+# engine is an extension type whose fields a check reads are C fields (the
+# rest, and what tests set, in its __dict__); the steps of a decision are C
+# methods, the conclusion's request, checks, specs, hits and evaluation
+# typed (a field read in C). decide_now stays a Python method: tests and
+# tools replace it on an engine.
 cimport cython
 
+from sidecar.clientip cimport ClientAddress, ClientIPResolver
 from sidecar.limiters.records cimport Hit
+from sidecar.policy cimport Policy
 from sidecar.request cimport CheckRequest
 from sidecar.state cimport Check, CheckSpec, Evaluation
+
+
+cdef class Engine:
+    cdef dict __dict__
+    cdef public object store
+    cdef public object metrics
+    cdef public object clock
+    cdef public object wall_clock
+    cdef public object log
+    cdef public object tokens
+    cdef public object refusals
+    cdef public object late_counts
+    cdef public object loop_behind
+    cdef public object address_refusals
+    cdef public Py_ssize_t delayed
+    cdef object _credential_check
+    # The ruleset (the ruleset property) and what every check reads of it.
+    cdef object _ruleset
+    cdef object _match
+    cdef object _exempt
+    cdef object _crowdsec
+    cdef bint _exempting
+    cdef bint _holds
+    cdef bint _leases
+    cdef bint _draft_headers
+    cdef object _plain_for
+    cdef object _plain
+    cdef Policy _policy
+
+    @cython.locals(resolver=ClientIPResolver, client=ClientAddress)
+    cdef _resolve(self, CheckRequest request)
+
+    @cython.locals(client=ClientAddress)
+    cdef _prepare(self, CheckRequest request)
+
+    @cython.locals(policy=Policy)
+    cdef _evaluate_now(self, store, double now, client, checks, bint can_delay, bint quotas)
+
+    @cython.locals(hit=Hit, check=Check, spec=CheckSpec)
+    cdef _conclude(self, CheckRequest request, list matched, list checks, Evaluation evaluation)

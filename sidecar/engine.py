@@ -46,9 +46,9 @@ from sidecar.request import UNRESOLVED, CheckRequest
 from sidecar.responses import ResponsePhase
 from sidecar.rules import CompiledRule, Ruleset
 from sidecar.signing import derive_key
-from sidecar.state import BanRecord, Check, CheckSpec, Clock, Evaluation, epoch_clock
+from sidecar.state import BanRecord, Check, Clock, Evaluation, epoch_clock
 from sidecar.store import StateStore, StoreUnavailable, open_local_counts, open_store
-from sidecar.store.local import PlainEvaluation, plain_evaluation
+from sidecar.store.local import PlainEvaluation, plain_evaluation, plain_policy
 from sidecar.tokens import Tokens
 
 if TYPE_CHECKING:
@@ -157,7 +157,7 @@ class Engine:
             open_store(ruleset.backend, ruleset.url, ruleset.max_keys, ruleset.node, clock,
                        cluster=ruleset.cluster, sentinel=ruleset.sentinel)
         self.metrics = metrics if metrics is not None else Metrics()
-        self.log = DecisionLog(lambda: self.ruleset.node, wall_clock, keys=lambda: self.ruleset.log_keys,
+        self.log = DecisionLog(lambda: self._ruleset.node, wall_clock, keys=lambda: self._ruleset.log_keys,
                                secret=lambda: self._secret, clock=clock)
         self.responses = ResponsePhase(self)
         self._credential_check = self._has_credential  # bound once: the rules get it for every request
@@ -180,12 +180,30 @@ class Engine:
         # that function (None: its evaluate is run as a coroutine).
         self._plain_for: object = None
         self._plain: PlainEvaluation | None = None
-        self.metrics.jwt_keys = lambda: self.ruleset.jwt.key_count if self.ruleset.jwt is not None else 0
-        self.metrics.crowdsec_decisions = lambda: self.ruleset.crowdsec.table.counts \
-            if self.ruleset.crowdsec is not None else None
+        self._policy: Policy | None = None  # the memory store's policy, when _plain is its evaluate
+        self.metrics.jwt_keys = lambda: self._ruleset.jwt.key_count if self._ruleset.jwt is not None else 0
+        self.metrics.crowdsec_decisions = lambda: self._ruleset.crowdsec.table.counts \
+            if self._ruleset.crowdsec is not None else None
         self._start(ruleset)
         # A span per check, when sluice serve --otlp-endpoint is given (sidecar.tracing).
         self.tracing: Tracing | None = None
+
+    @property
+    def ruleset(self) -> Ruleset:
+        """The rules every request is decided by; replaced at reload."""
+        return self._ruleset
+
+    @ruleset.setter
+    def ruleset(self, ruleset: Ruleset) -> None:
+        # With it, what every check reads of it (compiled: C fields).
+        self._ruleset = ruleset
+        self._match = ruleset.match
+        self._exempt = ruleset.exempt
+        self._exempting = bool(ruleset.exempt.networks)
+        self._crowdsec = ruleset.crowdsec
+        self._holds = ruleset.holds
+        self._leases = ruleset.leases
+        self._draft_headers = ruleset.draft_headers
 
     @property
     def pending(self) -> PendingTokens:
@@ -202,10 +220,10 @@ class Engine:
             self.tokens = Tokens.from_secret(ruleset.secret, self.wall_clock)
         self.store.configure(ruleset.max_keys, ruleset.node)
         self.refusals.capacity = self.address_refusals.capacity = ruleset.max_keys
-        old = self.ruleset.jwt
+        old = self._ruleset.jwt
         if old is not None and ruleset.jwt is not None:
             ruleset.jwt.follow(old)
-        previous = self.ruleset
+        previous = self._ruleset
         if previous.crowdsec is not None and ruleset.crowdsec is not None:
             ruleset.crowdsec.follow(previous.crowdsec)
         self._start(ruleset)
@@ -242,9 +260,9 @@ class Engine:
         """Stop what runs beside the decisions (a JWKS URL's fetches, a
         CrowdSec Local API's polls and alerts, the export of spans, after
         the last batch)."""
-        if self.ruleset.jwt is not None:
-            self.ruleset.jwt.close()
-        self._close_crowdsec(self.ruleset)
+        if self._ruleset.jwt is not None:
+            self._ruleset.jwt.close()
+        self._close_crowdsec(self._ruleset)
         if self.tracing is not None:
             self.tracing.close()
 
@@ -258,7 +276,7 @@ class Engine:
         late checks are counted anew."""
         self.refusals = RefusalMemory(self.refusals.capacity)
         self.address_refusals.clear()
-        self.late_counts = self._late_counts(self.ruleset)
+        self.late_counts = self._late_counts(self._ruleset)
 
     def _late_counts(self, ruleset: Ruleset) -> Policy:
         """Where late checks that an `overload: open` rule lets in are
@@ -277,7 +295,7 @@ class Engine:
     # -- client address ---------------------------------------------------
 
     def resolve_client(self, peer: str, forwarded_for: str | None) -> ClientAddress:
-        client = self.ruleset.resolver.resolve(peer, forwarded_for)
+        client = self._ruleset.resolver.resolve(peer, forwarded_for)
         if client is UNKNOWN_CLIENT:
             self._unknown_client(peer)
         return client
@@ -308,24 +326,26 @@ class Engine:
             return prepared
         # The hold slot is taken before the store is asked: decisions in
         # flight at once must not all see the same free room.
-        held = self._reserve_hold(prepared[1]) if self.ruleset.holds else False
+        held = self._reserve_hold(prepared[1]) if self._ruleset.holds else False
         decision: Decision | None = None
         try:
             now = self.clock()
-            evaluated = await self._evaluate(now, request.client.key, prepared[1], held, self.ruleset.draft_headers)
+            evaluated = await self._evaluate(now, request.client.key, prepared[1], held, self._ruleset.draft_headers)
             if isinstance(evaluated, Decision):
                 decision = evaluated  # the store did not answer
             else:
-                decision = self._conclude(request, *prepared, evaluated)
+                matched, checks = prepared
+                decision = self._conclude(request, matched, checks, evaluated)
                 if decision.outcome is ALLOW:
                     # The shared store admitted it: so does this node's count of
                     # late checks, which then starts from this node's share.
-                    self._count_here(now, *prepared, admitted=True)
+                    self._count_here(now, matched, checks, admitted=True)
         finally:
             if held:
                 self._release_unless_held(decision)
         return decision
 
+    @cython.locals(request=CheckRequest)
     def decide_now(self, request: CheckRequest) -> Decision:
         """``decide`` as a plain function, over a store that answers at
         once (the memory store): what the HTTP protocol runs for every
@@ -342,12 +362,11 @@ class Engine:
         if isinstance(prepared, Decision):
             return prepared
         matched, checks = prepared
-        ruleset = self.ruleset
-        held = self._reserve_hold(checks) if ruleset.holds else False
+        held = self._reserve_hold(checks) if self._holds else False
         decision: Decision | None = None
         try:
             evaluated = self._evaluate_now(store, self.clock(), request.client.key, checks, held,
-                                           ruleset.draft_headers)
+                                           self._draft_headers)
             if isinstance(evaluated, Decision):
                 decision = evaluated  # the store did not answer
             else:
@@ -357,11 +376,11 @@ class Engine:
                 self._release_unless_held(decision)
         return decision
 
-    @cython.locals(request=CheckRequest)
     def _resolve(self, request: CheckRequest) -> None:
         """The client of a request a front door described (``UNRESOLVED``):
         ``resolve_client``, written out (this runs for every check)."""
-        client = self.ruleset.resolver.resolve(request.peer, request.forwarded_for)
+        resolver = self._ruleset.resolver
+        client = resolver.resolve(request.peer, request.forwarded_for)
         if client is UNKNOWN_CLIENT:
             self._unknown_client(request.peer)
         request.client = client
@@ -420,9 +439,14 @@ class Engine:
         policy's own (``plain_evaluation``), else its coroutine run at once."""
         if store is not self._plain_for:
             self._plain_for, self._plain = store, plain_evaluation(store)
+            policy = plain_policy(store)
+            self._policy = policy if type(policy) is Policy else None
+        policy = self._policy
         plain = self._plain
         try:
-            if plain is not None:
+            if policy is not None:  # the memory store's: called in C
+                evaluation = policy.evaluate(now, client, checks, can_delay, quotas)
+            elif plain is not None:
                 evaluation = plain(now, client, checks, can_delay, quotas)
             else:
                 evaluation = run_at_once(store.evaluate(now, client, checks, can_delay=can_delay, quotas=quotas))
@@ -437,7 +461,7 @@ class Engine:
     def late(self, sent: float) -> bool:
         """Whether a check the proxy sent at ``sent`` (Unix seconds) waited
         past overload.after, while the serving loop is behind."""
-        after = self.ruleset.overload_after
+        after = self._ruleset.overload_after
         return self.wall_clock() - sent > after and self.loop_behind() >= after * BEHIND_SHARE
 
     def _overloaded(self, request: CheckRequest) -> Decision:
@@ -542,7 +566,7 @@ class Engine:
         if not request.client.key:
             return
         self.refusals.remember((BANNED, request.client.key), ban.expires, CLOSED)
-        if self.ruleset.address_wide_bans and self.store.answers_at_once:
+        if self._ruleset.address_wide_bans and self.store.answers_at_once:
             now = self.clock()
             request.refused_until = min(ban.expires, now + STORED_SECONDS)
             self._proxy_holds(request, min(ban.expires - now, PROXY_SECONDS))
@@ -559,7 +583,7 @@ class Engine:
         """Take one of ``state.max_delayed`` hold slots for a request that a
         leaky bucket may hold; False when it may not be held (queue full,
         or no rule that holds)."""
-        if self.delayed >= self.ruleset.max_delayed or not any(check.limiter.holds for check in checks):
+        if self.delayed >= self._ruleset.max_delayed or not any(check.limiter.holds for check in checks):
             return False
         self.delayed += 1
         return True
@@ -578,35 +602,33 @@ class Engine:
         """The store did not answer (counted and logged): the request let
         in or refused as ``state.fail`` says."""
         self.store_failed(exc)
-        return ALLOWED if self.ruleset.fail == "open" else STORE_UNAVAILABLE
+        return ALLOWED if self._ruleset.fail == "open" else STORE_UNAVAILABLE
 
     def store_failed(self, exc: Exception) -> None:
         """Counted always, logged at most every 10 s."""
         self.metrics.store_errors.inc()
         self._store_error_log.warning("state store unavailable (%s); requests %s until it answers again "
                                       "(reported every 10 s at most)", exc,
-                                      "are allowed" if self.ruleset.fail == "open" else "are refused")
+                                      "are allowed" if self._ruleset.fail == "open" else "are refused")
 
     def _prepare(self, request: CheckRequest) -> Decision | tuple[list[CompiledRule], list[Check]]:
         """The matching rules and their checks, or the decision when the
         store need not be asked."""
-        ruleset = self.ruleset
         metrics = self.metrics
         metrics.checks.value += 1  # Tally.inc without the call: every request
         network_bans = self.store.network_bans  # banned by hand (sidecar.networkbans)
         # Networks are looked up by the address's value (sidecar.clientip.NetworkSet):
         # a new client's address object is never made for them.
         client = request.client
-        exempt = ruleset.exempt
-        # The tuple, not the set's __bool__: one call less. A client the
-        # ruleset's resolver made knows whether it is exempt (no lookup).
-        if exempt.networks and (client.exempt if client.exempt_by is exempt else client.exempt_in(exempt)):
+        exempt = self._exempt
+        # A client the ruleset's resolver made knows whether it is exempt (no lookup).
+        if self._exempting and (client.exempt if client.exempt_by is exempt else client.exempt_in(exempt)):
             return ALLOWED
         # Asked only while a network is banned (nearly never).
         if network_bans.banning and network_bans.find_client(client, self.clock()) is not None:
             metrics.banned_requests.value += 1
             return CLOSED
-        crowdsec = ruleset.crowdsec  # a CrowdSec Local API's decisions (sidecar.crowdsec)
+        crowdsec = self._crowdsec  # a CrowdSec Local API's decisions (sidecar.crowdsec)
         if crowdsec is not None:
             found = crowdsec.table.find_client(client, self.clock())
             if found is not None:
@@ -618,9 +640,9 @@ class Engine:
         checks: list[Check] = []
         # The id the request's concurrency slots are taken under, and given
         # back by: unique across nodes and workers without coordination.
-        lease = os.urandom(9).hex() if ruleset.leases else ""
+        lease = os.urandom(9).hex() if self._leases else ""
         # The rules in order, their conditions and keys inline (rules.compile_matcher).
-        if ruleset.match(request, matched, checks, lease, self._credential_check):
+        if self._match(request, matched, checks, lease, self._credential_check):
             # A challenge credential ended the evaluation: counted when the
             # rules before it let the request in.
             request.credential = True
@@ -639,7 +661,7 @@ class Engine:
         if found.kind == BAN:
             tally["ban"] += 1
             return CLOSED
-        rule = self.ruleset.crowdsec_rule
+        rule = self._ruleset.crowdsec_rule
         assert rule is not None and rule.challenge is not None
         if self._has_credential(rule, request):
             tally["captcha_passed"] += 1
@@ -647,14 +669,12 @@ class Engine:
         tally["captcha"] += 1
         self.metrics.challenges_issued.inc()
         challenge = self.challenges.issue(rule.id, request.client.key, request.tls_fingerprint, request.uri,
-                                          self.ruleset.difficulty)
+                                          self._ruleset.difficulty)
         return Decision(outcome=DENY, rule=rule, retry_after=1, page=rule.page, challenge=challenge)
 
-    @cython.locals(request=CheckRequest, evaluation=Evaluation, hit=Hit, check=Check, spec=CheckSpec)
     def _conclude(self, request: CheckRequest, matched: list[CompiledRule], checks: list[Check],
                   evaluation: Evaluation) -> Decision:
         """The decision from the store's evaluation."""
-        ruleset = self.ruleset
         metrics = self.metrics
         if evaluation.ban is not None and not evaluation.new_ban:
             # Banned (counted by _evaluate): no evaluation, no counting, no
@@ -713,7 +733,7 @@ class Engine:
             if token is None:
                 metrics.unreportable.inc()
         allowed = observed or ALLOWED
-        quota = self._quota(matched, checks, evaluation) if ruleset.draft_headers else None
+        quota = self._quota(matched, checks, evaluation) if self._draft_headers else None
         if token is None and not evaluation.delay and quota is None:
             return allowed
         if evaluation.delay:
@@ -732,14 +752,14 @@ class Engine:
         self._remember(request, rule, check, hit, decision, evaluation.ban)
         self.log.matched(request, rule, check, decision.outcome, banned=evaluation.ban is not None,
                          ban=evaluation.ban)
-        if rule.id == self.ruleset.address_wide_rule and request.client.key:
+        if rule.id == self._ruleset.address_wide_rule and request.client.key:
             self._holds_for_the_address(request, rule, check, hit, decision, evaluation)
         return decision
 
     def _push_ban(self, ban: BanRecord | None) -> None:
         """A ban just issued, sent to CrowdSec as an alert when the
         crowdsec: section says so (queued: sent by its own thread)."""
-        push = self.ruleset.crowdsec_push
+        push = self._ruleset.crowdsec_push
         if push is not None and ban is not None and ban.address and not ban.shadow:
             push.offer(ban, ban.expires - self.clock())
 
@@ -757,7 +777,7 @@ class Engine:
         self.metrics.shadow_action(rule.id, rule.action)
         if rule.ban_duration is not None and request.client.key:
             now = self.clock()
-            self.store.record_shadow_ban(BanRecord(request.client.key, rule.id, self.ruleset.node,
+            self.store.record_shadow_ban(BanRecord(request.client.key, rule.id, self._ruleset.node,
                                                    self.wall_clock(), now + rule.ban_duration, rule.ban_duration,
                                                    shadow=True))
         self.log.matched(request, rule, check, "allow", shadow=True)
@@ -803,7 +823,7 @@ class Engine:
             self.metrics.challenges_issued.inc()
             challenge = self.challenges.issue(rule.id, request.client.key,
                                               request.tls_fingerprint,
-                                              request.uri, self.ruleset.difficulty)
+                                              request.uri, self._ruleset.difficulty)
         return Decision(outcome=DENY, rule=rule, limit=limit, reset=reset,
                         retry_after=retry_after_seconds(hit.retry_after), page=rule.page, challenge=challenge)
 

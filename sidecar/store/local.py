@@ -58,6 +58,14 @@ class LocalStore:
         return True  # the table is asked with every request
 
 
+def plain_policy(store: object) -> Policy | None:
+    """The policy of a ``LocalStore`` whose ``evaluate`` is the class's own
+    (the memory store's): what ``plain_evaluation`` calls; else None."""
+    if isinstance(store, LocalStore) and getattr(type(store), "evaluate", None) is LocalStore.evaluate:
+        return store.policy
+    return None
+
+
 def plain_evaluation(store: object) -> PlainEvaluation | None:
     """``store.evaluate`` as a plain function, when it is ``LocalStore``'s
     own (its policy's ``evaluate``) or the node-wide store's (its
@@ -65,8 +73,9 @@ def plain_evaluation(store: object) -> PlainEvaluation | None:
     for any other store, and for one whose class overrides ``evaluate`` (to
     record what it decided, or to fail): that one is asked through its
     coroutine."""
-    if isinstance(store, LocalStore) and getattr(type(store), "evaluate", None) is LocalStore.evaluate:
-        return store.policy.evaluate
+    policy = plain_policy(store)
+    if policy is not None:
+        return policy.evaluate
     from sidecar.store.node import NodeStore  # asked once a store: no import at every check
 
     if isinstance(store, NodeStore) and getattr(type(store), "evaluate", None) is NodeStore.evaluate:
