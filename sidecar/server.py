@@ -152,9 +152,11 @@ class PendingCheck:
         """Nothing to tell: the answer is dropped when the decision comes."""
 
 
-class LimitedHttpProtocol(asyncio.Protocol):
+class LimitedHttpProtocol:
     """One HTTP/1.1 connection to Sluice: bounded request heads, checks
-    answered by the protocol, everything else through ASGI."""
+    answered by the protocol, everything else through ASGI. An
+    ``asyncio.Protocol`` by its methods (the compiled core's is an
+    extension type, which cannot subclass it)."""
 
     transport: asyncio.Transport
 
@@ -249,6 +251,11 @@ class LimitedHttpProtocol(asyncio.Protocol):
         if exc is None:
             self.transport.close()
         self.parser = None  # the parser refers to the protocol: no cycle left behind
+
+    def eof_received(self) -> bool | None:
+        """The client will send no more: close once the answers in progress
+        are written (``asyncio.Protocol``'s own answer, None)."""
+        return None
 
     def shutdown(self) -> None:
         """uvicorn's graceful shutdown: close now when idle, else after the

@@ -257,9 +257,11 @@ rules:
 
 
 def answers(reads: list[bytes], reads_heads: bool, monkeypatch: pytest.MonkeyPatch,
-            rules: str = RULES) -> tuple[list[bytes], bool]:
-    """What the protocol writes for these reads of one connection (the
-    checks it answers at once), and whether it closed the connection."""
+            rules: str = RULES, protocol_class: type[LimitedHttpProtocol] = LimitedHttpProtocol
+            ) -> tuple[list[bytes], bool]:
+    """What the protocol (``protocol_class``) writes for these reads of one
+    connection (the checks it answers at once), and whether it closed the
+    connection."""
     monkeypatch.setattr(server, "READS_HEADS", reads_heads)
     # Both clocks stand still: the answers (X-Accel-Expires, reset) are the
     # same in both runs.
@@ -268,8 +270,8 @@ def answers(reads: list[bytes], reads_heads: bool, monkeypatch: pytest.MonkeyPat
     config.load()
     loop = asyncio.new_event_loop()
     try:
-        protocol = LimitedHttpProtocol(config=config, server_state=ServerState(), app_state={}, _loop=loop,
-                                       max_header_bytes=600, max_headers=12)
+        protocol = protocol_class(config=config, server_state=ServerState(), app_state={}, _loop=loop,
+                                  max_header_bytes=600, max_headers=12)
         transport = RecordingTransport()
         protocol.connection_made(transport)
         for data in reads:
@@ -321,14 +323,14 @@ def test_a_read_of_whole_checks_never_reaches_the_parser_when_heads_are_read(
     """The comparison above compares two different readings: with the
     reader, checks read whole are answered without one parser callback."""
     urls: list[bytes] = []
-    on_url = LimitedHttpProtocol.on_url
 
-    def counted(protocol: LimitedHttpProtocol, url: bytes) -> None:
-        urls.append(url)
-        on_url(protocol, url)
+    class Counting(LimitedHttpProtocol):
+        def on_url(self, url: bytes) -> None:
+            urls.append(url)
+            super().on_url(url)
 
-    monkeypatch.setattr(LimitedHttpProtocol, "on_url", counted)
-    written, _ = answers([CHECK + CHECK.replace(b"GET", b"HEAD")], reads_heads, monkeypatch)
+    written, _ = answers([CHECK + CHECK.replace(b"GET", b"HEAD")], reads_heads, monkeypatch,
+                         protocol_class=Counting)
     assert len(written) == 2 and all(answer.startswith(b"HTTP/1.1 200 OK\r\n") for answer in written)
     assert urls == ([] if reads_heads else [b"/v1/nginx/auth", b"/v1/nginx/auth"])
 

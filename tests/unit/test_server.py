@@ -77,6 +77,24 @@ class SlowReader(asyncio.Transport):
         return False
 
 
+def test_the_protocol_answers_every_call_of_an_asyncio_protocol() -> None:
+    """It is one by its methods, not by its class (the compiled core's is an
+    extension type): a transport may call any of asyncio.Protocol's, and a
+    client's end of input closes the connection, as asyncio's default does."""
+    missing = [name for name in dir(asyncio.Protocol)
+               if not name.startswith("_") and not hasattr(LimitedHttpProtocol, name)]
+    assert missing == []
+    config = Config(app=SluiceApp(Engine(ruleset_from(RULES))), lifespan="off", log_level="warning",
+                    proxy_headers=False)
+    config.load()
+    loop = asyncio.new_event_loop()
+    try:
+        protocol = LimitedHttpProtocol(config=config, server_state=ServerState(), app_state={}, _loop=loop)
+        assert not protocol.eof_received()
+    finally:
+        loop.close()
+
+
 def test_a_client_not_reading_its_answers_is_not_read_from_until_it_does() -> None:
     async def run() -> tuple[bool, int, bool, int]:
         app = SluiceApp(Engine(ruleset_from(RULES)))
