@@ -163,9 +163,6 @@ class CheckDoor:
     whether the next auth service is asked after an allow (``chains``:
     only nginx's check, with ``--then-auth``)."""
 
-    __slots__ = ("app", "engine", "check", "front_door", "decisions", "latency", "refusals", "stores", "chains",
-                 "tracing")
-
     def __init__(self, app: SluiceApp, check: Check) -> None:
         engine = app.engine
         self.app = app
@@ -324,8 +321,6 @@ class AtOnceDoor(CheckDoor):
     front door (``Check.at_once``) with the engine's decision run at once
     (``decide``)."""
 
-    __slots__ = ("at_once", "decide")
-
     def __init__(self, app: SluiceApp, check: Check) -> None:
         super().__init__(app, check)
         assert check.at_once is not None
@@ -377,8 +372,6 @@ class AwaitedDoor(CheckDoor):
     """A check route over a store that is awaited: the protocol awaits the
     door's coroutine in a task; a rule that may hold a request sends the
     check to the ASGI path, which sees the client leave while it waits."""
-
-    __slots__ = ()
 
     def answer(self, scope: Scope, keep_alive: bool, default_headers: list[tuple[bytes, bytes]]) -> DoorAnswer:
         if self.engine.ruleset.holds:
