@@ -326,11 +326,11 @@ class Engine:
             return prepared
         # The hold slot is taken before the store is asked: decisions in
         # flight at once must not all see the same free room.
-        held = self._reserve_hold(prepared[1]) if self._ruleset.holds else False
+        held = self._reserve_hold(prepared[1]) if self._holds else False
         decision: Decision | None = None
         try:
             now = self.clock()
-            evaluated = await self._evaluate(now, request.client.key, prepared[1], held, self._ruleset.draft_headers)
+            evaluated = await self._evaluate(now, request.client.key, prepared[1], held, self._draft_headers)
             if isinstance(evaluated, Decision):
                 decision = evaluated  # the store did not answer
             else:
