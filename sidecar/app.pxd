@@ -11,7 +11,7 @@ cdef class CheckDoor:
     cdef public object engine
     cdef public object check
     cdef public object front_door
-    cdef public object decisions
+    cdef public dict decisions
     cdef public LatencyHistogram latency
     cdef public object refusals
     cdef public bint stores

@@ -13,6 +13,10 @@ from sidecar.request cimport CheckRequest
 from sidecar.state cimport Check, CheckSpec, Evaluation
 
 
+@cython.locals(sets=dict)
+cpdef count_rules(metrics, ids)
+
+
 cdef class Engine:
     cdef dict __dict__
     cdef public object store
@@ -39,6 +43,8 @@ cdef class Engine:
     cdef object _plain_for
     cdef object _plain
     cdef Policy _policy
+    cdef list _counted_ids
+    cdef tuple _counted_set
 
     @cython.locals(resolver=ClientIPResolver, client=ClientAddress)
     cdef _resolve(self, CheckRequest request)
@@ -48,6 +54,8 @@ cdef class Engine:
 
     @cython.locals(policy=Policy)
     cdef _evaluate_now(self, store, double now, client, checks, bint can_delay, bint quotas)
+
+    cdef tuple _rule_set(self, list ids)
 
     @cython.locals(hit=Hit, check=Check, spec=CheckSpec)
     cdef _conclude(self, CheckRequest request, list matched, list checks, Evaluation evaluation)

@@ -57,12 +57,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("sluice")
 
 
-def count_rules(metrics: Metrics, ids: list[str]) -> None:
+def count_rules(metrics: Metrics, ids: Sequence[str]) -> None:
     """A request counted by the rules ``ids``, in one addition to
     ``metrics.rule_sets`` (where one per rule costs ten times as much);
-    added up past ``RULE_SETS`` sets, so that any requests take bounded memory."""
+    added up past ``RULE_SETS`` sets, so that any requests take bounded memory.
+    The engine passes the same tuple for the same rules (``_rule_set``): a
+    set found by its identity, not compared item by item."""
     sets = metrics.rule_sets
-    sets[tuple(ids)] += 1
+    key = ids if type(ids) is tuple else tuple(ids)
+    sets[key] = sets.get(key, 0) + 1
     if len(sets) > RULE_SETS:
         metrics.add_up_rule_sets()
 
@@ -179,6 +182,10 @@ class Engine:
         # The store whose policy decide_now calls as a plain function, and
         # that function (None: its evaluate is run as a coroutine).
         self._plain_for: object = None
+        # The rules the last request was counted by, and the tuple counted
+        # for them (_rule_set).
+        self._counted_ids: list[str] = []
+        self._counted_set: tuple[str, ...] = ()
         self._plain: PlainEvaluation | None = None
         self._policy: Policy | None = None  # the memory store's policy, when _plain is its evaluate
         self.metrics.jwt_keys = lambda: self._ruleset.jwt.key_count if self._ruleset.jwt is not None else 0
@@ -322,7 +329,7 @@ class Engine:
         if request.sent and self.late(request.sent):
             return self._overloaded(request)
         prepared = self._prepare(request)
-        if isinstance(prepared, Decision):
+        if not isinstance(prepared, tuple):  # a Decision (tested in C, where a Python class's isinstance walks it)
             return prepared
         # The hold slot is taken before the store is asked: decisions in
         # flight at once must not all see the same free room.
@@ -331,8 +338,8 @@ class Engine:
         try:
             now = self.clock()
             evaluated = await self._evaluate(now, request.client.key, prepared[1], held, self._draft_headers)
-            if isinstance(evaluated, Decision):
-                decision = evaluated  # the store did not answer
+            if not isinstance(evaluated, Evaluation):
+                decision = evaluated  # a Decision: the store did not answer
             else:
                 matched, checks = prepared
                 decision = self._conclude(request, matched, checks, evaluated)
@@ -359,7 +366,7 @@ class Engine:
         if request.client is UNRESOLVED:
             self._resolve(request)
         prepared = self._prepare(request)
-        if isinstance(prepared, Decision):
+        if not isinstance(prepared, tuple):  # a Decision (tested in C, where a Python class's isinstance walks it)
             return prepared
         matched, checks = prepared
         held = self._reserve_hold(checks) if self._holds else False
@@ -367,8 +374,8 @@ class Engine:
         try:
             evaluated = self._evaluate_now(store, self.clock(), request.client.key, checks, held,
                                            self._draft_headers)
-            if isinstance(evaluated, Decision):
-                decision = evaluated  # the store did not answer
+            if not isinstance(evaluated, Evaluation):
+                decision = evaluated  # a Decision: the store did not answer
             else:
                 decision = self._conclude(request, matched, checks, evaluated)
         finally:
@@ -470,7 +477,7 @@ class Engine:
         closed` rule, else decided by this node's own count of late checks
         (``late_counts``). Counted by rule and outcome."""
         prepared = self._prepare(request)
-        if isinstance(prepared, Decision):
+        if not isinstance(prepared, tuple):  # a Decision (tested in C, where a Python class's isinstance walks it)
             return prepared
         matched, checks = prepared
         now = self.clock()
@@ -672,6 +679,13 @@ class Engine:
                                           self._ruleset.difficulty)
         return Decision(outcome=DENY, rule=rule, retry_after=1, page=rule.page, challenge=challenge)
 
+    def _rule_set(self, ids: list[str]) -> tuple[str, ...]:
+        """``ids`` as the tuple ``count_rules`` counts: the last one's again
+        when the request was counted by the same rules (nearly always)."""
+        if ids != self._counted_ids:
+            self._counted_ids, self._counted_set = ids, tuple(ids)
+        return self._counted_set
+
     def _conclude(self, request: CheckRequest, matched: list[CompiledRule], checks: list[Check],
                   evaluation: Evaluation) -> Decision:
         """The decision from the store's evaluation."""
@@ -717,12 +731,12 @@ class Engine:
                 continue
             metrics.over_limits[rule.id, rule.action] += 1
             if check.spec.stops:
-                count_rules(metrics, counted)
+                count_rules(metrics, self._rule_set(counted))
                 return self._refuse(request, rule, check, hit, limit, reset, evaluation)
             if rule.action == "log" and observed is None:
                 observed = Decision(outcome=ALLOW, rule=rule, limit=limit, reset=reset)
             self.log.matched(request, rule, check, "observe" if rule.action == "log" else "verified-bot")
-        count_rules(metrics, counted)
+        count_rules(metrics, self._rule_set(counted))
         if request.credential:
             metrics.credentials.inc()
         token = None

@@ -162,6 +162,8 @@ def parse_sent(value: str | None) -> float:
 def parse_cookies(field: str) -> dict[str, str]:
     """A Cookie field's cookies by name, the first of each name."""
     cookies: dict[str, str] = {}
+    if not field:
+        return cookies  # no Cookie field: most checks
     for part in field.split(";"):
         name, sep, value = part.strip().partition("=")
         if sep and name and name not in cookies:

@@ -42,6 +42,7 @@ cdef class LimitedHttpProtocol:
     cdef public object _writable
     cdef public object _idle_since
     cdef public object _keep_alive_timer
+    cdef dict _scope_template
 
     @cython.locals(window=Py_ssize_t, start=Py_ssize_t)
     cdef _read_checks(self, bytes data)

@@ -45,6 +45,7 @@ from sidecar.frontdoors.messages import (
     reader,
 )
 from sidecar.keys import CountingKey
+from sidecar.metrics import add_one
 from sidecar.ratelog import RateLimitedLog
 from sidecar.rls import Limit, Match, RlsConfig, load_rls
 from sidecar.state import Check
@@ -344,7 +345,7 @@ class RateLimitService:
         if quota_codes and all(quota_codes):
             over_all = True
         response.overall_code = OVER_LIMIT if over_all and not self.shadow else OK
-        self._decisions["rls", "deny" if response.overall_code == OVER_LIMIT else "allow"] += 1
+        add_one(self._decisions, ("rls", "deny" if response.overall_code == OVER_LIMIT else "allow"))
         return response
 
     def _status(self, status: Any, domain: str, descriptor: _Descriptor, limit: Limit, tally: Tally) -> bool:
@@ -376,7 +377,7 @@ class RateLimitService:
         response = RateLimitResponse(overall_code=code)
         for _ in range(descriptors):
             response.statuses.add().code = code
-        self._decisions["rls", "allow" if code == OK else "deny"] += 1
+        add_one(self._decisions, ("rls", "allow" if code == OK else "deny"))
         return response
 
 

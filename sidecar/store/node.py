@@ -869,7 +869,8 @@ class NodeTable:
             entry[2] = True
             value = self.zones.bans.get(entry[0], self.now)
             entry[1] = None if value is None else records.decode_ban(value)
-        return cast(BanRecord | None, entry[1])
+        record: BanRecord | None = entry[1]  # not cast: a call in the compiled core
+        return record
 
     def keep_ban(self, record: BanRecord) -> None:
         entry = self._bans.get(record.address)
@@ -993,7 +994,8 @@ class NodeStore:
         table.begin(now)
         checks = self._within_slots(checks)
         table.plan_checks(address, checks)
-        return cast(Evaluation, table.run(self.policy.evaluate, now, address, checks, can_delay, quotas))
+        evaluation: Evaluation = table.run(self.policy.evaluate, now, address, checks, can_delay, quotas)
+        return evaluation  # typed by the annotation: cast is a call in the compiled core
 
     def _within_slots(self, checks: Sequence[Check]) -> Sequence[Check]:
         """The checks, with a concurrency limit above the leases a record
@@ -1024,22 +1026,24 @@ class NodeStore:
         for count in counts:
             table.plan_key(count.key, count.limiter)
         count_now = self.policy.count
-        return cast(list[Hit], table.run(lambda: [count_now(c.key, c.limiter, now, c.threshold, c.amount)
-                                                  for c in counts]))
+        hits: list[Hit] = table.run(lambda: [count_now(c.key, c.limiter, now, c.threshold, c.amount) for c in counts])
+        return hits
 
     def count_now(self, key: Hashable, limiter: Limiter, now: float, threshold: float, amount: int) -> Hit:
         """Count one at once, whatever the limiter, without an event loop."""
         table = self.table
         table.begin(now)
         table.plan_key(key, limiter)
-        return cast(Hit, table.run(self.policy.count, key, limiter, now, threshold, amount))
+        hit: Hit = table.run(self.policy.count, key, limiter, now, threshold, amount)
+        return hit
 
     async def release(self, lease: str, keys: Sequence[CountingKey]) -> int:
         table = self.table
         table.begin(self._clock())
         for key in keys:
             table.plan_key(key, None, leases=True)
-        return cast(int, table.run(self.policy.release, lease, keys))
+        released: int = table.run(self.policy.release, lease, keys)
+        return released
 
     async def reset(self, keys: Sequence[CountingKey]) -> int:
         """Forget the keys' states, counting or leasing."""

@@ -21,7 +21,7 @@ from sidecar.app import SluiceApp
 from sidecar.engine import Engine, count_rules
 from sidecar.health import HealthListener, Heartbeat
 from sidecar.latency import LATENCY_BUCKETS, LatencyHistogram
-from sidecar.metrics import RULE_SETS, Metrics
+from sidecar.metrics import RULE_SETS, Counts, Metrics, add_one
 from sidecar.rules import load_ruleset
 from tests.unit.conftest import FakeClock, Harness
 from tests.unit.test_app import call, envoy, forward, nginx
@@ -226,6 +226,30 @@ def test_rules_counted_together_add_up_per_rule_in_bounded_memory(requests: list
     assert metrics.rule_hits == expected
     assert not metrics.rule_sets  # added up by the read
     assert b"sluice_rule_hits_total" in generate_latest(metrics.registry) or not expected
+
+
+def test_counts_start_from_zero_as_a_counter_does() -> None:
+    """The hot path's counts: Counts (a Counter's ``+=`` at a dict's cost)
+    and add_one over a plain dict; a key only read is not kept."""
+    counts: Counts[str] = Counts()
+    counts["a"] += 1
+    counts["a"] += 1
+    assert counts["b"] == 0 and counts == {"a": 2}
+    plain: dict[tuple[str, str], int] = {}
+    add_one(plain, ("nginx", "allow"))
+    add_one(plain, ("nginx", "allow"))
+    add_one(plain, ("nginx", "deny"))
+    assert plain == {("nginx", "allow"): 2, ("nginx", "deny"): 1}
+
+
+def test_the_same_rules_counted_as_a_tuple_or_a_list_add_up_together() -> None:
+    """The engine passes one tuple for a set of rules (Engine._rule_set),
+    tests and tools a list: both are the same set."""
+    metrics = Metrics()
+    count_rules(metrics, ["a", "b"])
+    count_rules(metrics, ("a", "b"))
+    assert metrics.rule_sets == {("a", "b"): 2}
+    assert metrics.rule_hits == {"a": 2, "b": 2}
 
 
 def test_a_flood_of_distinct_rule_sets_is_added_up_past_the_bound() -> None:

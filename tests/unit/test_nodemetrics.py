@@ -22,7 +22,7 @@ from prometheus_client import generate_latest
 from sidecar import nodemetrics
 from sidecar.engine import Engine
 from sidecar.frontdoors.rls import RateLimitService
-from sidecar.metrics import Metrics
+from sidecar.metrics import Metrics, add_one
 from sidecar.nodemetrics import GAUGE_MODES, NodeMetrics, file_kind
 from tests.unit.conftest import FakeClock, ruleset_from
 from tests.unit.test_metrics import RULES
@@ -45,7 +45,7 @@ def count(metrics: Metrics, checks: int, latency: float = 0.0002) -> None:
     """What answering ``checks`` checks through nginx adds."""
     for _ in range(checks):
         metrics.checks.value += 1
-        metrics.decisions["nginx", "allow"] += 1
+        add_one(metrics.decisions, ("nginx", "allow"))
         metrics.latency.observe(latency)
     metrics.rule_hits["api"] += checks
 
