@@ -9,6 +9,8 @@ from sidecar.state cimport Check, CheckSpec
 from sidecar.store.records cimport Namer, encode_state
 
 
+cdef Py_ssize_t _CODE_BYTES
+
 @cython.locals(check=Check, spec=CheckSpec)
 cpdef bint over_slots(checks, Py_ssize_t slots) except -1
 @cython.locals(bit="unsigned long long")
@@ -28,6 +30,11 @@ cdef class _Name:
     cdef public Py_ssize_t label_stripe
     cdef public Py_ssize_t planned
     cdef public Py_ssize_t slot
+
+
+@cython.locals(name=_Name, raw="const char *")
+cpdef _Name new_name(bytes digest, bytes text, bytes prefix_text, bint leases, Py_ssize_t room, Py_ssize_t stripe,
+                     Py_ssize_t label_stripe)
 
 
 @cython.final

@@ -112,6 +112,7 @@ LABEL_VALUE = 256  # a key's text longer than this is not listed
 # The leases zone: as many keys as the states zone, within these bytes.
 LEASE_ZONE_BYTES = 8 << 20
 LEASE_TEXT = 64  # room for the key's text in a lease state's record
+_CODE_BYTES = records.PREFIX_CODE_BYTES  # a key's text begins with its prefix's code
 # Fewest leases a lease state holds, whatever the rules at start.
 LEAST_LEASE_SLOTS = 16
 # A zone's stripes: each its own lock; at least this many records each.
@@ -448,19 +449,37 @@ class _Name:
     __slots__ = ("digest", "text", "code", "prefix_text", "leases", "room", "labelled", "stripe", "label_stripe",
                  "planned", "slot")
 
-    def __init__(self, digest: bytes, text: bytes, prefix_text: bytes, leases: bool, room: int, stripe: int,
-                 label_stripe: int) -> None:
-        self.digest = digest
-        self.text = text
-        self.code = text[:records.PREFIX_CODE_BYTES]  # its prefix's code
-        self.prefix_text = prefix_text
-        self.leases = leases  # whether its record is in the leases zone (else the states zone)
-        self.room = room  # bytes of its record the key's text may take
-        self.labelled = len(text) > room  # its text is in the labels zone
-        self.stripe = stripe  # its record's stripe
-        self.label_stripe = label_stripe  # its text's stripe in the labels zone (labelled only)
-        self.planned = -1
-        self.slot = -1
+    digest: bytes
+    text: bytes
+    code: bytes  # its prefix's code
+    prefix_text: bytes
+    leases: bool  # whether its record is in the leases zone (else the states zone)
+    room: int  # bytes of its record the key's text may take
+    labelled: bool  # its text is in the labels zone
+    stripe: int  # its record's stripe
+    label_stripe: int  # its text's stripe in the labels zone (labelled only)
+    planned: int
+    slot: int
+
+
+def new_name(digest: bytes, text: bytes, prefix_text: bytes, leases: bool, room: int, stripe: int,
+             label_stripe: int) -> _Name:
+    """A key's ``_Name``, its fields set in C (without a call of the class:
+    under rotation, every key a check reads is named anew)."""
+    name = _Name.__new__(_Name)
+    name.digest = digest
+    name.text = text
+    raw = text  # compiled: a pointer, whose slice is made in C
+    name.code = raw[:_CODE_BYTES]
+    name.prefix_text = prefix_text
+    name.leases = leases
+    name.room = room
+    name.labelled = len(text) > room
+    name.stripe = stripe
+    name.label_stripe = label_stripe
+    name.planned = -1
+    name.slot = -1
+    return name
 
 
 class _Slot:
@@ -608,7 +627,7 @@ class NodeTable:
             else (self._compiled_states, self._states, TEXT_ROOM)
         stripe = compiled.stripe_of(digest) if compiled is not None else zone.stripe_of(digest)  # in C
         label_stripe = self._labels.stripe_of(digest) if len(text) > room else -1
-        name = self._names[key] = _Name(digest, text, prefix_text, leases, room, stripe, label_stripe)
+        name = self._names[key] = new_name(digest, text, prefix_text, leases, room, stripe, label_stripe)
         return name
 
     def plan_key(self, key: Hashable, limiter: Limiter | None, leases: bool | None = None) -> _Slot:

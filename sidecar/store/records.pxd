@@ -11,8 +11,14 @@ cpdef bytes encode_state(state, Py_ssize_t lease_slots)
 @cython.locals(kind=int)
 cpdef decode_state(bytes value, limiter)
 
-@cython.locals(known=tuple)
+@cython.locals(known=tuple, prefixes=dict)
 cpdef tuple prefix_of(key)
+@cython.locals(pieces=list, count=Py_ssize_t, first=str, second=str)
+cpdef bytes values_text(tuple key)
+@cython.locals(text=str, char=Py_UCS4)
+cdef bint _plain(value) except -1
+@cython.locals(index=Py_ssize_t)
+cdef bint _repr_into(tuple values, Py_ssize_t first, list pieces) except -1
 
 cdef unsigned long long _MASK64, _SIP0, _SIP1, _SIP2, _SIP3
 
@@ -28,7 +34,8 @@ cdef class _SipState:
 
 @cython.locals(state=_SipState, raw="const unsigned char *", length=Py_ssize_t, start=Py_ssize_t, take=Py_ssize_t,
                shift=Py_ssize_t, word="unsigned long long", byte="unsigned long long", last="unsigned long long",
-               first="unsigned long long")
+               first="unsigned long long", second="unsigned long long", digest=bytes, written="unsigned char *",
+               space="const char *")
 cpdef bytes siphash128(unsigned long long k0, unsigned long long k1, bytes data)
 
 

@@ -55,6 +55,7 @@ _MASK64 = 0xFFFFFFFFFFFFFFFF  # a C integer's wrap, for the same code run as Pyt
 # SipHash's initial words ("somepseudorandomlygeneratedbytes").
 _SIP0, _SIP1, _SIP2, _SIP3 = 0x736F6D6570736575, 0x646F72616E646F6D, 0x6C7967656E657261, 0x7465646279746573
 _pack_words = struct.Struct("<QQ").pack
+_DIGEST_SPACE = bytes(16)  # what a compiled digest is copied from before its words are written
 
 
 @cython.cclass
@@ -121,7 +122,19 @@ def siphash128(k0: int, k1: int, data: bytes) -> bytes:
     first = state.v0 ^ state.v1 ^ state.v2 ^ state.v3
     state.v1 ^= 0xDD
     state.rounds(4)
-    return _pack_words(first, state.v0 ^ state.v1 ^ state.v2 ^ state.v3)
+    second = state.v0 ^ state.v1 ^ state.v2 ^ state.v3
+    if not cython.compiled:
+        return _pack_words(first, second)
+    # Compiled: the two words written little-endian into a new bytes object
+    # that nothing else holds yet (struct's pack converts each to a Python
+    # integer and back: most of the digest's cost).
+    space = _DIGEST_SPACE  # compiled: a pointer, whose slice is a new bytes object made in C
+    digest = space[:16]
+    written = digest  # compiled: its bytes, written in C
+    for shift in range(8):
+        written[shift] = (first >> (8 * shift)) & 0xFF  # type: ignore[index]
+        written[8 + shift] = (second >> (8 * shift)) & 0xFF  # type: ignore[index]
+    return digest
 
 
 @cython.cclass
@@ -153,7 +166,7 @@ class Namer:
         # Typed by the annotation, not cast: cast is a call in the compiled core.
         counting: CountingKey = key  # type: ignore[assignment]
         code, prefix_text = prefix_of(counting)
-        text = code + repr(counting[1:]).encode()  # key_text, its prefix looked up once
+        text = code + values_text(counting)  # key_text, its prefix looked up once
         return text, siphash128(self.k0, self.k1, text), prefix_text
 
     def ban_name(self, address: str) -> bytes:
@@ -179,12 +192,13 @@ def prefix_of(key: Hashable) -> tuple[bytes, bytes]:
     dimension names, ``repr`` of them and 8 bytes of its BLAKE2b."""
     counting: CountingKey = key  # type: ignore[assignment]  # not cast: a call in the compiled core
     prefix = counting[0]
-    known = _PREFIXES.get(prefix)
+    prefixes = _PREFIXES  # compiled: a dict's get, in C
+    known = prefixes.get(prefix)
     if known is None:
-        if len(_PREFIXES) >= PREFIXES_KEPT:
-            _PREFIXES.clear()
+        if len(prefixes) >= PREFIXES_KEPT:
+            prefixes.clear()
         text = repr(prefix).encode()
-        known = _PREFIXES[prefix] = (_blake2b(text, digest_size=PREFIX_CODE_BYTES).digest(), text)
+        known = prefixes[prefix] = (_blake2b(text, digest_size=PREFIX_CODE_BYTES).digest(), text)
     return known
 
 
@@ -192,8 +206,64 @@ def key_text(key: Hashable) -> bytes:
     """A counting key as text: its prefix's code, then the ``repr`` of its
     values (text values are quoted and escaped: unambiguous, always UTF-8)."""
     counting: CountingKey = key  # type: ignore[assignment]  # not cast: a call in the compiled core
-    return prefix_of(counting)[0] + repr(counting[1:]).encode()
+    return prefix_of(counting)[0] + values_text(counting)
 
+
+def values_text(key: tuple[Any, ...]) -> bytes:
+    """``repr`` of a counting key's values (all but its prefix), encoded:
+    written out for the common key, whose values are texts of printable
+    ASCII without a quote or a backslash (which ``repr`` quotes as they
+    are), or tuples of them; ``repr`` itself for any other. Under rotation
+    every key a check reads is named anew, and ``repr`` costs three times
+    this."""
+    count = len(key)
+    if count == 2 or count == 3:  # one value or two, plain: nearly every key, without a list
+        value = key[1]
+        if _plain(value):
+            first: str = value  # compiled: a text, concatenated and encoded in C
+            if count == 2:
+                return ("('" + first + "',)").encode()
+            value = key[2]
+            if _plain(value):
+                second: str = value
+                return ("('" + first + "', '" + second + "')").encode()
+    pieces: list[str] = []
+    if _repr_into(key, 1, pieces):
+        return "".join(pieces).encode()
+    return repr(key[1:]).encode()
+
+
+def _plain(value: object) -> bool:
+    """Whether ``repr`` quotes ``value`` as it is: a text of printable ASCII
+    without a quote or a backslash."""
+    if type(value) is not str:
+        return False
+    text: str = value
+    for char in text:
+        if char < " " or char > "~" or char == "'" or char == "\\":
+            return False
+    return True
+
+
+def _repr_into(values: tuple[Any, ...], first: int, pieces: list[str]) -> bool:
+    """``repr(values[first:])`` added to ``pieces``, when it is written out
+    as ``values_text`` says; False for any other."""
+    pieces.append("(")
+    for index in range(first, len(values)):
+        if index > first:
+            pieces.append(", ")
+        value = values[index]
+        if type(value) is tuple:
+            if not _repr_into(value, 0, pieces):
+                return False
+            continue
+        if not _plain(value):
+            return False
+        pieces.append("'")
+        pieces.append(value)
+        pieces.append("'")
+    pieces.append(",)" if len(values) - first == 1 else ")")
+    return True
 
 def parse_prefix(text: bytes) -> Any:
     """The key prefix ``prefix_of`` wrote, or None for anything else."""

@@ -688,6 +688,26 @@ def test_a_keys_text_reads_back_as_the_key(key: Any) -> None:
     assert names.key_name(key) == (text, names.digest(text), prefix)
 
 
+# A key's values: texts (printable ASCII, quotes and backslashes, or any),
+# numbers, None, and tuples of them, one level deep or two.
+_TEXTS = st.one_of(st.text(st.characters(min_codepoint=32, max_codepoint=126)), st.text(),
+                   st.sampled_from(["", "'", "\\", '"', "it's", "a\tb", "é", "10.0.0.7"]))
+_VALUES = st.recursive(st.one_of(_TEXTS, st.integers(), st.none()),
+                       lambda inner: st.lists(inner, max_size=3).map(tuple), max_leaves=6)
+
+
+@given(values=st.lists(_VALUES, max_size=4))
+@example(values=["10.0.0.7"])
+@example(values=["key-7", "10.0.0.7"])
+@example(values=[("ip", "10.0.0.7")])
+@example(values=["it's", ("a\\b",)])
+def test_a_keys_values_are_written_as_repr_writes_them(values: list[Any]) -> None:
+    """values_text, written out for the common key, is repr's text of the
+    key's values whatever they are (parse_key reads repr's)."""
+    key = (("rule", ("ip",)), *values)
+    assert records.values_text(key) == repr(key[1:]).encode()
+
+
 # SipHash-2-4 with its 128-bit output: the reference's vectors (veorq/SipHash,
 # vectors.h: the key 00 01 .. 0f, the message 00 01 .. of each length).
 SIPHASH128_VECTORS = {0: "a3817f04ba25a8e66df67214c7550293", 1: "da87c1d86b99af44347659119b22fc45",
