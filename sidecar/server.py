@@ -69,7 +69,7 @@ import httptools
 
 from sidecar import core
 from sidecar.asgi import Scope
-from sidecar.exchange import App, AsgiExchange, closing_answer, encode_reply
+from sidecar.exchange import BARE_ANSWER, App, AsgiExchange, closing_answer, encode_reply
 from sidecar.frontdoors.common import HEADER_MAP, Reply
 from sidecar.frontdoors.routes import RouteTable
 from sidecar.httphead import field_list, read_head
@@ -475,7 +475,10 @@ class LimitedHttpProtocol:
         transport = self.transport
         if isinstance(answer, Reply):
             # As _send, written out: this runs for nearly every check.
-            content, keep_alive = encode_reply(answer, scope["method"], keep_alive, default_headers)
+            if keep_alive and not default_headers and not answer.headers and not answer.body:
+                content = BARE_ANSWER[answer.status]  # encode_reply's first answer, without its (interpreted) call
+            else:
+                content, keep_alive = encode_reply(answer, scope["method"], keep_alive, default_headers)
             transport.write(content)
             if not keep_alive:
                 transport.close()

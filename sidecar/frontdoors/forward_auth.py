@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sidecar.actions import allow_headers, deny_answer
 from sidecar.asgi import Scope
-from sidecar.engine import ALLOW, CLOSE, Decision
+from sidecar.engine import ALLOW, ALLOWED, CLOSE, Decision
 from sidecar.frontdoors.common import Check, Checked, Decide, Reply, Route, new_reply
 from sidecar.request import CheckRequest, check_request
 
@@ -28,7 +28,8 @@ def answer_in_full(request: CheckRequest, decision: Decision) -> Reply:
     """For proxies that pass a refusal to the client as it is (forward-auth,
     Envoy ext_authz): status, headers and page in this one answer."""
     if decision.outcome == ALLOW:
-        return new_reply((200, allow_headers(decision), b""))
+        # ALLOWED, nearly every answer, carries no field (allow_headers, an interpreted call).
+        return new_reply((200, [] if decision is ALLOWED else allow_headers(decision), b""))
     if decision.outcome == CLOSE:
         # Neither a forward-auth subrequest nor ext_authz can close the
         # client's connection: an empty 403 asking for a close.

@@ -35,7 +35,7 @@ from sidecar.asgi import Receive, Scope, Send
 from sidecar.challenge import MAX_CHALLENGE_LENGTH, IssuedChallenge
 from sidecar.clientip import parse_address
 from sidecar.config import RULE_ID_RE
-from sidecar.engine import ALLOW, CLOSE, Decision
+from sidecar.engine import ALLOW, ALLOWED, CLOSE, Decision
 from sidecar.frontdoors.common import (
     Check,
     Checked,
@@ -177,7 +177,8 @@ def describe_nginx(scope: Scope, headers: dict[str, str]) -> CheckRequest:
 
 def answer_nginx(request: CheckRequest, decision: Decision) -> Reply:
     if decision.outcome == ALLOW:
-        return new_reply((200, allow_headers(decision), b""))
+        # ALLOWED, nearly every answer, carries no field (allow_headers, an interpreted call).
+        return new_reply((200, [] if decision is ALLOWED else allow_headers(decision), b""))
     # A refusal that holds for every request of the client: nginx may
     # answer it from its cache until then (sluice-server.conf).
     cached = [(PROXY_EXPIRES_HEADER, f"@{request.proxy_expires}")] if request.proxy_expires else []
