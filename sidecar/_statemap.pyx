@@ -42,21 +42,22 @@ them all at once instead (``StateTable.expect``).
 
 Records are allocated as needed (doubling, up to ``max_keys``), never
 beyond what the map has held at once, through Python's raw allocator
-(tracemalloc counts them); a smaller ``max_keys`` applies at the next
-insertion, as in the pure map. Making room asks for the memory of the next
+(tracemalloc counts them), each record a line of memory of 64 bytes (the
+array aligned to one: a record read is one line, not two); a smaller
+``max_keys`` applies at the next insertion, as in the pure map. Making room asks for the memory of the next
 records to drop before it drops them (``_drop_oldest``).
 """
 
 cimport cython
-from cpython.mem cimport PyMem_RawFree, PyMem_RawMalloc, PyMem_RawRealloc
+from cpython.mem cimport PyMem_RawFree, PyMem_RawMalloc
 from cpython.object cimport Py_EQ, PyObject, PyObject_Hash, PyObject_RichCompareBool
 from cpython.ref cimport Py_DECREF, Py_INCREF, Py_XDECREF
-from cpython.unicode cimport PyUnicode_CheckExact
+from cpython.unicode cimport PyUnicode_CheckExact, PyUnicode_DATA, PyUnicode_GET_LENGTH, PyUnicode_KIND
 from cpython.tuple cimport (
     PyTuple_Check, PyTuple_CheckExact, PyTuple_GET_ITEM, PyTuple_GET_SIZE, PyTuple_New, PyTuple_SET_ITEM,
 )
-from libc.stdint cimport int32_t, uint8_t, uint32_t, uint64_t
-from libc.string cimport memset
+from libc.stdint cimport int32_t, uint8_t, uint32_t, uint64_t, uintptr_t
+from libc.string cimport memcmp, memcpy, memset
 
 import heapq
 
@@ -79,6 +80,7 @@ cdef enum:
     # Keys from which ``expect`` asks (256 KiB of records): a smaller map
     # stays in the CPU's nearer caches, and the hint would only cost.
     EXPECTED_FROM = 4096
+    LINE = 64  # bytes of a line of memory (x86-64's, arm64's): a record's size
 
 
 # An index entry's halves: the tag (the hash's top bits) and the record's number + 1.
@@ -86,6 +88,7 @@ cdef uint64_t TAG_BITS = (<uint64_t>0xFFFFFFFF) << 32
 cdef uint64_t NUMBER_BITS = <uint64_t>0xFFFFFFFF
 
 
+# 64 bytes on a 64-bit machine: a line of memory, as ``_grow`` aligns them.
 cdef struct Record:
     # The key, or a short tuple key's items (``items`` of them); parts[0]
     # NULL: a free record (its ``newer`` links the free list).
@@ -163,6 +166,17 @@ cdef Py_hash_t _prefix_hash(object prefix) except? -1:
     return hashed
 
 
+cdef bint _same_text(PyObject *one, PyObject *other) noexcept:
+    """Whether two exact texts are equal, as CPython finds it
+    (``unicode_eq``): the same length, kind and code units."""
+    cdef Py_ssize_t length = PyUnicode_GET_LENGTH(<object>one)
+    if length != PyUnicode_GET_LENGTH(<object>other) or \
+            PyUnicode_KIND(<object>one) != PyUnicode_KIND(<object>other):
+        return False
+    return memcmp(PyUnicode_DATA(<object>one), PyUnicode_DATA(<object>other),
+                  <size_t>length * PyUnicode_KIND(<object>one)) == 0
+
+
 cdef Py_hash_t key_hash(object key) except? -1:
     """``hash(key)``: for a tuple key whose first item is a tuple (a
     counting key: its prefix, then its values), CPython's tuple hash worked
@@ -197,6 +211,11 @@ def hash_of(key):
     return key_hash(key)
 
 
+def same_text(str one not None, str other not None):
+    """Whether the map finds two exact texts equal (for the tests)."""
+    return _same_text(<PyObject *>one, <PyObject *>other)
+
+
 cdef inline uint64_t mixed(Py_hash_t hash) noexcept:
     """The key's hash spread over 64 bits (Fibonacci hashing): its top bits
     place it in the index, and are kept beside its record's number."""
@@ -215,7 +234,8 @@ cdef class StateMap:
     cdef public Py_ssize_t max_keys
     cdef public Py_ssize_t expect_from  # EXPECTED_FROM; the tests lower it
     cdef object _clock
-    cdef Record *_records
+    cdef Record *_records  # aligned to a line of memory (LINE) within _block
+    cdef void *_block
     cdef int32_t _allocated  # records allocated
     cdef int32_t _count  # live records
     cdef int32_t _free  # first free record, NONE when every one allocated is live
@@ -249,6 +269,7 @@ cdef class StateMap:
         self.expect_from = EXPECTED_FROM
         self._clock = clock
         self._records = NULL
+        self._block = NULL
         self._index = NULL
         self._allocated = self._count = self._untouched = 0
         self._free = self._oldest = self._newest = NONE
@@ -267,7 +288,7 @@ cdef class StateMap:
             for index in range(self._untouched):
                 if self._records[index].parts[0] != NULL:
                     self._release(self._records[index])
-            PyMem_RawFree(self._records)
+            PyMem_RawFree(self._block)
         PyMem_RawFree(self._index)
 
     # -- the index ------------------------------------------------------------
@@ -276,14 +297,23 @@ cdef class StateMap:
         """Room for ``wanted`` records, and an index of at least twice as many
         entries, rebuilt from the live records."""
         cdef Record *records
+        cdef void *block
         cdef uint64_t *index
         cdef int bits = 4
         cdef int32_t number
         if wanted > 0x3FFFFFFF:
             raise MemoryError("a state map holds at most 2 ** 30 keys")
-        records = <Record *>PyMem_RawRealloc(self._records, wanted * sizeof(Record))
-        if records == NULL:
+        # A record is a line of memory, and starts one (the allocator's
+        # blocks are aligned to 16 bytes only): a record read is one line
+        # missed, not two.
+        block = PyMem_RawMalloc(wanted * sizeof(Record) + LINE - 1)
+        if block == NULL:
             raise MemoryError()
+        records = <Record *>((<uintptr_t>block + LINE - 1) & ~(<uintptr_t>LINE - 1))
+        if self._records != NULL:
+            memcpy(records, self._records, self._allocated * sizeof(Record))
+        PyMem_RawFree(self._block)
+        self._block = block
         self._records = records
         memset(&records[self._allocated], 0, (wanted - self._allocated) * sizeof(Record))
         self._allocated = <int32_t>wanted
@@ -354,8 +384,15 @@ cdef class StateMap:
             return False
         for index in range(record.items):
             item = PyTuple_GET_ITEM(key, index)
-            if item != record.parts[index] and \
-                    not PyObject_RichCompareBool(<object>record.parts[index], <object>item, Py_EQ):
+            if item == record.parts[index]:
+                continue
+            # Two texts (a request's value, equal to a stored key's and
+            # another object: a path, a header, a client's key made again)
+            # compared as CPython compares them, without its calls.
+            if PyUnicode_CheckExact(<object>item) and PyUnicode_CheckExact(<object>record.parts[index]):
+                if not _same_text(record.parts[index], item):
+                    return False
+            elif not PyObject_RichCompareBool(<object>record.parts[index], <object>item, Py_EQ):
                 return False
         return True
 

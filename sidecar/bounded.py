@@ -1,8 +1,10 @@
 """A dict bounded in size, whose expired entries go first when it is full,
 then the least recently used: the memory store's tables, and every cache of
 a node (keys known over limit, shadow bans written, late checks' counts);
-and its variant for the counting keys' states, which finds the least
-recently used when it makes room (``StateMap``).
+its variant for the counting keys' states, which finds the least recently
+used when it makes room (``StateMap``); and the filter a cache of what
+clients send puts before itself, so that a rotation of new values is not
+stored (``SeenLately``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,19 @@ from typing import Any
 
 from sidecar.keystate import limiter_of
 from sidecar.limiters.records import Algorithm
+
+try:
+    import cython
+except ModuleNotFoundError:  # the pure-Python core without Cython installed
+    from sidecar import purecython as cython  # type: ignore[no-redef]
+
+# The bits of a SeenLately: a text sets the one of its hash's lowest 16 bits.
+SEEN_BITS = 1 << 16
+_SEEN_MASK = SEEN_BITS - 1
+# First sightings after which its bits are cleared: an eighth of them, so
+# that they stay sparse (at most one in eight set).
+SEEN_CLEARED_AFTER = SEEN_BITS // 8
+_CLEARED_AFTER = SEEN_CLEARED_AFTER  # compiled: a C constant, as the mask
 
 
 def wheel_slot(when: float) -> int:
@@ -254,3 +269,51 @@ def state_expiry(state: Any) -> float:
     key."""
     limiter: Algorithm = limiter_of(state)
     return limiter.expires_at(state)
+
+
+@cython.no_gc  # it holds a bytearray only
+@cython.cclass
+class SeenLately:
+    """Whether a value was seen lately: the filter a cache puts before
+    itself, so that it stores a value only the second time it comes (a
+    doorkeeper, as admission filters of caches call it).
+
+    A cache of what clients send (the address resolver's of X-Forwarded-For
+    fields) pays, under a rotation of new values, for storing every value
+    once and dropping it again when the cache empties: by then the entry,
+    its objects and their memory have left the CPU's caches, and each costs
+    misses to free, as it cost the garbage collector a walk while it lived.
+    Behind this filter a value seen once lately is not stored, and what was
+    made for it goes at the end of its request, still in the CPU's cache.
+    An honest client sends more than one request: it is remembered from its
+    second.
+
+    A value sets one bit, the one of its hash's lowest 16 bits; that bit
+    already set says "seen" (another value with the same bits may have set
+    it: the value is then stored on its first sighting, as it was without
+    the filter). The bits are cleared after every ``SEEN_CLEARED_AFTER``
+    (8,192) first sightings, so that at most one in eight is set: "lately"
+    is within the last 8,192 to 16,384 new values, and under a rotation
+    about one value in sixteen is stored. Memory: 8 KiB, whatever comes.
+    """
+
+    def __init__(self) -> None:
+        self._bits = bytearray(SEEN_BITS // 8)
+        self._new = 0  # first sightings since the bits were cleared
+
+    def again(self, value: Hashable) -> bool:
+        """Whether ``value`` was seen lately, before this call; the call is
+        a sighting."""
+        slot = hash(value) & _SEEN_MASK
+        mask = 1 << (slot & 7)
+        bits = self._bits
+        byte = bits[slot >> 3]
+        if byte & mask:
+            return True
+        if self._new == _CLEARED_AFTER:
+            bits = self._bits = bytearray(SEEN_BITS // 8)
+            self._new = 0
+            byte = 0
+        self._new += 1
+        bits[slot >> 3] = byte | mask
+        return False

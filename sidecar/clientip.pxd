@@ -4,6 +4,8 @@
 # canonical IPv4 read in C.
 cimport cython
 
+from sidecar.bounded cimport SeenLately
+
 
 cdef class ClientAddress:
     cdef public object key
@@ -35,6 +37,7 @@ cdef class ClientIPResolver:
     cdef public Py_ssize_t cache_size
     cdef public dict _cache
     cdef public dict _walks
+    cdef SeenLately _seen
     cdef public object _ipv4_mask
     cdef public object _ipv6_mask
 
@@ -44,6 +47,7 @@ cdef class ClientIPResolver:
     cpdef ClientAddress _walk_forwarded_for(self, ClientAddress client, header)
     @cython.locals(entry=tuple)
     cpdef tuple _entry(self, text, Py_ssize_t start, Py_ssize_t end)
+    cdef _remember(self, dict cache, text, value)
     @cython.locals(entry=tuple, client=ClientAddress)
     cpdef tuple _classify(self, str field)
     @cython.locals(text=str)

@@ -25,6 +25,8 @@ try:
 except ModuleNotFoundError:  # the pure-Python core without Cython installed
     from sidecar import purecython as cython  # type: ignore[no-redef]
 
+from sidecar.bounded import SeenLately
+
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -357,7 +359,11 @@ class ClientIPResolver:
     characters to the walk's answer (a header of one field is that field's
     entry in the first), each emptied whenever it holds ``cache_size``
     entries (at most about 400 bytes an entry: 1.6 MB each with the default
-    4096). A longer field is classified without being remembered and
+    4096). A text is stored the second time it comes lately
+    (``sidecar.bounded.SeenLately``, 8 KiB): under a rotation of addresses,
+    what a new client's field gave goes with its request, instead of
+    filling the cache only to be dropped from it, out of the CPU's caches
+    by then. A longer field is classified without being remembered and
     without copying more than 45 characters of it (the longest address; a
     zone id after ``%`` is checked in place, as counting drops it).
 
@@ -387,6 +393,9 @@ class ClientIPResolver:
         self._cache: dict[str, _Entry] = {}
         # header -> the client its walk found, or _PEER: the connecting peer
         self._walks: dict[str, ClientAddress | None] = {}
+        # What the caches were asked for lately: a text is stored the
+        # second time it comes.
+        self._seen = SeenLately()
         self._ipv4_mask = (0xFFFFFFFF << (32 - ipv4_prefix)) & 0xFFFFFFFF
         self._ipv6_mask = ((1 << 128) - 1) ^ ((1 << (128 - ipv6_prefix)) - 1)
 
@@ -418,10 +427,8 @@ class ClientIPResolver:
         walked = self._walks.get(forwarded_for, _UNWALKED) if end <= MAX_CACHED_HEADER else _UNWALKED
         if walked is _UNWALKED:
             walked = self._walk_forwarded_for(None, forwarded_for)
-            if end <= MAX_CACHED_HEADER and self.cache_size > 0:
-                if len(self._walks) >= self.cache_size:
-                    self._walks.clear()
-                self._walks[forwarded_for] = walked
+            if end <= MAX_CACHED_HEADER:
+                self._remember(self._walks, forwarded_for, walked)
         return client if walked is None else walked
 
     def _walk_forwarded_for(self, client: ClientAddress | None, header: str) -> ClientAddress | None:
@@ -455,12 +462,18 @@ class ClientIPResolver:
             entry = self._cache.get(field)
             if entry is None:
                 entry = self._classify(field)
-                if self.cache_size > 0:
-                    if len(self._cache) >= self.cache_size:
-                        self._cache.clear()
-                    self._cache[field] = entry
+                self._remember(self._cache, field, entry)
             return entry
         return self._long_entry(text, start, end)
+
+    def _remember(self, cache: dict[str, Any], text: str, value: Any) -> None:
+        """Remember what ``text`` gave in one of the caches, if it was seen
+        lately (``SeenLately``: a rotation of addresses is not stored);
+        a full cache is emptied first."""
+        if self.cache_size > 0 and self._seen.again(text):
+            if len(cache) >= self.cache_size:
+                cache.clear()
+            cache[text] = value
 
     def _long_entry(self, text: str, start: int, end: int) -> _Entry:
         """What a field longer than MAX_CACHED_ENTRY is, found without

@@ -568,6 +568,26 @@ def test_memory_stays_bounded_with_many_distinct_short_headers() -> None:
     assert len(resolver._walks) <= 4096 and len(resolver._cache) <= 4096
 
 
+def test_a_rotation_of_addresses_is_not_stored_and_a_returning_client_is() -> None:
+    """Behind SeenLately, a new address (each check of a rotation) is
+    resolved without being stored: what it gave goes with its request.
+    A client that comes back is stored from its second request and served
+    from the cache after that."""
+    resolver = ClientIPResolver(TRUSTED, cache_size=4096)
+    resolver.resolve("127.0.0.1", "203.0.113.250")  # the proxy's address, stored from now on
+    for number in range(20_000):
+        header = str(IPv4Address(0xC6120000 + number))
+        assert resolver.resolve("127.0.0.1", header) == _reference_resolve(TRUSTED, "127.0.0.1", header)
+    # Stored: the peer, and the few whose hash's bits another address had
+    # set (at most one in eight set), not one in two as the cache's cap
+    # would have allowed.
+    assert len(resolver._cache) < 20_000 // 8
+    returning = "198.51.100.99"
+    first, second, third = (resolver.resolve("127.0.0.1", returning) for _ in range(3))
+    assert first == second == third
+    assert returning in resolver._cache and third is second  # the third from the cache
+
+
 @pytest.mark.parametrize("header", ["203.0.113.7", " 203.0.113.7 ", "not an address", "10.0.0.9", "",
                                     "2001:db8::1", "   "])
 def test_a_header_of_one_field_is_remembered_once_as_that_field(header: str) -> None:
@@ -576,11 +596,12 @@ def test_a_header_of_one_field_is_remembered_once_as_that_field(header: str) -> 
     remembers: the header cache, which a walk of two fields or more
     fills, stays empty, and the answer is the walk's."""
     resolver = ClientIPResolver(TRUSTED)
-    for _ in range(2):
+    for _ in range(2):  # stored the second time (SeenLately)
         assert resolver.resolve("127.0.0.1", header) == _reference_resolve(TRUSTED, "127.0.0.1", header)
     assert resolver._walks == {}
     assert len(resolver._cache) == (1 if header else 0) + 1  # the field, and the peer
-    resolver.resolve("127.0.0.1", f"198.51.100.2, {header}")
+    for _ in range(2):
+        resolver.resolve("127.0.0.1", f"198.51.100.2, {header}")
     assert len(resolver._walks) == 1
 
 
@@ -709,7 +730,7 @@ def test_a_client_the_resolver_makes_knows_whether_the_exempt_networks_hold_it(c
     expected = any(address.version == network.version and address in network for network in networks)
     text = f"::ffff:{address}" if mapped and address.version == 4 else str(address)
     resolver = ClientIPResolver((), *prefixes, cache_size=4, exempt=exempt)
-    for _ in range(2):  # made, then from the cache
+    for _ in range(3):  # made, made again and stored (seen lately), then from the cache
         client = resolver.resolve(text, None)
         assert client.exempt_by is exempt
         assert client.exempt == client.exempt_in(exempt) == expected

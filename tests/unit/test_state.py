@@ -285,9 +285,11 @@ class Colliding:
 
 
 # A key's values: equal ones of other types (1, 1.0 and True), text made anew
-# each time (equal, never the same object), and values of one hash.
+# each time (equal, never the same object; of one length, and of CPython's
+# three widths of characters), and values of one hash.
 VALUES = st.one_of(st.sampled_from(["a", "b", 1, 1.0, True]),
-                   st.sampled_from(["ab", "cd"]).map(lambda text: text[:1] + text[1:]),
+                   st.sampled_from(["ab", "cd", "ac", "éa", "€a", "€b", "😀a", "a😀"])
+                   .map(lambda text: text[:1] + text[1:]),
                    st.integers(0, 2).map(Colliding))
 Pair = collections.namedtuple("Pair", "prefix value")
 # Counting keys' shapes: a prefix and one value or two (the compiled map
@@ -492,3 +494,24 @@ def test_the_compiled_map_hashes_a_key_as_python_does(key: Any) -> None:
     if isinstance(key, tuple) and key and isinstance(key[0], tuple):
         copied = (tuple(list(key[0])), *key[1:])  # an equal prefix, another object (unless empty)
         assert hash_of(copied) == hash(key)
+
+
+# Texts of one length, mostly: equal or not at one place, of CPython's
+# three widths of characters.
+SAME_LENGTH_TEXTS = st.integers(1, 12).flatmap(
+    lambda length: st.tuples(*[st.text(alphabet="aé€😀", min_size=length, max_size=length)] * 2))
+
+
+@pytest.mark.skipif(core.PURE, reason="the compiled map: the compiled core only")
+@given(SAME_LENGTH_TEXTS | st.tuples(st.text(), st.text()), st.booleans())
+@example(("ab", "ac"), False)
+@example(("a€", "a€"), True)
+def test_the_compiled_map_finds_texts_equal_as_python_does(texts: tuple[str, str], copied: bool) -> None:
+    """The map compares a stored key's texts with a request's in C (the same
+    length, kind and code units): equal exactly when Python finds them so,
+    whatever their characters' width."""
+    same_text = importlib.import_module("sidecar._statemap").same_text
+    one, other = texts
+    if copied:
+        other = one[:1] + one[1:]  # equal, and another object unless one character or none
+    assert same_text(one, other) == (one == other) == same_text(other, one)

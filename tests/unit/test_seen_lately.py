@@ -1,0 +1,55 @@
+"""The admission filter of the address resolver's caches (SeenLately):
+a value is "seen" from its second sighting, its bits are cleared after a
+fixed number of first sightings, and its memory is fixed."""
+
+from __future__ import annotations
+
+import random
+import tracemalloc
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sidecar.bounded import SEEN_BITS, SEEN_CLEARED_AFTER, SeenLately
+
+
+@given(st.lists(st.text(max_size=20) | st.integers(), max_size=200))
+def test_a_value_is_seen_again_from_its_second_sighting(values: list) -> None:
+    seen = SeenLately()
+    first = seen.again("a value of its own")
+    assert first is False  # a new filter has seen nothing
+    for value in values:
+        seen.again(value)
+        # Fewer first sightings than clear the bits: every value is still there.
+        assert seen.again(value) is True
+
+
+def test_its_bits_are_cleared_after_a_fixed_number_of_first_sightings() -> None:
+    # Small integers hash to themselves: each of these sets a bit of its own.
+    seen = SeenLately()
+    assert not seen.again(0)
+    for value in range(1, SEEN_CLEARED_AFTER):
+        assert not seen.again(value)
+    assert seen.again(0)  # SEEN_CLEARED_AFTER first sightings: still set
+    assert seen.again(SEEN_CLEARED_AFTER - 1)
+    assert not seen.again(SEEN_CLEARED_AFTER)  # one more first sighting clears the others
+    assert not seen.again(0)
+    assert seen.again(SEEN_CLEARED_AFTER)
+
+
+def test_under_a_rotation_few_new_values_pass_for_seen_and_memory_is_fixed() -> None:
+    """At most one bit in eight is ever set, so a rotation of new values
+    passes for seen (by another value's bit) about one time in sixteen
+    and never more than one in eight; the filter's memory is its bits."""
+    generator = random.Random(7)
+    values = [generator.getrandbits(60) for _ in range(200_000)]  # ints hash to themselves
+    seen = SeenLately()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        passed = sum(seen.again(value) for value in values)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert 0 < passed < len(values) / 8
+    assert grown < SEEN_BITS // 8 + 4096  # one set of bits made anew at most, beside the old one freed
