@@ -5,7 +5,7 @@ cimport cython
 from sidecar.limiters.records cimport Algorithm, Hit, refused
 
 
-cpdef Hit in_penalty(state, double now)
+cpdef Hit in_penalty(double penalty_until, double now)
 
 
 cdef class Bucket(Algorithm):

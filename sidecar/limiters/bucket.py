@@ -25,8 +25,12 @@ class BucketLimit(LimitModel):
             raise ValueError("count_on works with requests and score limits, not with buckets")
 
 
-def in_penalty(state: Any, now: float) -> Hit | None:
-    return refused(state.penalty_until - now) if now < state.penalty_until else None
+def in_penalty(penalty_until: float, now: float) -> Hit | None:
+    """The refusal of a key whose explicit penalty (its state's
+    ``penalty_until``) lasts past ``now``, else None. It takes the time,
+    not the state: a bucket reads its own state's field, in C when
+    compiled."""
+    return refused(penalty_until - now) if now < penalty_until else None
 
 
 class Bucket(Algorithm):
@@ -54,7 +58,7 @@ class Bucket(Algorithm):
         return refused(self.penalty)
 
     def peek(self, state: Any, now: float) -> Hit:
-        return in_penalty(state, now) or UNDER_LIMIT
+        return in_penalty(state.penalty_until, now) or UNDER_LIMIT
 
     def hit(self, state: Any, now: float, threshold: float, amount: int = 1) -> Hit:
         """Charged at once: ``assess`` then ``commit``, as for a request of one rule."""

@@ -90,7 +90,7 @@ class LeakyBucket(Bucket):
         """``amount`` requests at once add ``amount`` to the excess (the
         first of a key's fills the bucket's first place, as one request does)."""
         record: LeakyState = state  # each method's state is read as its type (Algorithm)
-        held = in_penalty(record, now)
+        held = in_penalty(record.penalty_until, now)
         if held is not None:
             return held
         now_ms = int(now * 1000 + 1e-6)  # whole ms; the epsilon absorbs float error

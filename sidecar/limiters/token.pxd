@@ -28,5 +28,5 @@ cdef class TokenBucket(Bucket):
     cpdef Hit assess(self, state, double now, lease=*, amount=*)
     @cython.locals(record=TokenState)
     cpdef commit(self, state, Hit hit)
-    @cython.locals(record=TokenState, full_at=double)
+    @cython.locals(record=TokenState, full_at=double, last=double)
     cpdef double expires_at(self, state) except? -1.0

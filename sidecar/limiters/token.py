@@ -76,13 +76,14 @@ class TokenBucket(Bucket):
     def tokens_at(self, state: TokenState, now: float) -> float:
         if state.last is None:
             return state.tokens
-        return min(float(self.capacity), state.tokens + self.refill * max(0.0, now - state.last))
+        last: float = state.last  # compiled: a C double, and the arithmetic in C
+        return min(float(self.capacity), state.tokens + self.refill * max(0.0, now - last))
 
     def assess(self, state: Any, now: float, lease: str = "", amount: int = 1) -> Hit:
         """``amount`` requests at once cost ``amount`` times the cost (0: a
         look that takes nothing)."""
         record: TokenState = state  # each method's state is read as its type (Algorithm)
-        held = in_penalty(record, now)
+        held = in_penalty(record.penalty_until, now)
         if held is not None:
             return held
         tokens = self.tokens_at(record, now)
@@ -106,7 +107,8 @@ class TokenBucket(Bucket):
         record: TokenState = state
         if record.last is None:
             return record.penalty_until
-        full_at = record.last + (self.capacity - record.tokens) / self.refill
+        last: float = record.last  # compiled: C doubles, as in tokens_at
+        full_at = last + (float(self.capacity) - record.tokens) / self.refill
         return max(full_at, record.penalty_until)
 
     def describe(self) -> str:

@@ -31,7 +31,7 @@ cdef class WindowCounter(Algorithm):
     # The Algorithm's methods take any state, each read as a WindowState (record).
     @cython.locals(record=WindowState)
     cpdef Hit peek(self, state, double now)
-    @cython.locals(record=WindowState, window="long long", estimate=double, elapsed=double)
+    @cython.locals(record=WindowState, window="long long", estimate=double, elapsed=double, added="long long")
     cpdef Hit hit(self, state, double now, double threshold, amount=*)
     @cython.locals(elapsed=double, previous=double)
     cpdef Hit _fit(self, WindowState state, double now, double threshold, amount)

@@ -98,7 +98,8 @@ class WindowCounter(Algorithm):
                            "2" if fit else "1" if exceed else "0")
         self._lua_args = (WINDOW, lua_number(self.threshold)) + self._lua_limit
         # The current window's index, one int object that the states counted
-        # in it share (a new int is 32 bytes of every key under rotation).
+        # in it share (a new int is 32 bytes of every key under rotation);
+        # the pure core's only.
         self._window = -2
 
     def new_state(self) -> WindowState:
@@ -127,16 +128,18 @@ class WindowCounter(Algorithm):
             return refused(record.penalty_until - now)
         window = int(now // self.period)
         if window != record.window:
-            if window == self._window:
-                window = self._window
-            else:
-                self._window = window
+            if not cython.compiled:  # compiled, a state's window is a C integer: nothing to share
+                if window == self._window:
+                    window = self._window
+                else:
+                    self._window = window
             record.previous = record.current if window == record.window + 1 else 0
             record.current = 0
             record.window = window
         if self.fit:
             return self._fit(record, now, threshold, amount)
-        record.current += amount
+        added: int = amount  # compiled: a C integer, added to the count in C
+        record.current += added
         estimate = float(record.current)
         if self.sliding and record.previous:
             elapsed = now - window * self.period
