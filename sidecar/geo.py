@@ -14,8 +14,10 @@ looked at (``os.stat``) at most once a second, on the clock given, and
 opened again when it changed, so that a weekly GeoLite2 update is picked
 up without a reload; a file that cannot be opened then keeps the last good
 one (logged at most once a minute). What an address gave is remembered
-(``CACHE_SIZE`` addresses; the map is emptied when full or when the file
-changed), so that a client's lookups cost a dictionary read.
+from its second lookup lately (``sidecar.bounded.SeenLately``: a rotation
+of addresses seen once each stores none of them), up to ``CACHE_SIZE``
+addresses (the map is emptied when full or when the file changed), so
+that a returning client's lookups cost a dictionary read.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import maxminddb
 
+from sidecar.bounded import SeenLately
 from sidecar.ratelog import RateLimitedLog
 
 if TYPE_CHECKING:
@@ -78,6 +81,7 @@ class GeoDatabase:
         self._stamp: tuple[int, int, int] | None = None
         self._next_look = 0.0
         self._cache: dict[str, str] = {}
+        self._seen = SeenLately()  # what the cache stores: an address's second lookup lately
         self._log = RateLimitedLog(log, 60)
         try:
             self.reader = open_database(path)
@@ -99,9 +103,12 @@ class GeoDatabase:
         value = self._cache.get(text)
         if value is None:
             value = self._lookup(text)
-            if len(self._cache) >= CACHE_SIZE:
-                self._cache = {}
-            self._cache[text] = value
+            # Under a rotation of addresses, one seen once is not stored
+            # (see SeenLately): a returning client is, from its second request.
+            if self._seen.again(text):
+                if len(self._cache) >= CACHE_SIZE:
+                    self._cache = {}
+                self._cache[text] = value
         return value
 
     def _lookup(self, text: str) -> str:

@@ -109,8 +109,24 @@ def test_what_is_remembered_is_bounded(databases: Path, monkeypatch: pytest.Monk
     database = GeoDatabase(str(databases / "asn.mmdb"), asn_of, FakeClock())
     engine = Engine(ruleset_from("rules: []"), clock=FakeClock())
     for n in range(1000):
-        database.value_of(request_from(engine, f"10.0.{n >> 8}.{n & 255}"))
+        for _ in range(2):  # stored from an address's second lookup
+            database.value_of(request_from(engine, f"10.0.{n >> 8}.{n & 255}"))
         assert len(database._cache) <= 100
+    assert database._cache  # it stored some
+
+
+def test_a_rotation_of_addresses_is_not_stored_and_a_returning_client_is(databases: Path) -> None:
+    database = GeoDatabase(str(databases / "asn.mmdb"), asn_of, FakeClock())
+    engine = Engine(ruleset_from("rules: []"), clock=FakeClock())
+    texts = [f"10.{n >> 16}.{(n >> 8) & 255}.{n & 255}" for n in range(2000)]
+    for text in texts:
+        database.value_of(request_from(engine, text))
+    # One bit in 65,536 per address: at most a few collide and are stored.
+    assert len(database._cache) < 100
+    returning = request_from(engine, "203.0.113.1")
+    assert database.value_of(returning) == "64500"
+    assert database.value_of(returning) == "64500"
+    assert database._cache["203.0.113.1"] == "64500"
 
 
 @settings(max_examples=200, deadline=None)
