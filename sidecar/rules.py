@@ -40,8 +40,10 @@ Predicate = Callable[[CheckRequest], bool]
 KeyBuilder = Callable[[CheckRequest], CountingKey]
 # The ruleset's rules for one request (``compile_matcher``): appends the
 # matching rules and their checks to the two lists; True when a challenge
-# credential ended the evaluation.
-Matcher = Callable[[CheckRequest, "list[CompiledRule]", "list[Check]", str,
+# credential ended the evaluation. Called with the request, its fields of
+# ``MATCHER_FIELDS`` (``Ruleset.match_request``), the two lists, the
+# request's lease id and the challenge credential's test.
+Matcher = Callable[[CheckRequest, str, str, str, "dict[str, str]", str, "list[CompiledRule]", "list[Check]", str,
                     Callable[["CompiledRule", CheckRequest], bool]], bool]
 
 # --------------------------------------------------------------------------
@@ -86,10 +88,17 @@ class _Expression:
     bound in the function's namespace. The source is built from the fixed
     fragments below, identifiers made of a rule id's letters, digits and
     underscores, and comments (``_shown``, which cannot end a line).
+
+    A standalone function reads the request's fields by name. The matcher
+    (``compile_matcher``) is handed those of ``MATCHER_FIELDS`` with the
+    request, read in C by the compiled engine: ``in_matcher`` names them as
+    its parameters.
     """
 
-    def __init__(self, jwt: JwtReader | None = None, geo: Mapping[str, GeoDatabase] | None = None) -> None:
+    def __init__(self, jwt: JwtReader | None = None, geo: Mapping[str, GeoDatabase] | None = None,
+                 in_matcher: bool = False) -> None:
         self.namespace: dict[str, object] = {"__builtins__": {}}
+        self.in_matcher = in_matcher
         self._constants = 0
         self._values = 0
         if jwt is not None:  # a request's claims, read once (sidecar.identity)
@@ -104,6 +113,13 @@ class _Expression:
             name = f"c{self._constants}"
         self.namespace[name] = value
         return name
+
+    def field(self, name: str) -> str:
+        """The expression of the request's field ``name`` (one of
+        ``MATCHER_FIELDS``, or another attribute of ``CheckRequest``)."""
+        if name == "client_key":
+            return name if self.in_matcher else "request.client.key"
+        return name if self.in_matcher and name in MATCHER_FIELDS else f"request.{name}"
 
     def value(self) -> str:
         """A fresh local name, for a value read once and tested twice."""
@@ -207,24 +223,24 @@ def _condition(condition: config.Condition, source: _Expression, loc: Loc) -> _N
     if condition.not_ is not None:
         parts.append(_Not(_condition(condition.not_, source, loc + ("not",))))
     if condition.path is not None:
-        code, says = _string_test(condition.path, "request.path", source)
+        code, says = _string_test(condition.path, source.field("path"), source)
         parts.append(_Test(code, f"path {says}", loc + ("path",)))
     if condition.host is not None:
-        code, says = _string_test(condition.host, "request.host", source)
+        code, says = _string_test(condition.host, source.field("host"), source)
         parts.append(_Test(code, f"host {says}", loc + ("host",)))
     for name, fingerprint_test in (("ja3", condition.ja3), ("ja4", condition.ja4)):
         if fingerprint_test is not None:
-            code, says = _string_test(fingerprint_test, _SIMPLE_DIMENSIONS[name], source)
+            code, says = _string_test(fingerprint_test, _dimension_value(name, source), source)
             parts.append(_Test(code, f"{name} {says}", loc + (name,)))
     if condition.method is not None:
         methods = [m.upper() for m in condition.method]
-        parts.append(_Test(f"request.method in {source.constant(frozenset(methods))}",
+        parts.append(_Test(f"{source.field('method')} in {source.constant(frozenset(methods))}",
                            f"method in {_shown(methods)}", loc + ("method",)))
-    for field_name, tests, mapping, fold in (("header", condition.header, "request.headers", True),
-                                             ("cookie", condition.cookie, "request.cookies", False),
-                                             ("query", condition.query, "request.query", False)):
+    for field_name, tests, mapping, fold in (("header", condition.header, "headers", True),
+                                             ("cookie", condition.cookie, "cookies", False),
+                                             ("query", condition.query, "query", False)):
         for index, test in enumerate(tests or ()):
-            code, says = _named_test(mapping, test, test.name.lower() if fold else test.name, source)
+            code, says = _named_test(source.field(mapping), test, test.name.lower() if fold else test.name, source)
             parts.append(_Test(code, f"{field_name} {says}", loc + (field_name, index)))
     for name, geo_test in (("asn", condition.asn), ("country", condition.country)):
         if geo_test is not None:
@@ -294,44 +310,41 @@ def compile_condition(condition: config.Condition, jwt: JwtReader | None = None,
 GEO_DIMENSIONS = ("asn", "country")  # looked up in the geoip: section's databases
 # Where the proxy reports the client's TLS fingerprints (JA3, JA4).
 JA3_HEADER, JA4_HEADER = "x-sluice-ja3", "x-sluice-ja4"
-_SIMPLE_DIMENSIONS: dict[str, str] = {
-    "ip": "request.client.key",
-    "host": "request.host",
-    "method": "request.method",
-    "path": "request.path",
-    "uri": "request.uri",
-    # The client's TLS fingerprints, as the proxy reports them (the shipped
-    # Envoy fragments from its TLS inspector; nginx clears them).
-    "ja3": f"request.headers.get({JA3_HEADER!r}, '')",
-    "ja4": f"request.headers.get({JA4_HEADER!r}, '')",
-}
+# The request's fields the compiled engine hands the matcher with the
+# request (read in C: an attribute read in the matcher is a generic one),
+# in the order of its parameters; "client_key" is the client's key.
+MATCHER_FIELDS = ("method", "host", "path", "headers", "client_key")
+_FIELD_DIMENSIONS = {"ip": "client_key", "host": "host", "method": "method", "path": "path", "uri": "uri"}
+# The client's TLS fingerprints, as the proxy reports them (the shipped
+# Envoy fragments from its TLS inspector; nginx clears them).
+_FINGERPRINT_HEADERS = {"ja3": JA3_HEADER, "ja4": JA4_HEADER}
 
 
-def _dimension_value(dimension: str, source: _Expression, client_key: str = "request.client.key") -> str:
-    """The expression of a dimension's value (a missing one is "");
-    ``client_key`` is the expression of the client's key (the matcher reads
-    it once, into a local)."""
-    if dimension == "ip":
-        return client_key
+def _dimension_value(dimension: str, source: _Expression) -> str:
+    """The expression of a dimension's value (a missing one is "")."""
+    if dimension in _FIELD_DIMENSIONS:
+        return source.field(_FIELD_DIMENSIONS[dimension])
     if dimension in GEO_DIMENSIONS:
         return f"geo_{dimension}(request)"
-    if dimension in _SIMPLE_DIMENSIONS:
-        return _SIMPLE_DIMENSIONS[dimension]
+    if dimension in _FINGERPRINT_HEADERS:
+        return f"{source.field('headers')}.get({_FINGERPRINT_HEADERS[dimension]!r}, '')"
     kind, _, name = dimension.partition(":")
-    mapping = {"header": "request.headers", "cookie": "request.cookies", "query": "request.query"}.get(kind)
+    mapping = {"header": "headers", "cookie": "cookies", "query": "query"}.get(kind)
     if mapping is not None:
-        return f"{mapping}.get({source.constant(name)}, '')"
+        return f"{source.field(mapping)}.get({source.constant(name)}, '')"
     if kind == "jwt":
         # A claim of the request's valid token, else the client address:
         # tagged as session: is, so that a claim equal to an address is
         # still another key.
         value = source.value()
+        client_key = source.field("client_key")
         return (f"(('ip', {client_key}) if ({value} := jwt_claim(request, {source.constant(name)})) "
                 f"is None else ('jwt', {value}))")
     # session:COOKIE falls back to the client address; the two are tagged so
     # that a cookie whose value equals an address is still another key.
     value = source.value()
-    return (f"(('ip', {client_key}) if ({value} := request.cookies.get({source.constant(name)})) is None "
+    return (f"(('ip', {source.field('client_key')}) if ({value} := {source.field('cookies')}.get("
+            f"{source.constant(name)})) is None "
             f"else ('cookie', {value}))")
 
 
@@ -348,11 +361,10 @@ def compile_key(rule_id: str, dimensions: list[str], jwt: JwtReader | None = Non
     return prefix, cast(KeyBuilder, source.function(_key(prefix, source)))
 
 
-def _key(prefix: KeyPrefix, source: _Expression, name: str | None = None,
-         client_key: str = "request.client.key") -> str:
+def _key(prefix: KeyPrefix, source: _Expression, name: str | None = None) -> str:
     """The expression of a key with ``prefix`` (bound to ``name``, if given),
-    from the request (``client_key``: see ``_dimension_value``)."""
-    values = ", ".join(_dimension_value(dimension, source, client_key) for dimension in prefix[1])
+    from the request."""
+    values = ", ".join(_dimension_value(dimension, source) for dimension in prefix[1])
     return f"({source.constant(prefix, name)}, {values})"
 
 
@@ -599,6 +611,15 @@ class Ruleset:
         """The longest a rule (a leaky bucket's) may hold a request, in seconds."""
         return max((rule.limiter.longest_hold() for rule in self.rules), default=0.0)
 
+    def match_request(self, request: CheckRequest, matched: list[CompiledRule], checks: list[Check], lease: str,
+                      has_credential: Callable[[CompiledRule, CheckRequest], bool]) -> bool:
+        """The matcher called as the engine calls it (``Engine._prepare``,
+        which reads the fields in C): the request's rules and checks
+        appended to ``matched`` and ``checks``; True when a challenge
+        credential ended the evaluation."""
+        return self.match(request, request.method, request.host, request.path, request.headers, request.client.key,
+                          matched, checks, lease, has_credential)
+
 
 _MATCHER_HEAD = """\
 # The rules of {source} as Sluice runs them, written when the file
@@ -613,9 +634,9 @@ _MATCHER_HEAD = """\
 # key) goes to the state store, which decides every check of the request
 # at once. Values from the file are the constants c1, c2, ...: each line's
 # comment gives its rule, its line in the file and what it tests.
-def match(request, matched, checks, lease, has_credential):
-    # The ip dimension's value (client_key) is read once, here.
-    client_key = request.client.key
+def match(request, {fields}, matched, checks, lease, has_credential):
+    # The engine hands the request's fields the rules read most, with the
+    # request (sidecar.rules.MATCHER_FIELDS); client_key is the ip dimension.
     verified = None  # whether the request is a verified bot's, once asked
 """
 
@@ -634,9 +655,10 @@ def compile_matcher(rules: Sequence[tuple[CompiledRule, config.Rule]], verified_
     rule, spec and value is a bound constant (``rule_ID``, ``spec_ID``,
     ``c1``, ...), and comments show the values.
     """
-    source = _Expression(jwt, geo)
+    source = _Expression(jwt, geo, in_matcher=True)
     filename = f"{loaded.source}.matcher.py"
-    lines = _MATCHER_HEAD.format(source=_shown(loaded.source, 200), filename=_shown(filename, 200)).splitlines()
+    lines = _MATCHER_HEAD.format(source=_shown(loaded.source, 200), filename=_shown(filename, 200),
+                                 fields=", ".join(MATCHER_FIELDS)).splitlines()
     source.constant(add_check, "add_check")
     source.constant(lambda request: any(bot.matches(request) for bot in verified_bots), "is_verified_bot")
     if tiers is not None and any(rule.tiers for rule, _ in rules):
@@ -703,7 +725,7 @@ def _rule_lines(rule: CompiledRule, model: config.Rule, loc: Loc, verified_bots:
                   f"{indent}    tier = tier_of(request)  # tiers: its identity's assignment, a claim, or the default",
                   f"{indent}spec = {name}.spec_for_tier(tier, spec)  # {rule.id} (line {line_of(loc + ('tiers',))}): "
                   f"the threshold of the request's tier"]
-    key = _key(rule.key_prefix, source, names.format("key"), client_key="client_key")
+    key = _key(rule.key_prefix, source, names.format("key"))
     lines.append(f"{indent}add_check(matched, checks, {name}, {spec}, {key}, lease)"
                  f"  # {rule.id} (line {line_of(loc + ('key',))}): key {', '.join(rule.key_prefix[1])}"
                  + ("" if model.key else " (the default)"))

@@ -39,7 +39,7 @@ def test_without_a_fingerprint_the_value_is_empty_and_the_condition_fails() -> N
 
 def test_the_matcher_names_the_fields_and_tests() -> None:
     source = ruleset_from(RULES).match_source.text
-    assert "request.headers.get('x-sluice-ja4', '').startswith(c1)" in source
+    assert "headers.get('x-sluice-ja4', '').startswith(c1)" in source
     assert "modern-tls (line 4): ja4 prefix 't13'" in source
 
 

@@ -370,7 +370,7 @@ def test_an_administrator_names_a_claims_key_as_the_engine_counts_it(engine: Eng
                            engine.resolve_client("192.0.2.1", None), "r")
     matched: list[object] = []
     checks: list[object] = []
-    engine.ruleset.match(request, matched, checks, "", lambda *_: False)
+    engine.ruleset.match_request(request, matched, checks, "", lambda *_: False)  # type: ignore[arg-type]
     counted = [check.key for check in checks if check.spec.rule_id == "everyone"]  # type: ignore[attr-defined]
 
     named = key_from_text(rule, engine.ruleset.resolver, ["jwt:sub=alice"])

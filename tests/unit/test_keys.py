@@ -428,7 +428,7 @@ def test_the_ruleset_function_matches_and_keys_as_each_rule_does(rules: list, re
                        cookies={"sid": sid} if sid else None, client=client)
         matched: list = []
         checks: list = []
-        assert not ruleset.match(made, matched, checks, "", lambda rule, req: False)
+        assert not ruleset.match_request(made, matched, checks, "", lambda rule, req: False)
         expected = [rule for rule in ruleset.rules if rule.condition is None or rule.condition(made)]
         assert matched == expected
         assert [check.key for check in checks] == [rule.key(made) for rule in expected]
