@@ -143,7 +143,7 @@ class Policy:
                 state = carried_over(state, limiter)
             if not spec.count:  # a look: a response-phase rule's penalty
                 hit = limiter.peek(state, now) if state is not None else UNDER_LIMIT
-            elif not limiter.deferred:
+            elif not spec.deferred:  # the limiter's, read in C
                 if state is None:
                     # A key never seen (or forgotten): under key rotation, most of them.
                     state = limiter.new_state()

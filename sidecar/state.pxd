@@ -17,6 +17,7 @@ cdef class CheckSpec:
     cdef readonly object ban_increment
     cdef readonly object penalty_ban
     cdef readonly bint plain
+    cdef public bint deferred  # set in __post_init__ (object.__setattr__)
 
 
 cdef class Check:

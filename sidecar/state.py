@@ -141,6 +141,13 @@ class CheckSpec:
     # Within its limit, nothing to do after the store but count the hit: no
     # response phase, no reset_on, no concurrency slot (its rule's ``plain``).
     plain: bool = False
+    # The limiter's ``deferred`` (charged last), which the policy reads for
+    # every check: a field of the compiled spec read in C, where the
+    # limiter's is a class attribute looked up by name.
+    deferred: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "deferred", bool(self.limiter.deferred))
 
 
 @cython.freelist(16)

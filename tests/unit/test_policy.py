@@ -4,6 +4,7 @@ decides as a plain dict does while nothing is evicted."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import types
 from typing import Any
@@ -15,6 +16,7 @@ from sidecar.at_once import run_at_once
 from sidecar.bounded import state_expiry
 from sidecar.keystate import limiter_of
 from sidecar.limiters import UNDER_LIMIT, Hit, RuleLimit, refused
+from sidecar.limiters.token import TokenBucket
 from sidecar.limiters.window import WindowCounter
 from sidecar.policy import StateTable, carried_over
 from sidecar.state import Check
@@ -106,6 +108,30 @@ def test_a_states_limiter_is_read_as_its_attribute_whatever_its_kind(name: str) 
     assert limiter_of(state) is other is not limiter
     anything = types.SimpleNamespace(limiter=limiter)
     assert limiter_of(anything) is limiter
+
+
+class ChargedAtOnce(TokenBucket):
+    """A bucket of one's own that counts at once, as a window does: its
+    class says so by its class attribute."""
+
+    deferred = False
+
+
+@pytest.mark.parametrize(("limiter", "deferred"), [
+    (WindowCounter(5, 60.0, 60.0), False), (TokenBucket(5, 1.0, 1, None), True), (EveryOther(), False),
+    (ChargedAtOnce(5, 1.0, 1, None), False)])
+def test_a_spec_carries_its_limiters_deferred_and_the_policy_charges_by_it(limiter: Any, deferred: bool) -> None:
+    key = (("r", ("ip",)), "192.0.2.1")
+    check = Check.of("r", key, limiter, 5, True)
+    assert check.spec.deferred is deferred
+    assert dataclasses.replace(check.spec, threshold=3).deferred is deferred
+    # A later check refuses the request: a deferred limiter is not charged for it.
+    refusing = Check.of("no", (("no", ("ip",)), "192.0.2.1"), WindowCounter(1, 60.0, 60.0), 1, True)
+    store = MemoryStore(100, "node", clock=lambda: 0.0)
+    run_at_once(store.evaluate(10.0, "", [refusing]))  # its one request
+    evaluation = run_at_once(store.evaluate(10.0, "", [check, refusing]))
+    assert [hit.over_limit for hit in evaluation.hits] == [False, True]
+    assert (key in store.table.states.data) is not deferred
 
 
 class NotALimiter:
