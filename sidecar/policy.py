@@ -168,8 +168,11 @@ class Policy:
                 break
         if deferred and not stopped:
             # One over its limit that did not refuse (observe mode) is not
-            # charged itself. A refused request leaves no new key (a new key
-            # is never refused by its own bucket, and a ban cleared its key).
+            # charged itself. A refused request leaves no new key: a ban
+            # cleared its key, and a new key its own bucket refuses (a batch
+            # of requests beyond the burst, Envoy's hits_addend) is not kept,
+            # nor is a penalty that refusal starts (as in Redis, where such a
+            # key reads as new again).
             for key, limiter, state, stored, hit in deferred:
                 if not hit.over_limit:
                     limiter.commit(state, hit)

@@ -108,11 +108,15 @@ class LeakyBucket(Bucket):
         return max(0, state.excess - self.rate * elapsed // 1000 + 1000 * amount)
 
     def _wait_ms(self, state: LeakyState, now_ms: int, amount: int = 1) -> int:
-        """Milliseconds until ``amount`` requests would fit within the burst again."""
-        assert state.last is not None
+        """Milliseconds until ``amount`` requests would fit within the burst
+        again. A key never seen counts from an empty bucket now: ``amount``
+        requests at once beyond the burst and its first place never fit
+        (Envoy's ``hits_addend``), and the wait is the time the part over
+        the burst takes to drain."""
+        last = now_ms if state.last is None else state.last
         needed = state.excess + 1000 * amount - self.burst  # thousandths to drain
         # The smallest ms with rate * ms // 1000 >= needed.
-        return max(0, state.last - (-needed * 1000 // self.rate) - now_ms)
+        return max(0, last - (-needed * 1000 // self.rate) - now_ms)
 
     def commit(self, state: Any, hit: Hit) -> None:
         record: LeakyState = state

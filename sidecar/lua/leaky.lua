@@ -48,9 +48,10 @@ BUCKETS.L = {
       excess = math.max(0, v - idiv(rate * math.max(0, now_ms - l), 1000) + 1000 * amount)
     end
     if excess > burst then
-      -- _wait_ms: until `amount` requests fit within the burst again.
+      -- _wait_ms: until `amount` requests fit within the burst again (a
+      -- key never seen: from an empty bucket now).
       local needed = v + 1000 * amount - burst
-      return true, math.max(0, l - idiv(-needed * 1000, rate) - now_ms) / 1000
+      return true, math.max(0, (l or now_ms) - idiv(-needed * 1000, rate) - now_ms) / 1000
     end
     local delay_ms = 0
     if excess > delay then

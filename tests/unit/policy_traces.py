@@ -37,6 +37,9 @@ SPECS = {
     "hard": CheckSpec("hard", WindowCounter(1, 5.0, 5.0), 1.0, True, penalty_ban=PenaltyBan.after(2, 40.0)),
     "tokens": CheckSpec("tokens", TokenBucket(3, 1.0, 1, None), 3.0, True),
     "paced": CheckSpec("paced", LeakyBucket(Rate(2, 1), 3, 1, None), 4.0, True),
+    # Four requests at once (Envoy's hits_addend), more than the burst and
+    # its first place: refused even on a key never seen, with a penalty.
+    "batch": CheckSpec("batch", LeakyBucket(Rate(2, 1), 2, None, 2.0), 3.0, True, amount=4),
     "watch": CheckSpec("watch", WindowCounter(2, 5.0, 3.0), 2.0, False),
     "look": CheckSpec("look", WindowCounter(2, 10.0, 6.0), 2.0, True, count=False),
     "slots": CheckSpec("slots", ConcurrencyLimiter(2, 8.0), 2.0, True),

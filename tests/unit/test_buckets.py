@@ -365,3 +365,18 @@ def test_client_disconnect_while_held_frees_the_slot_without_answering():
 def test_longest_hold_is_the_full_burst_beyond_delay():
     h = Harness(leaky_rules([(10, False, 20, 5), (10, True, 3, None)]))
     assert h.engine.ruleset.longest_hold == 1.5  # 15 excess at 10 r/s
+
+
+def test_a_batch_beyond_the_burst_on_a_key_never_seen_is_refused_with_a_defined_wait():
+    """Envoy's hits_addend asks for several requests at once: beyond the
+    burst and the first place they never fit, and a key never seen is
+    refused with the time the part over the burst takes to drain."""
+    from sidecar.config import Rate
+    from sidecar.limiters.leaky import LeakyBucket
+
+    bucket = LeakyBucket(Rate(2, 1), 2, None, None)  # 2 r/s, burst 2
+    hit = bucket.assess(bucket.new_state(), 100.0, "", 4)
+    assert (hit.over_limit, hit.retry_after) == (True, 1.0)  # (4000 - 2000) thousandths at 2000 a second
+    admitted = bucket.assess(bucket.new_state(), 100.0, "", 3)  # the first place and the burst
+    assert (admitted.over_limit, admitted.proposal) == (False, (2000, 100_000))
+
