@@ -385,6 +385,24 @@ def test_quota_mode_descriptors_refuse_only_when_all_of_them_are_over() -> None:
         (OK, [OK, OK]), (OK, [OVER_LIMIT, OK]), (OVER_LIMIT, [OVER_LIMIT, OVER_LIMIT])]
 
 
+def test_a_batch_beyond_a_leaky_buckets_burst_is_over_limit_even_for_a_new_key() -> None:
+    """hits_addend asks for several requests at once: a leaky bucket of
+    burst 2 admits three at once on a key never seen (its first place and
+    the burst), and refuses four, on a new key too, with a wait."""
+    service = Service("""\
+domain: batches
+descriptors:
+  - key: user
+    rate_limit: {unit: second, requests_per_unit: 2}
+    sluice: {algorithm: leaky_bucket, burst: 2}
+""")
+    refused = service.ask("batches", [("user", "new")], hits=4)
+    assert (refused.overall_code, refused.statuses[0].code) == (OVER_LIMIT, OVER_LIMIT)
+    assert refused.statuses[0].duration_until_reset.seconds == 1  # (4000 - 2000) thousandths at 2000 a second
+    assert service.codes("batches", [("user", "another")], hits=3) == (OK, [OK])
+    assert service.codes("batches", [("user", "another")]) == (OVER_LIMIT, [OVER_LIMIT])
+
+
 def test_sliding_and_token_bucket_descriptors_count_as_their_algorithm() -> None:
     service = Service("""\
 domain: shapes
