@@ -3,7 +3,9 @@ is not installed (it is needed only to build the compiled core): the
 class decorators of the limiters' states, the resolved client and the
 objects made for every check (``freelist``: compiled, a few released
 instances kept for the next ones), and the decorator that types a
-function's locals, as no-ops, and ``compiled``, False. Compiled, the
+function's locals, as no-ops; ``compiled``, False; and the C types a
+module declares (``union`` of ``double`` and ``longlong``: the node's
+records), as names only, used by compiled code alone. Compiled, the
 states and the client are extension types the garbage collector does not
 track: nothing they hold can lead back to them."""
 
@@ -32,3 +34,16 @@ def locals(**types: object) -> Callable[[F], F]:  # noqa: A001 - Cython's name
 
 def freelist(size: int) -> Callable[[T], T]:
     return lambda cls: cls
+
+
+double = float  # C types, as names: what they type is run compiled only
+longlong = int
+
+
+def union(**members: object) -> object:
+    return object
+
+
+def declare(kind: object, value: Any = None) -> Any:
+    return value
+

@@ -6,6 +6,13 @@ from sidecar.limiters.leaky cimport LeakyState
 from sidecar.limiters.token cimport TokenState
 from sidecar.limiters.window cimport WindowState
 
+@cython.locals(bits="unsigned long long", shift=int)
+cdef void _put_word(unsigned char *written, Py_ssize_t at, long long word) noexcept
+@cython.locals(bits="long long")
+cdef long long _double_word(double value) noexcept
+@cython.locals(space="const char *", value=bytes, written="unsigned char *")
+cdef bytes _state_bytes(int kind, int count, long long first, long long second, long long third,
+                        long long fourth=*)
 @cython.locals(window=WindowState, token=TokenState, leaky=LeakyState)
 cpdef bytes encode_state(state, Py_ssize_t lease_slots)
 @cython.locals(kind=int)
@@ -34,7 +41,7 @@ cdef class _SipState:
 
 @cython.locals(state=_SipState, raw="const unsigned char *", length=Py_ssize_t, start=Py_ssize_t, take=Py_ssize_t,
                shift=Py_ssize_t, word="unsigned long long", byte="unsigned long long", last="unsigned long long",
-               first="unsigned long long", second="unsigned long long", digest=bytes, written="unsigned char *",
+               first="unsigned long long", second="unsigned long long", digest=bytes,
                space="const char *")
 cpdef bytes siphash128(unsigned long long k0, unsigned long long k1, bytes data)
 

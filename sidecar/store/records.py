@@ -130,11 +130,17 @@ def siphash128(k0: int, k1: int, data: bytes) -> bytes:
     # integer and back: most of the digest's cost).
     space = _DIGEST_SPACE  # compiled: a pointer, whose slice is a new bytes object made in C
     digest = space[:16]
-    written = digest  # compiled: its bytes, written in C
-    for shift in range(8):
-        written[shift] = (first >> (8 * shift)) & 0xFF  # type: ignore[index]
-        written[8 + shift] = (second >> (8 * shift)) & 0xFF  # type: ignore[index]
+    _put_word(digest, 0, first)
+    _put_word(digest, 8, second)
     return digest
+
+
+def _put_word(written: bytes, at: int, word: int) -> None:
+    """Compiled only: ``word``, a C integer, little-endian into the bytes
+    ``written[at:at + 8]`` of a bytes object nothing else holds yet."""
+    bits = word & _MASK64
+    for shift in range(8):
+        written[at + shift] = (bits >> (8 * shift)) & 0xFF  # type: ignore[index]
 
 
 @cython.cclass
@@ -337,7 +343,43 @@ def kind_of(limiter: Limiter | None) -> int:
     return _KINDS.get(type(limiter), OTHER)
 
 
-_pack_window, _pack_token, _pack_leaky = _WINDOW.pack, _TOKEN.pack, _LEAKY.pack
+# The three layouts above as their kind's byte and 64-bit words (a double's
+# are its bits): what encode_state writes, the same bytes.
+_WORDS = {count: struct.Struct("<B" + "q" * count) for count in (3, 4)}
+_DOUBLE, _SIGNED_WORD = struct.Struct("<d"), struct.Struct("<q")
+# A double and its bits in one place (compiled: a C union).
+DoubleBits = cython.union(real=cython.double, bits=cython.longlong)
+_STATE_SPACE = bytes(1 + 8 * 4)  # what a compiled state's bytes are copied from before they are written
+
+
+def _double_word(value: float) -> int:
+    """A double's IEEE 754 bits as a signed 64-bit word: struct's "<d"
+    bytes read as "<q"."""
+    if not cython.compiled:
+        return int(_SIGNED_WORD.unpack(_DOUBLE.pack(value))[0])
+    both = cython.declare(DoubleBits)
+    both.real = value
+    bits: int = both.bits
+    return bits
+
+
+def _state_bytes(kind: int, count: int, first: int, second: int, third: int, fourth: int = 0) -> bytes:
+    """A state's bytes: its kind and ``count`` (3 or 4) signed 64-bit
+    words, little-endian. Compiled, written in C into a new bytes object
+    (struct's pack makes a Python object of every field and reads it
+    back: most of a state's cost to write)."""
+    if not cython.compiled:
+        return _WORDS[count].pack(kind, *(first, second, third, fourth)[:count])
+    space = _STATE_SPACE  # compiled: a pointer, whose slice is a new bytes object made in C
+    value = space[:1 + 8 * count]
+    written = value  # compiled: its bytes, written in C
+    written[0] = kind  # type: ignore[index]
+    _put_word(value, 1, first)
+    _put_word(value, 9, second)
+    _put_word(value, 17, third)
+    if count == 4:
+        _put_word(value, 25, fourth)
+    return value
 
 
 def encode_state(state: Any, lease_slots: int) -> bytes:
@@ -347,15 +389,18 @@ def encode_state(state: Any, lease_slots: int) -> bytes:
     kind = type(state)
     if kind is WindowState:
         window = state  # each read as its type: its fields in C
-        return _pack_window(WINDOW, window.window, window.previous, window.current, window.penalty_until)
+        return _state_bytes(WINDOW, 4, window.window, window.previous, window.current,
+                            _double_word(window.penalty_until))
     if kind is TokenState:
         token = state
         last = token.last
-        return _pack_token(TOKEN, token.tokens, math.nan if last is None else last, token.penalty_until)
+        return _state_bytes(TOKEN, 3, _double_word(token.tokens), _double_word(math.nan if last is None else last),
+                            _double_word(token.penalty_until))
     if kind is LeakyState:
         leaky = state
         last = leaky.last
-        return _pack_leaky(LEAKY, leaky.excess, NO_LAST if last is None else last, leaky.penalty_until)
+        return _state_bytes(LEAKY, 3, leaky.excess, NO_LAST if last is None else last,
+                            _double_word(leaky.penalty_until))
     if kind is LeaseState:
         return _encode_leases(state.held, lease_slots)
     return _encode_other(state)

@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 from importlib.machinery import EXTENSION_SUFFIXES
@@ -246,12 +247,15 @@ def test_the_pure_core_runs_without_cython_installed(tmp_path: Path) -> None:
     copy_package(tmp_path)
     # None in sys.modules: importing cython fails as where it is not installed.
     result = run_python(tmp_path, "import sys; sys.modules['cython'] = None; " + LOADED + "; "
-                        "from sidecar.limiters.window import WindowState; print(WindowState(1, 0, 2, 0.0))")
+                        "from sidecar.limiters.window import WindowState; print(WindowState(1, 0, 2, 0.0)); "
+                        "from sidecar.store.records import encode_state; "
+                        "print(encode_state(WindowState(1, 0, 2, 0.5), 1).hex())")
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[1:] == ["True", str(tmp_path / "sidecar" / "policy.py"),
                                               str(tmp_path / "sidecar" / "limiters" / "window.py"),
                                               "WindowState(window=1, previous=0, current=2, penalty_until=0.0, "
-                                              "limiter=None)"]
+                                              "limiter=None)",
+                                              struct.pack("<Bqqqd", 1, 1, 0, 2, 0.5).hex()]
 
 
 def test_the_compiled_limiters_states_are_not_tracked_by_the_garbage_collector() -> None:

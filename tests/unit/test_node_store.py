@@ -620,6 +620,30 @@ def test_bucket_states_keep_every_field(tokens: float, last: float | None, penal
         LeakyState(excess, last_ms, penalty, leaky)
 
 
+words = st.integers(-(1 << 63), (1 << 63) - 1)
+doubles = st.floats(allow_nan=True, allow_infinity=True)
+
+
+@given(window=words, previous=words, current=words, tokens=doubles, last=st.one_of(st.none(), doubles),
+       penalty=doubles, excess=words, last_ms=st.one_of(st.none(), words))
+@example(window=0, previous=0, current=0, tokens=-0.0, last=float("nan"), penalty=float("-inf"), excess=-1,
+         last_ms=records.NO_LAST)
+def test_a_states_bytes_are_its_layouts_whatever_its_fields(window: int, previous: int, current: int,
+                                                            tokens: float, last: float | None, penalty: float,
+                                                            excess: int, last_ms: int | None) -> None:
+    """The states' bytes, written in C by the compiled core, are struct's
+    packing of each layout, field for field: every 64-bit integer, and
+    every double's bits (NaN, infinities and -0.0 too)."""
+    import struct
+
+    assert records.encode_state(WindowState(window, previous, current, penalty), 16) == \
+        struct.pack("<Bqqqd", records.WINDOW, window, previous, current, penalty)
+    assert records.encode_state(TokenState(tokens, last, penalty), 16) == \
+        struct.pack("<Bddd", records.TOKEN, tokens, float("nan") if last is None else last, penalty)
+    assert records.encode_state(LeakyState(excess, last_ms, penalty), 16) == \
+        struct.pack("<Bqqd", records.LEAKY, excess, records.NO_LAST if last_ms is None else last_ms, penalty)
+
+
 short_ids = st.text(max_size=9).filter(lambda lease: len(lease.encode()) <= 9)
 engine_ids = st.binary(min_size=9, max_size=9).map(bytes.hex)  # os.urandom(9).hex(), as the engine makes them
 
