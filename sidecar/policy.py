@@ -159,6 +159,12 @@ class Policy:
                 hit = bucket.assess(state, now, check.lease, spec.amount)
                 if hit.delay and not can_delay:
                     hit = refused(hit.delay)  # the wait queue is full: refuse
+                elif hit.over_limit and not stored and bucket.expires_at(state) > now:
+                    # A new key refused by its own bucket (a batch beyond the
+                    # burst, Envoy's hits_addend) whose refusal started the
+                    # rule's penalty: kept for it, as in Redis.
+                    keep(key, state)
+                    stored = True
                 deferred.append((key, bucket, state, stored, hit))
             hits.append(hit)
             if hit.over_limit and spec.stops:
@@ -168,11 +174,9 @@ class Policy:
                 break
         if deferred and not stopped:
             # One over its limit that did not refuse (observe mode) is not
-            # charged itself. A refused request leaves no new key: a ban
-            # cleared its key, and a new key its own bucket refuses (a batch
-            # of requests beyond the burst, Envoy's hits_addend) is not kept,
-            # nor is a penalty that refusal starts (as in Redis, where such a
-            # key reads as new again).
+            # charged itself. A refused request leaves no new key (a ban
+            # cleared its key), but for a penalty its own bucket's refusal
+            # started (above).
             for key, limiter, state, stored, hit in deferred:
                 if not hit.over_limit:
                     limiter.commit(state, hit)

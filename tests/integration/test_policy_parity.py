@@ -27,6 +27,9 @@ pytestmark = pytest.mark.integration
 # of this node: the next request of the address is the ban's, not the key's.
 @example(trace=[(0.0, Request("192.0.2.1", rules, False, False, repeat))
                 for rules, repeat in ((("ban",), 1), (("ban",), 1), (("fixed",), 3), (("ban",), 1), (("fixed",), 1))])
+# A batch beyond a bucket's burst on a key never seen, refused with the
+# rule's penalty: the penalty holds for the key's next request, then ends.
+@example(trace=[(advance, Request("192.0.2.1", ("batch",), False, False, 1)) for advance in (0.0, 0.05, 4.0)])
 def test_the_lua_decides_every_trace_as_the_policy_does(redis_server: RedisServer, trace: list[Step]) -> None:
     redis_server.client().flushdb()
 
