@@ -49,7 +49,10 @@ local function bucket_expires(bucket, v, l, u)
 end
 
 -- refuse: nothing changes, unless the rule sets a penalty, which starts.
--- Returns (over, retry after, delay, proposal).
+-- A key never seen (or of another kind) refused by its own bucket (a batch
+-- beyond the burst) is kept for its penalty as this kind's, never
+-- accounted, as the policy keeps its new state. Returns (over, retry
+-- after, delay, proposal).
 local function bucket_refuse(key, bucket, state, now, wait)
   local penalty = bucket[5]
   if penalty == nil then
@@ -57,7 +60,15 @@ local function bucket_refuse(key, bucket, state, now, wait)
   end
   local until_ = now + penalty
   state[3] = until_
-  redis.call('HSET', key, 'u', until_)
+  if state[4] then
+    if state[5] then
+      redis.call('DEL', key)
+    end
+    redis.call('HSET', key, 'k', bucket[1], 'v', state[1], 'u', until_)
+    state[4], state[5] = false, false
+  else
+    redis.call('HSET', key, 'u', until_)
+  end
   pexpire_at(key, now, bucket_expires(bucket, state[1], state[2], until_))
   return true, penalty, 0, nil
 end

@@ -30,6 +30,9 @@ pytestmark = pytest.mark.integration
 # A batch beyond a bucket's burst on a key never seen, refused with the
 # rule's penalty: the penalty holds for the key's next request, then ends.
 @example(trace=[(advance, Request("192.0.2.1", ("batch",), False, False, 1)) for advance in (0.0, 0.05, 4.0)])
+@example(trace=[(0.0, Request("192.0.2.1", ("batch",), False, False, 1)),
+                (0.05, Request("192.0.2.1", ("ban",), False, False, 1)),
+                (0.0, Request("192.0.2.1", ("ban", "batch"), False, False, 1))])
 def test_the_lua_decides_every_trace_as_the_policy_does(redis_server: RedisServer, trace: list[Step]) -> None:
     redis_server.client().flushdb()
 
