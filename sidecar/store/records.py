@@ -55,7 +55,10 @@ _MASK64 = 0xFFFFFFFFFFFFFFFF  # a C integer's wrap, for the same code run as Pyt
 # SipHash's initial words ("somepseudorandomlygeneratedbytes").
 _SIP0, _SIP1, _SIP2, _SIP3 = 0x736F6D6570736575, 0x646F72616E646F6D, 0x6C7967656E657261, 0x7465646279746573
 _pack_words = struct.Struct("<QQ").pack
-_DIGEST_SPACE = bytes(16)  # what a compiled digest is copied from before its words are written
+# What a compiled digest or state is copied from (a slice of it, a new
+# bytes object made in C) before its words are written in: the longest,
+# a state's kind and four words.
+_SPACE = bytes(1 + 8 * 4)
 
 
 @cython.cclass
@@ -128,7 +131,7 @@ def siphash128(k0: int, k1: int, data: bytes) -> bytes:
     # Compiled: the two words written little-endian into a new bytes object
     # that nothing else holds yet (struct's pack converts each to a Python
     # integer and back: most of the digest's cost).
-    space = _DIGEST_SPACE  # compiled: a pointer, whose slice is a new bytes object made in C
+    space = _SPACE  # compiled: a pointer, whose slice is a new bytes object made in C
     digest = space[:16]
     _put_word(digest, 0, first)
     _put_word(digest, 8, second)
@@ -349,7 +352,6 @@ _WORDS = {count: struct.Struct("<B" + "q" * count) for count in (3, 4)}
 _DOUBLE, _SIGNED_WORD = struct.Struct("<d"), struct.Struct("<q")
 # A double and its bits in one place (compiled: a C union).
 DoubleBits = cython.union(real=cython.double, bits=cython.longlong)
-_STATE_SPACE = bytes(1 + 8 * 4)  # what a compiled state's bytes are copied from before they are written
 
 
 def _double_word(value: float) -> int:
@@ -370,7 +372,7 @@ def _state_bytes(kind: int, count: int, first: int, second: int, third: int, fou
     back: most of a state's cost to write)."""
     if not cython.compiled:
         return _WORDS[count].pack(kind, *(first, second, third, fourth)[:count])
-    space = _STATE_SPACE  # compiled: a pointer, whose slice is a new bytes object made in C
+    space = _SPACE  # compiled: a pointer, whose slice is a new bytes object made in C
     value = space[:1 + 8 * count]
     written = value  # compiled: its bytes, written in C
     written[0] = kind  # type: ignore[index]
