@@ -52,3 +52,4 @@ cdef class SeenLately:
 
     @cython.locals(slot=Py_ssize_t, mask=cython.uchar, byte=cython.uchar, bits=bytearray)
     cpdef bint again(self, value) except -1
+    cpdef remember(self, dict cache, value, answer, Py_ssize_t size)

@@ -317,3 +317,13 @@ class SeenLately:
         self._new += 1
         bits[slot >> 3] = byte | mask
         return False
+
+    def remember(self, cache: dict[Any, Any], value: Hashable, answer: Any, size: int) -> None:
+        """Store ``answer`` for ``value`` in ``cache`` (at most ``size``
+        entries, emptied when full) when ``value`` was seen lately: what a
+        cache of what clients send (the address resolver's, the geo
+        databases') does with what it worked out."""
+        if size > 0 and self.again(value):
+            if len(cache) >= size:
+                cache.clear()
+            cache[value] = answer

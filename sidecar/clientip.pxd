@@ -47,7 +47,6 @@ cdef class ClientIPResolver:
     cpdef ClientAddress _walk_forwarded_for(self, ClientAddress client, header)
     @cython.locals(entry=tuple)
     cpdef tuple _entry(self, text, Py_ssize_t start, Py_ssize_t end)
-    cdef _remember(self, dict cache, text, value)
     @cython.locals(entry=tuple, client=ClientAddress)
     cpdef tuple _classify(self, str field)
     @cython.locals(text=str)

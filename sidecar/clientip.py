@@ -428,7 +428,7 @@ class ClientIPResolver:
         if walked is _UNWALKED:
             walked = self._walk_forwarded_for(None, forwarded_for)
             if end <= MAX_CACHED_HEADER:
-                self._remember(self._walks, forwarded_for, walked)
+                self._seen.remember(self._walks, forwarded_for, walked, self.cache_size)
         return client if walked is None else walked
 
     def _walk_forwarded_for(self, client: ClientAddress | None, header: str) -> ClientAddress | None:
@@ -462,18 +462,9 @@ class ClientIPResolver:
             entry = self._cache.get(field)
             if entry is None:
                 entry = self._classify(field)
-                self._remember(self._cache, field, entry)
+                self._seen.remember(self._cache, field, entry, self.cache_size)
             return entry
         return self._long_entry(text, start, end)
-
-    def _remember(self, cache: dict[str, Any], text: str, value: Any) -> None:
-        """Remember what ``text`` gave in one of the caches, if it was seen
-        lately (``SeenLately``: a rotation of addresses is not stored);
-        a full cache is emptied first."""
-        if self.cache_size > 0 and self._seen.again(text):
-            if len(cache) >= self.cache_size:
-                cache.clear()
-            cache[text] = value
 
     def _long_entry(self, text: str, start: int, end: int) -> _Entry:
         """What a field longer than MAX_CACHED_ENTRY is, found without

@@ -105,10 +105,7 @@ class GeoDatabase:
             value = self._lookup(text)
             # Under a rotation of addresses, one seen once is not stored
             # (see SeenLately): a returning client is, from its second request.
-            if self._seen.again(text):
-                if len(self._cache) >= CACHE_SIZE:
-                    self._cache = {}
-                self._cache[text] = value
+            self._seen.remember(self._cache, text, value, CACHE_SIZE)
         return value
 
     def _lookup(self, text: str) -> str:

@@ -53,3 +53,20 @@ def test_under_a_rotation_few_new_values_pass_for_seen_and_memory_is_fixed() -> 
         tracemalloc.stop()
     assert 0 < passed < len(values) / 8
     assert grown < SEEN_BITS // 8 + 4096  # one set of bits made anew at most, beside the old one freed
+
+
+def test_a_cache_behind_it_stores_a_value_from_its_second_sighting_and_stays_bounded() -> None:
+    seen = SeenLately()
+    cache: dict[str, int] = {}
+    seen.remember(cache, "first", 1, 3)
+    assert cache == {}
+    seen.remember(cache, "first", 1, 3)
+    assert cache == {"first": 1}
+    for n in range(20):
+        for _ in range(2):
+            seen.remember(cache, f"value {n}", n, 3)
+        assert 0 < len(cache) <= 3
+    unused: dict[str, int] = {}
+    for _ in range(2):
+        seen.remember(unused, "any", 1, 0)  # a cache of size 0 stores nothing
+    assert unused == {}
