@@ -23,6 +23,27 @@ cdef class ClientAddress:
 cpdef long long dotted_quad(str text)
 
 
+cdef unsigned long long _LOW64
+cdef bytearray _SCRATCH
+cdef const char *_HEX_DIGITS
+
+
+@cython.locals(high=cython.ulonglong, low=cython.ulonglong, group=cython.uint, index=cython.int, start=cython.int,
+               best=cython.int, best_run=cython.int, out="char *", length=Py_ssize_t, shift=cython.int)
+cpdef str ipv6_text(value)
+
+
+@cython.locals(length=Py_ssize_t, high=cython.ulonglong, low=cython.ulonglong, head_high=cython.ulonglong,
+               head_low=cython.ulonglong, head=cython.int, groups=cython.int, group=cython.ulonglong,
+               digits=cython.int, previous=cython.int, code=cython.int, digit=cython.int,
+               character=cython.Py_UCS4, shift=cython.int, whole=object)
+cpdef object hex_ipv6(str text)
+
+
+@cython.locals(first=cython.ulonglong, second=cython.ulonglong, third=cython.ulonglong, fourth=cython.ulonglong)
+cpdef str network_text(unsigned long long top, int prefix)
+
+
 cpdef bint levels_hold(dict levels, version, value) except -1
 
 
@@ -40,6 +61,7 @@ cdef class ClientIPResolver:
     cdef SeenLately _seen
     cdef public object _ipv4_mask
     cdef public object _ipv6_mask
+    cdef unsigned long long _ipv6_top_mask
 
     @cython.locals(entry=tuple, client=ClientAddress, end=Py_ssize_t)
     cpdef ClientAddress resolve(self, peer, forwarded_for)
@@ -51,3 +73,5 @@ cdef class ClientIPResolver:
     cpdef tuple _classify(self, str field)
     @cython.locals(text=str)
     cpdef tuple _parse(self, str field)
+    @cython.locals(top=cython.ulonglong)
+    cpdef str _ipv6_key(self, value)

@@ -132,10 +132,63 @@ def _text(address: IPAddress | None, ipv4: int, ipv6: int) -> str:
     if ipv4 >= 0:
         return socket.inet_ntop(socket.AF_INET, ipv4.to_bytes(4, "big"))
     if ipv6 >= 0:
-        # Above ::255.255.255.255 (the client made the object for the rest;
-        # never IPv4-mapped, which is the IPv4 client): no dotted quad.
-        return socket.inet_ntop(socket.AF_INET6, ipv6.to_bytes(16, "big"))
+        return ipv6_text(ipv6)
     return ""
+
+
+def ipv6_text(value: int) -> str:
+    """An IPv6 address as ``ipaddress`` writes it (RFC 5952: lower-case hex
+    groups without leading zeros, the first longest run of two zero groups
+    or more written "::"), from its value. Compiled, written in C into a
+    scratch buffer (no Python code runs between the first byte written and
+    the text made from them: no other thread can write there meanwhile),
+    groups read from the value's two 64-bit halves (the
+    pure core has inet_ntop write it, which writes the lowest addresses,
+    up to ::255.255.255.255, with a dotted quad: ipaddress writes those)."""
+    if not cython.compiled:
+        if value <= 0xFFFF_FFFF:
+            return str(ipaddress.IPv6Address(value))
+        return socket.inet_ntop(socket.AF_INET6, value.to_bytes(16, "big"))
+    high = value >> 64
+    low = value & _LOW64
+    # The first longest run of zero groups.
+    best = -1
+    best_run = 1  # a run must be longer than one group
+    start = -1
+    for index in range(9):
+        if index < 8:
+            group = (high if index < 4 else low) >> (48 - 16 * (index & 3)) & 0xFFFF
+        if index < 8 and group == 0:
+            if start < 0:
+                start = index
+        elif start >= 0:
+            if index - start > best_run:
+                best, best_run = start, index - start
+            start = -1
+    out = _SCRATCH  # compiled: its bytes, written in C
+    length = 0
+    index = 0
+    while index < 8:
+        if index == best:
+            out[length] = 58
+            out[length + 1] = 58
+            length += 2
+            index += best_run
+            continue
+        if length and out[length - 1] != 58:
+            out[length] = 58
+            length += 1
+        group = (high if index < 4 else low) >> (48 - 16 * (index & 3)) & 0xFFFF
+        shift = 12
+        while shift and not group >> shift:
+            shift -= 4  # no leading zeros
+        while shift >= 0:
+            out[length] = _HEX_DIGITS[group >> shift & 0xF]
+            length += 1
+            shift -= 4
+        index += 1
+    text: str = out[:length].decode("ascii")
+    return text
 
 
 UNKNOWN_CLIENT = ClientAddress(None, "")
@@ -309,19 +362,119 @@ def dotted_quad(text: str) -> int:
 
 # IPv6 written with hex digits and colons only: no embedded IPv4, no zone.
 _PLAIN_IPV6 = re.compile(r"[0-9A-Fa-f:]{2,39}")
+_LOW64 = 0xFFFF_FFFF_FFFF_FFFF  # compiled, the halves are 64-bit and wrap by themselves
+# Where ipv6_text writes, compiled.
+_SCRATCH = bytearray(40)
+_HEX_DIGITS = b"0123456789abcdef"
 
 
 def _plain_ipv6(text: str) -> int | None:
     """The value of ``text`` when it is IPv6 in hex digits and colons, else
     None, meaning "ask ``ipaddress``" (which also has the last word on what
     inet_pton refuses). For such text inet_pton and ``ipaddress`` accept
-    the same strings (``tests/unit/test_clientip.py`` holds them to it)."""
-    if _PLAIN_IPV6.fullmatch(text) is None:
-        return None
-    try:
-        return int.from_bytes(socket.inet_pton(socket.AF_INET6, text), "big")
-    except OSError:
-        return None
+    the same strings (``tests/unit/test_clientip.py`` holds them to it).
+    Compiled, ``hex_ipv6`` reads it in one pass of C instead."""
+    if not cython.compiled:
+        if _PLAIN_IPV6.fullmatch(text) is None:
+            return None
+        try:
+            return int.from_bytes(socket.inet_pton(socket.AF_INET6, text), "big")
+        except OSError:
+            return None
+    value = hex_ipv6(text)
+    return None if value < 0 else value
+
+
+def hex_ipv6(text: str) -> int:
+    """The value of ``text`` when it is IPv6 in hex digits and colons that
+    ``ipaddress`` accepts, else -1: one pass over the text, no pattern and
+    no bytes (``tests/unit/test_clientip.py`` holds it to the pattern, to
+    inet_pton and to ``ipaddress``). Groups of one to four hex digits go
+    into a 128-bit register of two 64-bit halves; at "::" (once), the
+    groups before it are put aside, and shifted over the zero groups the
+    "::" stands for (at least one) when the text ends."""
+    length = len(text)
+    if not 2 <= length <= 39:
+        return -1
+    # A colon at either end is half of a "::".
+    if (text[0] == ":" and text[1] != ":") or (text[length - 1] == ":" and text[length - 2] != ":"):
+        return -1
+    high = low = 0  # the groups since the start or the "::"
+    head_high = head_low = 0  # the groups before the "::"
+    head = -1  # how many there are; -1: no "::" yet
+    groups = 0  # groups since the start or the "::"
+    group = 0
+    digits = 0
+    previous = 0  # the code of the character before
+    for character in text:
+        code = ord(character)
+        if code == 58:  # ":"
+            if digits:
+                high = (high << 16 | low >> 48) & _LOW64
+                low = (low << 16 | group) & _LOW64
+                groups += 1
+                group = 0
+                digits = 0
+            elif previous == 58:
+                if head >= 0:
+                    return -1  # a second "::", or ":::"
+                head, head_high, head_low = groups, high, low
+                high = low = 0
+                groups = 0
+            # else: the first character, the first half of "::"
+        else:
+            if 48 <= code <= 57:
+                digit = code - 48
+            elif 97 <= code <= 102:
+                digit = code - 87
+            elif 65 <= code <= 70:
+                digit = code - 55
+            else:
+                return -1
+            if digits == 4:
+                return -1
+            group = group << 4 | digit
+            digits += 1
+        previous = code
+    if digits:
+        high = (high << 16 | low >> 48) & _LOW64
+        low = (low << 16 | group) & _LOW64
+        groups += 1
+    if head < 0:
+        if groups != 8:
+            return -1
+    elif head + groups > 7:
+        return -1
+    elif head:
+        # The groups before "::" go to the top, over the rest's bits.
+        shift = 16 * (8 - head)
+        if shift >= 64:
+            high |= head_low << (shift - 64) & _LOW64
+        else:
+            high |= (head_high << shift | head_low >> (64 - shift)) & _LOW64
+            low |= head_low << shift & _LOW64
+    whole = high
+    return whole << 64 | low
+
+
+def network_text(top: int, prefix: int) -> str:
+    """The text of an IPv6 network of ``prefix`` bits, at most 64, from its
+    top 64 bits, as ``ipaddress`` writes it: its low 64 bits are zero, so
+    the longest run of zero groups is theirs with the top's last zero
+    groups, written "::"; the groups before it in lower-case hex."""
+    first = top >> 48
+    second = top >> 32 & 0xFFFF
+    third = top >> 16 & 0xFFFF
+    fourth = top & 0xFFFF
+    if fourth:
+        return f"{first:x}:{second:x}:{third:x}:{fourth:x}::/{prefix}"
+    if third:
+        return f"{first:x}:{second:x}:{third:x}::/{prefix}"
+    if second:
+        return f"{first:x}:{second:x}::/{prefix}"
+    if first:
+        return f"{first:x}::/{prefix}"
+    return f"::/{prefix}"
 
 
 # What one field (or the peer) is, once classified: a usable address with
@@ -368,8 +521,10 @@ class ClientIPResolver:
     zone id after ``%`` is checked in place, as counting drops it).
 
     ``ipaddress`` is the reference for what an address is; canonical dotted
-    IPv4, the common case, is recognised without it. The trusted proxies
-    are the ones the resolver is made with.
+    IPv4, the common case, and IPv6 in hex digits and colons are recognised
+    without it (compiled: in one pass of C each, and an IPv6 client's text
+    and key written in C). The trusted proxies are the ones the resolver is
+    made with.
     """
 
     def __init__(
@@ -398,6 +553,7 @@ class ClientIPResolver:
         self._seen = SeenLately()
         self._ipv4_mask = (0xFFFFFFFF << (32 - ipv4_prefix)) & 0xFFFFFFFF
         self._ipv6_mask = ((1 << 128) - 1) ^ ((1 << (128 - ipv6_prefix)) - 1)
+        self._ipv6_top_mask = self._ipv6_mask >> 64  # its top 64 bits
 
     def resolve(self, peer: str, forwarded_for: str | None) -> ClientAddress:
         if not peer:
@@ -518,7 +674,7 @@ class ClientIPResolver:
             if value >> 32 == 0xFFFF:  # IPv4-mapped: the IPv4 address
                 value &= 0xFFFFFFFF
                 return ClientAddress(None, self._ipv4_key(value), value), levels_hold(self._trusted, 4, value)
-            return ClientAddress(None, self._ipv6_key(value), ipv6=value), levels_hold(self._trusted, 6, value)
+            return ClientAddress(None, self._ipv6_key(value), -1, value), levels_hold(self._trusted, 6, value)
         address = parse_address(text)
         if address is None:
             return _MALFORMED
@@ -537,12 +693,10 @@ class ClientIPResolver:
 
     def _ipv6_key(self, value: int) -> str:
         if self.ipv6_prefix == 128:
-            return str(ipaddress.IPv6Address(value))
+            return ipv6_text(value)
         if self.ipv6_prefix > 64:
-            # inet_ntop may write the low 32 bits as a dotted quad (::a.b.c.d),
-            # where ipaddress writes hex: ipaddress's text, as always.
-            return f"{ipaddress.IPv6Address(value & self._ipv6_mask).compressed}/{self.ipv6_prefix}"
-        # The low 64 bits are zero: inet_ntop writes what ipaddress does
-        # (RFC 5952: lower case, the first longest zero run as ::).
-        network = socket.inet_ntop(socket.AF_INET6, (value & self._ipv6_mask).to_bytes(16, "big"))
-        return f"{network}/{self.ipv6_prefix}"
+            return f"{ipv6_text(value & self._ipv6_mask)}/{self.ipv6_prefix}"
+        # The low 64 bits are zero: written from the top 64 (RFC 5952, as
+        # ipaddress writes it).
+        top = value >> 64
+        return network_text(top & self._ipv6_top_mask, self.ipv6_prefix)

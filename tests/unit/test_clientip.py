@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import ipaddress
+import socket
 import tracemalloc
 from ipaddress import IPv4Address, IPv6Address, ip_network
 
@@ -12,6 +13,7 @@ from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
 from sidecar.clientip import (
+    _PLAIN_IPV6,
     MAX_CACHED_ENTRY,
     MAX_FORWARDED_HOPS,
     ClientAddress,
@@ -21,6 +23,9 @@ from sidecar.clientip import (
     _canonical_ipv4,
     _plain_ipv6,
     dotted_quad,
+    hex_ipv6,
+    ipv6_text,
+    network_text,
 )
 
 # --------------------------------------------------------------------------
@@ -679,9 +684,49 @@ def _ipaddress_value(text: str) -> int | None:
 
 @given(st.one_of(hex_colon_text, near_ipv6(), ipv6_ints.flatmap(ipv6_spellings).filter(lambda text: "." not in text)))
 def test_hex_and_colon_ipv6_is_read_as_ipaddress_reads_it(text: str) -> None:
-    """The fast IPv6 path (inet_pton over text of hex digits and colons)
-    accepts exactly what ipaddress accepts, with the same value."""
+    """The fast IPv6 path (the compiled core's one pass, the pure core's
+    inet_pton over text of hex digits and colons) accepts exactly what
+    ipaddress accepts, with the same value."""
     assert _plain_ipv6(text) == _ipaddress_value(text)
+
+
+@given(st.one_of(hex_colon_text, near_ipv6(), ipv6_ints.flatmap(ipv6_spellings), st.text(max_size=41),
+                 st.sampled_from(["::", ":::", "::1", "1::", ":1::", "::1:", "1:2:3:4:5:6:7::", "::1:2:3:4:5:6:7",
+                                  "1:2:3:4:5:6:7:8::", "1:2:3:4:5:6:7:8:9", "1:2:3:4:5:6:7", "1::2::3",
+                                  "12345::", "fe80::1%eth0", " ::1", "::1\n", "::\uff11", "::1.2.3.4",
+                                  "0:0:0:0:0:0:0:0", "FFFF:ffff:FfFf:ffff:ffff:ffff:ffff:ffff"])))
+def test_hex_ipv6_reads_what_the_pattern_inet_pton_and_ipaddress_read(text: str) -> None:
+    """The compiled core's one pass over hex-and-colon IPv6 (``hex_ipv6``):
+    the value ipaddress reads for text the pattern and inet_pton accept,
+    -1 for anything else, whichever core runs it."""
+    expected = -1
+    if _PLAIN_IPV6.fullmatch(text) is not None:
+        try:
+            expected = int.from_bytes(socket.inet_pton(socket.AF_INET6, text), "big")
+        except OSError:
+            pass
+        assert (None if expected < 0 else expected) == _ipaddress_value(text)
+    assert hex_ipv6(text) == expected
+
+
+@given(st.one_of(ipv6_ints, st.lists(st.sampled_from([0, 0, 0, 1, 0xF, 0x10, 0xFFFF]), min_size=8, max_size=8).map(
+    lambda groups: int("".join(f"{group:04x}" for group in groups), 16))))
+@example(0)
+@example(1)
+@example(0x0102_0304)  # ::1.2.3.4 to inet_ntop, ::102:304 to ipaddress
+@example(0x0001_0000_0000_0000_0001_0000_0000_0001)  # two runs of two: the first is "::"
+@example(0x0001_0000_0000_0001_0000_0000_0000_0001)  # the longer, second run is
+def test_an_ipv6_address_is_written_as_ipaddress_writes_it(value: int) -> None:
+    assert ipv6_text(value) == str(IPv6Address(value))
+
+
+@given(ipv6_ints, st.integers(min_value=1, max_value=64))
+@example(0, 64)
+@example(1 << 127, 1)
+@example(0x2001_0000_0000_0001 << 64, 64)  # a zero group before the last one: not the "::"
+def test_a_network_of_at_most_64_bits_is_written_as_ipaddress_writes_it(value: int, prefix: int) -> None:
+    network = ipaddress.IPv6Network((value, prefix), strict=False)
+    assert network_text(int(network.network_address) >> 64, prefix) == network.compressed
 
 
 @given(plain_ipv6_ints, st.sampled_from([64, 56, 48, 32, 1, 65, 96, 127, 128]))
