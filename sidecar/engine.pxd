@@ -57,5 +57,5 @@ cdef class Engine:
 
     cdef tuple _rule_set(self, list ids)
 
-    @cython.locals(hit=Hit, check=Check, spec=CheckSpec)
+    @cython.locals(hit=Hit, check=Check, spec=CheckSpec, hits=list, index=Py_ssize_t)
     cdef _conclude(self, CheckRequest request, list matched, list checks, Evaluation evaluation)
