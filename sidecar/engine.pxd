@@ -34,6 +34,7 @@ cdef class Engine:
     # The ruleset (the ruleset property) and what every check reads of it.
     cdef object _ruleset
     cdef object _match
+    cdef ClientIPResolver _resolver
     cdef object _exempt
     cdef object _crowdsec
     cdef bint _exempting
@@ -52,7 +53,7 @@ cdef class Engine:
     @cython.locals(client=ClientAddress)
     cdef _prepare(self, CheckRequest request)
 
-    @cython.locals(policy=Policy)
+    @cython.locals(policy=Policy, evaluation=Evaluation)
     cdef _evaluate_now(self, store, double now, client, checks, bint can_delay, bint quotas)
 
     cdef tuple _rule_set(self, list ids)

@@ -205,6 +205,7 @@ class Engine:
         # With it, what every check reads of it (compiled: C fields).
         self._ruleset = ruleset
         self._match = ruleset.match
+        self._resolver = ruleset.resolver
         self._exempt = ruleset.exempt
         self._exempting = bool(ruleset.exempt.networks)
         self._crowdsec = ruleset.crowdsec
@@ -386,7 +387,7 @@ class Engine:
     def _resolve(self, request: CheckRequest) -> None:
         """The client of a request a front door described (``UNRESOLVED``):
         ``resolve_client``, written out (this runs for every check)."""
-        resolver = self._ruleset.resolver
+        resolver = self._resolver
         client = resolver.resolve(request.peer, request.forwarded_for)
         if client is UNKNOWN_CLIENT:
             self._unknown_client(request.peer)

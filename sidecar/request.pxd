@@ -2,6 +2,8 @@
 # request a front door describes is an extension type, made and read in C.
 cimport cython
 
+from sidecar.clientip cimport ClientAddress
+
 
 cdef class CheckRequest:
     cdef public object method
@@ -10,7 +12,7 @@ cdef class CheckRequest:
     cdef public object path
     cdef public object query_string
     cdef public object headers
-    cdef public object client
+    cdef public ClientAddress client
     cdef public object peer
     cdef public object forwarded_for
     cdef public object request_id
