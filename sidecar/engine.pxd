@@ -7,6 +7,7 @@
 cimport cython
 
 from sidecar.clientip cimport ClientAddress, ClientIPResolver
+from sidecar.latency cimport Tally as Counter  # engine.py has a Tally of its own (the RLS door's)
 from sidecar.limiters.records cimport Hit
 from sidecar.policy cimport Policy
 from sidecar.request cimport CheckRequest
@@ -21,6 +22,7 @@ cdef class Engine:
     cdef dict __dict__
     cdef public object store
     cdef public object metrics
+    cdef Counter _checks
     cdef public object clock
     cdef public object wall_clock
     cdef public object log

@@ -9,3 +9,9 @@ cdef class LatencyHistogram:
 
     @cython.locals(index=Py_ssize_t)
     cpdef void observe(self, double seconds)
+
+
+cdef class Tally:
+    cdef public long long value
+
+    cpdef void inc(self, long long amount=*)

@@ -29,24 +29,12 @@ from prometheus_client.registry import Collector
 from sidecar import version
 from sidecar.config import Action
 from sidecar.identity import OUTCOMES as JWT_OUTCOMES
-from sidecar.latency import LATENCY_BUCKETS, LatencyHistogram
+from sidecar.latency import LATENCY_BUCKETS, LatencyHistogram, Tally
 
 if TYPE_CHECKING:
     from sidecar.nodemetrics import NodeMetrics
 
 _Key = TypeVar("_Key")
-
-
-class Tally:
-    """A counter without a lock."""
-
-    __slots__ = ("value",)
-
-    def __init__(self) -> None:
-        self.value = 0
-
-    def inc(self, amount: int = 1) -> None:
-        self.value += amount
 
 
 class Counts(dict[_Key, int]):
