@@ -7,7 +7,7 @@ cdef class LatencyHistogram:
     cdef public double total
     cdef public long long count
 
-    @cython.locals(index=Py_ssize_t)
+    @cython.locals(index=Py_ssize_t, bound=double)
     cpdef void observe(self, double seconds)
 
 

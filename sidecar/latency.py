@@ -32,7 +32,10 @@ class LatencyHistogram:
         # The first bucket whose bound is not below ``seconds`` (bisect_left's),
         # looked for from the first: nearly every check falls in it.
         index = 0
-        while index < len(LATENCY_BUCKETS) and LATENCY_BUCKETS[index] < seconds:
+        while index < len(LATENCY_BUCKETS):
+            bound: float = LATENCY_BUCKETS[index]  # compiled: compared as C doubles, no float made
+            if not bound < seconds:
+                break
             index += 1
         self.counts[index] += 1
         self.total += seconds
