@@ -40,10 +40,6 @@ cpdef str ipv6_text(value)
 cpdef object hex_ipv6(str text)
 
 
-@cython.locals(first=cython.ulonglong, second=cython.ulonglong, third=cython.ulonglong, fourth=cython.ulonglong)
-cpdef str network_text(unsigned long long top, int prefix)
-
-
 cpdef bint levels_hold(dict levels, version, value) except -1
 
 
@@ -61,7 +57,6 @@ cdef class ClientIPResolver:
     cdef SeenLately _seen
     cdef public object _ipv4_mask
     cdef public object _ipv6_mask
-    cdef unsigned long long _ipv6_top_mask
 
     @cython.locals(entry=tuple, client=ClientAddress, end=Py_ssize_t)
     cpdef ClientAddress resolve(self, peer, forwarded_for)
@@ -73,5 +68,4 @@ cdef class ClientIPResolver:
     cpdef tuple _classify(self, str field)
     @cython.locals(text=str)
     cpdef tuple _parse(self, str field)
-    @cython.locals(top=cython.ulonglong)
     cpdef str _ipv6_key(self, value)

@@ -142,12 +142,13 @@ def ipv6_text(value: int) -> str:
     or more written "::"), from its value. Compiled, written in C into a
     scratch buffer (no Python code runs between the first byte written and
     the text made from them: no other thread can write there meanwhile),
-    groups read from the value's two 64-bit halves (the
-    pure core has inet_ntop write it, which writes the lowest addresses,
-    up to ::255.255.255.255, with a dotted quad: ipaddress writes those)."""
+    groups read from the value's two 64-bit halves (the pure core has
+    inet_ntop write it, but for the lowest addresses, up to
+    ::255.255.255.255, and IPv4-mapped ones, which inet_ntop writes with a
+    dotted quad: ipaddress writes those)."""
     if not cython.compiled:
-        if value <= 0xFFFF_FFFF:
-            return str(ipaddress.IPv6Address(value))
+        if value <= 0xFFFF_FFFF or value >> 32 == 0xFFFF:
+            return str(ipaddress.IPv6Address(value))  # inet_ntop writes these with a dotted quad
         return socket.inet_ntop(socket.AF_INET6, value.to_bytes(16, "big"))
     high = value >> 64
     low = value & _LOW64
@@ -457,26 +458,6 @@ def hex_ipv6(text: str) -> int:
     return whole << 64 | low
 
 
-def network_text(top: int, prefix: int) -> str:
-    """The text of an IPv6 network of ``prefix`` bits, at most 64, from its
-    top 64 bits, as ``ipaddress`` writes it: its low 64 bits are zero, so
-    the longest run of zero groups is theirs with the top's last zero
-    groups, written "::"; the groups before it in lower-case hex."""
-    first = top >> 48
-    second = top >> 32 & 0xFFFF
-    third = top >> 16 & 0xFFFF
-    fourth = top & 0xFFFF
-    if fourth:
-        return f"{first:x}:{second:x}:{third:x}:{fourth:x}::/{prefix}"
-    if third:
-        return f"{first:x}:{second:x}:{third:x}::/{prefix}"
-    if second:
-        return f"{first:x}:{second:x}::/{prefix}"
-    if first:
-        return f"{first:x}::/{prefix}"
-    return f"::/{prefix}"
-
-
 # What one field (or the peer) is, once classified: a usable address with
 # whether it is a trusted proxy, nothing but white space, or malformed.
 _Entry = tuple[ClientAddress | None, bool]
@@ -553,7 +534,6 @@ class ClientIPResolver:
         self._seen = SeenLately()
         self._ipv4_mask = (0xFFFFFFFF << (32 - ipv4_prefix)) & 0xFFFFFFFF
         self._ipv6_mask = ((1 << 128) - 1) ^ ((1 << (128 - ipv6_prefix)) - 1)
-        self._ipv6_top_mask = self._ipv6_mask >> 64  # its top 64 bits
 
     def resolve(self, peer: str, forwarded_for: str | None) -> ClientAddress:
         if not peer:
@@ -694,9 +674,4 @@ class ClientIPResolver:
     def _ipv6_key(self, value: int) -> str:
         if self.ipv6_prefix == 128:
             return ipv6_text(value)
-        if self.ipv6_prefix > 64:
-            return f"{ipv6_text(value & self._ipv6_mask)}/{self.ipv6_prefix}"
-        # The low 64 bits are zero: written from the top 64 (RFC 5952, as
-        # ipaddress writes it).
-        top = value >> 64
-        return network_text(top & self._ipv6_top_mask, self.ipv6_prefix)
+        return f"{ipv6_text(value & self._ipv6_mask)}/{self.ipv6_prefix}"
