@@ -28,6 +28,9 @@ cdef bytearray _SCRATCH
 cdef const char *_HEX_DIGITS
 
 
+cdef unsigned int _hextet(unsigned long long high, unsigned long long low, int index) noexcept
+
+
 @cython.locals(high=cython.ulonglong, low=cython.ulonglong, group=cython.uint, index=cython.int, start=cython.int,
                best=cython.int, best_run=cython.int, out="char *", length=Py_ssize_t, shift=cython.int)
 cpdef str ipv6_text(value)

@@ -156,16 +156,14 @@ def ipv6_text(value: int) -> str:
     best = -1
     best_run = 1  # a run must be longer than one group
     start = -1
-    for index in range(9):
-        if index < 8:
-            group = (high if index < 4 else low) >> (48 - 16 * (index & 3)) & 0xFFFF
-        if index < 8 and group == 0:
+    for index in range(8):
+        if _hextet(high, low, index):
+            start = -1
+        else:
             if start < 0:
                 start = index
-        elif start >= 0:
-            if index - start > best_run:
-                best, best_run = start, index - start
-            start = -1
+            if index + 1 - start > best_run:
+                best, best_run = start, index + 1 - start
     out = _SCRATCH  # compiled: its bytes, written in C
     length = 0
     index = 0
@@ -179,7 +177,7 @@ def ipv6_text(value: int) -> str:
         if length and out[length - 1] != 58:
             out[length] = 58
             length += 1
-        group = (high if index < 4 else low) >> (48 - 16 * (index & 3)) & 0xFFFF
+        group = _hextet(high, low, index)
         shift = 12
         while shift and not group >> shift:
             shift -= 4  # no leading zeros
@@ -190,6 +188,12 @@ def ipv6_text(value: int) -> str:
         index += 1
     text: str = out[:length].decode("ascii")
     return text
+
+
+def _hextet(high: int, low: int, index: int) -> int:
+    """The ``index``-th group of 16 bits of an IPv6 address, from the left,
+    of its two 64-bit halves."""
+    return (high if index < 4 else low) >> (48 - 16 * (index & 3)) & 0xFFFF
 
 
 UNKNOWN_CLIENT = ClientAddress(None, "")
