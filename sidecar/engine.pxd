@@ -7,14 +7,13 @@
 cimport cython
 
 from sidecar.clientip cimport ClientAddress, ClientIPResolver
-from sidecar.latency cimport Tally as Counter  # engine.py has a Tally of its own (the RLS door's)
+from sidecar.latency cimport RuleSetCount, Tally as Counter  # engine.py has a Tally of its own (the RLS door's)
 from sidecar.limiters.records cimport Hit
 from sidecar.policy cimport Policy
 from sidecar.request cimport CheckRequest
 from sidecar.state cimport Check, CheckSpec, Evaluation
 
 
-@cython.locals(sets=dict)
 cpdef count_rules(metrics, ids)
 
 
@@ -47,7 +46,7 @@ cdef class Engine:
     cdef object _plain
     cdef Policy _policy
     cdef list _counted_ids
-    cdef tuple _counted_set
+    cdef RuleSetCount _counted
 
     @cython.locals(resolver=ClientIPResolver, client=ClientAddress)
     cdef _resolve(self, CheckRequest request)
@@ -58,7 +57,8 @@ cdef class Engine:
     @cython.locals(policy=Policy, evaluation=Evaluation)
     cdef _evaluate_now(self, store, double now, client, checks, bint can_delay, bint quotas)
 
-    cdef tuple _rule_set(self, list ids)
+    @cython.locals(count=RuleSetCount)
+    cdef _count_rules(self, list ids)
 
     @cython.locals(hit=Hit, check=Check, spec=CheckSpec, hits=list, index=Py_ssize_t)
     cdef _conclude(self, CheckRequest request, list matched, list checks, Evaluation evaluation)

@@ -27,8 +27,9 @@ from sidecar.clientip import UNKNOWN_CLIENT, ClientAddress
 from sidecar.crowdsec import BAN, CrowdSecDecision
 from sidecar.decisionlog import DecisionLog
 from sidecar.keys import key_values
+from sidecar.latency import RuleSetCount
 from sidecar.limiters.records import Hit
-from sidecar.metrics import RULE_SETS, Metrics
+from sidecar.metrics import Metrics
 from sidecar.overload import (
     BEHIND_SHARE,
     PROXY_SECONDS,
@@ -58,16 +59,11 @@ log = logging.getLogger("sluice")
 
 
 def count_rules(metrics: Metrics, ids: Sequence[str]) -> None:
-    """A request counted by the rules ``ids``, in one addition to
-    ``metrics.rule_sets`` (where one per rule costs ten times as much);
-    added up past ``RULE_SETS`` sets, so that any requests take bounded memory.
-    The engine passes the same tuple for the same rules (``_rule_set``): a
-    set found by its identity, not compared item by item."""
-    sets = metrics.rule_sets
-    key = ids if type(ids) is tuple else tuple(ids)
-    sets[key] = sets.get(key, 0) + 1
-    if len(sets) > RULE_SETS:
-        metrics.add_up_rule_sets()
+    """A request counted by the rules ``ids``, in one addition to the
+    count of that set (``Metrics.count_of``: one per rule costs ten times
+    as much). The engine keeps the count it added to last instead
+    (``Engine._count_rules``)."""
+    metrics.count_of(ids if type(ids) is tuple else tuple(ids)).value += 1
 
 
 def retry_after_seconds(wait: float) -> int:
@@ -183,10 +179,10 @@ class Engine:
         # The store whose policy decide_now calls as a plain function, and
         # that function (None: its evaluate is run as a coroutine).
         self._plain_for: object = None
-        # The rules the last request was counted by, and the tuple counted
-        # for them (_rule_set).
+        # The rules the last request was counted by, and their set's count
+        # (_count_rules).
         self._counted_ids: list[str] = []
-        self._counted_set: tuple[str, ...] = ()
+        self._counted: RuleSetCount | None = None
         self._plain: PlainEvaluation | None = None
         self._policy: Policy | None = None  # the memory store's policy, when _plain is its evaluate
         self.metrics.jwt_keys = lambda: self._ruleset.jwt.key_count if self._ruleset.jwt is not None else 0
@@ -683,12 +679,15 @@ class Engine:
                                           self._ruleset.difficulty)
         return Decision(outcome=DENY, rule=rule, retry_after=1, page=rule.page, challenge=challenge)
 
-    def _rule_set(self, ids: list[str]) -> tuple[str, ...]:
-        """``ids`` as the tuple ``count_rules`` counts: the last one's again
-        when the request was counted by the same rules (nearly always)."""
-        if ids != self._counted_ids:
-            self._counted_ids, self._counted_set = ids, tuple(ids)
-        return self._counted_set
+    def _count_rules(self, ids: list[str]) -> None:
+        """``count_rules``, with the count it added to last kept: added to
+        again while the same rules count the requests (nearly always) and
+        the metrics have not added it up since (a scrape)."""
+        count = self._counted
+        if count is None or not count.live or ids != self._counted_ids:
+            self._counted_ids = ids
+            count = self._counted = self.metrics.count_of(tuple(ids))
+        count.value += 1
 
     def _conclude(self, request: CheckRequest, matched: list[CompiledRule], checks: list[Check],
                   evaluation: Evaluation) -> Decision:
@@ -737,12 +736,12 @@ class Engine:
                 continue
             metrics.over_limits[rule.id, rule.action] += 1
             if check.spec.stops:
-                count_rules(metrics, self._rule_set(counted))
+                self._count_rules(counted)
                 return self._refuse(request, rule, check, hit, limit, reset, evaluation)
             if rule.action == "log" and observed is None:
                 observed = Decision(outcome=ALLOW, rule=rule, limit=limit, reset=reset)
             self.log.matched(request, rule, check, "observe" if rule.action == "log" else "verified-bot")
-        count_rules(metrics, self._rule_set(counted))
+        self._count_rules(counted)
         if request.credential:
             metrics.credentials.inc()
         token = None

@@ -15,3 +15,8 @@ cdef class Tally:
     cdef public long long value
 
     cpdef void inc(self, long long amount=*)
+
+
+cdef class RuleSetCount:
+    cdef public long long value
+    cdef public bint live

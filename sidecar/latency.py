@@ -52,3 +52,16 @@ class Tally:
 
     def inc(self, amount: int = 1) -> None:
         self.value += amount
+
+
+class RuleSetCount:
+    """Requests counted by one set of rules (``Metrics.rule_sets``) since
+    the set was last added up; ``live`` until then. The engine keeps the
+    count of the set that counted its last request, and adds to it while
+    the same rules count and it is live."""
+
+    __slots__ = ("value", "live")
+
+    def __init__(self) -> None:
+        self.value = 0
+        self.live = True

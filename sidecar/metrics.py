@@ -29,7 +29,7 @@ from prometheus_client.registry import Collector
 from sidecar import version
 from sidecar.config import Action
 from sidecar.identity import OUTCOMES as JWT_OUTCOMES
-from sidecar.latency import LATENCY_BUCKETS, LatencyHistogram, Tally
+from sidecar.latency import LATENCY_BUCKETS, LatencyHistogram, RuleSetCount, Tally
 
 if TYPE_CHECKING:
     from sidecar.nodemetrics import NodeMetrics
@@ -115,7 +115,7 @@ class Metrics(Collector):
         # per rule costs ten times as much. Reading ``rule_hits`` adds the
         # sets up, as does the hot path past ``RULE_SETS`` of them.
         self._rule_hits: collections.Counter[str] = collections.Counter()
-        self.rule_sets: dict[tuple[str, ...], int] = {}  # a dict: a Counter's += costs twice as much
+        self.rule_sets: dict[tuple[str, ...], RuleSetCount] = {}
         # Checks answered, by (front door, outcome): the app adds to it directly.
         # A plain dict, each door adding with get (add_one): a subclass's
         # item reads cost three times a dict's.
@@ -177,12 +177,27 @@ class Metrics(Collector):
         return self._rule_hits
 
     def add_up_rule_sets(self) -> None:
-        """Add the sets counted in ``rule_sets`` to ``rule_hits``."""
+        """Add the sets counted in ``rule_sets`` to ``rule_hits``; their
+        counts are no longer live (a holder asks ``count_of`` again)."""
         hits, sets = self._rule_hits, self.rule_sets
-        for ids, requests in sets.items():
-            for rule_id in ids:
-                hits[rule_id] += requests
+        for ids, count in sets.items():
+            if count.value:
+                for rule_id in ids:
+                    hits[rule_id] += count.value
+            count.live = False
         sets.clear()
+
+    def count_of(self, ids: tuple[str, ...]) -> RuleSetCount:
+        """The live count of the set of rules ``ids``, made when new (the
+        sets added up first past ``RULE_SETS``: bounded memory whatever
+        sets come)."""
+        sets = self.rule_sets
+        count = sets.get(ids)
+        if count is None:
+            if len(sets) >= RULE_SETS:
+                self.add_up_rule_sets()
+            count = sets[ids] = RuleSetCount()
+        return count
 
     def hit(self, rule_id: str) -> None:
         self._rule_hits[rule_id] += 1

@@ -248,8 +248,37 @@ def test_the_same_rules_counted_as_a_tuple_or_a_list_add_up_together() -> None:
     metrics = Metrics()
     count_rules(metrics, ["a", "b"])
     count_rules(metrics, ("a", "b"))
-    assert metrics.rule_sets == {("a", "b"): 2}
+    assert {ids: count.value for ids, count in metrics.rule_sets.items()} == {("a", "b"): 2}
     assert metrics.rule_hits == {"a": 2, "b": 2}
+
+
+def test_the_engine_counts_its_requests_rules_across_reads_of_the_metrics() -> None:
+    """The engine keeps the count of the rules that counted its last
+    request (Engine._count_rules): a read of the metrics (a scrape) adds it
+    up, and the next request counts again, none lost or counted twice,
+    whichever rules count it."""
+    harness = Harness("""
+rules:
+  - id: everyone
+    key: [ip]
+    limit: {requests: 1000000, per: 1h}
+    action: block
+  - id: api
+    match: {path: {prefix: /api/}}
+    key: [ip]
+    limit: {requests: 1000000, per: 1h}
+    action: block
+""")
+    metrics = harness.engine.metrics
+    expected: collections.Counter[str] = collections.Counter()
+    for paths, read in ((["/", "/", "/api/x"], True), (["/api/y", "/api/y"], False), (["/api/z", "/"], True),
+                        (["/"], True), (["/"], False)):
+        for path in paths:
+            harness.decide_now(path=path)
+            expected.update(["everyone", "api"] if path.startswith("/api/") else ["everyone"])
+        if read:
+            assert metrics.rule_hits == expected
+    assert metrics.rule_hits == expected and metrics.hits_of("api") == 4
 
 
 def test_a_flood_of_distinct_rule_sets_is_added_up_past_the_bound() -> None:
