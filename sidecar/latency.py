@@ -1,5 +1,6 @@
 """The check latency histogram (``sluice_check_duration_seconds``), observed
-with every check, and the counters a check adds to (``Tally``).
+with every check, and the counters a check adds to (``Tally``, and
+``RuleSetCount``: the requests of one set of rules).
 
 The compiled core builds them as C types (the ``.pxd`` beside this file):
 an observation is then a C call from the check's door (sidecar.app), where

@@ -110,10 +110,11 @@ class Metrics(Collector):
             setattr(self, attribute, Tally())
         self.latency = LatencyHistogram()
         # Requests counted per rule id (``rule_hits``). The hot path counts
-        # the ids a request was counted by as one set, in ``rule_sets``
-        # (sidecar.engine.count_rules): one addition a request, where one
-        # per rule costs ten times as much. Reading ``rule_hits`` adds the
-        # sets up, as does the hot path past ``RULE_SETS`` of them.
+        # the ids a request was counted by as one set, in the set's count
+        # in ``rule_sets`` (``count_of``; the engine holds the one it added
+        # to last): one addition a request, where one per rule costs ten
+        # times as much. Reading ``rule_hits`` adds the sets up, as does
+        # ``count_of`` past ``RULE_SETS`` of them.
         self._rule_hits: collections.Counter[str] = collections.Counter()
         self.rule_sets: dict[tuple[str, ...], RuleSetCount] = {}
         # Checks answered, by (front door, outcome): the app adds to it directly.
