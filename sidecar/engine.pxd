@@ -14,9 +14,6 @@ from sidecar.request cimport CheckRequest
 from sidecar.state cimport Check, CheckSpec, Evaluation
 
 
-cpdef count_rules(metrics, ids)
-
-
 cdef class Engine:
     cdef dict __dict__
     cdef public object store

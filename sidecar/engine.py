@@ -58,14 +58,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("sluice")
 
 
-def count_rules(metrics: Metrics, ids: Sequence[str]) -> None:
-    """A request counted by the rules ``ids``, in one addition to the
-    count of that set (``Metrics.count_of``: one per rule costs ten times
-    as much). The engine keeps the count it added to last instead
-    (``Engine._count_rules``)."""
-    metrics.count_of(ids if type(ids) is tuple else tuple(ids)).value += 1
-
-
 def retry_after_seconds(wait: float) -> int:
     """Whole seconds until the key may send again: rounded up, at least 1."""
     return max(1, math.ceil(wait))
@@ -680,9 +672,9 @@ class Engine:
         return Decision(outcome=DENY, rule=rule, retry_after=1, page=rule.page, challenge=challenge)
 
     def _count_rules(self, ids: list[str]) -> None:
-        """``count_rules``, with the count it added to last kept: added to
-        again while the same rules count the requests (nearly always) and
-        the metrics have not added it up since (a scrape)."""
+        """``Metrics.count_rules``, with the count it added to last kept:
+        added to again while the same rules count the requests (nearly
+        always) and the metrics have not added it up since (a scrape)."""
         count = self._counted
         if count is None or not count.live or ids != self._counted_ids:
             self._counted_ids = ids
@@ -705,7 +697,7 @@ class Engine:
         # its limit, as the request is not refused.
         slots: list[SlotEntry] = []
         # The ids of the rules that counted the request, added to the
-        # metrics at once (count_rules).
+        # metrics at once (_count_rules).
         counted: list[str] = []
         hits = evaluation.hits
         for index in range(len(checks)):  # the three lists in step (compiled: read in C, without zip's tuples)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector, generate_latest
@@ -111,7 +111,7 @@ class Metrics(Collector):
         self.latency = LatencyHistogram()
         # Requests counted per rule id (``rule_hits``). The hot path counts
         # the ids a request was counted by as one set, in the set's count
-        # in ``rule_sets`` (``count_of``; the engine holds the one it added
+        # in ``rule_sets`` (``count_rules``; the engine holds the one it added
         # to last): one addition a request, where one per rule costs ten
         # times as much. Reading ``rule_hits`` adds the sets up, as does
         # ``count_of`` past ``RULE_SETS`` of them.
@@ -187,6 +187,13 @@ class Metrics(Collector):
                     hits[rule_id] += count.value
             count.live = False
         sets.clear()
+
+    def count_rules(self, ids: Sequence[str]) -> None:
+        """A request counted by the rules ``ids``: one addition to the
+        count of that set (one per rule costs ten times as much). The
+        engine holds the count it added to last instead
+        (``Engine._count_rules``)."""
+        self.count_of(ids if type(ids) is tuple else tuple(ids)).value += 1
 
     def count_of(self, ids: tuple[str, ...]) -> RuleSetCount:
         """The live count of the set of rules ``ids``, made when new (the

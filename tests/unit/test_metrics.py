@@ -18,7 +18,7 @@ from prometheus_client import generate_latest
 
 from sidecar.admin import Admin
 from sidecar.app import SluiceApp
-from sidecar.engine import Engine, count_rules
+from sidecar.engine import Engine
 from sidecar.health import HealthListener, Heartbeat
 from sidecar.latency import LATENCY_BUCKETS, LatencyHistogram
 from sidecar.metrics import RULE_SETS, Counts, Metrics, add_one
@@ -214,13 +214,13 @@ def test_the_probe_listener_answers_head_without_a_body_so_the_next_answer_on_th
 @settings(max_examples=50, deadline=None)
 @given(st.lists(st.lists(st.sampled_from([f"rule-{n}" for n in range(14)]), max_size=6), max_size=3000))
 def test_rules_counted_together_add_up_per_rule_in_bounded_memory(requests: list[list[str]]) -> None:
-    """Each request's rules are counted as one set (engine.count_rules):
+    """Each request's rules are counted as one set (Metrics.count_rules):
     read, ``rule_hits`` is what one count per rule would be, whatever sets
     came and however many; never more than RULE_SETS sets are held."""
     metrics = Metrics()
     expected: collections.Counter[str] = collections.Counter()
     for ids in requests:
-        count_rules(metrics, ids)
+        metrics.count_rules(ids)
         expected.update(ids)
         assert len(metrics.rule_sets) <= RULE_SETS
     assert metrics.rule_hits == expected
@@ -246,8 +246,8 @@ def test_the_same_rules_counted_as_a_tuple_or_a_list_add_up_together() -> None:
     """The engine passes one tuple for a set of rules (Engine._rule_set),
     tests and tools a list: both are the same set."""
     metrics = Metrics()
-    count_rules(metrics, ["a", "b"])
-    count_rules(metrics, ("a", "b"))
+    metrics.count_rules(["a", "b"])
+    metrics.count_rules(("a", "b"))
     assert {ids: count.value for ids, count in metrics.rule_sets.items()} == {("a", "b"): 2}
     assert metrics.rule_hits == {"a": 2, "b": 2}
 
@@ -284,7 +284,7 @@ rules:
 def test_a_flood_of_distinct_rule_sets_is_added_up_past_the_bound() -> None:
     metrics = Metrics()
     for number in range(3 * RULE_SETS):
-        count_rules(metrics, [f"rule-{number}"])
+        metrics.count_rules([f"rule-{number}"])
         assert len(metrics.rule_sets) <= RULE_SETS
     assert metrics.hits_of("rule-0") == 1 and sum(metrics.rule_hits.values()) == 3 * RULE_SETS
 
