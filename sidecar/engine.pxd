@@ -9,6 +9,7 @@ cimport cython
 from sidecar.clientip cimport ClientAddress, ClientIPResolver
 from sidecar.latency cimport RuleSetCount, Tally as Counter  # engine.py has a Tally of its own (the RLS door's)
 from sidecar.limiters.records cimport Hit
+from sidecar.matching cimport Program
 from sidecar.policy cimport Policy
 from sidecar.request cimport CheckRequest
 from sidecar.state cimport Check, CheckSpec, Evaluation
@@ -32,6 +33,7 @@ cdef class Engine:
     # The ruleset (the ruleset property) and what every check reads of it.
     cdef object _ruleset
     cdef object _match
+    cdef Program _program
     cdef ClientIPResolver _resolver
     cdef object _exempt
     cdef object _crowdsec
@@ -48,7 +50,7 @@ cdef class Engine:
     @cython.locals(resolver=ClientIPResolver, client=ClientAddress)
     cdef _resolve(self, CheckRequest request)
 
-    @cython.locals(client=ClientAddress)
+    @cython.locals(client=ClientAddress, program=Program, ended=bint)
     cdef _prepare(self, CheckRequest request)
 
     @cython.locals(policy=Policy, evaluation=Evaluation)

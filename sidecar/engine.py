@@ -29,6 +29,7 @@ from sidecar.decisionlog import DecisionLog
 from sidecar.keys import key_values
 from sidecar.latency import RuleSetCount
 from sidecar.limiters.records import Hit
+from sidecar.matching import COMPILED
 from sidecar.metrics import Metrics
 from sidecar.overload import (
     BEHIND_SHARE,
@@ -194,6 +195,9 @@ class Engine:
         # With it, what every check reads of it (compiled: C fields).
         self._ruleset = ruleset
         self._match = ruleset.match
+        # Compiled, the rules run as a program (sidecar.matching); the pure
+        # core runs the matcher, which is faster there.
+        self._program = ruleset.program if COMPILED else None
         self._resolver = ruleset.resolver
         self._exempt = ruleset.exempt
         self._exempting = bool(ruleset.exempt.networks)
@@ -638,10 +642,16 @@ class Engine:
         # The id the request's concurrency slots are taken under, and given
         # back by: unique across nodes and workers without coordination.
         lease = os.urandom(9).hex() if self._leases else ""
-        # The rules in order, their conditions and keys inline (rules.compile_matcher),
-        # handed the fields they read most, read here in C (Ruleset.match_request).
-        if self._match(request, request.method, request.host, request.path, request.headers, client.key,
-                       matched, checks, lease, self._credential_check):
+        # The rules in order: as a program (sidecar.matching), or their
+        # matcher (rules.compile_matcher), handed the fields they read most,
+        # read here in C (Ruleset.match_request).
+        program = self._program
+        if program is not None:
+            ended = program.run(request, client.key, matched, checks, lease, self._credential_check)
+        else:
+            ended = self._match(request, request.method, request.host, request.path, request.headers, client.key,
+                                matched, checks, lease, self._credential_check)
+        if ended:
             # A challenge credential ended the evaluation: counted when the
             # rules before it let the request in.
             request.credential = True

@@ -32,6 +32,12 @@ cpdef str normalise_path(str raw_path)
 
 cpdef CheckRequest check_request(dict headers, str method, host, str uri, str peer, str host_field=*)
 
+@cython.locals(cookies=dict)
+cpdef dict cookies_of(CheckRequest request)
+
+@cython.locals(query=dict)
+cpdef dict query_of(CheckRequest request)
+
 @cython.locals(query=dict, field=str, name=str, value=str)
 cpdef dict parse_query(str query_string)
 

@@ -20,7 +20,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, cast
 
-from sidecar import config
+from sidecar import config, matching
 from sidecar.actions import CHALLENGE_PAGE, BlockPage
 from sidecar.challenge import cookie_name
 from sidecar.clientip import ClientAddress, ClientIPResolver, NetworkSet
@@ -130,6 +130,14 @@ class _Expression:
         function = eval(f"lambda request: {expression}", self.namespace)  # noqa: S307 - our fragments only
         return cast(Callable[[CheckRequest], object], function)
 
+    def call(self, expression: str) -> matching.Call:
+        """A matcher's expression as a function of the request and the
+        matcher's fields: a program's call leaf or part (sidecar.matching)."""
+        assert self.in_matcher
+        function = eval(f"lambda request, {', '.join(MATCHER_FIELDS)}: {expression}",  # noqa: S307 - our fragments only
+                        self.namespace)
+        return cast(matching.Call, function)
+
 
 def _shown(value: object, limit: int = 80) -> str:
     """A value from the rules file as a comment shows it: ``ascii`` escapes
@@ -151,6 +159,7 @@ class _Test:
     code: str
     says: str
     loc: Loc
+    native: matching.Node | None = None  # the program's leaf for it, when the program tests it natively
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,17 +179,40 @@ class _Not:
 _Node = _Test | _Group | _Not
 
 
+def _string_op(test: config.StringTest | config.NamedTest | config.JwtTest) -> tuple[str, object]:
+    """A string test's operation (equals, in, prefix or regex) and what it
+    tests against (a string, a frozenset, or a compiled pattern's search)."""
+    if test.equals is not None:
+        return "equals", test.equals
+    if test.in_ is not None:
+        return "in", frozenset(test.in_)
+    if test.prefix is not None:
+        return "prefix", test.prefix
+    assert test.regex is not None  # the model requires one test of the four
+    return "regex", test.regex.search
+
+
 def _string_test(test: config.StringTest | config.NamedTest | config.JwtTest, value: str,
                  source: _Expression) -> tuple[str, str]:
     """The test of ``value`` (an expression of a string), and what it tests."""
-    if test.equals is not None:
-        return f"{value} == {source.constant(test.equals)}", f"equals {_shown(test.equals)}"
-    if test.in_ is not None:
-        return f"{value} in {source.constant(frozenset(test.in_))}", f"in {_shown(test.in_)}"
-    if test.prefix is not None:
-        return f"{value}.startswith({source.constant(test.prefix)})", f"prefix {_shown(test.prefix)}"
-    assert test.regex is not None  # the model requires one test of the four
-    return f"{source.constant(test.regex.search)}({value}) is not None", f"regex {_shown(test.regex.pattern)}"
+    op, against = _string_op(test)
+    name = source.constant(against)
+    if op == "equals":
+        return f"{value} == {name}", f"equals {_shown(test.equals)}"
+    if op == "in":
+        return f"{value} in {name}", f"in {_shown(test.in_)}"
+    if op == "prefix":
+        return f"{value}.startswith({name})", f"prefix {_shown(test.prefix)}"
+    assert test.regex is not None
+    return f"{name}({value}) is not None", f"regex {_shown(test.regex.pattern)}"
+
+
+def _native(field: str, test: config.StringTest | config.NamedTest, name: str = "") -> matching.Node:
+    """The program's leaf of a test of a field (``name``: a named one's)."""
+    if isinstance(test, config.NamedTest) and test.present is not None:
+        return matching.leaf(field, "present" if test.present else "absent", name=name)
+    op, against = _string_op(test)
+    return matching.leaf(field, op, against, name)
 
 
 def _value_test(lookup: str, present: Callable[[bool], str], test: config.NamedTest | config.JwtTest,
@@ -224,10 +256,10 @@ def _condition(condition: config.Condition, source: _Expression, loc: Loc) -> _N
         parts.append(_Not(_condition(condition.not_, source, loc + ("not",))))
     if condition.path is not None:
         code, says = _string_test(condition.path, source.field("path"), source)
-        parts.append(_Test(code, f"path {says}", loc + ("path",)))
+        parts.append(_Test(code, f"path {says}", loc + ("path",), _native("path", condition.path)))
     if condition.host is not None:
         code, says = _string_test(condition.host, source.field("host"), source)
-        parts.append(_Test(code, f"host {says}", loc + ("host",)))
+        parts.append(_Test(code, f"host {says}", loc + ("host",), _native("host", condition.host)))
     for name, fingerprint_test in (("ja3", condition.ja3), ("ja4", condition.ja4)):
         if fingerprint_test is not None:
             code, says = _string_test(fingerprint_test, _dimension_value(name, source), source)
@@ -235,13 +267,16 @@ def _condition(condition: config.Condition, source: _Expression, loc: Loc) -> _N
     if condition.method is not None:
         methods = [m.upper() for m in condition.method]
         parts.append(_Test(f"{source.field('method')} in {source.constant(frozenset(methods))}",
-                           f"method in {_shown(methods)}", loc + ("method",)))
+                           f"method in {_shown(methods)}", loc + ("method",),
+                           matching.leaf("method", "in", frozenset(methods))))
     for field_name, tests, mapping, fold in (("header", condition.header, "headers", True),
                                              ("cookie", condition.cookie, "cookies", False),
                                              ("query", condition.query, "query", False)):
         for index, test in enumerate(tests or ()):
-            code, says = _named_test(source.field(mapping), test, test.name.lower() if fold else test.name, source)
-            parts.append(_Test(code, f"{field_name} {says}", loc + (field_name, index)))
+            name = test.name.lower() if fold else test.name
+            code, says = _named_test(source.field(mapping), test, name, source)
+            parts.append(_Test(code, f"{field_name} {says}", loc + (field_name, index),
+                               _native(field_name, test, name)))
     for name, geo_test in (("asn", condition.asn), ("country", condition.country)):
         if geo_test is not None:
             parts.append(_Test(f"geo_{name}(request) in {source.constant(frozenset(geo_test.in_))}",
@@ -273,6 +308,17 @@ def _inline(node: _Node) -> str:
     if not node.parts:
         return "True" if node.joins == "and" else "False"
     return "(" + f" {node.joins} ".join(_inline(part) for part in node.parts) + ")"
+
+
+def _program_node(node: _Node, source: _Expression) -> matching.Node:
+    """A condition as the program's node: its leaves natively where they
+    can be, else a call of their matcher's code."""
+    if isinstance(node, _Test):
+        return node.native if node.native is not None else matching.call(source.call(node.code))
+    if isinstance(node, _Not):
+        return matching.not_of(_program_node(node.part, source))
+    parts = [_program_node(part, source) for part in node.parts]
+    return matching.all_of(parts) if node.joins == "and" else matching.any_of(parts)
 
 
 def _condition_lines(node: _Node, indent: str, comment: Callable[[_Test], str]) -> list[str]:
@@ -346,6 +392,20 @@ def _dimension_value(dimension: str, source: _Expression) -> str:
     return (f"(('ip', {source.field('client_key')}) if ({value} := {source.field('cookies')}.get("
             f"{source.constant(name)})) is None "
             f"else ('cookie', {value}))")
+
+
+def _key_part(dimension: str, source: _Expression) -> matching.Part:
+    """A dimension's value as the program's part of a key: natively where it
+    can be (``_dimension_value`` says what each is), else a call of its
+    matcher's code."""
+    if dimension in _FIELD_DIMENSIONS:
+        return matching.Part(dimension)
+    if dimension in _FINGERPRINT_HEADERS:
+        return matching.Part("header", _FINGERPRINT_HEADERS[dimension])
+    kind, _, name = dimension.partition(":")
+    if kind in ("header", "cookie", "query", "session"):
+        return matching.Part(kind, name)
+    return matching.Part("call", function=source.call(_dimension_value(dimension, source)))
 
 
 def compile_key(rule_id: str, dimensions: list[str], jwt: JwtReader | None = None,
@@ -578,6 +638,9 @@ class Ruleset:
     auto_ban: AutoBan  # challenges per address before it is banned
     match: Matcher  # the rules for one request, in order (compile_matcher)
     match_source: GeneratedSource  # match's source: what tracebacks show, and `sluice check --explain`
+    # The same rules as data, which the compiled core runs in C (sidecar.matching):
+    # None when a rule chooses its spec per request (verified bots, overrides, tiers).
+    program: matching.Program | None
     overload_after: float = 0.25  # a check this late is answered by the overload policy
     # Whose refusals hold for every request of the client (sidecar.overload.AddressRefusals):
     # the id of the file's first rule when it qualifies, and bans.
@@ -644,12 +707,15 @@ def match(request, {fields}, matched, checks, lease, has_credential):
 def compile_matcher(rules: Sequence[tuple[CompiledRule, config.Rule]], verified_bots: Sequence[VerifiedBot],
                     loaded: LoadedRules, jwt: JwtReader | None = None,
                     geo: Mapping[str, GeoDatabase] | None = None,
-                    tiers: Tiers | None = None) -> tuple[Matcher, GeneratedSource]:
+                    tiers: Tiers | None = None) -> tuple[Matcher, GeneratedSource, matching.Program | None]:
     """The ruleset's rules, in order, as one function: what the engine did
     for each rule of each request (its condition, a challenge credential,
     a verified bot's spec, an override's, its key) written out, with every
     rule's condition and key inline instead of a call each; and its source,
-    which tracebacks show and ``sluice check --explain`` prints.
+    which tracebacks show and ``sluice check --explain`` prints; and the
+    same rules as a program for the compiled core (``sidecar.matching``),
+    or None when a rule chooses its spec per request (verified bots,
+    overrides, tiers): the matcher runs those.
 
     As in ``_Expression``, no value from the file is written as code: every
     rule, spec and value is a bound constant (``rule_ID``, ``spec_ID``,
@@ -668,29 +734,36 @@ def compile_matcher(rules: Sequence[tuple[CompiledRule, config.Rule]], verified_
         return loaded.issue(loc, "").line
 
     positions = {id(model): index for index, model in enumerate(loaded.model.rules)}
+    steps: list[matching.Step | None] = []
     for rule, model in rules:
         overrides = [line_of(("overrides", index)) for index, override in enumerate(loaded.model.overrides)
                      if rule.id in override.rules]
-        lines += ["", *_rule_lines(rule, model, ("rules", positions[id(model)]), bool(verified_bots),
-                                   overrides, source, line_of)]
+        rule_lines, step = _rule_lines(rule, model, ("rules", positions[id(model)]), bool(verified_bots),
+                                       overrides, source, line_of)
+        lines += ["", *rule_lines]
+        steps.append(step)
     lines.append("    return False")
     generated = GeneratedSource(filename, "\n".join(lines) + "\n")
     generated.run(source.namespace)
-    return cast(Matcher, source.namespace["match"]), generated
+    program = None if None in steps else matching.Program(cast(list[matching.Step], steps))
+    return cast(Matcher, source.namespace["match"]), generated, program
 
 
 def _rule_lines(rule: CompiledRule, model: config.Rule, loc: Loc, verified_bots: bool, override_lines: list[int],
-                source: _Expression, line_of: Callable[[Loc], int]) -> list[str]:
+                source: _Expression, line_of: Callable[[Loc], int]) -> tuple[list[str], matching.Step | None]:
     """One rule's part of the matcher: its lines, with comments saying
     which rule and which line of the file each comes from (``line_of`` a
-    location; ``override_lines``, the overrides that list the rule)."""
+    location; ``override_lines``, the overrides that list the rule); and
+    its step of the program, or None when it chooses its spec per request."""
     names = _rule_names(rule.id, source)
     name = source.constant(rule, names.format("rule"))
     lines = [f"    # rules[{loc[1]}]: {rule.id} (line {line_of(loc)}), {rule.action}"
              + (", in shadow mode" if rule.shadow else "")]
     indent = "    "
+    program_condition = None
     if model.match is not None:
         condition = _condition(model.match, source, loc + ("match",))
+        program_condition = _program_node(condition, source)
         condition_lines = _condition_lines(condition, indent,
                                            lambda test: f"{rule.id} (line {line_of(test.loc)}): {test.says}")
         condition_lines[0] = f"{indent}if {condition_lines[0][len(indent):]}"
@@ -729,7 +802,11 @@ def _rule_lines(rule: CompiledRule, model: config.Rule, loc: Loc, verified_bots:
     lines.append(f"{indent}add_check(matched, checks, {name}, {spec}, {key}, lease)"
                  f"  # {rule.id} (line {line_of(loc + ('key',))}): key {', '.join(rule.key_prefix[1])}"
                  + ("" if model.key else " (the default)"))
-    return lines
+    if for_bots or rule.overrides or rule.tiers:
+        return lines, None
+    parts = [_key_part(dimension, source) for dimension in rule.key_prefix[1]]
+    return lines, matching.Step(program_condition, rule.challenge is not None, rule, rule.spec, rule.key_prefix,
+                                parts)
 
 
 def _lines_said(lines: Sequence[int]) -> str:
@@ -832,7 +909,7 @@ def compile_rules(loaded: LoadedRules, shadow: bool = False) -> Ruleset:
         raise ConfigError(issues)
     client_ip = model.client_ip
     verified_bots = tuple(VerifiedBot(NetworkSet(b.cidrs), b.user_agent) for b in model.verified_bots)
-    match, match_source = compile_matcher(compiled_from, verified_bots, loaded, jwt, geo, tiers)
+    match, match_source, program = compile_matcher(compiled_from, verified_bots, loaded, jwt, geo, tiers)
     # The resolver tells each client it makes whether it is exempt.
     exempt = NetworkSet(model.exempt)
     crowdsec_rule = _crowdsec_rule(model.crowdsec) if crowdsec[0] is not None else None
@@ -861,6 +938,7 @@ def compile_rules(loaded: LoadedRules, shadow: bool = False) -> Ruleset:
         difficulty=model.challenge.difficulty,
         auto_ban=auto_ban,
         match=match,
+        program=program,
         match_source=match_source,
         overload_after=model.overload.after,
         address_wide_rule=_address_wide_rule(compiled_from, verified_bots),

@@ -1,6 +1,7 @@
 # What mypy knows of Cython's pure-Python mode: the names the package uses,
 # as sidecar/purecython.py defines them for the pure-Python core, so that a
 # function decorated with @cython.locals keeps its signature.
+from sidecar.purecython import cast as cast
 from sidecar.purecython import cclass as cclass
 from sidecar.purecython import compiled as compiled
 from sidecar.purecython import declare as declare

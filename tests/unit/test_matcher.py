@@ -78,6 +78,17 @@ def run(ruleset: Ruleset, made: CheckRequest,
     return matched, checks, ended
 
 
+def run_program(ruleset: Ruleset, made: CheckRequest,
+                has_credential: Callable[[CompiledRule, CheckRequest], bool] = lambda rule, req: False,
+                ) -> tuple[list[CompiledRule], list[Check], bool]:
+    """``run``, by the ruleset's program (sidecar.matching) instead."""
+    assert ruleset.program is not None
+    matched: list[CompiledRule] = []
+    checks: list[Check] = []
+    ended = ruleset.program.run(made, made.client.key, matched, checks, "", has_credential)
+    return matched, checks, ended
+
+
 @pytest.fixture
 def sample(tmp_path: Path) -> Path:
     path = tmp_path / "rules.yaml"
@@ -281,6 +292,82 @@ def test_the_matcher_decides_as_an_interpreter_of_the_rules_file(document: dict[
         assert [check.key for check in checks] == keys
         assert [check.spec for check in checks] == specs
         assert ended is should_end
+        if ruleset.program is not None:  # the same rules as the compiled core runs them: the same checks
+            program_matched, program_checks, program_ended = run_program(
+                ruleset, request(uri, method=fields["method"], host=fields["host"], headers=fields["headers"],
+                                 client=fields["client"]), lambda rule, req: rule.id in credentials)
+            assert program_matched == matched
+            assert [(check.spec, check.key, check.lease) for check in program_checks] == \
+                [(check.spec, check.key, check.lease) for check in checks]
+            assert program_ended is ended
+
+
+# Every leaf and dimension the program reads natively, and those it calls
+# the matcher's code for (an address range, a fingerprint's condition, the
+# session fallback's tagged key).
+EVERY_KIND = """
+rules:
+  - id: natives
+    match:
+      all:
+        - path: {prefix: /api}
+        - host: {in: [example.com, api.example.com]}
+        - method: [GET, POST]
+        - header: [{name: Accept, regex: json}, {name: x-debug, present: false}]
+        - any: [{cookie: {name: sid, equals: s1}}, {query: {name: page, present: true}}]
+    key: [ip, host, method, path, uri, "header:x-api-key", "cookie:sid", "query:q"]
+    limit: {requests: 5, per: 60s}
+    action: block
+  - id: calls
+    match: {any: [{ip: {in: [192.0.2.0/24]}}, {ja4: {prefix: t13}}, {not: {ja3: {equals: ""}}}]}
+    key: [ja3, ja4, "session:sid"]
+    limit: {requests: 5, per: 60s}
+    action: challenge
+"""
+
+
+@pytest.mark.parametrize("uri", ["/api/items?page=2&q=shoes", "/api?q=a%20b", "/other", "/api/x"])
+@pytest.mark.parametrize("headers", [
+    {"accept": "application/json", "cookie": "sid=s1", "x-api-key": "k", "x-sluice-ja4": "t13d_x"},
+    {"accept": "text/html", "x-debug": "1", "x-sluice-ja3": "771,4865"},
+    {"accept": "application/json", "cookie": "other=1; sid=s2"},
+    {},
+])
+@pytest.mark.parametrize("client", ["192.0.2.10", "198.51.100.7", "2001:db8::1"])
+@pytest.mark.parametrize("credential", [False, True])
+def test_the_program_adds_what_the_matcher_adds_for_every_kind_of_leaf_and_key(
+        uri: str, headers: dict[str, str], client: str, credential: bool) -> None:
+    ruleset = compile_rules(parse_rules_text(EVERY_KIND, "kinds.yaml", Path(".")))
+    def has_credential(rule: CompiledRule, req: CheckRequest) -> bool:
+        return credential
+    for method, host in (("GET", "example.com"), ("POST", "api.example.com"), ("PUT", "example.com"),
+                         ("GET", "other.example")):
+        expected = run(ruleset, request(uri, method=method, host=host, headers=headers, client=client),
+                       has_credential)
+        got = run_program(ruleset, request(uri, method=method, host=host, headers=headers, client=client),
+                          has_credential)
+        assert got[0] == expected[0]
+        assert [(check.spec, check.key) for check in got[1]] == [(check.spec, check.key) for check in expected[1]]
+        assert got[2] is expected[2]
+
+
+@pytest.mark.parametrize(("extra", "action", "has_program"), [
+    ("", "ban", True),
+    ("verified_bots: [{cidrs: [192.0.2.0/25]}]\n", "ban", False),  # a verified bot is never banned
+    ("verified_bots: [{cidrs: [192.0.2.0/25]}]\n", "block", True),  # a bot's spec is the rule's
+    ("overrides: [{cidrs: [192.0.2.0/24], rules: [r], multiply: 2}]\n", "block", False),
+    ("overrides: [{cidrs: [192.0.2.0/24], rules: [other], multiply: 2}]\n", "block", False),
+])
+def test_a_ruleset_whose_rules_choose_their_spec_per_request_runs_its_matcher(extra: str, action: str,
+                                                                              has_program: bool) -> None:
+    """Verified bots (of a rule that bans) and overrides choose a rule's
+    spec per request: the program has no step for that, and the engine
+    runs the matcher."""
+    text = extra + "rules:\n" + "".join(
+        f"  - id: {rule_id}\n    limit: {{requests: 5, per: 60s}}\n    action: {action}\n"
+        for rule_id in ("r", "other"))
+    ruleset = compile_rules(parse_rules_text(text, "spec.yaml", Path(".")))
+    assert (ruleset.program is not None) is has_program
 
 
 def test_values_that_look_like_code_stay_values(tmp_path: Path) -> None:
