@@ -4,6 +4,7 @@
 cimport cython
 
 from sidecar.limiters.records cimport Algorithm, Hit, refused
+from sidecar._statemap cimport StateMap
 from sidecar.keystate cimport limiter_of
 from sidecar.state cimport Check, CheckSpec, Evaluation
 
@@ -12,11 +13,16 @@ from sidecar.state cimport Check, CheckSpec, Evaluation
 cpdef Evaluation evaluated(list hits)
 
 
+@cython.locals(map=StateMap)
+cdef void _keep(map, keep, key, state) except *
+
+
 cdef class Policy:
-    cdef public object table
+    cdef readonly object table
     cdef public object node
     cdef public object wall_clock
+    cdef StateMap _map
 
     @cython.locals(check=Check, spec=CheckSpec, evaluation=Evaluation, stopped=bint, hits=list, deferred=list,
-                   stored=bint, hit=Hit, limiter=Algorithm, bucket=Algorithm)
+                   stored=bint, hit=Hit, limiter=Algorithm, bucket=Algorithm, map=StateMap)
     cpdef Evaluation evaluate(self, double now, address, checks, bint can_delay=*, bint quotas=*)

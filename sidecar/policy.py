@@ -28,6 +28,11 @@ round trip and one atomic step; the parity tests hold it to this module.
 
 from __future__ import annotations
 
+try:
+    import cython
+except ModuleNotFoundError:  # the pure-Python core without Cython installed
+    from sidecar import purecython as cython  # type: ignore[no-redef]
+
 import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Protocol
@@ -107,16 +112,36 @@ def carried_over(state: Any, limiter: Limiter) -> Any:
     return state
 
 
+def _compiled_map(table: StateTable) -> Any:
+    """The table's map when the policy can call it in C: compiled, the
+    memory table's compiled map (sidecar._statemap); else None."""
+    states = getattr(table, "states", None)
+    kind = type(states)
+    return states if cython.compiled and (kind.__module__, kind.__name__) == ("sidecar._statemap", "StateMap") else None
+
+
+def _keep(map: Any, keep: Callable[[Hashable, Any], None], key: Hashable, state: Any) -> None:
+    """A state stored: by the compiled map in C, or the table's ``keep``."""
+    if map is not None:
+        map.add(key, state)
+    else:
+        keep(key, state)
+
+
 class Policy:
     """The request-phase policy over one table; bans it issues are signed
     with ``node`` and stamped with ``wall_clock``."""
 
-    __slots__ = ("table", "node", "wall_clock")
+    __slots__ = ("table", "node", "wall_clock", "_map")
 
     def __init__(self, table: StateTable, node: str, wall_clock: Callable[[], float] = time.time) -> None:
         self.table = table
         self.node = node
         self.wall_clock = wall_clock
+        # Compiled, over the memory table's compiled map: the map itself,
+        # whose reads and writes evaluate calls in C (else through the
+        # table's bound methods, a Python call each).
+        self._map = _compiled_map(table)
 
     def evaluate(self, now: float, address: str, checks: Sequence[Check], can_delay: bool = True,
                  quotas: bool = False) -> Evaluation:
@@ -132,13 +157,17 @@ class Policy:
         deferred: list[tuple[CountingKey, DeferredLimiter, Any, bool, Hit]] = []
         stopped = False
         read, keep = table.state, table.keep
+        map = self._map
         if len(checks) > 1:
-            table.expect(checks)
+            if map is not None:
+                map.expect(checks)
+            else:
+                table.expect(checks)
         for check in checks:
             spec = check.spec
             key = check.key
             limiter = spec.limiter
-            state = read(key)
+            state = map.get(key) if map is not None else read(key)
             if state is not None and limiter_of(state) is not limiter:
                 state = carried_over(state, limiter)
             if not spec.count:  # a look: a response-phase rule's penalty
@@ -148,7 +177,7 @@ class Policy:
                     # A key never seen (or forgotten): under key rotation, most of them.
                     state = limiter.new_state()
                     hit = limiter.hit(state, now, spec.threshold, spec.amount)
-                    keep(key, state)
+                    _keep(map, keep, key, state)
                 else:
                     hit = limiter.hit(state, now, spec.threshold, spec.amount)
             else:  # a bucket or a concurrency limit: assessed now, charged last
@@ -163,7 +192,7 @@ class Policy:
                     # A new key refused by its own bucket (a batch beyond the
                     # burst, Envoy's hits_addend) whose refusal started the
                     # rule's penalty: kept for it, as in Redis.
-                    keep(key, state)
+                    _keep(map, keep, key, state)
                     stored = True
                 deferred.append((key, bucket, state, stored, hit))
             hits.append(hit)
@@ -182,7 +211,7 @@ class Policy:
                     limiter.commit(state, hit)
                     evaluation.delay = max(evaluation.delay, hit.delay)
                     if not stored:
-                        keep(key, state)
+                        _keep(map, keep, key, state)
         if quotas and evaluation.ban is None:
             evaluation.quotas = [check.limiter.quota(self.state_for(check.key, check.limiter), now, check.threshold)
                                  if check.spec.count else None for check in checks]

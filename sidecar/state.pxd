@@ -4,10 +4,12 @@
 # reference and the pure-Python core.
 cimport cython
 
+from sidecar.limiters.records cimport Algorithm
+
 
 cdef class CheckSpec:
     cdef readonly object rule_id
-    cdef readonly object limiter
+    cdef readonly Algorithm limiter  # every limiter is one (sidecar.limiters.records): read in C, no type test
     cdef readonly object threshold
     cdef readonly bint stops
     cdef readonly object ban_duration
