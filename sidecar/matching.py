@@ -186,7 +186,7 @@ class Program:
             else:
                 key = (step.prefix, *[_value(cython.cast(Part, part), request, method, host, path, headers,
                                              client_key) for part in parts])
-            check = Check.__new__(Check)
+            check = cython.cast(Check, Check.__new__(Check))  # compiled: no type test
             check.spec = step.spec
             check.key = key
             check.lease = lease

@@ -94,7 +94,7 @@ def evaluated(hits: list[Hit]) -> Evaluation:
     """The evaluation of a request whose hits are being appended to
     ``hits``: no ban, no delay yet (made for every request; compiled,
     without the call of the class and its defaults)."""
-    evaluation = Evaluation.__new__(Evaluation)
+    evaluation = cython.cast(Evaluation, Evaluation.__new__(Evaluation))  # compiled: no type test
     evaluation.ban = None
     evaluation.new_ban = False
     evaluation.hits = hits
@@ -156,8 +156,10 @@ class Policy:
         evaluation = evaluated(hits)
         deferred: list[tuple[CountingKey, DeferredLimiter, Any, bool, Hit]] = []
         stopped = False
-        read, keep = table.state, table.keep
         map = self._map
+        # Without a compiled map, the table's own reads and writes.
+        read: Any = table.state if map is None else None
+        keep: Any = table.keep if map is None else None
         if len(checks) > 1:
             if map is not None:
                 map.expect(checks)

@@ -6,6 +6,9 @@ cimport cython
 
 from sidecar.limiters.records cimport Algorithm
 
+cdef double _EPOCH_OFFSET
+cdef object _monotonic
+
 
 cdef class CheckSpec:
     cdef readonly object rule_id

@@ -33,10 +33,13 @@ Clock = Callable[[], float]
 # (which the Redis store counts on) and envoyproxy/ratelimit; setting the
 # wall clock later moves nothing.
 _EPOCH_OFFSET = time.time() - time.monotonic()
+# Compiled, the clock and the offset are C variables of the module (a
+# check reads the clock): no lookup of time.monotonic, no float unboxed.
+_monotonic = time.monotonic
 
 
 def epoch_clock() -> float:
-    return time.monotonic() + _EPOCH_OFFSET
+    return _monotonic() + _EPOCH_OFFSET
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,7 +234,7 @@ def add_check(matched: list[Any], checks: list[Check], rule: Any, spec: CheckSpe
     rule to ``matched``, its ``Check`` (``spec``, ``key``, ``lease``) to
     ``checks``. One call of the matcher's for the two (compiled, without
     the call of the class)."""
-    check = Check.__new__(Check)
+    check = cython.cast(Check, Check.__new__(Check))  # compiled: no type test
     check.spec = spec
     check.key = key
     check.lease = lease

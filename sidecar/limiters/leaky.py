@@ -78,7 +78,7 @@ class LeakyBucket(Bucket):
 
     def new_state(self) -> LeakyState:
         # Filled without the call of the class (see WindowCounter.new_state).
-        state = LeakyState.__new__(LeakyState)
+        state = cython.cast(LeakyState, LeakyState.__new__(LeakyState))  # compiled: no type test
         state.excess = 0
         state.last = None
         state.penalty_until = NO_PENALTY

@@ -77,7 +77,7 @@ def admitted(delay: float, proposal: Any) -> Hit:
     """A bucket's ``Hit`` for a request it admits: what it proposes, and
     the delay (made for every admitted request; compiled, without the
     call of the class)."""
-    hit = Hit.__new__(Hit)
+    hit = cython.cast(Hit, Hit.__new__(Hit))  # compiled: no type test
     hit.over_limit = False
     hit.retry_after = 0.0
     hit.delay = delay
@@ -88,7 +88,7 @@ def admitted(delay: float, proposal: Any) -> Hit:
 def refused(retry_after: float) -> Hit:
     """The ``Hit`` of a request over limit, to retry after ``retry_after``
     seconds (compiled, without the call of the class)."""
-    hit = Hit.__new__(Hit)
+    hit = cython.cast(Hit, Hit.__new__(Hit))  # compiled: no type test
     hit.over_limit = True
     hit.retry_after = retry_after
     hit.delay = 0.0

@@ -65,7 +65,7 @@ class TokenBucket(Bucket):
 
     def new_state(self) -> TokenState:
         # Filled without the call of the class (see WindowCounter.new_state).
-        state = TokenState.__new__(TokenState)
+        state = cython.cast(TokenState, TokenState.__new__(TokenState))  # compiled: no type test
         state.tokens = float(self.capacity)
         state.last = None
         state.penalty_until = NO_PENALTY

@@ -105,7 +105,7 @@ class WindowCounter(Algorithm):
     def new_state(self) -> WindowState:
         # Made for every new key: compiled, its fields filled without the
         # call of the class (as sidecar.limiters.records.admitted makes a Hit).
-        state = WindowState.__new__(WindowState)
+        state = cython.cast(WindowState, WindowState.__new__(WindowState))  # compiled: no type test
         state.window = -2
         state.previous = 0
         state.current = 0
