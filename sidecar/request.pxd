@@ -38,8 +38,9 @@ cpdef dict cookies_of(CheckRequest request)
 @cython.locals(query=dict)
 cpdef dict query_of(CheckRequest request)
 
-@cython.locals(query=dict, field=str, name=str, value=str)
+@cython.locals(query=dict, name=str, value=str, end=Py_ssize_t, start=Py_ssize_t, stop=Py_ssize_t,
+               equals=Py_ssize_t)
 cpdef dict parse_query(str query_string)
 
-@cython.locals(cookies=dict, part=str, name=str, sep=str, value=str)
+@cython.locals(cookies=dict, part=str, cookie=str, name=str, value=str, equals=Py_ssize_t)
 cpdef dict parse_cookies(str field)

@@ -181,14 +181,22 @@ def parse_sent(value: str | None) -> float:
 
 
 def parse_cookies(field: str) -> dict[str, str]:
-    """A Cookie field's cookies by name, the first of each name."""
+    """A Cookie field's cookies by name, the first of each name: in each
+    part between semicolons, stripped, the name before its first "=" (not
+    empty) and the value after it, stripped."""
     cookies: dict[str, str] = {}
     if not field:
         return cookies  # no Cookie field: most checks
     for part in field.split(";"):
-        name, sep, value = part.strip().partition("=")
-        if sep and name and name not in cookies:
-            cookies[name] = value.strip()
+        cookie = part.strip()
+        # Found and sliced, not partitioned: no tuple, no separator string
+        # (compiled: str methods called in C).
+        equals = cookie.find("=")
+        if equals > 0:
+            name = cookie[:equals]
+            if name not in cookies:
+                value = cookie[equals + 1:]
+                cookies[name] = value.strip()
     return cookies
 
 
@@ -197,14 +205,25 @@ def parse_query(query_string: str) -> dict[str, str]:
     blank values gives, without its per-field overhead when nothing in a
     field is escaped."""
     query: dict[str, str] = {}
-    for field in query_string.split("&"):
-        if not field:
-            continue
-        name, _, value = field.partition("=")
-        if "%" in name or "+" in name:
-            name = unquote(name.replace("+", " "), errors="replace")
-        if name not in query:
-            if "%" in value or "+" in value:
-                value = unquote(value.replace("+", " "), errors="replace")
-            query[name] = value
+    end = len(query_string)
+    start = 0
+    # Each field between "&"s found and its name and value sliced from the
+    # whole (no list of fields, no partition's tuple); empty fields skipped.
+    while start < end:
+        stop = query_string.find("&", start)
+        if stop < 0:
+            stop = end
+        if stop > start:
+            equals = query_string.find("=", start, stop)
+            if equals < 0:
+                name, value = query_string[start:stop], ""
+            else:
+                name, value = query_string[start:equals], query_string[equals + 1:stop]
+            if "%" in name or "+" in name:
+                name = unquote(name.replace("+", " "), errors="replace")
+            if name not in query:
+                if "%" in value or "+" in value:
+                    value = unquote(value.replace("+", " "), errors="replace")
+                query[name] = value
+        start = stop + 1
     return query
