@@ -19,6 +19,7 @@ cdef class Node:
     cdef readonly frozenset values
     cdef readonly object function
     cdef readonly tuple parts
+    cdef readonly dict memo
 
 
 cdef class Part:
@@ -43,7 +44,7 @@ cdef class Program:
     cpdef bint run(self, CheckRequest request, client_key, list matched, list checks, lease, has_credential)
 
 
-@cython.locals(kind=int, op=int, mapping=dict)
+@cython.locals(kind=int, op=int, mapping=dict, memo=dict)
 cdef bint _holds(Node node, CheckRequest request, method, host, path, dict headers, client_key) except -1
 
 @cython.locals(kind=int)

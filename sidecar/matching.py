@@ -55,6 +55,12 @@ _PREFIX = 2
 _REGEX = 3
 _PRESENT = 4
 _ABSENT = 5
+# A regex leaf keeps its answers for the values it tested last (a site's
+# paths repeat; a pattern's search costs about ten times a dict lookup):
+# at most MEMO_SIZE values of at most MEMO_LONGEST characters, forgotten
+# all at once when full, so that what a client sends bounds nothing.
+MEMO_SIZE = 1024
+MEMO_LONGEST = 256
 # What a key's part is (Part.kind).
 _CLIENT = 10
 _URI = 11
@@ -76,9 +82,10 @@ class Node:
     ``method``, or a ``header``, ``cookie`` or ``query`` parameter by
     ``name``) tested by ``op`` against ``value``: ``equals`` a string,
     ``in`` a frozenset, ``prefix``, ``regex`` (a compiled pattern's search),
-    ``present`` or ``absent`` (a named field)."""
+    ``present`` or ``absent`` (a named field). A regex leaf's ``memo``
+    holds its answers for the values it tested last."""
 
-    __slots__ = ("kind", "op", "name", "text", "values", "function", "parts")
+    __slots__ = ("kind", "op", "name", "text", "values", "function", "parts", "memo")
 
     def __init__(self, kind: int, op: int = 0, name: str = "", value: object = None,
                  parts: tuple[Node, ...] = ()) -> None:
@@ -89,6 +96,7 @@ class Node:
         self.values = value if isinstance(value, frozenset) else frozenset()
         self.function: Any = value if callable(value) else None
         self.parts = parts
+        self.memo: dict[str, bool] = {}
 
 
 def leaf(field: str, op: str, value: object = None, name: str = "") -> Node:
@@ -239,7 +247,16 @@ def _holds(node: Node, request: CheckRequest, method: str, host: str, path: str,
         if type(value) is str:  # every field's value: compiled, a str's startswith in C
             return cython.cast(str, value).startswith(node.text)
         return bool(value.startswith(node.text))
-    return node.function(value) is not None
+    memo = node.memo
+    found = memo.get(value)
+    if found is not None:
+        return found
+    found = node.function(value) is not None
+    if type(value) is str and len(cython.cast(str, value)) <= MEMO_LONGEST:
+        if len(memo) >= MEMO_SIZE:
+            memo.clear()
+        memo[cython.cast(str, value)] = found
+    return found
 
 
 def _value(part: Part, request: CheckRequest, method: str, host: str, path: str, headers: dict[str, str],

@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from sidecar import cli
 from sidecar.clientip import ClientIPResolver
 from sidecar.config import parse_rules_text
+from sidecar.matching import MEMO_LONGEST, MEMO_SIZE
 from sidecar.request import CheckRequest
 from sidecar.rules import CompiledRule, Ruleset, compile_rules, load_ruleset
 from sidecar.state import Check
@@ -349,6 +350,25 @@ def test_the_program_adds_what_the_matcher_adds_for_every_kind_of_leaf_and_key(
         assert got[0] == expected[0]
         assert [(check.spec, check.key) for check in got[1]] == [(check.spec, check.key) for check in expected[1]]
         assert got[2] is expected[2]
+
+
+def test_a_regex_leaf_remembers_its_answers_for_a_bounded_number_of_short_values() -> None:
+    """Answered from its memo or by its pattern, a regex leaf decides as
+    the matcher does; the memo holds at most MEMO_SIZE values, none longer
+    than MEMO_LONGEST characters, whatever paths clients send."""
+    ruleset = compile_rules(parse_rules_text(
+        "rules:\n  - id: r\n    match: {path: {regex: '^/api/(items|search)'}}\n"
+        "    limit: {requests: 5, per: 60s}\n    action: block\n", "regex.yaml", Path(".")))
+    assert ruleset.program is not None
+    condition = ruleset.program.steps[0].condition
+    paths = ["/api/items", "/other", "/api/search/x", "/api/item", "/api/" + "x" * (MEMO_LONGEST + 1),
+             *[f"/api/{'items' if n % 3 else 'search'}/{n}" for n in range(MEMO_SIZE + 10)],
+             *[f"/n/{n}" for n in range(MEMO_SIZE // 2)]]
+    for path in paths + paths[:8]:  # the first ones again: from the memo, or after it was cleared
+        assert run_program(ruleset, request(path))[0] == run(ruleset, request(path))[0]
+        assert 0 < len(condition.memo) <= MEMO_SIZE
+    assert all(len(value) <= MEMO_LONGEST for value in condition.memo)
+    assert condition.memo["/other"] is False and condition.memo["/api/items"] is True
 
 
 @pytest.mark.parametrize(("extra", "action", "has_program"), [
