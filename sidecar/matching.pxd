@@ -3,7 +3,7 @@
 # functions that read the request's fields in C.
 cimport cython
 
-from sidecar.request cimport CheckRequest, cookies_of, query_of
+from sidecar.request cimport CheckRequest, cookie_value, query_value
 from sidecar.state cimport Check, CheckSpec
 
 cdef int _ALL, _ANY, _NOT, _CALL, _PATH, _HOST, _METHOD, _HEADER, _COOKIE, _QUERY
@@ -44,7 +44,7 @@ cdef class Program:
     cpdef bint run(self, CheckRequest request, client_key, list matched, list checks, lease, has_credential)
 
 
-@cython.locals(kind=int, op=int, mapping=dict, memo=dict)
+@cython.locals(kind=int, op=int, name=str, memo=dict)
 cdef bint _holds(Node node, CheckRequest request, method, host, path, dict headers, client_key) except -1
 
 @cython.locals(kind=int)

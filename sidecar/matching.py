@@ -31,7 +31,7 @@ except ModuleNotFoundError:  # the pure-Python core without Cython installed
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from sidecar.request import CheckRequest, cookies_of, query_of
+from sidecar.request import CheckRequest, cookie_value, query_value
 from sidecar.state import Check, CheckSpec
 
 COMPILED: bool = cython.compiled  # whether this module runs compiled (the engine runs programs only then)
@@ -228,14 +228,15 @@ def _holds(node: Node, request: CheckRequest, method: str, host: str, path: str,
         value = host
     elif kind == _METHOD:
         value = method
-    else:
-        mapping = headers if kind == _HEADER else cookies_of(request) if kind == _COOKIE else query_of(request)
+    else:  # a named field: a header, a cookie or a query parameter (a value is never None)
+        name = node.name
+        value = headers.get(name) if kind == _HEADER else cookie_value(request, name) if kind == _COOKIE \
+            else query_value(request, name)
         op = node.op
         if op == _PRESENT:
-            return node.name in mapping
+            return value is not None
         if op == _ABSENT:
-            return node.name not in mapping
-        value = mapping.get(node.name)
+            return value is None
         if value is None:
             return False
     op = node.op
@@ -273,12 +274,14 @@ def _value(part: Part, request: CheckRequest, method: str, host: str, path: str,
         return headers.get(part.name, "")
     if kind == _SESSION:
         # Tagged, so that a cookie whose value equals an address is still another key.
-        value = cookies_of(request).get(part.name)
+        value = cookie_value(request, part.name)
         return ("ip", client_key) if value is None else ("cookie", value)
     if kind == _QUERY:
-        return query_of(request).get(part.name, "")
+        value = query_value(request, part.name)
+        return "" if value is None else value
     if kind == _COOKIE:
-        return cookies_of(request).get(part.name, "")
+        value = cookie_value(request, part.name)
+        return "" if value is None else value
     if kind == _METHOD:
         return method
     if kind == _URI:

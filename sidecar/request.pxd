@@ -38,6 +38,14 @@ cpdef dict cookies_of(CheckRequest request)
 @cython.locals(query=dict)
 cpdef dict query_of(CheckRequest request)
 
+@cython.locals(query=dict, text=str, size=Py_ssize_t, end=Py_ssize_t, start=Py_ssize_t, stop=Py_ssize_t,
+               after=Py_ssize_t)
+cpdef query_value(CheckRequest request, str name)
+
+@cython.locals(cookies=dict, field=str, value=str, size=Py_ssize_t, end=Py_ssize_t, start=Py_ssize_t,
+               stop=Py_ssize_t, first=Py_ssize_t, after=Py_ssize_t)
+cpdef cookie_value(CheckRequest request, str name)
+
 @cython.locals(query=dict, name=str, value=str, end=Py_ssize_t, start=Py_ssize_t, stop=Py_ssize_t,
                equals=Py_ssize_t)
 cpdef dict parse_query(str query_string)

@@ -139,6 +139,66 @@ def query_of(request: CheckRequest) -> dict[str, str]:
     return query
 
 
+def query_value(request: CheckRequest, name: str) -> str | None:
+    """``request.query.get(name)``: from the parsed parameters when they
+    were parsed already; else, when nothing in the query string is
+    escaped, the first field named ``name`` found in place (no dict, and
+    no slice but its value's). The program's read of a parameter
+    (sidecar.matching)."""
+    query = request._query
+    if query is not None:
+        return query.get(name)
+    text = request.query_string
+    if "%" in text or "+" in text or "=" in name:
+        return query_of(request).get(name)  # a name to unquote, or one no field has: as parsed
+    size = len(name)
+    end = len(text)
+    start = 0
+    while start < end:
+        stop = text.find("&", start)
+        if stop < 0:
+            stop = end
+        # A field's name is its text up to its first "=" (an empty field has none).
+        if stop > start and text.startswith(name, start, stop):
+            after = start + size
+            if after == stop:
+                return ""
+            if text[after] == "=":
+                return text[after + 1:stop]
+        start = stop + 1
+    return None
+
+
+def cookie_value(request: CheckRequest, name: str) -> str | None:
+    """``request.cookies.get(name)``: from the parsed cookies when they were
+    parsed already; else the first cookie named ``name`` found in place in
+    the Cookie field (no dict). The program's read of a cookie."""
+    cookies = request._cookies
+    if cookies is not None:
+        return cookies.get(name)
+    if not name or "=" in name:
+        return cookies_of(request).get(name)  # names no cookie has: as parsed
+    headers = request.headers
+    field = cython.cast(dict, headers).get("cookie", "") if type(headers) is dict else headers.get("cookie", "")
+    size = len(name)
+    end = len(field)
+    start = 0
+    while start < end:
+        stop = field.find(";", start)
+        if stop < 0:
+            stop = end
+        # A cookie is its part stripped: its name up to its first "=".
+        first = start
+        while first < stop and field[first].isspace():
+            first += 1
+        after = first + size
+        if after < stop and field[after] == "=" and field.startswith(name, first, stop):
+            value = field[after + 1:stop]
+            return value.strip()
+        start = stop + 1
+    return None
+
+
 def check_request(headers: dict[str, str], method: str, host: str | None, uri: str, peer: str,
                   host_field: str = "host") -> CheckRequest:
     """A CheckRequest with what every proxy sends the same way: the headers,
