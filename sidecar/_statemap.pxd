@@ -10,7 +10,10 @@ cdef enum:
     NONE = -1  # no record: the end of a list
     EVICTED_TOGETHER = 16  # records whose memory is asked for at once when making room
     FIRST_RECORDS = 64  # records allocated at first
-    RECENT_SLOTS = 16  # slots found without the wheel's dict (a power of 2)
+    # Slots found without the wheel's dict (a power of 2): a slot is a
+    # second, so that the slots of records stored an hour ago (and evicted
+    # now under a rotation) are found as those just filed are.
+    RECENT_SLOTS = 4096
     MOST_ITEMS = 3  # a tuple key of up to this many items is kept as its items
     MOST_EXPECTED = 32  # keys of one request whose memory ``expect`` asks for ahead
     # Keys from which ``expect`` asks (256 KiB of records): a smaller map
@@ -55,7 +58,9 @@ cdef class StateMap:
     cdef dict _wheel  # slot -> _Slot
     cdef list _slots  # heap of the wheel's slots (some may be gone: skipped)
     # Slots filed into lately, each at its number modulo RECENT_SLOTS (or
-    # None): the rules' few periods make few slots a second.
+    # None): the rules' few periods make few slots a second, and two held
+    # at once share an entry only when their seconds differ by a multiple
+    # of RECENT_SLOTS.
     cdef list _recent
     # The key the last ``get`` did not find, and its hash: the policy
     # stores a new key right after reading it, and ``add`` then neither
