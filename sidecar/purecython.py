@@ -49,7 +49,9 @@ def declare(kind: object, value: Any = None) -> Any:
     return value
 
 
-def cast(kind: type[T], value: Any) -> T:
-    """Compiled, ``value`` taken as a ``kind`` without a type test."""
-    return value  # type: ignore[no-any-return]
+# Compiled, ``cast(kind, value)`` takes ``value`` as a ``kind`` without a
+# type test. Here it returns ``value``: an empty dict's ``get`` (a class is
+# never a key of it), a builtin, so that a check through the pure-Python
+# core enters no frame of this module (tests/unit/test_check_trace.py).
+cast: Any = {}.get
 
