@@ -13,8 +13,8 @@ from sidecar.state cimport Check, CheckSpec, Evaluation
 cpdef Evaluation evaluated(list hits)
 
 
-@cython.locals(map=StateMap)
-cdef void _keep(map, keep, key, state) except *
+@cython.locals(states=StateMap)
+cdef void _keep(states, keep, key, state) except *
 
 
 cdef class Policy:
@@ -24,5 +24,5 @@ cdef class Policy:
     cdef StateMap _map
 
     @cython.locals(check=Check, spec=CheckSpec, evaluation=Evaluation, stopped=bint, hits=list, deferred=list,
-                   stored=bint, hit=Hit, limiter=Algorithm, bucket=Algorithm, map=StateMap)
+                   stored=bint, hit=Hit, limiter=Algorithm, bucket=Algorithm, states=StateMap)
     cpdef Evaluation evaluate(self, double now, address, checks, bint can_delay=*, bint quotas=*)

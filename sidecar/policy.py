@@ -120,10 +120,10 @@ def _compiled_map(table: StateTable) -> Any:
     return states if cython.compiled and (kind.__module__, kind.__name__) == ("sidecar._statemap", "StateMap") else None
 
 
-def _keep(map: Any, keep: Callable[[Hashable, Any], None], key: Hashable, state: Any) -> None:
+def _keep(states: Any, keep: Callable[[Hashable, Any], None], key: Hashable, state: Any) -> None:
     """A state stored: by the compiled map in C, or the table's ``keep``."""
-    if map is not None:
-        map.add(key, state)
+    if states is not None:
+        states.add(key, state)
     else:
         keep(key, state)
 
@@ -156,20 +156,20 @@ class Policy:
         evaluation = evaluated(hits)
         deferred: list[tuple[CountingKey, DeferredLimiter, Any, bool, Hit]] = []
         stopped = False
-        map = self._map
+        states = self._map
         # Without a compiled map, the table's own reads and writes.
-        read: Any = table.state if map is None else None
-        keep: Any = table.keep if map is None else None
+        read: Any = table.state if states is None else None
+        keep: Any = table.keep if states is None else None
         if len(checks) > 1:
-            if map is not None:
-                map.expect(checks)
+            if states is not None:
+                states.expect(checks)
             else:
                 table.expect(checks)
         for check in checks:
             spec = check.spec
             key = check.key
             limiter = spec.limiter
-            state = map.get(key) if map is not None else read(key)
+            state = states.get(key) if states is not None else read(key)
             if state is not None and limiter_of(state) is not limiter:
                 state = carried_over(state, limiter)
             if not spec.count:  # a look: a response-phase rule's penalty
@@ -179,7 +179,7 @@ class Policy:
                     # A key never seen (or forgotten): under key rotation, most of them.
                     state = limiter.new_state()
                     hit = limiter.hit(state, now, spec.threshold, spec.amount)
-                    _keep(map, keep, key, state)
+                    _keep(states, keep, key, state)
                 else:
                     hit = limiter.hit(state, now, spec.threshold, spec.amount)
             else:  # a bucket or a concurrency limit: assessed now, charged last
@@ -194,7 +194,7 @@ class Policy:
                     # A new key refused by its own bucket (a batch beyond the
                     # burst, Envoy's hits_addend) whose refusal started the
                     # rule's penalty: kept for it, as in Redis.
-                    _keep(map, keep, key, state)
+                    _keep(states, keep, key, state)
                     stored = True
                 deferred.append((key, bucket, state, stored, hit))
             hits.append(hit)
@@ -213,7 +213,7 @@ class Policy:
                     limiter.commit(state, hit)
                     evaluation.delay = max(evaluation.delay, hit.delay)
                     if not stored:
-                        _keep(map, keep, key, state)
+                        _keep(states, keep, key, state)
         if quotas and evaluation.ban is None:
             evaluation.quotas = [check.limiter.quota(self.state_for(check.key, check.limiter), now, check.threshold)
                                  if check.spec.count else None for check in checks]
