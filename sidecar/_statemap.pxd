@@ -8,7 +8,12 @@ from libc.stdint cimport int32_t, uint8_t, uint32_t, uint64_t
 
 cdef enum:
     NONE = -1  # no record: the end of a list
-    EVICTED_TOGETHER = 16  # records whose memory is asked for at once when making room
+    # Making room: the records of the recency ring's next entries whose
+    # memory is asked for ahead, and of those, the ones whose keys, states
+    # and index entries are asked for too (their records read by then).
+    FETCHED_AHEAD = 32
+    OPENED_AHEAD = 16
+    SPARES_AHEAD = 4  # free records asked for ahead of their use
     FIRST_RECORDS = 64  # records allocated at first
     # Slots found without the wheel's dict (a power of 2): a slot is a
     # second, so that the slots of records stored an hour ago (and evicted
@@ -30,12 +35,13 @@ cdef struct Record:
     PyObject *value
     long long slot  # the wheel slot it is filed under
     uint32_t tag  # the top 32 bits of its key's mixed hash, as in its index entry
-    uint8_t items  # a tuple key's items kept in ``parts``; 0: parts[0] is the whole key
-    uint8_t used  # read since stored or last passed over (the pure map's state.used)
-    int32_t older  # the recency list
-    int32_t newer
+    # Its entry's stamp in the recency ring: changed when it is made the
+    # newest or dropped, so that its earlier entries are stale.
+    uint32_t stamp
     int32_t wheel_prev  # its wheel slot's list
     int32_t wheel_next
+    uint8_t items  # a tuple key's items kept in ``parts``; 0: parts[0] is the whole key
+    uint8_t used  # read since stored or last passed over (the pure map's state.used)
 
 
 @cython.final
@@ -47,10 +53,18 @@ cdef class StateMap:
     cdef void *_block
     cdef int32_t _allocated  # records allocated
     cdef int32_t _count  # live records
-    cdef int32_t _free  # first free record, NONE when every one allocated is live
     cdef int32_t _untouched  # records never used yet: _untouched .. _allocated - 1
-    cdef int32_t _oldest
-    cdef int32_t _newest
+    # Free records (dropped ones, to be used again), the last freed last.
+    cdef int32_t *_spare
+    cdef int32_t _spares
+    # The recency ring: an entry (stamp << 32 | record's number) each time
+    # a record is made the newest, oldest first from _tail to _head; an
+    # entry whose stamp is no longer its record's is stale. Twice as many
+    # entries as records.
+    cdef uint64_t *_ring
+    cdef Py_ssize_t _ring_size
+    cdef Py_ssize_t _tail
+    cdef Py_ssize_t _head
     # The index: 2 ** _bits entries, each 0 (empty) or the key's mixed hash's
     # top 32 bits << 32 | its record's number + 1.
     cdef uint64_t *_index
@@ -86,7 +100,7 @@ cdef class StateMap:
     cdef void _release(self, Record record) noexcept
     cdef void _unplace(self, size_t at) noexcept
     cdef void _link_newest(self, int32_t number) noexcept
-    cdef void _unlink_recency(self, int32_t number) noexcept
+    cdef void _compact(self) noexcept
     cdef int _file(self, int32_t number, double expires) except -1
     cdef int _unfile(self, int32_t number) except -1
     cdef int _drop(self, int32_t number, size_t at) except -1

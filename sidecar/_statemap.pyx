@@ -13,16 +13,22 @@ contents in the same order after any operations.
 How it keeps it differs, for a rotation of new keys (an attack through
 many addresses), where the pure map spends most of its time:
 
-- each key is a record in one array: its hash's top bits, key, state and
-  read mark, and the links of two lists threaded through the records, by
-  index;
+- each key is a record in one array: its hash's top bits, key, state,
+  read mark, recency stamp and its wheel slot's links, by index;
 - a key that is a tuple of two or three items (a rule's prefix and one or
   two values, such as an address: nearly every counting key) is kept as
   its items, not as the tuple, and ``items`` makes the tuple again when
   asked. Under rotation the tuple was one more object a key to allocate
   and, when the key went, two more lines of memory to read (its counts
   and the collector's header);
-- the recency list, oldest to newest, stands for the dict's order;
+- the recency ring stands for the dict's order: an array of entries, one
+  added at its head each time a record is made the newest (its stamp and
+  number), oldest first from its tail; a record's earlier entries are
+  stale (their stamp is no longer the record's) and passed over. Making
+  room reads the ring in order and so knows the records ahead without
+  reading them: under rotation a linked list's walk waited for each
+  record's line of memory in turn, to learn the next (more than half of
+  the time making room took);
 - each slot of the expiry wheel is a list of its records: a record is
   unlinked when its key goes, so the wheel holds no stale reference, never
   needs a rebuild, and making room never hashes a key again;
@@ -44,8 +50,10 @@ Records are allocated as needed (doubling, up to ``max_keys``), never
 beyond what the map has held at once, through Python's raw allocator
 (tracemalloc counts them), each record a line of memory of 64 bytes (the
 array aligned to one: a record read is one line, not two); a smaller
-``max_keys`` applies at the next insertion, as in the pure map. Making room asks for the memory of the next
-records to drop before it drops them (``_drop_oldest``).
+``max_keys`` applies at the next insertion, as in the pure map. Making
+room asks for the memory of the next records to drop before it drops them
+(``_drop_oldest``); a new key takes the record freed last (the most likely
+to be in the cache still), the memory of the one after next asked for.
 """
 
 cimport cython
@@ -57,7 +65,7 @@ from cpython.tuple cimport (
     PyTuple_Check, PyTuple_CheckExact, PyTuple_GET_ITEM, PyTuple_GET_SIZE, PyTuple_New, PyTuple_SET_ITEM,
 )
 from libc.stdint cimport int32_t, uint8_t, uint32_t, uint64_t, uintptr_t
-from libc.string cimport memcmp, memcpy, memset
+from libc.string cimport memcmp, memcpy, memmove, memset
 
 import heapq
 
@@ -218,8 +226,10 @@ cdef class StateMap:
         self._records = NULL
         self._block = NULL
         self._index = NULL
-        self._allocated = self._count = self._untouched = 0
-        self._free = self._oldest = self._newest = NONE
+        self._allocated = self._count = self._untouched = self._spares = 0
+        self._spare = NULL
+        self._ring = NULL
+        self._ring_size = self._tail = self._head = 0
         self._bits = 0
         self._wheel = {}
         self._slots = []
@@ -237,24 +247,38 @@ cdef class StateMap:
                     self._release(self._records[index])
             PyMem_RawFree(self._block)
         PyMem_RawFree(self._index)
+        PyMem_RawFree(self._spare)
+        PyMem_RawFree(self._ring)
 
     # -- the index ------------------------------------------------------------
 
     cdef int _grow(self, Py_ssize_t wanted) except -1:
-        """Room for ``wanted`` records, and an index of at least twice as many
-        entries, rebuilt from the live records."""
+        """Room for ``wanted`` records, and an index and a recency ring of at
+        least twice as many entries, the index rebuilt from the live records."""
         cdef Record *records
         cdef void *block
         cdef uint64_t *index
+        cdef uint64_t *ring
+        cdef int32_t *spare
         cdef int bits = 4
         cdef int32_t number
         if wanted > 0x3FFFFFFF:
             raise MemoryError("a state map holds at most 2 ** 30 keys")
+        while (<Py_ssize_t>1 << bits) < 2 * wanted:
+            bits += 1
         # A record is a line of memory, and starts one (the allocator's
         # blocks are aligned to 16 bytes only): a record read is one line
-        # missed, not two.
+        # missed, not two. Every array is asked for before any is
+        # replaced: refused, the map stays as it was.
         block = PyMem_RawMalloc(wanted * sizeof(Record) + LINE - 1)
-        if block == NULL:
+        spare = <int32_t *>PyMem_RawMalloc(wanted * sizeof(int32_t))
+        ring = <uint64_t *>PyMem_RawMalloc(2 * wanted * sizeof(uint64_t))
+        index = <uint64_t *>PyMem_RawMalloc((<size_t>1 << bits) * sizeof(uint64_t))
+        if block == NULL or spare == NULL or ring == NULL or index == NULL:
+            PyMem_RawFree(block)
+            PyMem_RawFree(spare)
+            PyMem_RawFree(ring)
+            PyMem_RawFree(index)
             raise MemoryError()
         records = <Record *>((<uintptr_t>block + LINE - 1) & ~(<uintptr_t>LINE - 1))
         if self._records != NULL:
@@ -264,19 +288,24 @@ cdef class StateMap:
         self._records = records
         memset(&records[self._allocated], 0, (wanted - self._allocated) * sizeof(Record))
         self._allocated = <int32_t>wanted
-        while (<Py_ssize_t>1 << bits) < 2 * wanted:
-            bits += 1
-        index = <uint64_t *>PyMem_RawMalloc((<size_t>1 << bits) * sizeof(uint64_t))
-        if index == NULL:
-            raise MemoryError()
+        if self._spare != NULL:
+            memcpy(spare, self._spare, self._spares * sizeof(int32_t))
+        PyMem_RawFree(self._spare)
+        self._spare = spare
+        if self._ring != NULL:
+            memcpy(ring, &self._ring[self._tail], (self._head - self._tail) * sizeof(uint64_t))
+        PyMem_RawFree(self._ring)
+        self._ring = ring
+        self._head -= self._tail
+        self._tail = 0
+        self._ring_size = 2 * wanted
         memset(index, 0, (<size_t>1 << bits) * sizeof(uint64_t))
         PyMem_RawFree(self._index)
         self._index = index
         self._bits = bits
-        number = self._oldest
-        while number != NONE:
-            self._place(<uint64_t>records[number].tag << 32, number)
-            number = records[number].newer
+        for number in range(self._untouched):
+            if records[number].parts[0] != NULL:
+                self._place(<uint64_t>records[number].tag << 32, number)
         return 0
 
     cdef size_t _home(self, uint64_t hashed) noexcept:
@@ -399,25 +428,36 @@ cdef class StateMap:
     # -- the lists ------------------------------------------------------------
 
     cdef void _link_newest(self, int32_t number) noexcept:
+        """Make a live record the newest: a new entry at the ring's head, its
+        earlier one (if any) stale."""
         cdef Record *record = &self._records[number]
-        record.older = self._newest
-        record.newer = NONE
-        if self._newest != NONE:
-            self._records[self._newest].newer = number
-        else:
-            self._oldest = number
-        self._newest = number
+        record.stamp += 1
+        if self._head == self._ring_size:
+            self._compact()
+        self._ring[self._head] = (<uint64_t>record.stamp << 32) | <uint32_t>number
+        self._head += 1
 
-    cdef void _unlink_recency(self, int32_t number) noexcept:
-        cdef Record *record = &self._records[number]
-        if record.older != NONE:
-            self._records[record.older].newer = record.newer
+    cdef void _compact(self) noexcept:
+        """Room at the ring's head: its entries moved to its start, without
+        the stale ones when they would fill more than three quarters of it.
+        A ring twice the records holds at most half its size of current
+        entries (one a live record), so each compaction leaves a quarter of
+        it free at least: its cost spread over as many entries made."""
+        cdef Py_ssize_t at, kept = 0
+        cdef uint64_t entry
+        if self._head - self._tail <= self._ring_size * 3 // 4:
+            memmove(self._ring, &self._ring[self._tail], (self._head - self._tail) * sizeof(uint64_t))
+            self._head -= self._tail
         else:
-            self._oldest = record.newer
-        if record.newer != NONE:
-            self._records[record.newer].older = record.older
-        else:
-            self._newest = record.older
+            for at in range(self._tail, self._head):
+                if at + FETCHED_AHEAD < self._head:
+                    prefetch(&self._records[<int32_t>(self._ring[at + FETCHED_AHEAD] & NUMBER_BITS)])
+                entry = self._ring[at]
+                if self._records[<int32_t>(entry & NUMBER_BITS)].stamp == <uint32_t>(entry >> 32):
+                    self._ring[kept] = entry
+                    kept += 1
+            self._head = kept
+        self._tail = 0
 
     cdef int _file(self, int32_t number, double expires) except -1:
         """File the record under the wheel slot of ``expires``, last."""
@@ -473,11 +513,11 @@ cdef class StateMap:
         and value alive until the map is consistent again."""
         cdef Record record = self._records[number]
         self._unplace(at)
-        self._unlink_recency(number)
+        self._records[number].stamp += 1  # its ring entry stale
         self._unfile(number)
         self._records[number].parts[0] = self._records[number].value = NULL
-        self._records[number].newer = self._free
-        self._free = number
+        self._spare[self._spares] = number
+        self._spares += 1
         self._count -= 1
         self._release(record)
         return 0
@@ -488,13 +528,13 @@ cdef class StateMap:
 
     cdef int32_t _new_record(self) except -1:
         cdef int32_t number
-        if self._free != NONE:
-            number = self._free
-            self._free = self._records[number].newer
-            if self._free != NONE:
-                # The next new key's record, freed when room was last made
-                # and out of the cache by now: asked for a key ahead.
-                prefetch(&self._records[self._free])
+        if self._spares > 0:
+            self._spares -= 1
+            number = self._spare[self._spares]
+            if self._spares >= SPARES_AHEAD:
+                # A coming new key's record, freed when room was last made
+                # and out of the nearest caches by now: asked for ahead.
+                prefetch(&self._records[self._spare[self._spares - SPARES_AHEAD]])
             return number
         if self._untouched == self._allocated:
             # Doubling, but no further than the cap: the map never holds more.
@@ -678,10 +718,14 @@ cdef class StateMap:
     def items(self):
         """(key, state) of every key, oldest first."""
         cdef list found = []
-        cdef int32_t number = self._oldest
-        while number != NONE:
-            found.append((self._key(&self._records[number]), <object>self._records[number].value))
-            number = self._records[number].newer
+        cdef Py_ssize_t at
+        cdef uint64_t entry
+        cdef Record *record
+        for at in range(self._tail, self._head):
+            entry = self._ring[at]
+            record = &self._records[<int32_t>(entry & NUMBER_BITS)]
+            if record.stamp == <uint32_t>(entry >> 32):
+                found.append((self._key(record), <object>record.value))
         return found
 
     def values(self):
@@ -700,11 +744,24 @@ cdef class StateMap:
     # -- making room ----------------------------------------------------------
 
     cdef int _make_room(self) except -1:
+        """Drop the expired keys of the wheel's past slots, refiling the
+        others, then the oldest unread ones (``_drop_oldest``).
+
+        A slot's records are taken ``OPENED_AHEAD`` at a time, in the order
+        filed, and the memory their expiry and drop read (each state, key
+        and index entry) asked for before the first is looked at: the slot's
+        list still names one record after the other, but the misses behind
+        each record overlap. Each record is then looked at in turn, if still
+        filed under the slot (a state's deallocation may run any code); then
+        the slot's first record again, as every one looked at has left it."""
         cdef double now = self._clock()
         cdef long long current = wheel_slot(now)
         cdef _Slot filed
         cdef long long slot
-        cdef int32_t number, following
+        cdef int32_t taken[OPENED_AHEAD]
+        cdef int count_taken, index, part
+        cdef int32_t number
+        cdef Record *record
         cdef double expires
         cdef Py_ssize_t target
         while self._slots and <long long>self._slots[0] < current:
@@ -712,18 +769,32 @@ cdef class StateMap:
             filed = self._wheel.get(slot)
             if filed is None:
                 continue  # emptied since (its keys dropped or forgotten)
-            number = filed.first
-            while number != NONE:
-                following = self._records[number].wheel_next
-                expires = state_expiry(<object>self._records[number].value)
-                # Expired before this second, as the pure map decides.
-                if expires < <double>current:
-                    self._drop_key(number)
-                else:
-                    # Outlived its slot: filed again, under a slot not yet past.
-                    self._unfile(number)
-                    self._file(number, expires)
-                number = following
+            while filed.first != NONE:
+                count_taken = 0
+                number = filed.first
+                while number != NONE and count_taken < OPENED_AHEAD:
+                    record = &self._records[number]
+                    prefetch(record.value)
+                    if record.items == 0:
+                        prefetch(record.parts[0])
+                    for part in range(1, record.items):
+                        prefetch(record.parts[part])
+                    prefetch(&self._index[self._home(<uint64_t>record.tag << 32)])
+                    taken[count_taken] = number
+                    count_taken += 1
+                    number = record.wheel_next
+                for index in range(count_taken):
+                    number = taken[index]
+                    if self._records[number].parts[0] == NULL or self._records[number].slot != slot:
+                        continue  # dropped or moved since it was taken
+                    expires = state_expiry(<object>self._records[number].value)
+                    # Expired before this second, as the pure map decides.
+                    if expires < <double>current:
+                        self._drop_key(number)
+                    else:
+                        # Outlived its slot: filed again, under a slot not yet past.
+                        self._unfile(number)
+                        self._file(number, expires)
         target = max(0, min(self.max_keys - 1, self.max_keys * 9 // 10))
         if self._count > target:
             self._drop_oldest(self._count - target)
@@ -733,22 +804,24 @@ cdef class StateMap:
         """The oldest unread states go; a read one is moved to the newest
         end, unmarked (its second chance).
 
-        Records are taken EVICTED_TOGETHER at a time, oldest first, and the
+        They are the recency ring's entries from its tail, the stale ones
+        passed over. Under rotation none of their memory is in the CPU's
+        cache; the ring names the records ahead without reading any, so
+        their memory is asked for ``FETCHED_AHEAD`` entries ahead, and the
         memory that dropping them reads (each key, state and index entry)
-        is asked for before the first is dropped: under rotation none of
-        it is in the CPU's cache, and fetched together the misses overlap
-        instead of following one another. Each is then dropped or moved in
-        turn, as it would be one at a time: each is the oldest when its
-        turn comes."""
-        cdef int32_t taken[EVICTED_TOGETHER]
-        cdef int count_taken, index
+        ``OPENED_AHEAD`` entries ahead: the misses overlap instead of
+        following one another."""
+        cdef Py_ssize_t fetched = 0, opened = 0  # entries past the tail asked for
+        cdef Py_ssize_t index
+        cdef uint64_t entry
         cdef int32_t number
         cdef Record *record
-        while count > 0 and self._oldest != NONE:
-            count_taken = 0
-            number = self._oldest
-            while number != NONE and count_taken < EVICTED_TOGETHER:
-                record = &self._records[number]
+        while count > 0 and self._tail < self._head:
+            while fetched < FETCHED_AHEAD and self._tail + fetched < self._head:
+                prefetch(&self._records[<int32_t>(self._ring[self._tail + fetched] & NUMBER_BITS)])
+                fetched += 1
+            while opened < OPENED_AHEAD and opened < fetched and self._tail + opened < self._head:
+                record = &self._records[<int32_t>(self._ring[self._tail + opened] & NUMBER_BITS)]
                 # A tuple key's first item is a rule's prefix, which every
                 # key of the rule shares: its others are the ones to fetch.
                 if record.items == 0:
@@ -757,18 +830,19 @@ cdef class StateMap:
                     prefetch(record.parts[index])
                 prefetch(record.value)
                 prefetch(&self._index[self._home(<uint64_t>record.tag << 32)])
-                taken[count_taken] = number
-                count_taken += 1
-                number = record.newer
-            for index in range(count_taken):
-                if count == 0:
-                    break
-                number = taken[index]
-                if self._records[number].used:
-                    self._records[number].used = False
-                    self._unlink_recency(number)
-                    self._link_newest(number)
-                else:
-                    self._drop_key(number)
-                    count -= 1
+                opened += 1
+            entry = self._ring[self._tail]
+            self._tail += 1
+            fetched -= 1
+            opened -= 1
+            number = <int32_t>(entry & NUMBER_BITS)
+            if self._records[number].stamp != <uint32_t>(entry >> 32):
+                continue  # stale: made newest again since, or dropped
+            if self._records[number].used:
+                # May compact the ring: the counts ahead stay a hint only.
+                self._records[number].used = False
+                self._link_newest(number)
+            else:
+                self._drop_key(number)
+                count -= 1
         return 0

@@ -384,6 +384,39 @@ def test_the_compiled_map_grows_and_drops_keys_under_rotation_without_losing_one
 
 
 @pytest.mark.skipif(core.PURE, reason="the compiled map: the compiled core only")
+def test_the_compiled_maps_recency_ring_keeps_the_order_through_its_compactions():
+    """The compiled map's order is a ring of entries, one each time a key
+    is made the newest, compacted when full. Keys stored again without
+    room made (stale entries only: compacted by dropping them), then a
+    rotation with keys read between (entries moved: compacted by moving
+    them), then both: the same keys as the pure map's, in its order."""
+    compiled = importlib.import_module("sidecar._statemap").StateMap
+    pure, other = StateMap(50, lambda: 0.0), compiled(50, lambda: 0.0)
+
+    def add(key: Any) -> None:
+        pure.add(key, expiring_state(1e9))
+        other.add(key, expiring_state(1e9))
+
+    def pop(key: Any) -> None:
+        assert (pure.pop(key) is None) == (other.pop(key) is None)
+
+    for number in range(50):
+        add(("rule", str(number)))
+    for turn in range(1_000):  # each a stale entry: the ring fills without room made
+        pop(("rule", str(turn * 7 % 50)))
+        add(("rule", str(turn * 7 % 50)))
+        assert contents(other) == contents(pure)
+    for turn in range(1_000):  # room made: entries passed, a read one moved
+        assert (pure.get(("rule", str(turn * 3 % 50))) is None) == (other.get(("rule", str(turn * 3 % 50))) is None)
+        add(("new", str(turn)))
+        if turn % 5 == 0:
+            pop(("new", str(turn)))
+            add(("new", str(turn)))
+        assert contents(other) == contents(pure)
+    assert len(other) == len(pure) >= 45
+
+
+@pytest.mark.skipif(core.PURE, reason="the compiled map: the compiled core only")
 def test_the_compiled_map_keeps_a_short_tuple_key_as_its_items_and_a_longer_one_whole():
     """A key of two or three items is held by its items, not by the tuple
     (no object more a key); one of four is held itself. Both are found by
@@ -419,6 +452,46 @@ def test_a_key_missed_then_stored_while_room_is_made_is_held_once(states: Callab
     assert m.get("new") is None
     m.add("new", expiring_state(1e9), 1e9)
     assert len(m) == 1 and [key for key, _ in m.items()] == ["new"]
+
+
+class PoppingWhenDropped:
+    """A key whose deallocation stores a new key in a map and removes
+    another: code run while room is made, between the records it took."""
+
+    def __init__(self, name: str, into: Any, victim: Any = None) -> None:
+        self.name, self.into, self.victim = name, into, victim
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PoppingWhenDropped) and other.name == self.name
+
+    def __del__(self) -> None:
+        if self.victim is not None:
+            self.into.add(("stored", self.name), expiring_state(1e9), 1e9)
+            self.into.pop(PoppingWhenDropped(self.victim, None))
+
+
+@pytest.mark.skipif(core.PURE, reason="the compiled map: the compiled core only")
+def test_keys_dropped_or_stored_while_expired_keys_go_are_not_lost_or_read_freed():
+    """Expired keys of one expiry slot go together; dropping each stores
+    another key and removes a later one of the same slot. The compiled map
+    takes the slot's records a batch at a time: a record removed since is
+    passed over, the new keys stay, and every key it lists is found."""
+    m = importlib.import_module("sidecar._statemap").StateMap(100, lambda: clock[0])
+    clock = [0.0]
+    for number in range(0, 40, 2):  # each even key removes the odd one after it
+        m.add(PoppingWhenDropped(str(number), m, str(number + 1)), expiring_state(0.5))
+        m.add(PoppingWhenDropped(str(number + 1), m), expiring_state(0.5))
+    for number in range(60):
+        m.add(("long", str(number)), expiring_state(1e9))
+    clock[0] = 2.0
+    m.add(("long", "last"), expiring_state(1e9))  # full: room made, the slot's keys expired
+    held = [key for key, _ in m.items()]
+    assert len(held) == len(m) == 81 and all(key in m for key in held)
+    assert {key[1] for key in held if key[0] == "stored"} == {str(number) for number in range(0, 40, 2)}
+    assert not any(isinstance(key, PoppingWhenDropped) for key in held)
 
 
 @pytest.mark.skipif(core.PURE, reason="the compiled map: the compiled core only")
