@@ -9,6 +9,7 @@ show as a 503 besides being counted as a store error.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -92,9 +93,25 @@ def test_a_burst_on_one_key_admits_exactly_the_budget(redis_stack: Stack, door: 
 
 
 @contextmanager
-def busy_cores(count: int = 2) -> Iterator[None]:
+def busy_cores(redis: RedisServer, count: int = 2) -> Iterator[None]:
     """``count`` processes spinning on the CPU for as long as the block runs:
-    Sluice, Redis and the proxies then share the cores with them."""
+    Sluice and the proxies then share the cores with them.
+
+    Redis is what a store timeout measures, and these tests ask whether
+    Sluice tells a late Redis from its own late loop: Redis is spared the
+    spinners (a higher priority while they run, as root), so that a Redis
+    descheduled for 100 ms on a shared 2-core machine does not stand for a
+    Redis that stopped answering. Without the right to raise it (not root),
+    it shares the cores as everything else does."""
+    process = redis.process
+    assert process is not None
+    spared = False
+    if count:
+        try:
+            os.setpriority(os.PRIO_PROCESS, process.pid, -10)
+            spared = True
+        except PermissionError:
+            pass
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
     try:
         yield
@@ -102,14 +119,16 @@ def busy_cores(count: int = 2) -> Iterator[None]:
         for spinner in spinners:
             spinner.kill()
             spinner.wait()
+        if spared:
+            os.setpriority(os.PRIO_PROCESS, process.pid, 0)
 
 
 @pytest.mark.parametrize("door", ["sluice", *FRONT_DOORS])
 def test_a_burst_beside_two_busy_processes_admits_exactly_the_budget_with_no_store_error(
-        redis_stack: Stack, door: str) -> None:
+        redis_stack: Stack, redis_server: RedisServer, door: str) -> None:
     """A store timeout measures Redis, not a Sluice whose loop is late to
     read an answer already in its socket."""
-    with busy_cores():
+    with busy_cores(redis_server):
         assert_burst_admits_the_budget(redis_stack, door, 1000)
 
 
@@ -171,7 +190,8 @@ def two_processes(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisS
 
 @pytest.mark.parametrize("busy", [False, True], ids=["idle", "beside-two-busy-processes"])
 @pytest.mark.parametrize("kind", LIMITS)
-def test_two_processes_of_two_workers_admit_exactly_the_budget(two_processes: list[SluiceServe], kind: str,
+def test_two_processes_of_two_workers_admit_exactly_the_budget(two_processes: list[SluiceServe],
+                                                               redis_server: RedisServer, kind: str,
                                                                busy: bool) -> None:
     if kind == "window":
         # The burst within one window: across a boundary the sliding
@@ -180,7 +200,7 @@ def test_two_processes_of_two_workers_admit_exactly_the_budget(two_processes: li
         wait_until(lambda: time.time() % WINDOW_SECONDS < WINDOW_SECONDS - 5, "a window with 5 s left", 10)
     # Forward-auth answers a refusal with 429, and a store that failed
     # (fail: closed) with 503.
-    with busy_cores(2 if busy else 0):
+    with busy_cores(redis_server, 2 if busy else 0):
         statuses = burst_over([sluice.port for sluice in two_processes], ACROSS_PROCESSES, "/v1/check",
                               {"x-limit": kind, "x-k": uuid.uuid4().hex}, source=fresh_client_address())
     assert statuses == {200: M, 429: ACROSS_PROCESSES - M}
