@@ -40,7 +40,7 @@ configuration's figure comes with the reads and writes a check makes that
 miss a last-level cache of 4 MB (16 ways, lines of 64 bytes): what a
 rotation of clients costs beyond its instructions, the same on every run.
 The simulation ignores software prefetches. A rotating check makes room
-in the map once in about 1,250 (a tenth of the map at once), so
+in the map once in about 125 (a hundredth of the map at once), so
 ``--checks 20000`` averages the evictions over more of them than the
 default does.
 

@@ -6,7 +6,7 @@ lists of keys.
 What it keeps is the pure map's, and so is every choice it makes: a read
 marks the key (in its record here, not on the state: ``marked``); when
 full, the keys of past expiry slots that have expired go, then the oldest
-unread keys down to nine tenths, a read one moved to the newest end
+unread keys, a hundredth of the map, a read one moved to the newest end
 instead, its mark cleared. The property tests hold the two to the same
 contents in the same order after any operations.
 
@@ -795,7 +795,7 @@ cdef class StateMap:
                         # Outlived its slot: filed again, under a slot not yet past.
                         self._unfile(number)
                         self._file(number, expires)
-        target = max(0, min(self.max_keys - 1, self.max_keys * 9 // 10))
+        target = max(0, min(self.max_keys - 1, self.max_keys - self.max_keys // 100))
         if self._count > target:
             self._drop_oldest(self._count - target)
         return 0

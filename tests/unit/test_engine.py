@@ -349,7 +349,7 @@ def test_bounded_map_keeps_recently_read_keys_over_older_ones():
     for key in range(10):
         bounded[key] = str(key)
     assert bounded.get(0) == "0"  # 0 is now the most recently used
-    bounded[10] = "10"  # full: the oldest ones go, down to nine tenths
+    bounded[10] = "10"  # full: the oldest go (a hundredth of the map, at least one)
     assert bounded.get(0) == "0" and bounded.get(1) is None
     assert len(bounded) <= 10
 
