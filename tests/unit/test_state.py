@@ -186,6 +186,17 @@ def test_a_state_read_is_marked_and_not_moved(states):
     assert m.get("never stored") is None
 
 
+@pytest.mark.parametrize(("max_keys", "left"), [(1_000, 990), (50, 49), (1, 0)])
+def test_a_full_map_makes_room_by_a_hundredth_of_its_keys(states, max_keys, left):
+    """Full, a new key makes room by a hundredth of the map, at least one
+    key (the oldest), then is stored."""
+    m = states(max_keys)
+    for key in range(max_keys):
+        m.add(key, state())
+    m.add("new", state())
+    assert list(m.data) == [*range(max_keys - left, max_keys), "new"]
+
+
 def test_a_state_read_since_room_was_last_made_outlives_older_unread_ones(states):
     m = states(10)
     for key in range(10):
