@@ -53,7 +53,8 @@ array aligned to one: a record read is one line, not two); a smaller
 ``max_keys`` applies at the next insertion, as in the pure map. Making
 room asks for the memory of the next records to drop before it drops them
 (``_drop_oldest``); a new key takes the record freed last (the most likely
-to be in the cache still), the memory of the one after next asked for.
+to be in the cache still), the memory of the one ``SPARES_AHEAD`` below
+it on the stack asked for.
 """
 
 cimport cython
