@@ -90,28 +90,29 @@ cdef class StateMap:
     cdef int _expected_next
 
     cdef int _grow(self, Py_ssize_t wanted) except -1
-    cdef size_t _home(self, uint64_t hashed) noexcept
-    cdef void _place(self, uint64_t hashed, int32_t number) noexcept
-    cdef size_t _entry_of(self, int32_t number) noexcept
+    cdef inline size_t _home(self, uint64_t hashed) noexcept
+    cdef inline void _place(self, uint64_t hashed, int32_t number) noexcept
+    cdef inline size_t _entry_of(self, int32_t number) noexcept
     cdef Py_ssize_t _find(self, key, uint64_t hashed) except -2
     cdef int _holds_items(self, Record *record, key) except -1
     cdef object _key(self, Record *record)
     cdef void _keep_key(self, Record *record, key) noexcept
-    cdef void _release(self, Record record) noexcept
-    cdef void _unplace(self, size_t at) noexcept
-    cdef void _link_newest(self, int32_t number) noexcept
+    cdef inline void _release(self, Record record) noexcept
+    cdef inline void _unplace(self, size_t at) noexcept
+    cdef inline void _link_newest(self, int32_t number) noexcept
     cdef void _compact(self) noexcept
-    cdef int _file(self, int32_t number, double expires) except -1
-    cdef int _unfile(self, int32_t number) except -1
-    cdef int _drop(self, int32_t number, size_t at) except -1
-    cdef int _drop_key(self, int32_t number) except -1
-    cdef int32_t _new_record(self) except -1
-    cdef int32_t _number(self, Py_ssize_t at) noexcept
+    cdef inline int _file(self, int32_t number, double expires) except -1
+    cdef inline int _unfile(self, int32_t number) except -1
+    cdef inline int _drop(self, int32_t number, size_t at) except -1
+    cdef inline int _drop_key(self, int32_t number) except -1
+    cdef inline int32_t _new_record(self) except -1
+    cdef inline int32_t _number(self, Py_ssize_t at) noexcept
     cdef int _replace(self, int32_t number, value, double expires) except -1
     cpdef expect(self, checks)
     cdef void _forget_expected(self) noexcept
     cdef uint64_t _hash_of(self, key) except? 0
     cpdef get(self, key)
     cpdef add(self, key, value, expires=*)
+    cdef int store(self, key, value, double expires) except -1
     cdef int _make_room(self) except -1
     cdef int _drop_oldest(self, Py_ssize_t count) except -1

@@ -309,10 +309,10 @@ cdef class StateMap:
                 self._place(<uint64_t>records[number].tag << 32, number)
         return 0
 
-    cdef size_t _home(self, uint64_t hashed) noexcept:
+    cdef inline size_t _home(self, uint64_t hashed) noexcept:
         return <size_t>(hashed >> (64 - self._bits))
 
-    cdef void _place(self, uint64_t hashed, int32_t number) noexcept:
+    cdef inline void _place(self, uint64_t hashed, int32_t number) noexcept:
         cdef size_t mask = (<size_t>1 << self._bits) - 1
         cdef size_t at = self._home(hashed)
         while self._index[at] != 0:
@@ -320,7 +320,7 @@ cdef class StateMap:
         self._index[at] = (hashed & TAG_BITS) | <uint64_t>(number + 1)
         self._records[number].tag = <uint32_t>(hashed >> 32)
 
-    cdef size_t _entry_of(self, int32_t number) noexcept:
+    cdef inline size_t _entry_of(self, int32_t number) noexcept:
         """The index entry of a live record, found from its tag: no hash of
         its key, no read of it."""
         cdef size_t mask = (<size_t>1 << self._bits) - 1
@@ -399,7 +399,7 @@ cdef class StateMap:
             record.parts[0] = <PyObject *>key
             Py_INCREF(key)
 
-    cdef void _release(self, Record record) noexcept:
+    cdef inline void _release(self, Record record) noexcept:
         """Let go of what a record held: a copy, taken once the map no
         longer has it (a key's or state's deallocation may run any code)."""
         cdef Py_ssize_t index
@@ -407,7 +407,7 @@ cdef class StateMap:
             Py_DECREF(<object>record.parts[index])
         Py_DECREF(<object>record.value)
 
-    cdef void _unplace(self, size_t at) noexcept:
+    cdef inline void _unplace(self, size_t at) noexcept:
         """Empty an index entry, shifting back the later entries of its probe
         that may no longer be found past the gap (linear probing's deletion)."""
         cdef size_t mask = (<size_t>1 << self._bits) - 1
@@ -428,7 +428,7 @@ cdef class StateMap:
 
     # -- the lists ------------------------------------------------------------
 
-    cdef void _link_newest(self, int32_t number) noexcept:
+    cdef inline void _link_newest(self, int32_t number) noexcept:
         """Make a live record the newest: a new entry at the ring's head, its
         earlier one (if any) stale."""
         cdef Record *record = &self._records[number]
@@ -460,7 +460,7 @@ cdef class StateMap:
             self._head = kept
         self._tail = 0
 
-    cdef int _file(self, int32_t number, double expires) except -1:
+    cdef inline int _file(self, int32_t number, double expires) except -1:
         """File the record under the wheel slot of ``expires``, last."""
         cdef long long slot = wheel_slot(expires)
         cdef _Slot filed = <_Slot>self._recent[slot & (RECENT_SLOTS - 1)]
@@ -488,7 +488,7 @@ cdef class StateMap:
         filed.last = number
         return 0
 
-    cdef int _unfile(self, int32_t number) except -1:
+    cdef inline int _unfile(self, int32_t number) except -1:
         cdef Record *record = &self._records[number]
         cdef _Slot filed = <_Slot>self._recent[record.slot & (RECENT_SLOTS - 1)]
         if filed is None or filed.number != record.slot:
@@ -509,7 +509,7 @@ cdef class StateMap:
 
     # -- records --------------------------------------------------------------
 
-    cdef int _drop(self, int32_t number, size_t at) except -1:
+    cdef inline int _drop(self, int32_t number, size_t at) except -1:
         """Drop the record ``number`` (index entry ``at``), keeping its key
         and value alive until the map is consistent again."""
         cdef Record record = self._records[number]
@@ -523,11 +523,11 @@ cdef class StateMap:
         self._release(record)
         return 0
 
-    cdef int _drop_key(self, int32_t number) except -1:
+    cdef inline int _drop_key(self, int32_t number) except -1:
         """Drop a record found by its number (making room)."""
         return self._drop(number, self._entry_of(number))
 
-    cdef int32_t _new_record(self) except -1:
+    cdef inline int32_t _new_record(self) except -1:
         cdef int32_t number
         if self._spares > 0:
             self._spares -= 1
@@ -544,7 +544,7 @@ cdef class StateMap:
         self._untouched += 1
         return number
 
-    cdef int32_t _number(self, Py_ssize_t at) noexcept:
+    cdef inline int32_t _number(self, Py_ssize_t at) noexcept:
         """The record of the index entry ``at``."""
         return <int32_t>(self._index[at] & NUMBER_BITS) - 1
 
@@ -656,7 +656,11 @@ cdef class StateMap:
         """Store a key, most often one not in the map (see the pure map's
         ``add``); a key held already keeps its place, its new state filed
         under an earlier slot only."""
-        cdef double when = state_expiry(value) if expires is None else <double>expires
+        self.store(key, value, state_expiry(value) if expires is None else <double>expires)
+
+    cdef int store(self, key, value, double when) except -1:
+        """``add`` of a state whose expiry the caller knows (the policy
+        asks its limiter, in C)."""
         cdef bint missed = key is self._missed
         cdef uint64_t hashed = self._missed_hash if missed else hashed_key(key)
         cdef int32_t number
@@ -670,8 +674,7 @@ cdef class StateMap:
         # Not found by the last read, and nothing stored since: still not held.
         at = -1 if missed else self._find(key, hashed)
         if at >= 0:
-            self._replace(self._number(at), value, when)
-            return
+            return self._replace(self._number(at), value, when)
         number = self._new_record()
         record = &self._records[number]
         self._keep_key(record, key)
@@ -681,7 +684,7 @@ cdef class StateMap:
         self._count += 1
         self._place(hashed, number)
         self._link_newest(number)
-        self._file(number, when)
+        return self._file(number, when)
 
     def __setitem__(self, key, value):
         cdef Py_ssize_t at = self._find(key, hashed_key(key))

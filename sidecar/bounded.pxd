@@ -6,7 +6,7 @@ from sidecar.limiters.records cimport Algorithm
 from sidecar.keystate cimport limiter_of
 
 
-cpdef long long wheel_slot(double when)
+cpdef long long wheel_slot(double when) noexcept
 
 
 cdef class BoundedMap:

@@ -14,7 +14,7 @@ cpdef Evaluation evaluated(list hits)
 
 
 @cython.locals(states=StateMap)
-cdef void _keep(states, keep, key, state) except *
+cdef inline void _keep(states, keep, key, state, Algorithm limiter) except *
 
 
 cdef class Policy:

@@ -120,10 +120,11 @@ def _compiled_map(table: StateTable) -> Any:
     return states if cython.compiled and (kind.__module__, kind.__name__) == ("sidecar._statemap", "StateMap") else None
 
 
-def _keep(states: Any, keep: Callable[[Hashable, Any], None], key: Hashable, state: Any) -> None:
-    """A state stored: by the compiled map in C, or the table's ``keep``."""
+def _keep(states: Any, keep: Callable[[Hashable, Any], None], key: Hashable, state: Any, limiter: Limiter) -> None:
+    """A state stored: by the compiled map in C, its expiry asked of its
+    limiter in C, or the table's ``keep``."""
     if states is not None:
-        states.add(key, state)
+        states.store(key, state, limiter.expires_at(state))
     else:
         keep(key, state)
 
@@ -179,7 +180,7 @@ class Policy:
                     # A key never seen (or forgotten): under key rotation, most of them.
                     state = limiter.new_state()
                     hit = limiter.hit(state, now, spec.threshold, spec.amount)
-                    _keep(states, keep, key, state)
+                    _keep(states, keep, key, state, limiter)
                 else:
                     hit = limiter.hit(state, now, spec.threshold, spec.amount)
             else:  # a bucket or a concurrency limit: assessed now, charged last
@@ -194,7 +195,7 @@ class Policy:
                     # A new key refused by its own bucket (a batch beyond the
                     # burst, Envoy's hits_addend) whose refusal started the
                     # rule's penalty: kept for it, as in Redis.
-                    _keep(states, keep, key, state)
+                    _keep(states, keep, key, state, limiter)
                     stored = True
                 deferred.append((key, bucket, state, stored, hit))
             hits.append(hit)
@@ -213,7 +214,7 @@ class Policy:
                     limiter.commit(state, hit)
                     evaluation.delay = max(evaluation.delay, hit.delay)
                     if not stored:
-                        _keep(states, keep, key, state)
+                        _keep(states, keep, key, state, limiter)
         if quotas and evaluation.ban is None:
             evaluation.quotas = [check.limiter.quota(self.state_for(check.key, check.limiter), now, check.threshold)
                                  if check.spec.count else None for check in checks]

@@ -7,12 +7,19 @@ from sidecar.limiters.bucket cimport Bucket, in_penalty
 from sidecar.limiters.records cimport Hit, admitted
 
 
+# A new state's penalty_until, a C double (sidecar.limiters.NO_PENALTY).
+cdef double NO_PENALTY
+
 cdef class LeakyState:
     cdef public object excess
     cdef public object last
     cdef public double penalty_until
     cdef public object limiter
     cdef public bint used
+
+
+@cython.locals(drained="long long")
+cdef long long _kept_ms(long long last, long long excess, long long rate) noexcept
 
 
 cdef class LeakyBucket(Bucket):
@@ -28,7 +35,7 @@ cdef class LeakyBucket(Bucket):
     cpdef Hit assess(self, state, double now, lease=*, amount=*)
     @cython.locals(record=LeakyState)
     cpdef commit(self, state, Hit hit)
-    @cython.locals(record=LeakyState)
+    @cython.locals(record=LeakyState, seconds=double)
     cpdef double expires_at(self, state) except? -1.0
     cpdef _excess(self, LeakyState state, now_ms, amount=*)
     cpdef _wait_ms(self, LeakyState state, now_ms, amount=*)

@@ -6,6 +6,9 @@ from sidecar.limiters.bucket cimport Bucket, in_penalty
 from sidecar.limiters.records cimport Hit, admitted
 
 
+# A new state's penalty_until, a C double (sidecar.limiters.NO_PENALTY).
+cdef double NO_PENALTY
+
 cdef class TokenState:
     cdef public double tokens
     cdef public object last

@@ -6,6 +6,9 @@ cimport cython
 from sidecar.limiters.records cimport Algorithm, Hit, refused
 
 
+# A new state's penalty_until, a C double (sidecar.limiters.NO_PENALTY).
+cdef double NO_PENALTY
+
 cdef class WindowState:
     cdef public long long window
     cdef public long long previous

@@ -6,7 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar.app import SluiceApp
+from sidecar.config.values import Rate
 from sidecar.engine import ALLOW, DENY
+from sidecar.limiters.leaky import LeakyBucket
 from sidecar.limiters.token import TokenBucket
 
 from .conftest import Harness
@@ -122,6 +124,39 @@ def test_leaky_bucket_matches_nginx_decision_for_decision(zones, gaps):
     for gap in gaps:
         now += gap
         assert sluice_handle(h, now) == nginx_handle(reference, "client", now), now
+
+
+def kept_until(last: int, excess: int, rate: int, penalty_until: float) -> float:
+    """A leaky key's expiry on Python's integers: nginx's drain of the excess,
+    and at least 60 s after the last request, or the penalty's end."""
+    return max(max(last + excess * 1000 // rate, last + 60_000) / 1000, penalty_until)
+
+
+# Either side of the bounds under which the compiled core works a leaky
+# state's expiry on C integers (a time under 2 ** 50 ms, an excess under
+# 2 ** 40), and where a double stops holding every integer (2 ** 53).
+EDGES = st.sampled_from([0, 1, 999, 2 ** 40 - 1, 2 ** 40, 2 ** 50 - 1, 2 ** 50, 2 ** 53 + 1, 2 ** 60, 2 ** 70])
+
+
+@settings(max_examples=500, deadline=None)
+@given(last=st.one_of(st.integers(-2 ** 62, 2 ** 62), EDGES, EDGES.map(lambda edge: -edge)),
+       excess=st.one_of(st.integers(0, 2 ** 62), st.integers(2 ** 39, 2 ** 54), EDGES),
+       count=st.one_of(st.integers(1, 100), st.integers(1, 10 ** 6), EDGES.filter(lambda edge: edge > 0)),
+       per_minute=st.booleans(),
+       penalty_until=st.one_of(st.just(float("-inf")), st.floats(-1e17, 1e17)))
+def test_a_leaky_key_expires_as_python_integers_say_whatever_its_size(last, excess, count, per_minute,
+                                                                      penalty_until):
+    bucket = LeakyBucket(Rate(count, 60 if per_minute else 1), 0, None, None)
+    state = bucket.new_state()
+    state.excess, state.last, state.penalty_until = excess, last, penalty_until
+    assert bucket.expires_at(state) == kept_until(last, excess, bucket.rate, penalty_until)
+
+
+def test_a_leaky_key_never_seen_expires_with_its_penalty():
+    bucket = LeakyBucket(Rate(10, 1), 5, None, None)
+    state = bucket.new_state()
+    state.penalty_until = 1234.5
+    assert bucket.expires_at(state) == 1234.5
 
 
 def test_ten_per_minute_is_stored_as_166_thousandths_per_second():

@@ -341,6 +341,34 @@ rules:
     assert h.decide_now(ip="192.0.2.3").outcome == DENY
 
 
+def test_a_full_map_drops_a_key_past_its_own_limiters_expiry_before_older_live_ones():
+    # Two limiters of different lives: the key of the short one, stored
+    # between two keys of the long one, has expired when the map is full
+    # and goes, not the oldest (each key filed under its own limiter's
+    # expiry as it is stored).
+    h = Harness("""
+state: {max_keys: 3}
+rules:
+  - id: short
+    match: {path: {equals: /short}}
+    key: [ip]
+    limit: {requests: 100, per: 1s}
+    action: block
+  - id: long
+    match: {path: {equals: /long}}
+    key: [ip]
+    limit: {requests: 100, per: 1h}
+    action: block
+""")
+    h.decide_now(ip="192.0.2.1", path="/long")
+    h.decide_now(ip="192.0.2.2", path="/short")
+    h.decide_now(ip="192.0.2.3", path="/long")
+    h.clock.advance(5)  # the short window and the one after it are past
+    h.decide_now(ip="192.0.2.4", path="/long")
+    kept = sorted(key[1] for key in h.engine.store.table.states.data)
+    assert kept == ["192.0.2.1", "192.0.2.3", "192.0.2.4"]
+
+
 def test_bounded_map_keeps_recently_read_keys_over_older_ones():
     from sidecar.bounded import BoundedMap
 
