@@ -184,17 +184,23 @@ def test_two_workers_admit_exactly_the_budget_of_two_thousand_checks(stack: Work
         wait_until(lambda: time.time() % WINDOW_SECONDS < WINDOW_SECONDS - 15, "a window with 15 s left", 20)
     path = f"/burst?sleep={SLOT_HOLD_SECONDS}" if kind == "slots" else "/burst"
     workers = sorted(worker_pids(stack))
-    cpu_before = [cpu_seconds(pid) for pid in workers]
-    statuses = burst(stack.ports.nginx, CHECKS, path, {"x-limit": kind, "x-k": uuid.uuid4().hex},
-                     source=fresh_client_address(), timeout=120)
-    assert statuses[200] == BUDGET, statuses
-    # Refused with the block page (429), or closed by the ban; nothing else.
-    assert set(statuses) <= {200, 429, NO_RESPONSE}, statuses
-    if kind != "ban":  # a banned client's refusals are soon nginx's own (its refusal cache)
-        # Both workers decided part of the burst (the kernel deals the
-        # connections nginx opens to them).
-        assert all(cpu_seconds(pid) - before >= 0.02 for pid, before in zip(workers, cpu_before))
-    assert sluice_metric(stack, "sluice_internal_errors_total") == 0
+    # The kernel deals the connections nginx opens to the two workers; a
+    # burst it dealt (nearly) all to one tested no sharing, and is made
+    # again on a new key, a few times at most. Every burst must admit
+    # exactly the budget.
+    for _ in range(3):
+        cpu_before = [cpu_seconds(pid) for pid in workers]
+        statuses = burst(stack.ports.nginx, CHECKS, path, {"x-limit": kind, "x-k": uuid.uuid4().hex},
+                         source=fresh_client_address(), timeout=120)
+        assert statuses[200] == BUDGET, statuses
+        # Refused with the block page (429), or closed by the ban; nothing else.
+        assert set(statuses) <= {200, 429, NO_RESPONSE}, statuses
+        assert sluice_metric(stack, "sluice_internal_errors_total") == 0
+        # A banned client's refusals are soon nginx's own (its refusal cache).
+        if kind == "ban" or all(cpu_seconds(pid) - before >= 0.02 for pid, before in zip(workers, cpu_before)):
+            break
+    else:
+        pytest.fail("three bursts were each decided by one worker alone")
 
 
 def request_through_nginx(port: int, headers: dict[str, str], source: str, path: str = "/flood") -> int:
