@@ -81,7 +81,8 @@ cdef class StateMap:
     # hashes it nor looks for it again. Any ``add`` forgets it.
     cdef object _missed
     cdef uint64_t _missed_hash
-    # The keys ``expect`` hashed (references held until the next ``expect``)
+    # The keys ``expect`` or ``hint`` hashed (references held until the next
+    # request's)
     # and their mixed hashes: ``get`` takes the next one's hash when it is
     # read next, in the checks' order, instead of hashing it again.
     cdef PyObject *_expected[MOST_EXPECTED]
@@ -108,8 +109,14 @@ cdef class StateMap:
     cdef inline int32_t _new_record(self) except -1
     cdef inline int32_t _number(self, Py_ssize_t at) noexcept
     cdef int _replace(self, int32_t number, value, double expires) except -1
+    cdef inline bint takes_hints(self) noexcept:
+        """Whether ``hint`` and ``expect`` ask for memory (the map holds
+        ``expect_from`` keys or more)."""
+        return self._count >= self.expect_from
+    cpdef hint(self, key, Py_ssize_t position)
     cpdef expect(self, checks)
     cdef void _forget_expected(self) noexcept
+    cdef int _hinted(self, checks, Py_ssize_t count) except -1
     cdef uint64_t _hash_of(self, key) except? 0
     cpdef get(self, key)
     cpdef add(self, key, value, expires=*)

@@ -44,7 +44,9 @@ the rule) kept instead of worked out again for every key (``key_hash``).
 A request's keys are read one after the other, each read waiting for its
 lines of memory when many clients' keys have pushed them out of the CPU's
 cache. ``expect``, the policy's hint of the keys it reads next, asks for
-them all at once instead (``StateTable.expect``).
+them all at once instead (``StateTable.expect``); ``hint``, the matching
+program's of each key as it makes the key's check, asks for its index
+entry earlier still, while the next rules are matched.
 
 Records are allocated as needed (doubling, up to ``max_keys``), never
 beyond what the map has held at once, through Python's raw allocator
@@ -563,17 +565,48 @@ cdef class StateMap:
 
     # -- the map --------------------------------------------------------------
 
+    cpdef hint(self, key, Py_ssize_t position):
+        """Ask for the memory of the index entry of a key read soon, the
+        ``position``-th of its request's (0 forgets the last request's):
+        the matching program hints each check's key as it makes it, so that
+        the entry is on its way while the next rules are matched, and
+        ``expect`` finds the keys hashed and their entries asked for.
+        Nothing changes; ignored while the map holds fewer than
+        ``expect_from`` keys, and past ``MOST_EXPECTED`` keys."""
+        cdef int index = <int>position
+        if position == 0:
+            self._forget_expected()
+        if self._count < self.expect_from or position != self._expected_count or position >= MOST_EXPECTED:
+            return
+        self._expected_hash[index] = hashed_key(key)
+        Py_INCREF(key)
+        self._expected[index] = <PyObject *>key
+        self._expected_count = index + 1
+        prefetch(&self._index[self._home(self._expected_hash[index])])
+
+    cdef int _hinted(self, checks, Py_ssize_t count) except -1:
+        """Whether the keys hinted are the first ``count`` checks' (the same
+        objects, in order), none read yet."""
+        cdef Py_ssize_t index
+        if self._expected_count != count or self._expected_next != 0:
+            return False
+        for index in range(count):
+            if self._expected[index] != <PyObject *>(<Check?>checks[index]).key:
+                return False
+        return True
+
     cpdef expect(self, checks):
         """Ask for the memory of the checks' keys ahead of their reads: the
-        index entries of them all, then the records those entries name, then
-        the states and items those records hold, each step for every key
-        before the next. A decision reads its keys one after the other, each
-        read waiting for its lines of memory; asked for together, the
-        misses of many clients' keys (lines out of the CPU's cache) overlap
-        instead of following one another. The keys' hashes are kept for
-        their reads. Nothing changes: a hint, which the pure map ignores,
-        and this one too while it holds fewer than ``expect_from`` keys.
-        At most ``MOST_EXPECTED`` keys; ``checks`` is a list of
+        index entries of them all (unless ``hint`` asked for them as the
+        checks were made), then the records those entries name, then the
+        states and items those records hold, each step for every key before
+        the next. A decision reads its keys one after the other, each read
+        waiting for its lines of memory; asked for together, the misses of
+        many clients' keys (lines out of the CPU's cache) overlap instead of
+        following one another. The keys' hashes are kept for their reads.
+        Nothing changes: a hint, which the pure map ignores, and this one
+        too while it holds fewer than ``expect_from`` keys. At most
+        ``MOST_EXPECTED`` keys; ``checks`` is a list of
         ``sidecar.state.Check``."""
         cdef size_t homes[MOST_EXPECTED]
         cdef int32_t numbers[MOST_EXPECTED]
@@ -583,18 +616,23 @@ cdef class StateMap:
         cdef uint64_t entry, tag
         cdef Record *record
         cdef object key
-        self._forget_expected()
         if self._count < self.expect_from:
+            self._forget_expected()
             return
         count = min(len(checks), <Py_ssize_t>MOST_EXPECTED)
-        for index in range(count):
-            key = (<Check?>checks[index]).key
-            self._expected_hash[index] = hashed_key(key)
-            Py_INCREF(key)
-            self._expected[index] = <PyObject *>key
-            self._expected_count = <int>index + 1
-            homes[index] = self._home(self._expected_hash[index])
-            prefetch(&self._index[homes[index]])
+        if self._hinted(checks, count):
+            for index in range(count):
+                homes[index] = self._home(self._expected_hash[index])
+        else:
+            self._forget_expected()
+            for index in range(count):
+                key = (<Check?>checks[index]).key
+                self._expected_hash[index] = hashed_key(key)
+                Py_INCREF(key)
+                self._expected[index] = <PyObject *>key
+                self._expected_count = <int>index + 1
+                homes[index] = self._home(self._expected_hash[index])
+                prefetch(&self._index[homes[index]])
         for index in range(count):
             numbers[index] = NONE
             at = homes[index]

@@ -241,6 +241,11 @@ class StateMap(BoundedMap):
         """A hint that the checks' keys are read next (the compiled map asks
         for their memory ahead); this map ignores it."""
 
+    def hint(self, key: Hashable, position: int) -> None:
+        """A hint that ``key``, the ``position``-th of a request's checks,
+        is read soon (the compiled map asks for its memory now); this map
+        ignores it."""
+
     def peek(self, key: Hashable) -> Any:
         """The key's state, or None; not a use (an administrator's look)."""
         return self.data.get(key)

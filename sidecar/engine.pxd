@@ -6,6 +6,7 @@
 # tools replace it on an engine.
 cimport cython
 
+from sidecar._statemap cimport StateMap
 from sidecar.clientip cimport ClientAddress, ClientIPResolver
 from sidecar.latency cimport RuleSetCount, Tally as Counter  # engine.py has a Tally of its own (the RLS door's)
 from sidecar.limiters.records cimport Hit
@@ -50,7 +51,7 @@ cdef class Engine:
     @cython.locals(resolver=ClientIPResolver, client=ClientAddress)
     cdef _resolve(self, CheckRequest request)
 
-    @cython.locals(client=ClientAddress, program=Program, ended=bint)
+    @cython.locals(client=ClientAddress, program=Program, ended=bint, states=StateMap)
     cdef _prepare(self, CheckRequest request)
 
     @cython.locals(policy=Policy, evaluation=Evaluation)

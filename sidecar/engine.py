@@ -647,7 +647,13 @@ class Engine:
         # read here in C (Ruleset.match_request).
         program = self._program
         if program is not None:
-            ended = program.run(request, client.key, matched, checks, lease, self._credential_check)
+            # The memory map the policy reads the checks' keys from (compiled;
+            # known from the first decision on), hinted each key as it is
+            # made once it is large enough to take hints.
+            states = self._policy._map if self._policy is not None else None
+            if states is not None and not states.takes_hints():
+                states = None
+            ended = program.run(request, client.key, matched, checks, lease, self._credential_check, states)
         else:
             ended = self._match(request, request.method, request.host, request.path, request.headers, client.key,
                                 matched, checks, lease, self._credential_check)

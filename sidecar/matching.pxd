@@ -3,6 +3,7 @@
 # functions that read the request's fields in C.
 cimport cython
 
+from sidecar._statemap cimport StateMap
 from sidecar.request cimport CheckRequest, cookie_value, query_value
 from sidecar.state cimport Check, CheckSpec
 
@@ -41,7 +42,8 @@ cdef class Program:
     cdef readonly tuple steps
 
     @cython.locals(steps=tuple, index=Py_ssize_t, step=Step, parts=tuple, count=Py_ssize_t, check=Check, headers=dict)
-    cpdef bint run(self, CheckRequest request, client_key, list matched, list checks, lease, has_credential)
+    cpdef bint run(self, CheckRequest request, client_key, list matched, list checks, lease, has_credential,
+                   StateMap states=*)
 
 
 @cython.locals(kind=int, op=int, name=str, memo=dict)

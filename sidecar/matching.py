@@ -160,7 +160,8 @@ class Program:
     first leaf that decides; a challenge's credential, which passes the
     request and ends the evaluation (True); then the rule's check (its spec
     and the request's key, with ``lease``) to ``checks`` and the rule to
-    ``matched``."""
+    ``matched``, and its key to ``states.hint`` (the compiled memory map the
+    checks are read from next, or None)."""
 
     __slots__ = ("steps",)
 
@@ -168,7 +169,7 @@ class Program:
         self.steps = tuple(steps)
 
     def run(self, request: CheckRequest, client_key: str, matched: list[Any], checks: list[Check], lease: str,
-            has_credential: Callable[[Any, CheckRequest], bool]) -> bool:
+            has_credential: Callable[[Any, CheckRequest], bool], states: Any = None) -> bool:
         method, host, path = request.method, request.host, request.path
         fields = request.headers
         # A mapping of another type (tests) is read as a dict.
@@ -198,6 +199,10 @@ class Program:
             check.spec = step.spec
             check.key = key
             check.lease = lease
+            if states is not None:
+                # The compiled memory map asks for the key's index entry now,
+                # on its way while the next rules are matched (StateMap.hint).
+                states.hint(key, len(checks))
             matched.append(step.rule)
             checks.append(check)
         return False

@@ -3,6 +3,9 @@
 import json
 import logging
 
+import pytest
+
+from sidecar import core
 from sidecar.at_once import run_at_once
 from sidecar.clientip import NetworkSet
 from sidecar.engine import ALLOW, CLOSE, DENY
@@ -367,6 +370,34 @@ rules:
     h.decide_now(ip="192.0.2.4", path="/long")
     kept = sorted(key[1] for key in h.engine.store.table.states.data)
     assert kept == ["192.0.2.1", "192.0.2.3", "192.0.2.4"]
+
+
+@pytest.mark.skipif(core.PURE, reason="the compiled map's hints: the compiled core only")
+def test_keys_hinted_by_the_matching_program_are_counted_as_the_keys_read():
+    # The program hints each check's key to the compiled map as it makes it
+    # (once the map is large enough), and the reads take the hashes the
+    # hints kept. Rounds of the clients in turn, hinted (the map lowered to
+    # take hints from its first key) and not, in turn: each client's fourth
+    # request is its first refused, under two rules.
+    h = Harness("""
+rules:
+  - id: per-ip
+    key: [ip]
+    limit: {requests: 3, per: 60s}
+    action: block
+  - id: per-path
+    key: [ip, path]
+    limit: {requests: 100, per: 60s}
+    action: block
+""")
+    h.decide_now(ip="192.0.2.250")  # the engine learns its store's policy
+    states = h.engine.store.table.states
+    clients = [f"10.0.{number // 256}.{number % 256}" for number in range(300)]
+    outcomes = []
+    for hinted in (True, False, True, False):
+        states.expect_from = 0 if hinted else 10 ** 9
+        outcomes.append([h.decide_now(ip=client, path="/a").outcome for client in clients])
+    assert outcomes == [[ALLOW] * 300] * 3 + [[DENY] * 300]
 
 
 def test_bounded_map_keeps_recently_read_keys_over_older_ones():

@@ -323,6 +323,9 @@ OPERATIONS = st.lists(st.one_of(
     # A hint of the keys read next, then the first so many of them read in
     # turn (the very objects, as the policy reads its checks' keys).
     st.tuples(st.just("expect"), st.lists(KEYS, max_size=6), st.integers(0, 6)),
+    # The same, each key hinted first as the matching program hints it (its
+    # position in the request), then expected (odd: not) and read.
+    st.tuples(st.just("hint"), st.lists(KEYS, max_size=6), st.integers(0, 13)),
 ), max_size=400)
 
 
@@ -341,20 +344,32 @@ def checks_of(keys: list[Any]) -> list[Check]:
 # Keys held, told and read in turn: each read takes the hash the hint kept.
 @example([("add", ("rule", "a"), 5.0), ("add", ("two", "a", 1), 5.0),
           ("expect", [("rule", "a"), ("two", "a", 1), ("rule", "b")], 3)], 4)
+# The same hinted one by one first, then expected, then without expect.
+@example([("add", ("rule", "a"), 5.0), ("add", ("two", "a", 1), 5.0),
+          ("hint", [("rule", "a"), ("two", "a", 1), ("rule", "b")], 6),
+          ("hint", [("rule", "b"), ("rule", "a")], 5)], 4)
 def test_the_compiled_map_keeps_what_the_pure_map_keeps_in_its_order(operations, max_keys):
     """Any stores (new keys and held ones), reads, removals, passing time,
-    changes of the cap and hints of the keys read next (``expect``, asked
-    of the compiled map whatever its size, and followed by reads in any
-    order): both maps answer alike and hold the same keys in the same
+    changes of the cap and hints of the keys read next (``expect``, and
+    ``hint`` key by key before it or instead of it, asked of the compiled
+    map whatever its size, and followed by reads): both maps answer alike and hold the same keys in the same
     order, with the same states and marks."""
     compiled = importlib.import_module("sidecar._statemap").StateMap
     clock = [0.0]
     pure, other = StateMap(max_keys, lambda: clock[0]), compiled(max_keys, lambda: clock[0])
     other.expect_from = 0
     for kind, key, number in operations:
-        if kind == "expect":
-            pure.expect(checks_of(key))
-            other.expect(checks_of(key))
+        if kind in ("expect", "hint"):
+            if kind == "hint":
+                for position, hinted in enumerate(key):
+                    pure.hint(hinted, position)
+                    other.hint(hinted, position)
+                number, expected = number // 2, number % 2 == 0
+            else:
+                expected = True
+            if expected:
+                pure.expect(checks_of(key))
+                other.expect(checks_of(key))
             for read in key[:number]:
                 assert (pure.get(read) is None) == (other.get(read) is None)
                 assert contents(other) == contents(pure)
@@ -549,6 +564,20 @@ def test_the_compiled_map_holds_the_keys_it_was_told_to_expect_until_the_next_hi
     assert sys.getrefcount(key) == held
     m.expect(checks_of([key, key]))
     assert sys.getrefcount(key) == held + 2
+    m.hint(key, 0)  # a request's first key: the last request's let go
+    assert sys.getrefcount(key) == held + 1
+    m.hint(key, 2)  # not the next position: ignored
+    assert sys.getrefcount(key) == held + 1
+    m.hint(("rule", "other"), 0)
+    assert sys.getrefcount(key) == held
+    small.hint(key, 0)  # under expect_from: ignored
+    assert sys.getrefcount(key) == held
+    m.hint(key, 0)
+    m.expect(checks_of([key]))  # the hinted keys taken as they are
+    assert sys.getrefcount(key) == held + 1
+    m.expect(checks_of([("rule", "other")]))  # other keys: the hints let go
+    assert sys.getrefcount(key) == held
+    m.hint(key, 0)
     del m
     gc.collect()
     assert sys.getrefcount(key) == held
