@@ -1,13 +1,16 @@
 """What does the memory map's read-ahead buy? The policy tells its table
-which keys a request reads next (``StateTable.expect``); the compiled map
-then asks for their memory ahead, every key's at once, so that the misses
-of many clients' keys overlap instead of following one another.
+which keys a request reads next (``StateTable.expect``), and the compiled
+core's matching program hints each key as it makes the key's check
+(``StateMap.hint``); the compiled map then asks for their memory ahead,
+every key's at once, so that the misses of many clients' keys overlap
+instead of following one another.
 
 One process, nginx's check requests fed to Sluice's HTTP protocol (as
 bench/bench_instructions.py feeds them: the ten rules of
 bench/bench_engine.py, max_keys 100,000), the map warmed up first. Then
-blocks of checks, the hint on and off in turn (ABBA): off, the table's
-``expect`` is a C function that asks for nothing. Each block's CPU time
+blocks of checks, the hints on and off in turn (ABBA): off, the map's
+``expect_from`` is set beyond its size, so that it takes neither hints
+nor ``expect`` (as a map smaller than ``expect_from`` does). Each block's CPU time
 per check is paired with its neighbour's; on one machine, in one process,
 the two see the same load. Three traffics:
 
@@ -57,8 +60,8 @@ async def measure(clients: int, warm: int, blocks: int, size: int) -> tuple[list
         protocol = protocol_for("sluice-rotating")
     finally:
         bench_engine.engine_for = engine_for
-    table = made[-1].store.table
-    hint = table.expect
+    states = made[-1].store.table.states
+    hinted_from = states.expect_from
     transport = Transport()
     protocol.connection_made(transport)
     freeze_loaded_objects()
@@ -80,11 +83,11 @@ async def measure(clients: int, warm: int, blocks: int, size: int) -> tuple[list
     off: list[float] = []
     for block in range(blocks):
         hinted = block % 4 in (0, 3)  # on, off, off, on, ...
-        table.expect = hint if hinted else len  # len: a C call that asks for nothing
+        states.expect_from = hinted_from if hinted else 1 << 62
         started = time.process_time()
         await feed(size)
         (on if hinted else off).append((time.process_time() - started) / size * 1e6)
-    table.expect = hint
+    states.expect_from = hinted_from
     return on, off
 
 
