@@ -82,9 +82,9 @@ cdef class StateMap:
     cdef object _missed
     cdef uint64_t _missed_hash
     # The keys ``expect`` or ``hint`` hashed (references held until the next
-    # request's)
-    # and their mixed hashes: ``get`` takes the next one's hash when it is
-    # read next, in the checks' order, instead of hashing it again.
+    # request's are) and their mixed hashes: ``get`` takes the next one's
+    # hash when it is read next, in the checks' order, instead of hashing
+    # it again.
     cdef PyObject *_expected[MOST_EXPECTED]
     cdef uint64_t _expected_hash[MOST_EXPECTED]
     cdef int _expected_count

@@ -1,6 +1,7 @@
 # Types of sidecar/limiters/leaky.py for its compiled build (see setup.py):
 # the state and the leaky bucket are extension types. The arithmetic stays
-# on Python ints, nginx's integer for integer.
+# on Python ints, nginx's integer for integer, but for a key's expiry,
+# worked on C integers while they fit (expires_at, _kept_ms).
 cimport cython
 
 from sidecar.limiters.bucket cimport Bucket, in_penalty
