@@ -21,6 +21,9 @@ cdef class LeakyState:
 
 @cython.locals(drained="long long")
 cdef long long _kept_ms(long long last, long long excess, long long rate) noexcept
+@cython.locals(elapsed="long long", full="long long", empty_after="long long", left="long long")
+cdef long long _drained_excess(long long last, long long excess, long long rate, long long now_ms,
+                               long long amount) noexcept
 
 
 cdef class LeakyBucket(Bucket):

@@ -48,6 +48,20 @@ class LeakyState:
 
 place_in_lines(LeakyState)  # each instance in one line of the cache, compiled
 
+def _drained_excess(last: int, excess: int, rate: int, now_ms: int, amount: int) -> int:
+    """``LeakyBucket._excess`` on C integers (compiled only: the caller
+    checked that they fit). The time drained is capped where the bucket is
+    empty, so that rate * time stays under 2 ** 63: past it the excess is 0
+    whatever the time."""
+    elapsed = now_ms - last if now_ms > last else 0
+    full = excess + 1000 * amount
+    empty_after = full * 1000 // rate + 1  # ms after which rate * ms // 1000 > full
+    if elapsed > empty_after:
+        elapsed = empty_after
+    left = full - rate * elapsed // 1000
+    return left if left > 0 else 0
+
+
 def _kept_ms(last: int, excess: int, rate: int) -> int:
     """``LeakyBucket.expires_at``'s ms on C integers (compiled only: the
     caller checked that they fit)."""
@@ -110,8 +124,15 @@ class LeakyBucket(Bucket):
 
     def _excess(self, state: LeakyState, now_ms: int, amount: int = 1) -> int:
         assert state.last is not None
-        elapsed = max(0, now_ms - state.last)
-        return max(0, state.excess - self.rate * elapsed // 1000 + 1000 * amount)
+        last, excess = state.last, state.excess
+        # Compiled, on C integers when they fit, as in expires_at: times
+        # under 2 ** 50 ms, an excess under 2 ** 40, a batch under 2 ** 20
+        # requests (_drained_excess); else on Python's.
+        if cython.compiled and -(1 << 50) < last < 1 << 50 and -(1 << 50) < now_ms < 1 << 50 \
+                and 0 <= excess < 1 << 40 and 0 <= amount < 1 << 20 and 0 < self.rate < 1 << 50:
+            return _drained_excess(last, excess, self.rate, now_ms, amount)
+        elapsed = max(0, now_ms - last)
+        return max(0, excess - self.rate * elapsed // 1000 + 1000 * amount)
 
     def _wait_ms(self, state: LeakyState, now_ms: int, amount: int = 1) -> int:
         """Milliseconds until ``amount`` requests would fit within the burst
@@ -153,7 +174,7 @@ class LeakyBucket(Bucket):
         # in C, exactly as Python would (the ms kept stay under 2 ** 53, a
         # double's exact integers); larger ones (an injected clock, a burst
         # of 10 ** 12) on Python's integers.
-        if cython.compiled and -(1 << 50) < last < 1 << 50 and 0 <= excess < 1 << 40 and self.rate < 1 << 50:
+        if cython.compiled and -(1 << 50) < last < 1 << 50 and 0 <= excess < 1 << 40 and 0 < self.rate < 1 << 50:
             seconds = _kept_ms(last, excess, self.rate) / 1000  # compiled: on C integers
         else:
             seconds = max(last + excess * 1000 // self.rate, last + 60_000) / 1000
