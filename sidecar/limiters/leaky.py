@@ -48,6 +48,7 @@ class LeakyState:
 
 place_in_lines(LeakyState)  # each instance in one line of the cache, compiled
 
+
 def _drained_excess(last: int, excess: int, rate: int, now_ms: int, amount: int) -> int:
     """``LeakyBucket._excess`` on C integers (compiled only: the caller
     checked that they fit). The time drained is capped where the bucket is
