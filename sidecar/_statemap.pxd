@@ -114,6 +114,7 @@ cdef class StateMap:
         ``expect_from`` keys or more)."""
         return self._count >= self.expect_from
     cpdef hint(self, key, Py_ssize_t position)
+    cdef int _keep_expected(self, int index, key) except -1
     cpdef expect(self, checks)
     cdef void _forget_expected(self) noexcept
     cdef int _hinted(self, checks, Py_ssize_t count) except -1

@@ -578,11 +578,17 @@ cdef class StateMap:
             self._forget_expected()
         if self._count < self.expect_from or position != self._expected_count or position >= MOST_EXPECTED:
             return
+        self._keep_expected(index, key)
+
+    cdef int _keep_expected(self, int index, key) except -1:
+        """Keep ``key`` as the ``index``-th expected (the next), its hash
+        with it, and ask for its index entry."""
         self._expected_hash[index] = hashed_key(key)
         Py_INCREF(key)
         self._expected[index] = <PyObject *>key
         self._expected_count = index + 1
         prefetch(&self._index[self._home(self._expected_hash[index])])
+        return 0
 
     cdef int _hinted(self, checks, Py_ssize_t count) except -1:
         """Whether the keys hinted are the first ``count`` checks' (the same
@@ -615,24 +621,16 @@ cdef class StateMap:
         cdef size_t at, mask = (<size_t>1 << self._bits) - 1
         cdef uint64_t entry, tag
         cdef Record *record
-        cdef object key
         if self._count < self.expect_from:
             self._forget_expected()
             return
         count = min(len(checks), <Py_ssize_t>MOST_EXPECTED)
-        if self._hinted(checks, count):
-            for index in range(count):
-                homes[index] = self._home(self._expected_hash[index])
-        else:
+        if not self._hinted(checks, count):
             self._forget_expected()
             for index in range(count):
-                key = (<Check?>checks[index]).key
-                self._expected_hash[index] = hashed_key(key)
-                Py_INCREF(key)
-                self._expected[index] = <PyObject *>key
-                self._expected_count = <int>index + 1
-                homes[index] = self._home(self._expected_hash[index])
-                prefetch(&self._index[homes[index]])
+                self._keep_expected(<int>index, (<Check?>checks[index]).key)
+        for index in range(count):
+            homes[index] = self._home(self._expected_hash[index])
         for index in range(count):
             numbers[index] = NONE
             at = homes[index]
