@@ -11,15 +11,26 @@ which the engine's figure includes: so it bounds what the table and the
 counting cost, the part that grows with rotation.
 
 For each of one client, 100,000 and 1,000,000 rotating clients (the rules'
-max_keys 100,000: rotating clients evict), CPU time per decision (fastest
-of interleaved passes) of:
+max_keys 100,000 by default: rotating clients evict), CPU time per decision
+(fastest of interleaved passes) of:
 
-* the prototype;
+* the prototype, reading its keys one after the other;
+* the prototype, its ten keys hashed first and their records asked for
+  together (``overlapped``: their misses overlap);
+* ``lean``: overlapped, each key probing 4 records, not 16 (a new key
+  reads every record of its probe, to find a free or the oldest one);
 * the engine's ``decide_now`` over the memory store, the ten rules of
   bench/bench_engine.py (clients resolved beforehand, as the prototype's
   fields are read beforehand).
 
-Usage: ``.venv/bin/python bench/bench_proto.py [--passes 5]``. No network.
+Each kind's rotating figure over its own one-client figure (and the µs
+it adds) is what rotation costs it. ``--max-keys 2000`` makes every table
+and the engine's map small enough for the CPU's caches: what rotation then
+still costs is the work of taking in new keys and dropping old ones, not
+the misses of a large table.
+
+Usage: ``.venv/bin/python bench/bench_proto.py [--passes 5] [--max-keys 100000]``.
+No network.
 """
 
 from __future__ import annotations
@@ -42,14 +53,16 @@ from proto.ctable import Table  # noqa: E402
 MAX_KEYS = 100_000
 BATCH = 50_000
 HIGH = 1_000_000_000
+PROTOTYPES = ["prototype", "overlapped", "lean"]
+LEAN_PROBES = 4
 
 
 def fields(client: str) -> tuple[bytes, ...]:
     return (client.encode(), b"k", b"/api/items", b"example.com", b"shoes", b"s1")
 
 
-def proto_pass(table: Table, checks: list[tuple[bytes, ...]], start: float) -> float:
-    decide = table.decide
+def proto_pass(table: Table, checks: list[tuple[bytes, ...]], start: float, overlapped: bool) -> float:
+    decide = table.decide_overlapped if overlapped else table.decide
     began = time.process_time()
     now = start
     for check in checks:
@@ -69,33 +82,41 @@ def engine_pass(engine: object, requests: list) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--passes", type=int, default=5)
+    parser.add_argument("--max-keys", type=int, default=MAX_KEYS,
+                        help="keys the tables and the engine's map hold (default 100,000; 2,000 fits the CPU's caches)")
     args = parser.parse_args()
     loads = {"one client": 1, "100,000 clients": 100_000, "1,000,000 clients": 1_000_000}
-    tables = {name: Table(MAX_KEYS) for name in loads}
-    engines = {name: engine_for(TEN_RULES) for name in loads}
+    tables = {(kind, name): Table(args.max_keys, LEAN_PROBES if kind == "lean" else 16)
+              for kind in PROTOTYPES for name in loads}
+    rules = TEN_RULES.replace(f"max_keys: {MAX_KEYS}", f"max_keys: {args.max_keys}")
+    engines = {name: engine_for(rules) for name in loads}
     figures: dict[tuple[str, str], list[float]] = {}
+    kinds = [*PROTOTYPES, "engine"]
     for number in range(args.passes):
         for name, clients in loads.items():
             offset = number * BATCH
             addresses = [address((offset + i) % clients) for i in range(BATCH)]
             checks = [fields(a) for a in addresses]
             requests = requests_for(engines[name], addresses)
-            kinds = ["prototype", "engine"] if number % 2 == 0 else ["engine", "prototype"]
-            for kind in kinds:
-                figure = (proto_pass(tables[name], checks, 1000.0 + number) if kind == "prototype"
-                          else engine_pass(engines[name], requests))
+            for kind in kinds if number % 2 == 0 else reversed(kinds):
+                figure = (engine_pass(engines[name], requests) if kind == "engine"
+                          else proto_pass(tables[kind, name], checks, 1000.0 + number, kind != "prototype"))
                 figures.setdefault((kind, name), []).append(figure)
-    print(f"CPU per decision of ten rules, fastest of {args.passes} passes of {BATCH:,} (max_keys {MAX_KEYS:,}):\n")
-    print("| load | prototype µs | engine µs | prototype / engine |\n|---|---:|---:|---:|")
+    print(f"CPU per decision of ten rules, fastest of {args.passes} passes of {BATCH:,}"
+          f" (max_keys {args.max_keys:,}):\n")
+    print("| load | " + " | ".join(f"{kind} µs" for kind in kinds) + " |\n|---|" + "---:|" * len(kinds))
     for name in loads:
-        proto, engine = min(figures["prototype", name]), min(figures["engine", name])
-        print(f"| {name} | {proto:.2f} | {engine:.2f} | {proto / engine:.2f}× |")
-    one = min(figures["prototype", "one client"])
+        print(f"| {name} | " + " | ".join(f"{min(figures[kind, name]):.2f}" for kind in kinds) + " |")
+    print("\nOver one client (ratio; µs more a decision):\n")
+    print("| load | " + " | ".join(kinds) + " |\n|---|" + "---:|" * len(kinds))
     for name in list(loads)[1:]:
-        print(f"prototype, {name} / one client: {min(figures['prototype', name]) / one:.2f}×; "
-              f"engine: {min(figures['engine', name]) / min(figures['engine', 'one client']):.2f}×")
-    print("\nevictions in the prototype's tables: "
-          + ", ".join(f"{name} {tables[name].evictions:,}" for name in loads))
+        cells = []
+        for kind in kinds:
+            one, many = min(figures[kind, "one client"]), min(figures[kind, name])
+            cells.append(f"{many / one:.2f}×; +{many - one:.2f}")
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    print("\nevictions in the prototypes' tables: " + "; ".join(
+        f"{kind}: " + ", ".join(f"{name} {tables[kind, name].evictions:,}" for name in loads) for kind in PROTOTYPES))
 
 
 if __name__ == "__main__":
