@@ -421,8 +421,9 @@ cdef class StateMap:
             if entry == 0:
                 break
             home = self._home(entry)
-            # Keep the entry where it is when its home lies cyclically in (gap, at].
-            if (gap < at and gap < home <= at) or (gap > at and (home > gap or home <= at)):
+            # Keep the entry where it is when its home lies cyclically in
+            # (gap, at]: nearer to it, going back, than the gap is.
+            if ((at - home) & mask) < ((at - gap) & mask):
                 continue
             self._index[gap] = entry
             gap = at
