@@ -55,6 +55,7 @@ read without touching the zones).
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 import math
 import os
@@ -241,7 +242,7 @@ class NodeZones:
             // records.LEASE_BYTES
         self.max_keys = self.states.capacity
         # The digests that name every record, keyed by the states zone's secret.
-        self.names = Namer(self.states.secret)
+        self.names = _namer_type()(self.states.secret)
 
     def sized_for(self, max_keys: int) -> bool:
         """Whether the zones were made for ``max_keys`` keys."""
@@ -351,6 +352,18 @@ def decode_tier(value: bytes) -> tuple[str, str] | None:
         return value[1 + length:].decode(), value[1:1 + length].decode("ascii")
     except UnicodeDecodeError:
         return None
+
+
+def _namer_type() -> type[Namer]:
+    """What names the records: the compiled namer (``sidecar.store._naming``,
+    the same names made in C) with the compiled core, else ``Namer``, its
+    pure twin."""
+    from sidecar import core
+
+    if core.PURE:
+        return Namer
+    compiled: type[Namer] = importlib.import_module("sidecar.store._naming").FastNamer
+    return compiled
 
 
 def _zone_type() -> Any:

@@ -7,6 +7,7 @@ real workers are the integration tests' (test_workers_memory.py)."""
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import stat
@@ -20,7 +21,7 @@ from click.testing import CliRunner
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from sidecar import shm
+from sidecar import core, shm
 from sidecar.at_once import run_at_once
 from sidecar.config import Rate
 from sidecar.counters import KeySelection
@@ -740,9 +741,48 @@ SIPHASH128_VECTORS = {0: "a3817f04ba25a8e66df67214c7550293", 1: "da87c1d86b99af4
                       31: "2939b0183223fafc1723de4f52c43d35", 63: "5150d1772f50834a503e069a973fbd7c"}
 
 
+# The pure namer always; the compiled one (names made in C) beside it where
+# the compiled core runs.
+NAMERS = [records.Namer, *([importlib.import_module("sidecar.store._naming").FastNamer] if not core.PURE else [])]
+
+
+@pytest.mark.parametrize("namer", NAMERS)
 @pytest.mark.parametrize(("length", "expected"), SIPHASH128_VECTORS.items())
-def test_a_record_s_digest_is_siphash_2_4_of_128_bits(length: int, expected: str) -> None:
-    assert records.Namer(bytes(range(16))).digest(bytes(range(length))).hex() == expected
+def test_a_record_s_digest_is_siphash_2_4_of_128_bits(length: int, expected: str, namer: type) -> None:
+    assert namer(bytes(range(16))).digest(bytes(range(length))).hex() == expected
+
+
+def test_the_node_s_records_are_named_by_the_core_s_namer() -> None:
+    names = NodeZones.private(100, zone_type=PureZone).names
+    assert type(names) is NAMERS[-1]
+    assert isinstance(names, records.Namer)
+
+
+# Counting keys as rules make them (a prefix, then one value or two, plain
+# texts most often) and any other shape a key may take.
+_PREFIXES = st.tuples(st.sampled_from(["per-ip", "login", "it's"]),
+                      st.lists(st.sampled_from(["ip", "path", "header:x-api-key"]), max_size=2).map(tuple))
+_PLAIN = st.one_of(st.text(st.characters(min_codepoint=32, max_codepoint=126)),
+                   st.sampled_from(["10.0.0.7", "2001:db8:7::", "key-7", "", "~ !", "a'b", "a\\b"]))
+
+
+@pytest.mark.skipif(core.PURE, reason="the compiled namer: the compiled core only")
+@settings(max_examples=300)
+@given(secret=st.binary(min_size=16, max_size=16), prefix=_PREFIXES,
+       values=st.one_of(st.lists(_PLAIN, min_size=1, max_size=2), st.lists(_VALUES, max_size=3)),
+       address=st.one_of(_PLAIN, st.text()), text=st.binary(max_size=300))
+@example(secret=bytes(16), prefix=("per-ip", ("ip",)), values=["10.0.0.7"], address="10.0.0.7", text=b"")
+@example(secret=bytes(16), prefix=("api", ("ip", "header:x-api-key")), values=["2001:db8::", "k"],
+         address="é", text=bytes(range(200)))  # a length past 127: SipHash's last word keeps its low byte
+def test_the_compiled_namer_names_as_the_pure_one(secret: bytes, prefix: Any, values: list[Any], address: str,
+                                                  text: bytes) -> None:
+    """Every name the compiled namer makes (a key's text, digest and
+    prefix text; a ban's and any text's digest) is the pure namer's."""
+    fast, pure = NAMERS[-1](secret), records.Namer(secret)
+    key = (prefix, *values)
+    assert fast.key_name(key) == pure.key_name(key)
+    assert fast.ban_name(address) == pure.ban_name(address)
+    assert fast.digest(text) == pure.digest(text)
 
 
 @settings(max_examples=200)
