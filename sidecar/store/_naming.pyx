@@ -16,6 +16,8 @@ a time. Any other key is named by ``Namer``'s own code. The names are the
 same bytes as ``Namer``'s (a property test holds them to it)."""
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.object cimport PyObject
+from cpython.ref cimport Py_DECREF, Py_INCREF, Py_XDECREF
 from libc.stdint cimport uint64_t
 from libc.string cimport memcpy
 
@@ -92,6 +94,8 @@ cdef extern from "Python.h":
 
 cdef enum:
     DIGEST_BYTES = 16
+    PREFIX_SLOTS = 64  # rules' prefixes whose code and text are kept by identity
+    PREFIX_WAYS = 4  # the slots a prefix may be kept in
 
 
 cdef inline bint _plain(object value) noexcept:
@@ -117,7 +121,47 @@ cdef inline unsigned char *_put(unsigned char *at, const char *text, Py_ssize_t 
 
 
 cdef class FastNamer(Namer):
-    """``Namer``, its digests and its plain keys' texts made in C."""
+    """``Namer``, its digests and its plain keys' texts made in C. A rule's
+    keys share its prefix object: its code and text are kept by the
+    object's identity (in ``PREFIX_SLOTS`` slots by its address, the
+    object held so that no other takes its address), where
+    ``records.prefix_of`` hashes the prefix's tuples for each key."""
+
+    def __dealloc__(self):
+        cdef int slot
+        for slot in range(PREFIX_SLOTS):
+            Py_XDECREF(self._prefixes[slot])
+            Py_XDECREF(self._known[slot])
+
+    cdef tuple _prefix_of(self, tuple key):
+        """``records.prefix_of(key)``: (code, text) of the key's prefix,
+        looked for in the ``PREFIX_WAYS`` slots from the one its address
+        picks (its bits mixed: blocks of one pool apart would share the
+        slot of their low bits); a prefix not found takes the first empty
+        one, else each of them in turn."""
+        cdef object prefix = key[0]
+        cdef size_t home = <size_t>((<uint64_t><size_t><PyObject *>prefix * 0x9E3779B97F4A7C15ULL) >> 58)
+        cdef size_t slot, way
+        cdef tuple known
+        for way in range(PREFIX_WAYS):
+            slot = (home + way) & (PREFIX_SLOTS - 1)
+            if self._prefixes[slot] == <PyObject *>prefix:
+                return <tuple>self._known[slot]
+        known = prefix_of(key)
+        slot = (home + self._replaced) & (PREFIX_SLOTS - 1)
+        for way in range(PREFIX_WAYS):
+            if self._prefixes[(home + way) & (PREFIX_SLOTS - 1)] == NULL:
+                slot = (home + way) & (PREFIX_SLOTS - 1)
+                break
+        else:
+            self._replaced = (self._replaced + 1) % PREFIX_WAYS
+        Py_INCREF(prefix)
+        Py_INCREF(known)
+        Py_XDECREF(self._prefixes[slot])
+        Py_XDECREF(self._known[slot])
+        self._prefixes[slot] = <PyObject *>prefix
+        self._known[slot] = <PyObject *>known
+        return known
 
     cdef bytes _digest_of(self, const void *data, Py_ssize_t length):
         cdef bytes digest = PyBytes_FromStringAndSize(NULL, DIGEST_BYTES)
@@ -149,7 +193,7 @@ cdef class FastNamer(Namer):
             second = counting[2]
             if not _plain(second):
                 return Namer.key_name(self, key)
-        known = prefix_of(counting)
+        known = self._prefix_of(counting)
         code = <bytes>known[0]
         # "('first',)" or "('first', 'second')", after the prefix's code.
         size = PyBytes_GET_SIZE(code) + 2 + PyUnicode_GET_LENGTH(first)

@@ -11,6 +11,7 @@ import importlib
 import logging
 import os
 import stat
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -783,6 +784,25 @@ def test_the_compiled_namer_names_as_the_pure_one(secret: bytes, prefix: Any, va
     assert fast.key_name(key) == pure.key_name(key)
     assert fast.ban_name(address) == pure.ban_name(address)
     assert fast.digest(text) == pure.digest(text)
+
+
+@pytest.mark.skipif(core.PURE, reason="the compiled namer: the compiled core only")
+@settings(max_examples=50)
+@given(order=st.lists(st.integers(0, 99), min_size=1, max_size=400), value=_PLAIN)
+def test_the_compiled_namer_keeps_rules_prefixes_by_identity_and_names_as_the_pure_one(order: list[int],
+                                                                                          value: str) -> None:
+    """A rule's keys share its prefix object, whose code and text the
+    compiled namer keeps by identity: a hundred rules' prefixes met in any
+    order (more than it keeps, so some replace others) name their keys as
+    the pure namer does, and a namer let go holds none of them."""
+    prefixes = [(f"rule-{number}", ("ip",)) for number in range(100)]
+    keys = [(prefixes[number], value) for number in order]
+    names = [records.Namer(bytes(16)).key_name(key) for key in keys]  # records.prefix_of keeps their texts
+    held = [sys.getrefcount(prefix) for prefix in prefixes]
+    fast = NAMERS[-1](bytes(16))
+    assert [fast.key_name(key) for key in keys] == names
+    del fast
+    assert [sys.getrefcount(prefix) for prefix in prefixes] == held
 
 
 @settings(max_examples=200)
