@@ -9,8 +9,6 @@ from sidecar.state cimport Check, CheckSpec
 from sidecar.store.records cimport Namer, encode_state
 
 
-cdef Py_ssize_t _CODE_BYTES
-
 @cython.locals(check=Check, spec=CheckSpec)
 cpdef bint over_slots(checks, Py_ssize_t slots) except -1
 @cython.locals(bit="unsigned long long")
@@ -21,7 +19,6 @@ cpdef unsigned long long stripe_bit(Py_ssize_t stripe)
 cdef class _Name:
     cdef public bytes digest
     cdef public bytes text
-    cdef public bytes code
     cdef public bytes prefix_text
     cdef public bint leases
     cdef public Py_ssize_t room
@@ -32,7 +29,7 @@ cdef class _Name:
     cdef public Py_ssize_t slot
 
 
-@cython.locals(name=_Name, raw="const char *")
+@cython.locals(name=_Name)
 cpdef _Name new_name(bytes digest, bytes text, bytes prefix_text, bint leases, Py_ssize_t room, Py_ssize_t stripe,
                      Py_ssize_t label_stripe)
 

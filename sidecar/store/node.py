@@ -113,7 +113,6 @@ LABEL_VALUE = 256  # a key's text longer than this is not listed
 # The leases zone: as many keys as the states zone, within these bytes.
 LEASE_ZONE_BYTES = 8 << 20
 LEASE_TEXT = 64  # room for the key's text in a lease state's record
-_CODE_BYTES = records.PREFIX_CODE_BYTES  # a key's text begins with its prefix's code
 # Fewest leases a lease state holds, whatever the rules at start.
 LEAST_LEASE_SLOTS = 16
 # A zone's stripes: each its own lock; at least this many records each.
@@ -459,13 +458,12 @@ class _Name:
     ``slot``, its slot's place then). Only bytes and numbers: the garbage
     collector has nothing to visit in the thousands kept."""
 
-    __slots__ = ("digest", "text", "code", "prefix_text", "leases", "room", "labelled", "stripe", "label_stripe",
-                 "planned", "slot")
+    __slots__ = ("digest", "text", "prefix_text", "leases", "room", "labelled", "stripe", "label_stripe", "planned",
+                 "slot")
 
     digest: bytes
     text: bytes
-    code: bytes  # its prefix's code
-    prefix_text: bytes
+    prefix_text: bytes  # its prefix's text: one object for all its prefix's keys
     leases: bool  # whether its record is in the leases zone (else the states zone)
     room: int  # bytes of its record the key's text may take
     labelled: bool  # its text is in the labels zone
@@ -482,8 +480,6 @@ def new_name(digest: bytes, text: bytes, prefix_text: bytes, leases: bool, room:
     name = _Name.__new__(_Name)
     name.digest = digest
     name.text = text
-    raw = text  # compiled: a pointer, whose slice is made in C
-    name.code = raw[:_CODE_BYTES]
     name.prefix_text = prefix_text
     name.leases = leases
     name.room = room
@@ -596,7 +592,7 @@ class NodeTable:
         self._bans: dict[str, list[Any]] = {}  # address -> [digest, record, read, changed]
         self._notes: dict[Note, list[Any]] = {}  # name -> [digest, (value, until), read, changed]
         self._names: dict[Hashable, _Name] = {}  # key -> what the worker worked out about it
-        self._known_prefixes: set[bytes] = set()  # the codes of prefixes this worker wrote
+        self._known_prefixes: set[bytes] = set()  # the texts of prefixes this worker wrote
         self._ban_names: dict[str, tuple[bytes, int]] = {}  # address -> (digest, its stripe's bit)
         # The stripes to lock in each zone a transaction locks (LOCKED), as
         # masks of stripes: stripe n is bit n.
@@ -662,7 +658,7 @@ class NodeTable:
         if name.labelled:
             self._label_mask |= stripe_bit(name.label_stripe)
         prefix = None
-        if name.code not in self._known_prefixes:
+        if name.prefix_text not in self._known_prefixes:
             prefix = name.prefix_text
             self._prefix_mask |= stripe_bit(self.zones.prefixes.stripe_of(self._namer.digest(prefix)))
         if self._used == len(self._slots):
@@ -831,7 +827,7 @@ class NodeTable:
             if labelled and len(text) <= LABEL_VALUE:
                 self._labels.put(slot.digest, text, kept, now)  # as long as the state
             if slot.prefix is not None:
-                self._write_prefix(slot.prefix, text[:records.PREFIX_CODE_BYTES], now)
+                self._write_prefix(slot.prefix, now)
         for digest, record, _, changed in self._bans.values():
             if changed:
                 zones.bans.put(digest, records.encode_ban(record, zones.bans.value_size), record.expires, now)
@@ -840,11 +836,12 @@ class NodeTable:
                 if changed:
                     zones.notes.put(digest, encoded_notes[name], note[1], now)
 
-    def _write_prefix(self, prefix: bytes, code: bytes, now: float) -> None:
-        """Keep a key prefix for the admin API's listings (once per worker)."""
+    def _write_prefix(self, prefix: bytes, now: float) -> None:
+        """Keep a key prefix's text for the admin API's listings (once per
+        worker)."""
         if len(prefix) <= PREFIX_VALUE:
             self.zones.prefixes.put(self._namer.digest(prefix), prefix, math.inf, now)
-        self._known_prefixes.add(code)
+        self._known_prefixes.add(prefix)
 
     # -- the primitives ----------------------------------------------------------------
 

@@ -265,6 +265,35 @@ def test_every_primitive_reads_and_writes_the_zones() -> None:
     assert table.run(table.state, key) is None
 
 
+@pytest.mark.parametrize("zone_type", ZONE_TYPES)
+def test_a_worker_writes_a_rule_s_prefix_once_for_all_its_keys(zone_type: Any) -> None:
+    """The first key of a rule a worker writes writes its prefix too (for
+    the admin API's listings); no later transaction plans it again, for
+    that key or any other of the rule's, while a key of another rule
+    plans its own."""
+    zones = NodeZones.private(1000, zone_type=zone_type)
+    table = NodeTable(zones)
+    window = WindowCounter(3, 10.0, 5.0)
+    rule, other = ("r", ("ip",)), ("s", ("ip",))
+
+    def planned_prefix(key: Any) -> bytes | None:
+        table.begin(NOW)
+        slot = table.plan_key(key, window)
+        prefix = slot.prefix
+        table.run(lambda: table.keep(key, window.new_state()))
+        return prefix
+
+    assert planned_prefix((rule, "192.0.2.1")) == records.prefix_of((rule,))[1]
+    assert len(zones.prefixes) == 1
+    assert planned_prefix((rule, "192.0.2.1")) is None
+    assert planned_prefix((rule, "192.0.2.2")) is None
+    assert planned_prefix((other, "192.0.2.1")) == records.prefix_of((other,))[1]
+    assert len(zones.prefixes) == 2
+    worker = NodeTable(zones)  # another worker keeps its own count of the prefixes it wrote
+    worker.begin(NOW)
+    assert worker.plan_key((rule, "192.0.2.3"), window).prefix is not None
+
+
 def test_a_record_the_store_did_not_lock_is_refused_and_a_failed_action_writes_nothing() -> None:
     zones = NodeZones.private(1000, zone_type=PureZone)
     table = NodeTable(zones)
