@@ -143,6 +143,8 @@ cdef class FastNamer(Namer):
         cdef size_t home = <size_t>((<uint64_t><size_t><PyObject *>prefix * 0x9E3779B97F4A7C15ULL) >> 58)
         cdef size_t slot, way
         cdef tuple known
+        cdef PyObject *replaced_prefix
+        cdef PyObject *replaced_known
         for way in range(PREFIX_WAYS):
             slot = (home + way) & (PREFIX_SLOTS - 1)
             if self._prefixes[slot] == <PyObject *>prefix:
@@ -155,12 +157,15 @@ cdef class FastNamer(Namer):
                 break
         else:
             self._replaced = (self._replaced + 1) % PREFIX_WAYS
+        replaced_prefix, replaced_known = self._prefixes[slot], self._known[slot]
         Py_INCREF(prefix)
         Py_INCREF(known)
-        Py_XDECREF(self._prefixes[slot])
-        Py_XDECREF(self._known[slot])
         self._prefixes[slot] = <PyObject *>prefix
         self._known[slot] = <PyObject *>known
+        # Let go of the slot's last ones once it holds the new: what their
+        # deallocation runs finds the namer whole.
+        Py_XDECREF(replaced_prefix)
+        Py_XDECREF(replaced_known)
         return known
 
     cdef bytes _digest_of(self, const void *data, Py_ssize_t length):
