@@ -17,7 +17,7 @@ same bytes as ``Namer``'s (a property test holds them to it)."""
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.object cimport PyObject
-from cpython.ref cimport Py_DECREF, Py_INCREF, Py_XDECREF
+from cpython.ref cimport Py_INCREF, Py_XDECREF
 from libc.stdint cimport uint64_t
 from libc.string cimport memcpy
 
@@ -103,14 +103,14 @@ cdef inline bint _plain(object value) noexcept:
     backslash (so in one byte a character, as Python keeps ASCII)."""
     cdef const unsigned char *data
     cdef Py_ssize_t index, length
-    cdef unsigned char char
+    cdef unsigned char byte
     if type(value) is not str or not PyUnicode_IS_COMPACT_ASCII(value):
         return False
     data = <const unsigned char *>PyUnicode_DATA(value)
     length = PyUnicode_GET_LENGTH(value)
     for index in range(length):
-        char = data[index]
-        if char < 0x20 or char > 0x7E or char == 0x27 or char == 0x5C:
+        byte = data[index]
+        if byte < 0x20 or byte > 0x7E or byte == 0x27 or byte == 0x5C:
             return False
     return True
 
@@ -175,6 +175,8 @@ cdef class FastNamer(Namer):
         return digest
 
     cpdef bytes digest(self, bytes text):
+        if text is None:
+            return Namer.digest(self, text)  # refused as Namer refuses it
         return self._digest_of(PyBytes_AS_STRING(text), PyBytes_GET_SIZE(text))
 
     cpdef tuple key_name(self, key):
@@ -219,6 +221,6 @@ cdef class FastNamer(Namer):
     cpdef bytes ban_name(self, str address):
         """``Namer.ban_name``: an ASCII address (every valid one) hashed
         where the text keeps it, any other encoded first."""
-        if PyUnicode_IS_COMPACT_ASCII(address):
+        if address is not None and PyUnicode_IS_COMPACT_ASCII(address):
             return self._digest_of(PyUnicode_DATA(address), PyUnicode_GET_LENGTH(address))
-        return self.digest(address.encode())
+        return Namer.ban_name(self, address)

@@ -816,6 +816,22 @@ def test_the_compiled_namer_names_as_the_pure_one(secret: bytes, prefix: Any, va
 
 
 @pytest.mark.skipif(core.PURE, reason="the compiled namer: the compiled core only")
+@pytest.mark.parametrize("name", ["key_name", "ban_name", "digest"])
+@pytest.mark.parametrize("odd", [None, 7, ("rule",), (), b"text", "text"])
+def test_the_compiled_namer_answers_anything_as_the_pure_one(name: str, odd: Any) -> None:
+    """Whatever it is given (None first: C would read it as a text), the
+    compiled namer gives the pure namer's name or raises its error."""
+
+    def outcome(namer: Any) -> Any:
+        try:
+            return getattr(namer, name)(odd)
+        except (TypeError, AttributeError, IndexError) as refused:
+            return type(refused)
+
+    assert outcome(NAMERS[-1](bytes(16))) == outcome(records.Namer(bytes(16)))
+
+
+@pytest.mark.skipif(core.PURE, reason="the compiled namer: the compiled core only")
 @settings(max_examples=50)
 @given(order=st.lists(st.integers(0, 99), min_size=1, max_size=400), value=_PLAIN)
 def test_the_compiled_namer_keeps_rules_prefixes_by_identity_and_names_as_the_pure_one(order: list[int],
