@@ -21,7 +21,11 @@ against ``--workers 1`` (the process's own memory store), in one run.
    (private / own memory) and what sharing costs (shared / private).
    Every figure is the CPU time per check of the sidecar's processes (the
    parent and its workers; utime + stime from /proc), over passes
-   interleaved with the others; the ratios are of the same run.
+   interleaved with the others; the ratios are of the same run. Beside
+   each two-worker configuration's passes: the locks its workers found
+   busy, and the busier worker's share of the two workers' CPU (the
+   kernel deals nginx's connections; near 1.0, one worker decided nearly
+   every check, and the pass says little about sharing).
 
 Usage: ``.venv/bin/python bench/bench_workers.py [--seconds 5] [--rounds 3]``.
 Needs the compiled core (``--workers 2`` on the memory backend refuses to
@@ -46,7 +50,7 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(ROOT))
 
-from bench_check import Bench, Config, children_of, ensure_wrk, free_port, http_ok  # noqa: E402
+from bench_check import Bench, Config, children_of, cpu_seconds, ensure_wrk, free_port, http_ok  # noqa: E402
 from bench_engine import TEN_RULES, address, requests_for, time_decisions  # noqa: E402
 from bench_protocol import interleaved, ratio_text  # noqa: E402
 
@@ -186,13 +190,19 @@ def through_nginx(seconds: int, rounds: int) -> tuple[list[Config], dict[str, li
                                       addresses=addresses))
 
             def contention(config: Config) -> Callable[[], None]:
-                """The locks found busy per check in the pass about to run."""
+                """The locks found busy per check in the pass about to run,
+                and the share of the workers' CPU its busier worker took."""
                 before = waits(busy.get(config.name, []))
+                workers = config.pids["sidecar"][1:]
+                spent = [cpu_seconds(pid) for pid in workers]
 
                 def after() -> None:
                     if config.name in busy:
                         CONTENTION.setdefault(config.name, []).append(
                             (waits(busy[config.name]) - before) / max(1, config.passes[-1].requests))
+                    if len(workers) > 1:
+                        used = [cpu_seconds(pid) - start for pid, start in zip(workers, spent, strict=True)]
+                        BUSIER.setdefault(config.name, []).append(max(used) / max(sum(used), 1e-9))
                 return after
 
             interleaved(bench, configs, rounds, seconds, per_pass, contention)
@@ -206,6 +216,11 @@ def through_nginx(seconds: int, rounds: int) -> tuple[list[Config], dict[str, li
 
 # Locks found busy per check, each pass's, by shared configuration.
 CONTENTION: dict[str, list[float]] = {}
+# The busier worker's share of the workers' CPU, each pass's, by two-worker
+# configuration: the kernel deals nginx's connections to the workers, and a
+# pass where one worker took (nearly) all of them measures one process,
+# not two sharing a table (0.5: an even split; 1.0: one worker alone).
+BUSIER: dict[str, list[float]] = {}
 
 
 def report_through_nginx(configs: list[Config], per_pass: dict[str, list[float]], not_run: dict[str, str]) -> None:
@@ -218,6 +233,9 @@ def report_through_nginx(configs: list[Config], per_pass: dict[str, list[float]]
         print(f"  {name:<30} not run: {why}")
     for name, figures in CONTENTION.items():
         print(f"  {name:<30} locks found busy: {' '.join(f'{figure:.3f}' for figure in figures)} a check")
+    for name, figures in BUSIER.items():
+        print(f"  {name:<30} the busier worker's share of the workers' CPU: "
+              f"{' '.join(f'{figure:.2f}' for figure in figures)}")
     by_name = {config.name: config for config in configs}
     print("\nRatios of sidecar CPU per check (same run):")
     for label, a, b, target in (
