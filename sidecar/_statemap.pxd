@@ -28,6 +28,9 @@ cdef enum:
 
 
 # 64 bytes on a 64-bit machine: a line of memory, as ``_grow`` aligns them.
+cdef bint unchanging(object value) noexcept
+
+
 cdef struct Record:
     # The key, or a short tuple key's items (``items`` of them); parts[0]
     # NULL: a free record (its ``newer`` links the free list).

@@ -120,16 +120,17 @@ cdef uint64_t XXPRIME_2 = 14029467366897019727ULL
 cdef uint64_t XXPRIME_5 = 2870177450012600261ULL
 
 
-cdef bint _unchanging(object value) noexcept:
+cdef bint unchanging(object value) noexcept:
     """Whether ``value``'s hash can never change: a text, or a tuple of
-    such values (a prefix is one)."""
+    such values (a prefix is one). Also the compiled namer's
+    (``sidecar.store._naming``), which keeps a prefix's names by identity."""
     cdef Py_ssize_t index
     if PyUnicode_CheckExact(value):
         return True
     if not PyTuple_CheckExact(value):
         return False
     for index in range(PyTuple_GET_SIZE(value)):
-        if not _unchanging(<object>PyTuple_GET_ITEM(value, index)):
+        if not unchanging(<object>PyTuple_GET_ITEM(value, index)):
             return False
     return True
 
@@ -145,7 +146,7 @@ cdef Py_hash_t _prefix_hash(object prefix) except? -1:
     if prefix_objects[slot + 1] == <PyObject *>prefix:
         return prefix_hashes[slot + 1]
     hashed = PyObject_Hash(prefix)
-    if _unchanging(prefix):
+    if unchanging(prefix):
         # The newest first in its set, the other one second; the one that
         # was second goes.
         Py_XDECREF(prefix_objects[slot + 1])

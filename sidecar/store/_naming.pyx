@@ -21,6 +21,7 @@ from cpython.ref cimport Py_INCREF, Py_XDECREF
 from libc.stdint cimport uint64_t
 from libc.string cimport memcpy
 
+from sidecar._statemap cimport unchanging
 from sidecar.store.records cimport Namer, prefix_of
 
 
@@ -93,9 +94,7 @@ cdef extern from "Python.h":
 
 
 cdef enum:
-    DIGEST_BYTES = 16
-    PREFIX_SLOTS = 64  # rules' prefixes whose code and text are kept by identity
-    PREFIX_WAYS = 4  # the slots a prefix may be kept in
+    DIGEST_BYTES = 16  # SipHash's 128 bits (records.DIGEST_BYTES)
 
 
 cdef inline bint _plain(object value) noexcept:
@@ -123,49 +122,44 @@ cdef inline unsigned char *_put(unsigned char *at, const char *text, Py_ssize_t 
 cdef class FastNamer(Namer):
     """``Namer``, its digests and its plain keys' texts made in C. A rule's
     keys share its prefix object: its code and text are kept by the
-    object's identity (in ``PREFIX_SLOTS`` slots by its address, the
-    object held so that no other takes its address), where
-    ``records.prefix_of`` hashes the prefix's tuples for each key."""
+    object's identity (``PREFIXES`` of them, each object held so that no
+    other takes its address), where ``records.prefix_of`` hashes the
+    prefix's tuples for each key."""
 
     def __dealloc__(self):
         cdef int slot
-        for slot in range(PREFIX_SLOTS):
+        for slot in range(PREFIXES):
             Py_XDECREF(self._prefixes[slot])
             Py_XDECREF(self._known[slot])
 
     cdef tuple _prefix_of(self, tuple key):
         """``records.prefix_of(key)``: (code, text) of the key's prefix,
-        looked for in the ``PREFIX_WAYS`` slots from the one its address
-        picks (its bits mixed: blocks of one pool apart would share the
-        slot of their low bits); a prefix not found takes the first empty
-        one, else each of them in turn."""
+        kept by its identity as the compiled map keeps a prefix's hash
+        (``sidecar._statemap._prefix_hash``): two a set, the set picked by
+        the address's bits mixed (blocks of one pool apart would share the
+        set of their low bits), the newest first; only a prefix whose value
+        cannot change (texts, tuples of them)."""
         cdef object prefix = key[0]
-        cdef size_t home = <size_t>((<uint64_t><size_t><PyObject *>prefix * 0x9E3779B97F4A7C15ULL) >> 58)
-        cdef size_t slot, way
+        cdef size_t slot = 2 * <size_t>((<uint64_t><size_t><PyObject *>prefix * 0x9E3779B97F4A7C15ULL) >> 59)
         cdef tuple known
-        cdef PyObject *replaced_prefix
-        cdef PyObject *replaced_known
-        for way in range(PREFIX_WAYS):
-            slot = (home + way) & (PREFIX_SLOTS - 1)
-            if self._prefixes[slot] == <PyObject *>prefix:
-                return <tuple>self._known[slot]
+        cdef PyObject *second
+        cdef PyObject *second_known
+        if self._prefixes[slot] == <PyObject *>prefix:
+            return <tuple>self._known[slot]
+        if self._prefixes[slot + 1] == <PyObject *>prefix:
+            return <tuple>self._known[slot + 1]
         known = prefix_of(key)
-        slot = (home + self._replaced) & (PREFIX_SLOTS - 1)
-        for way in range(PREFIX_WAYS):
-            if self._prefixes[(home + way) & (PREFIX_SLOTS - 1)] == NULL:
-                slot = (home + way) & (PREFIX_SLOTS - 1)
-                break
-        else:
-            self._replaced = (self._replaced + 1) % PREFIX_WAYS
-        replaced_prefix, replaced_known = self._prefixes[slot], self._known[slot]
-        Py_INCREF(prefix)
-        Py_INCREF(known)
-        self._prefixes[slot] = <PyObject *>prefix
-        self._known[slot] = <PyObject *>known
-        # Let go of the slot's last ones once it holds the new: what their
-        # deallocation runs finds the namer whole.
-        Py_XDECREF(replaced_prefix)
-        Py_XDECREF(replaced_known)
+        if unchanging(prefix):
+            # The newest first in its set, the other one second; the one
+            # that was second goes, once the set holds the new one (what
+            # its deallocation runs finds the namer whole).
+            second, second_known = self._prefixes[slot + 1], self._known[slot + 1]
+            self._prefixes[slot + 1], self._known[slot + 1] = self._prefixes[slot], self._known[slot]
+            Py_INCREF(prefix)
+            Py_INCREF(known)
+            self._prefixes[slot], self._known[slot] = <PyObject *>prefix, <PyObject *>known
+            Py_XDECREF(second)
+            Py_XDECREF(second_known)
         return known
 
     cdef bytes _digest_of(self, const void *data, Py_ssize_t length):

@@ -816,6 +816,28 @@ def test_the_compiled_namer_names_as_the_pure_one(secret: bytes, prefix: Any, va
 
 
 @pytest.mark.skipif(core.PURE, reason="the compiled namer: the compiled core only")
+def test_the_compiled_namer_keeps_only_prefixes_whose_value_cannot_change() -> None:
+    """Texts and tuples of texts are kept by identity; a prefix holding
+    anything else (an object whose text may change) is named each time,
+    and not held."""
+
+    class Label:
+        def __init__(self, text: str) -> None:
+            self.text = text
+
+        def __repr__(self) -> str:
+            return self.text
+
+    changing, kept = ("rule", ("ip", Label("first"))), ("rule", ("ip",))
+    keys = [(changing, "192.0.2.1"), (kept, "192.0.2.1")]
+    names = [records.Namer(bytes(16)).key_name(key) for key in keys]  # records.prefix_of keeps their texts
+    held = sys.getrefcount(changing), sys.getrefcount(kept)
+    fast = NAMERS[-1](bytes(16))
+    assert [fast.key_name(key) for key in keys] == names
+    assert (sys.getrefcount(changing), sys.getrefcount(kept)) == (held[0], held[1] + 1)
+
+
+@pytest.mark.skipif(core.PURE, reason="the compiled namer: the compiled core only")
 @pytest.mark.parametrize("name", ["key_name", "ban_name", "digest"])
 @pytest.mark.parametrize("odd", [None, 7, ("rule",), (), b"text", "text"])
 def test_the_compiled_namer_answers_anything_as_the_pure_one(name: str, odd: Any) -> None:
