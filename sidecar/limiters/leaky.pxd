@@ -19,6 +19,7 @@ cdef class LeakyState:
     cdef public bint used
 
 
+cdef inline bint _in_c_range(last, excess, rate) except -1
 @cython.locals(drained="long long")
 cdef long long _kept_ms(long long last, long long excess, long long rate) noexcept
 @cython.locals(elapsed="long long", full="long long", empty_after="long long", left="long long")

@@ -63,6 +63,14 @@ def _drained_excess(last: int, excess: int, rate: int, now_ms: int, amount: int)
     return left if left > 0 else 0
 
 
+def _in_c_range(last: int, excess: int, rate: int) -> bool:
+    """Whether a state's time, excess and the bucket's rate are small enough
+    for ``_kept_ms`` and ``_drained_excess``: a time under 2 ** 50 ms in size
+    (35,000 years), an excess under 2 ** 40 (a burst of a billion requests),
+    a positive rate under 2 ** 50."""
+    return -(1 << 50) < last < 1 << 50 and 0 <= excess < 1 << 40 and 0 < rate < 1 << 50
+
+
 def _kept_ms(last: int, excess: int, rate: int) -> int:
     """``LeakyBucket.expires_at``'s ms on C integers (compiled only: the
     caller checked that they fit)."""
@@ -126,11 +134,11 @@ class LeakyBucket(Bucket):
     def _excess(self, state: LeakyState, now_ms: int, amount: int = 1) -> int:
         assert state.last is not None
         last, excess = state.last, state.excess
-        # Compiled, on C integers when they fit, as in expires_at: times
-        # under 2 ** 50 ms, an excess under 2 ** 40, a batch under 2 ** 20
-        # requests (_drained_excess); else on Python's.
-        if cython.compiled and -(1 << 50) < last < 1 << 50 and -(1 << 50) < now_ms < 1 << 50 \
-                and 0 <= excess < 1 << 40 and 0 <= amount < 1 << 20 and 0 < self.rate < 1 << 50:
+        # Compiled, on C integers when they fit, as in expires_at
+        # (_in_c_range, a time now as small, a batch under 2 ** 20 requests:
+        # _drained_excess); else on Python's.
+        if cython.compiled and _in_c_range(last, excess, self.rate) and -(1 << 50) < now_ms < 1 << 50 \
+                and 0 <= amount < 1 << 20:
             return _drained_excess(last, excess, self.rate, now_ms, amount)
         elapsed = max(0, now_ms - last)
         return max(0, excess - self.rate * elapsed // 1000 + 1000 * amount)
@@ -170,12 +178,11 @@ class LeakyBucket(Bucket):
         # until its excess has drained: a forgotten key's next request would
         # start from excess 0 instead of 1000. Once for every new key.
         last, excess = record.last, record.excess
-        # Compiled, a time under 2 ** 50 ms in size (35,000 years) and an
-        # excess under 2 ** 40 (a burst of a billion requests) are worked on
-        # in C, exactly as Python would (the ms kept stay under 2 ** 53, a
-        # double's exact integers); larger ones (an injected clock, a burst
-        # of 10 ** 12) on Python's integers.
-        if cython.compiled and -(1 << 50) < last < 1 << 50 and 0 <= excess < 1 << 40 and 0 < self.rate < 1 << 50:
+        # Compiled, worked on in C while they fit (_in_c_range), exactly as
+        # Python would (the ms kept stay under 2 ** 53, a double's exact
+        # integers); larger ones (an injected clock, a burst of 10 ** 12) on
+        # Python's integers.
+        if cython.compiled and _in_c_range(last, excess, self.rate):
             seconds = _kept_ms(last, excess, self.rate) / 1000  # compiled: on C integers
         else:
             seconds = max(last + excess * 1000 // self.rate, last + 60_000) / 1000
