@@ -576,7 +576,9 @@ def serve(config: str | None, demo_rules: bool, host: str, port: int, uds: str |
     try:
         os.environ[MULTIPROC_DIR] = _metrics_directory()
         try:
-            uvicorn.run("sidecar.cli:worker_service", factory=True, workers=workers, **options)
+            from sidecar.workers import run_workers
+
+            run_workers(uvicorn.Config("sidecar.cli:worker_service", factory=True, workers=workers, **options))
         finally:
             shutil.rmtree(os.environ[MULTIPROC_DIR], ignore_errors=True)
     finally:
