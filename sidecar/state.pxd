@@ -23,6 +23,7 @@ cdef class CheckSpec:
     cdef readonly object penalty_ban
     cdef readonly bint plain
     cdef public bint deferred  # set in __post_init__ (object.__setattr__)
+    cdef public bint leases  # the same
 
 
 cdef class Check:

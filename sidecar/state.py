@@ -148,9 +148,13 @@ class CheckSpec:
     # every check: a field of the compiled spec read in C, where the
     # limiter's is a class attribute looked up by name.
     deferred: bool = field(init=False, repr=False, compare=False)
+    # The limiter's ``leases`` (it counts concurrency slots), which the
+    # node's table reads for every check, as ``deferred``.
+    leases: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "deferred", bool(self.limiter.deferred))
+        object.__setattr__(self, "leases", bool(self.limiter.leases))
 
 
 @cython.freelist(16)

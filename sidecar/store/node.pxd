@@ -3,9 +3,11 @@
 # decision's reads and writes of the zones cost few Python calls.
 cimport cython
 
+from sidecar.keystate cimport limiter_of
 from sidecar.limiters.records cimport Algorithm
 from sidecar.shm._zone cimport Zone as CompiledZone
-from sidecar.state cimport Check, CheckSpec
+from sidecar.policy cimport Policy
+from sidecar.state cimport Check, CheckSpec, Evaluation
 from sidecar.store.records cimport Namer, encode_state
 
 
@@ -47,7 +49,7 @@ cdef class _Slot:
     cdef public bint labelled
     cdef public object prefix
     cdef public object state
-    cdef public object raw
+    cdef public bytes raw
     cdef public bint read
     cdef public bint changed
     cdef public bint forgotten
@@ -100,8 +102,9 @@ cdef class NodeTable:
     @cython.locals(check=Check, spec=CheckSpec)
     cpdef plan_checks(self, address, checks)
     @cython.locals(slot=_Slot, slots=list, index=Py_ssize_t, labelled=bint, now=double, expires=double,
-                   kept=double, compiled=CompiledZone, limiter=Algorithm, flags=int)
+                   kept=double, compiled=CompiledZone, limiter=Algorithm, value=bytes, text=bytes)
     cpdef _commit(self)
+    cpdef Evaluation decide(self, Policy policy, double now, address, checks, bint can_delay, bint quotas)
     @cython.locals(masks=list, index=Py_ssize_t)
     cpdef _lock(self)
     @cython.locals(masks=list, index=Py_ssize_t)

@@ -67,6 +67,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast
 
 from sidecar.counters import CounterState, KeySelection
 from sidecar.keys import CountingKey
+from sidecar.keystate import limiter_of
 from sidecar.limiters import Hit
 from sidecar.limiters.base import Limiter
 from sidecar.limiters.concurrent import ConcurrencyLimiter
@@ -434,8 +435,7 @@ def over_slots(checks: Sequence[Check], slots: int) -> bool:
     store then caps it: ``NodeStore._within_slots``)."""
     for check in checks:  # a loop, not a generator: this runs for every decision
         spec = check.spec
-        limiter = spec.limiter
-        if limiter.leases and cast(ConcurrencyLimiter, limiter).limit > slots:
+        if spec.leases and cast(ConcurrencyLimiter, spec.limiter).limit > slots:
             return True
     return False
 
@@ -551,7 +551,7 @@ class _Slot:
         """The state kept for ``value`` read from the slot's record, as
         decoding the bytes would make it; None when none is kept."""
         kept = self.kept_state
-        if kept is not None and self.kept_digest is self.digest and kept.limiter is self.limiter \
+        if kept is not None and self.kept_digest is self.digest and limiter_of(kept) is self.limiter \
                 and self.kept_value == value:
             return kept
         return None
@@ -693,7 +693,7 @@ class NodeTable:
         self.plan_ban(address)
         for check in checks:
             spec = check.spec
-            self.plan_key(check.key, spec.limiter)
+            self.plan_key(check.key, spec.limiter, spec.leases)
             if not address:
                 continue
             if spec.auto_ban is not None:
@@ -716,6 +716,21 @@ class NodeTable:
             return result
         except BaseException:
             self._drop_decoded()  # the action may have changed states it did not write
+            raise
+        finally:
+            self._unlock()
+            self._end()
+
+    def decide(self, policy: Policy, now: float, address: str, checks: Sequence[Check], can_delay: bool,
+               quotas: bool) -> Evaluation:
+        """``run(policy.evaluate, ...)``, the policy called in C."""
+        try:
+            self._lock()
+            evaluation = policy.evaluate(now, address, checks, can_delay, quotas)
+            self._commit()
+            return evaluation
+        except BaseException:
+            self._drop_decoded()
             raise
         finally:
             self._unlock()
@@ -796,24 +811,18 @@ class NodeTable:
                     if slot.labelled:
                         self._labels.delete(slot.digest)
                 continue
-            value = encode_state(state, lease_slots)
-            limiter = state.limiter
+            limiter = limiter_of(state)
             expires = limiter.expires_at(state)  # in C
-            # A state that matters at no time (a lease state without a
-            # lease) is kept readable, never listed as in force.
-            flags = 0 if expires > NEVER else SPENT
             text = slot.text
             labelled = slot.labelled
             # The key's text in the record when it fits the room planned
             # for it, else in the labels zone (whose stripe was locked
             # then). A plug-in's state too long to leave the room keeps no
-            # text: its key is not listed.
-            if not labelled and len(value) + len(text) <= slot.value_size:
-                value += text
-            else:
-                flags |= ELSEWHERE
-            if flags:
-                value = bytes((value[0] | flags,)) + value[1:]
+            # text: its key is not listed. A state that matters at no time
+            # (a lease state without a lease) is kept readable, never
+            # listed as in force.
+            value = encode_state(state, lease_slots, None if labelled else text, slot.value_size,
+                                 0 if expires > NEVER else SPENT)
             if not (slot.changed or slot.forgotten) and value == slot.raw:
                 slot.keep_decoded(value, state)
                 continue  # read, not changed
@@ -1023,8 +1032,7 @@ class NodeStore:
         table.begin(now)
         checks = self._within_slots(checks)
         table.plan_checks(address, checks)
-        evaluation: Evaluation = table.run(self.policy.evaluate, now, address, checks, can_delay, quotas)
-        return evaluation  # typed by the annotation: cast is a call in the compiled core
+        return table.decide(self.policy, now, address, checks, can_delay, quotas)
 
     def _within_slots(self, checks: Sequence[Check]) -> Sequence[Check]:
         """The checks, with a concurrency limit above the leases a record
@@ -1034,7 +1042,7 @@ class NodeStore:
         if not over_slots(checks, slots):
             return checks
         return [Check(self._capped_spec(check.spec), check.key, check.lease)
-                if check.spec.limiter.leases and cast(ConcurrencyLimiter, check.spec.limiter).limit > slots
+                if check.spec.leases and cast(ConcurrencyLimiter, check.spec.limiter).limit > slots
                 else check for check in checks]
 
     def _capped_spec(self, spec: CheckSpec) -> CheckSpec:

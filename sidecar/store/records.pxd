@@ -10,11 +10,13 @@ from sidecar.limiters.window cimport WindowState
 cdef void _put_word(unsigned char *written, Py_ssize_t at, long long word) noexcept
 @cython.locals(bits="long long")
 cdef long long _double_word(double value) noexcept
-@cython.locals(space="const char *", value=bytes, written="unsigned char *")
+@cython.locals(size=Py_ssize_t, tail=Py_ssize_t, at=Py_ssize_t, space="const char *", value=bytes,
+               written="unsigned char *", copied="const unsigned char *")
 cdef bytes _state_bytes(int kind, int count, long long first, long long second, long long third,
-                        long long fourth=*)
+                        long long fourth, bytes text, Py_ssize_t room, int flags)
+cdef bytes _in_record(bytes value, bytes text, Py_ssize_t room, int flags)
 @cython.locals(window=WindowState, token=TokenState, leaky=LeakyState)
-cpdef bytes encode_state(state, Py_ssize_t lease_slots)
+cpdef bytes encode_state(state, Py_ssize_t lease_slots, bytes text=*, Py_ssize_t room=*, int flags=*)
 @cython.locals(kind=int)
 cpdef decode_state(bytes value, limiter)
 

@@ -56,9 +56,9 @@ _MASK64 = 0xFFFFFFFFFFFFFFFF  # a C integer's wrap, for the same code run as Pyt
 _SIP0, _SIP1, _SIP2, _SIP3 = 0x736F6D6570736575, 0x646F72616E646F6D, 0x6C7967656E657261, 0x7465646279746573
 _pack_words = struct.Struct("<QQ").pack
 # What a compiled digest or state is copied from (a slice of it, a new
-# bytes object made in C) before its words are written in: the longest,
-# a state's kind and four words.
-_SPACE = bytes(1 + 8 * 4)
+# bytes object made in C) before its words are written in: room for the
+# longest, a state's kind and four words, with a key's text after them.
+_SPACE = bytes(512)
 
 
 @cython.cclass
@@ -365,47 +365,79 @@ def _double_word(value: float) -> int:
     return bits
 
 
-def _state_bytes(kind: int, count: int, first: int, second: int, third: int, fourth: int = 0) -> bytes:
+def _state_bytes(kind: int, count: int, first: int, second: int, third: int, fourth: int,
+                 text: bytes | None, room: int, flags: int) -> bytes:
     """A state's bytes: its kind and ``count`` (3 or 4) signed 64-bit
-    words, little-endian. Compiled, written in C into a new bytes object
-    (struct's pack makes a Python object of every field and reads it
-    back: most of a state's cost to write)."""
-    if not cython.compiled:
-        return _WORDS[count].pack(kind, *(first, second, third, fourth)[:count])
+    words, little-endian, in a record as ``encode_state`` says. Compiled,
+    written in C into a new bytes object (struct's pack makes a Python
+    object of every field and reads it back: most of a state's cost to
+    write), the text copied after the words."""
+    size = 1 + 8 * count
+    if not cython.compiled or (text is not None and size + len(text) > len(_SPACE)):
+        return _in_record(_WORDS[count].pack(kind, *(first, second, third, fourth)[:count]), text, room, flags)
+    tail = 0
+    if room < 0:
+        flags = 0
+    elif text is not None and size + len(text) <= room:
+        tail = len(text)
+    else:
+        flags |= ELSEWHERE
     space = _SPACE  # compiled: a pointer, whose slice is a new bytes object made in C
-    value = space[:1 + 8 * count]
+    value = space[:size + tail]
     written = value  # compiled: its bytes, written in C
-    written[0] = kind  # type: ignore[index]
+    written[0] = kind | flags  # type: ignore[index]
     _put_word(value, 1, first)
     _put_word(value, 9, second)
     _put_word(value, 17, third)
     if count == 4:
         _put_word(value, 25, fourth)
+    if tail:
+        copied = text  # compiled: its bytes, read in C
+        for at in range(tail):
+            written[size + at] = copied[at]  # type: ignore[index]
     return value
 
 
-def encode_state(state: Any, lease_slots: int) -> bytes:
-    """A state's bytes, without the key's text. A lease state keeps at most
+def _in_record(value: bytes, text: bytes | None, room: int, flags: int) -> bytes:
+    """A state's bytes ``value`` in a record, as ``encode_state`` says."""
+    if room < 0:
+        return value
+    if text is not None and len(value) + len(text) <= room:
+        value += text
+    else:
+        flags |= ELSEWHERE
+    if flags:
+        value = bytes((value[0] | flags,)) + value[1:]
+    return value
+
+
+def encode_state(state: Any, lease_slots: int, text: bytes | None = None, room: int = -1, flags: int = 0) -> bytes:
+    """A state's bytes, the key's text aside. A lease state keeps at most
     ``lease_slots`` leases (the latest to end): the store caps concurrency
-    limits at that many before it decides."""
+    limits at that many before it decides.
+
+    In a zone's record of ``room`` bytes (``room`` >= 0): the key's ``text``
+    after the state's bytes when both fit, else (or when ``text`` is None:
+    the text is kept elsewhere) the flag ELSEWHERE; and ``flags`` in the
+    first byte with the state's kind. One bytes object, however made."""
     kind = type(state)
     if kind is WindowState:
         window = state  # each read as its type: its fields in C
         return _state_bytes(WINDOW, 4, window.window, window.previous, window.current,
-                            _double_word(window.penalty_until))
+                            _double_word(window.penalty_until), text, room, flags)
     if kind is TokenState:
         token = state
         last = token.last
         return _state_bytes(TOKEN, 3, _double_word(token.tokens), _double_word(math.nan if last is None else last),
-                            _double_word(token.penalty_until))
+                            _double_word(token.penalty_until), 0, text, room, flags)
     if kind is LeakyState:
         leaky = state
         last = leaky.last
         return _state_bytes(LEAKY, 3, leaky.excess, NO_LAST if last is None else last,
-                            _double_word(leaky.penalty_until))
+                            _double_word(leaky.penalty_until), 0, text, room, flags)
     if kind is LeaseState:
-        return _encode_leases(state.held, lease_slots)
-    return _encode_other(state)
+        return _in_record(_encode_leases(state.held, lease_slots), text, room, flags)
+    return _in_record(_encode_other(state), text, room, flags)
 
 
 def _encode_leases(held: dict[str, float], lease_slots: int) -> bytes:

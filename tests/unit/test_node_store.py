@@ -675,6 +675,36 @@ def test_a_states_bytes_are_its_layouts_whatever_its_fields(window: int, previou
         struct.pack("<Bqqd", records.LEAKY, excess, records.NO_LAST if last_ms is None else last_ms, penalty)
 
 
+record_states = st.one_of(
+    st.builds(WindowState, words, words, words, doubles),
+    st.builds(TokenState, doubles, st.one_of(st.none(), doubles), doubles),
+    st.builds(LeakyState, words, st.one_of(st.none(), words), doubles),
+    st.builds(LeaseState, st.dictionaries(st.text(max_size=9).filter(lambda lease: len(lease.encode()) <= 9), finite,
+                                          max_size=3)))
+
+
+@given(state=record_states, text=st.one_of(st.none(), st.binary(max_size=600)), room=st.integers(-1, 700),
+       flags=st.sampled_from([0, records.SPENT]))
+@example(state=WindowState(1, 2, 3, 4.0), text=b"k" * 67, room=100, flags=0)  # fits exactly
+@example(state=WindowState(1, 2, 3, 4.0), text=b"k" * 68, room=100, flags=0)  # one byte over
+@example(state=TokenState(1.0, None, 0.0), text=b"k" * 480, room=600, flags=records.SPENT)  # past the copy space
+@example(state=LeakyState(1, None, 0.0), text=b"k", room=-1, flags=records.SPENT)  # no record
+def test_a_states_record_is_its_bytes_then_the_text_that_fits(state: Any, text: bytes | None, room: int,
+                                                              flags: int) -> None:
+    """In a zone's record (room >= 0) a state's bytes are followed by the
+    key's text when both fit (else the flag ELSEWHERE), with the flags
+    in the first byte: one object, made in C for the three fixed layouts.
+    Outside a record, the state's bytes alone."""
+    value = records.encode_state(state, 16)
+    if room >= 0:
+        if text is not None and len(value) + len(text) <= room:
+            value += text
+        else:
+            flags |= records.ELSEWHERE
+        value = bytes((value[0] | flags,)) + value[1:]
+    assert records.encode_state(state, 16, text, room, flags) == value
+
+
 short_ids = st.text(max_size=9).filter(lambda lease: len(lease.encode()) <= 9)
 engine_ids = st.binary(min_size=9, max_size=9).map(bytes.hex)  # os.urandom(9).hex(), as the engine makes them
 
