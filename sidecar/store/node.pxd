@@ -13,6 +13,8 @@ from sidecar.store.records cimport Namer, encode_state
 
 @cython.locals(check=Check, spec=CheckSpec)
 cpdef bint over_slots(checks, Py_ssize_t slots) except -1
+@cython.locals(old=tuple, new=tuple, index=Py_ssize_t)
+cpdef bint same_key(planned, key) except -1
 @cython.locals(bit="unsigned long long")
 cpdef unsigned long long stripe_bit(Py_ssize_t stripe)
 
@@ -29,6 +31,7 @@ cdef class _Name:
     cdef public Py_ssize_t label_stripe
     cdef public Py_ssize_t planned
     cdef public Py_ssize_t slot
+    cdef public bint replaced
 
 
 @cython.locals(name=_Name)
@@ -56,6 +59,8 @@ cdef class _Slot:
     cdef public object kept_digest
     cdef public object kept_value
     cdef public object kept_state
+    cdef public object last_key
+    cdef public _Name last_name
 
     cpdef keep_decoded(self, bytes value, state)
     cpdef decoded(self, bytes value)
@@ -90,11 +95,13 @@ cdef class NodeTable:
     cdef public object _labels
     cdef public Py_ssize_t _state_value_size
     cdef public Py_ssize_t _lease_value_size
+    cdef public Py_ssize_t lease_slots
     cdef public Namer _namer
     cdef public CompiledZone _compiled_states
     cdef public CompiledZone _compiled_leases
 
-    @cython.locals(slot=_Slot, name=_Name, value_size=Py_ssize_t, compiled=CompiledZone)
+    cpdef begin(self, double now)
+    @cython.locals(slot=_Slot, name=_Name, last=_Name, value_size=Py_ssize_t, compiled=CompiledZone)
     cpdef _Slot plan_key(self, key, limiter, leases=*)
     @cython.locals(named=tuple)
     cpdef plan_ban(self, address)
@@ -102,7 +109,8 @@ cdef class NodeTable:
     @cython.locals(check=Check, spec=CheckSpec)
     cpdef plan_checks(self, address, checks)
     @cython.locals(slot=_Slot, slots=list, index=Py_ssize_t, labelled=bint, now=double, expires=double,
-                   kept=double, compiled=CompiledZone, limiter=Algorithm, value=bytes, text=bytes)
+                   kept=double, compiled=CompiledZone, limiter=Algorithm, value=bytes, text=bytes, never=double,
+                   stale_kept=double)
     cpdef _commit(self)
     cpdef Evaluation decide(self, Policy policy, double now, address, checks, bint can_delay, bint quotas)
     @cython.locals(masks=list, index=Py_ssize_t)

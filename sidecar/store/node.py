@@ -446,6 +446,30 @@ def stripe_bit(stripe: int) -> int:
     return bit << stripe
 
 
+def same_key(planned: Hashable, key: Hashable) -> bool:
+    """Whether the key ``planned`` is certainly ``key``: two tuples whose
+    items are the same objects or equal texts (a rule's prefix is one
+    object for all its keys). Compiled, compared in C; False when unsure
+    (other items), and the worker's names are asked instead."""
+    if type(planned) is not tuple or type(key) is not tuple:
+        return False
+    old: tuple[Any, ...] = planned  # tuples: read in C
+    new: tuple[Any, ...] = key
+    if len(old) != len(new):
+        return False
+    for index in range(len(old)):
+        first, second = old[index], new[index]
+        if first is second:
+            continue
+        if type(first) is not str or type(second) is not str:
+            return False
+        text: str = first  # compiled: two str compared in C
+        other: str = second
+        if text != other:
+            return False
+    return True
+
+
 class NotPlanned(RuntimeError):
     """The policy asked for a record the store did not lock for it: a bug."""
 
@@ -459,7 +483,7 @@ class _Name:
     collector has nothing to visit in the thousands kept."""
 
     __slots__ = ("digest", "text", "prefix_text", "leases", "room", "labelled", "stripe", "label_stripe", "planned",
-                 "slot")
+                 "slot", "replaced")
 
     digest: bytes
     text: bytes
@@ -471,6 +495,7 @@ class _Name:
     label_stripe: int  # its text's stripe in the labels zone (labelled only)
     planned: int
     slot: int
+    replaced: bool  # the worker named its key again (in the other zone): a slot keeps it no longer
 
 
 def new_name(digest: bytes, text: bytes, prefix_text: bytes, leases: bool, room: int, stripe: int,
@@ -488,6 +513,7 @@ def new_name(digest: bytes, text: bytes, prefix_text: bytes, leases: bool, room:
     name.label_stripe = label_stripe
     name.planned = -1
     name.slot = -1
+    name.replaced = False
     return name
 
 
@@ -499,7 +525,8 @@ class _Slot:
     slots, and a busy key's record read back unchanged is not decoded again."""
 
     __slots__ = ("key", "digest", "zone", "compiled", "value_size", "limiter", "text", "room", "labelled", "prefix",
-                 "state", "raw", "read", "changed", "forgotten", "kept_digest", "kept_value", "kept_state")
+                 "state", "raw", "read", "changed", "forgotten", "kept_digest", "kept_value", "kept_state", "last_key",
+                 "last_name")
 
     def __init__(self) -> None:
         self.key: Hashable = None
@@ -520,6 +547,11 @@ class _Slot:
         self.kept_digest: bytes | None = None  # the digest of the record kept
         self.kept_value: bytes | None = None  # its bytes
         self.kept_state: Any = None  # the state they hold (None: nothing kept)
+        # The key it was planned for last, and its name: the same key
+        # planned in the same place again (a request like the last one) is
+        # known without a lookup of the worker's names.
+        self.last_key: Hashable = None
+        self.last_name: _Name | None = None
 
     def plan(self, key: Hashable, name: _Name, zone: Zone, value_size: int, limiter: Limiter | None,
              prefix: bytes | None, compiled: Any) -> None:
@@ -540,6 +572,8 @@ class _Slot:
         self.read = False
         self.changed = False
         self.forgotten = False
+        self.last_key = key
+        self.last_name = name
 
     def keep_decoded(self, value: bytes, state: Any) -> None:
         """Keep ``state`` as the one ``value``, now the record's, holds."""
@@ -611,6 +645,7 @@ class NodeTable:
         self._labels = zones.labels
         self._state_value_size = zones.states.value_size
         self._lease_value_size = zones.leases.value_size
+        self.lease_slots = zones.lease_slots  # leases a record holds
         self._namer = zones.names
         self._compiled_states = compiled_zone(zones.states)
         self._compiled_leases = compiled_zone(zones.leases)
@@ -627,6 +662,8 @@ class NodeTable:
         self._label_mask = self._prefix_mask = 0
         if len(self._names) >= NAMES_KEPT:
             self._names.clear()  # between transactions: no key planned is forgotten
+            for slot in self._slots:
+                slot.last_key = slot.last_name = None  # only the names kept are known
 
     def _name(self, key: Hashable, leases: bool) -> _Name:
         """What the worker keeps about a key, worked out anew (its text's
@@ -642,12 +679,21 @@ class NodeTable:
     def plan_key(self, key: Hashable, limiter: Limiter | None, leases: bool | None = None) -> _Slot:
         """A key the transaction may read or write: in the leases zone when
         it counts leases (``leases``; by default, when ``limiter`` does)."""
-        name = self._names.get(key)
+        name = None
+        if self._used < len(self._slots):
+            slot = self._slots[self._used]
+            last = slot.last_name
+            if last is not None and not last.replaced and same_key(slot.last_key, key):
+                name = last  # what the names hold for the key
+        if name is None:
+            name = self._names.get(key)
         if name is not None and name.planned == self._transaction:
             return self._slots[name.slot]
         if leases is None:
             leases = limiter is not None and limiter.leases
         if name is None or name.leases != leases:
+            if name is not None:
+                name.replaced = True
             name = self._name(key, leases)
         if leases:
             zone, value_size, compiled = self._leases, self._lease_value_size, self._compiled_leases
@@ -723,7 +769,10 @@ class NodeTable:
 
     def decide(self, policy: Policy, now: float, address: str, checks: Sequence[Check], can_delay: bool,
                quotas: bool) -> Evaluation:
-        """``run(policy.evaluate, ...)``, the policy called in C."""
+        """A decision's transaction: the records its checks may touch
+        planned, then ``run(policy.evaluate, ...)``, the policy called in C."""
+        self.begin(now)
+        self.plan_checks(address, checks)
         try:
             self._lock()
             evaluation = policy.evaluate(now, address, checks, can_delay, quotas)
@@ -790,6 +839,7 @@ class NodeTable:
 
     def _commit(self) -> None:
         now = self.now
+        never, stale_kept = NEVER, STALE_KEPT  # compiled: C doubles, read once
         zones = self.zones
         notes = self._notes
         # What can fail to encode (a plug-in's note) fails before any write.
@@ -822,11 +872,11 @@ class NodeTable:
             # (a lease state without a lease) is kept readable, never
             # listed as in force.
             value = encode_state(state, lease_slots, None if labelled else text, slot.value_size,
-                                 0 if expires > NEVER else SPENT)
+                                 0 if expires > never else SPENT)
             if not (slot.changed or slot.forgotten) and value == slot.raw:
                 slot.keep_decoded(value, state)
                 continue  # read, not changed
-            kept = expires + STALE_KEPT if expires > NEVER else now + STALE_KEPT
+            kept = expires + stale_kept if expires > never else now + stale_kept
             compiled = slot.compiled
             if compiled is not None:
                 compiled.put(slot.digest, value, kept, now)  # in C
@@ -1028,19 +1078,16 @@ class NodeStore:
     def decide(self, now: float, address: str, checks: Sequence[Check], can_delay: bool = True,
                quotas: bool = False) -> Evaluation:
         """``evaluate`` without an event loop."""
-        table = self.table
-        table.begin(now)
-        checks = self._within_slots(checks)
-        table.plan_checks(address, checks)
+        table: NodeTable = self.table  # compiled: its methods called in C
+        if over_slots(checks, table.lease_slots):
+            checks = self._within_slots(checks)
         return table.decide(self.policy, now, address, checks, can_delay, quotas)
 
-    def _within_slots(self, checks: Sequence[Check]) -> Sequence[Check]:
+    def _within_slots(self, checks: Sequence[Check]) -> list[Check]:
         """The checks, with a concurrency limit above the leases a record
         holds (a reload raised it past the largest at start) run at that
         many: the zones keep their size until a restart."""
         slots = self.zones.lease_slots
-        if not over_slots(checks, slots):
-            return checks
         return [Check(self._capped_spec(check.spec), check.key, check.lease)
                 if check.spec.leases and cast(ConcurrencyLimiter, check.spec.limiter).limit > slots
                 else check for check in checks]

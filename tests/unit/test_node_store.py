@@ -50,6 +50,7 @@ from sidecar.store.node import (
     decode_tier,
     encode_tier,
     remove_orphans,
+    same_key,
     zone_sizes,
 )
 from tests.unit.policy_traces import START, Request, Step, replay, traces
@@ -292,6 +293,54 @@ def test_a_worker_writes_a_rule_s_prefix_once_for_all_its_keys(zone_type: Any) -
     worker = NodeTable(zones)  # another worker keeps its own count of the prefixes it wrote
     worker.begin(NOW)
     assert worker.plan_key((rule, "192.0.2.3"), window).prefix is not None
+
+
+key_items = st.one_of(st.text(max_size=6), st.integers(), st.tuples(st.text(max_size=3)))
+
+
+@given(prefix=st.tuples(st.text(max_size=3), st.tuples(st.text(max_size=3))), values=st.lists(key_items, max_size=3),
+       others=st.lists(key_items, max_size=3))
+def test_a_key_is_the_same_as_another_only_when_equal_and_is_when_its_texts_are(
+        prefix: tuple[Any, ...], values: list[Any], others: list[Any]) -> None:
+    key, other = (prefix, *values), (prefix, *others)
+    assert not same_key(key, other) or key == other
+    # Equal texts (not the same objects) after the same prefix: certainly the same.
+    texts = [value for value in values if type(value) is str]
+    assert same_key((prefix, *texts), (prefix, *("".join([text, "."])[:-1] for text in texts)))
+    assert not same_key(list(key), list(key))  # not a tuple: unsure
+
+
+@pytest.mark.parametrize("zone_type", ZONE_TYPES)
+@pytest.mark.parametrize("replaced_by", ["names forgotten", "the other zone"])
+def test_a_key_planned_twice_in_a_transaction_has_one_slot_whatever_its_place_remembers(
+        zone_type: Any, replaced_by: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slot remembers the key it was planned for last and its name (a
+    request like the last one finds its keys' names in place), never a
+    name the worker has replaced since: when it forgot its names, or named
+    the key again for the other zone, the key planned twice (equal, not
+    the same object) is planned in one slot."""
+    import sidecar.store.node as node
+
+    table = NodeTable(NodeZones.private(1000, 2, zone_type=zone_type))
+    window = WindowCounter(3, 10.0, 5.0)
+    rule = ("r", ("ip",))
+    key = (rule, "192.0.2.1")
+
+    def again() -> tuple[Any, ...]:
+        return (rule, key[1][:4] + key[1][4:])
+
+    table.begin(NOW)
+    table.plan_key((rule, "192.0.2.9"), window)
+    table.plan_key(key, window)  # the second slot remembers the key
+    table.run(lambda: None)
+    leases = replaced_by == "the other zone"
+    if not leases:
+        monkeypatch.setattr(node, "NAMES_KEPT", 1)
+    table.begin(NOW)
+    first = table.plan_key(again(), window, leases)
+    assert table.plan_key(again(), window, leases) is first
+    assert table._used == 1
+    table.run(lambda: None)
 
 
 def test_a_record_the_store_did_not_lock_is_refused_and_a_failed_action_writes_nothing() -> None:
