@@ -162,6 +162,7 @@ cdef class Zone:
     cpdef peek(self, digest, double now)
     cpdef put(self, digest, value, double expires, double now)
     cpdef delete(self, digest)
+    cpdef generation(self)
 
     cdef int _map(self, int fd, object found, object path) except -1
     cdef int _make(self, object found) except -1

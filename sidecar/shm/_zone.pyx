@@ -470,7 +470,7 @@ cdef class Zone:
         self._check_open()
         return sz_load64(&self._header.waits)
 
-    def generation(self):
+    cpdef generation(self):
         """A number the store bumps when something every worker must reload changed."""
         self._check_open()
         return sz_load64(&self._header.generation)

@@ -99,6 +99,10 @@ cdef class NodeTable:
     cdef public Namer _namer
     cdef public CompiledZone _compiled_states
     cdef public CompiledZone _compiled_leases
+    cdef public CompiledZone _compiled_bans
+
+    @cython.locals(compiled=CompiledZone)
+    cpdef bans_generation(self)
 
     cpdef begin(self, double now)
     @cython.locals(slot=_Slot, name=_Name, last=_Name, value_size=Py_ssize_t, compiled=CompiledZone)

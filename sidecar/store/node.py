@@ -649,6 +649,16 @@ class NodeTable:
         self._namer = zones.names
         self._compiled_states = compiled_zone(zones.states)
         self._compiled_leases = compiled_zone(zones.leases)
+        self._compiled_bans = compiled_zone(zones.bans)
+
+    def bans_generation(self) -> int:
+        """The bans zone's generation: bumped by any worker that changed
+        what every worker must catch up with (``NodeStore.refresh``)."""
+        compiled = self._compiled_bans
+        if compiled is not None:
+            generation: int = compiled.generation()  # in C
+            return generation
+        return self.zones.bans.generation()
 
     # -- planning ------------------------------------------------------------------
 
@@ -1061,7 +1071,9 @@ class NodeStore:
 
     @property
     def network_bans(self) -> NetworkBans:
-        self.refresh()
+        table: NodeTable = self.table  # compiled: the bans zone's generation read in C, for every check
+        if table.bans_generation() != self._seen_generation:
+            self.refresh()
         return self._network_bans
 
     @property
