@@ -32,6 +32,7 @@ cdef class _Name:
     cdef public Py_ssize_t planned
     cdef public Py_ssize_t slot
     cdef public bint replaced
+    cdef public bint kept
 
 
 @cython.locals(name=_Name)
@@ -78,6 +79,8 @@ cdef class NodeTable:
     cdef public dict _bans
     cdef public dict _notes
     cdef public dict _names
+    cdef public bytearray _seen
+    cdef public Py_ssize_t _marks
     cdef public dict _ban_names
     cdef public set _known_prefixes
     cdef public unsigned long long _ban_mask
@@ -105,7 +108,8 @@ cdef class NodeTable:
     cpdef bans_generation(self)
 
     cpdef begin(self, double now)
-    @cython.locals(slot=_Slot, name=_Name, last=_Name, value_size=Py_ssize_t, compiled=CompiledZone)
+    @cython.locals(slot=_Slot, name=_Name, last=_Name, value_size=Py_ssize_t, compiled=CompiledZone, index=Py_ssize_t,
+                   named=bint)
     cpdef _Slot plan_key(self, key, limiter, leases=*)
     @cython.locals(named=tuple)
     cpdef plan_ban(self, address)
@@ -132,3 +136,5 @@ cdef class NodeTable:
     @cython.locals(name=_Name, room=Py_ssize_t, compiled=CompiledZone, text=bytes, digest=bytes, stripe=Py_ssize_t,
                    label_stripe=Py_ssize_t)
     cpdef _Name _name(self, key, bint leases)
+    @cython.locals(bit=Py_ssize_t, at=Py_ssize_t, mask=int, seen=bytearray)
+    cdef bint _named_before(self, bytes digest) except -1

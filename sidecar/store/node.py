@@ -483,7 +483,7 @@ class _Name:
     collector has nothing to visit in the thousands kept."""
 
     __slots__ = ("digest", "text", "prefix_text", "leases", "room", "labelled", "stripe", "label_stripe", "planned",
-                 "slot", "replaced")
+                 "slot", "replaced", "kept")
 
     digest: bytes
     text: bytes
@@ -496,6 +496,7 @@ class _Name:
     planned: int
     slot: int
     replaced: bool  # the worker named its key again (in the other zone): a slot keeps it no longer
+    kept: bool  # among the worker's names (NodeTable._names), till they are cleared
 
 
 def new_name(digest: bytes, text: bytes, prefix_text: bytes, leases: bool, room: int, stripe: int,
@@ -514,6 +515,7 @@ def new_name(digest: bytes, text: bytes, prefix_text: bytes, leases: bool, room:
     name.planned = -1
     name.slot = -1
     name.replaced = False
+    name.kept = False
     return name
 
 
@@ -608,6 +610,12 @@ def compiled_zone(zone: Any) -> Any:
 # Keys whose digest and text a worker remembers (a key's repr and digest
 # cost more than the rest of its read): forgotten all at once when full.
 NAMES_KEPT = 16_384
+# A key's name is kept from the second time the worker names it: a bit of
+# SEEN_BITS, picked by its digest, says a key was named before, and all
+# are cleared after NAMES_KEPT namings. Under rotation no key is named
+# twice, and keeping every name (objects made and dropped by the
+# thousand, in memory long cold) cost a quarter of a decision's time.
+SEEN_BITS = 1 << 17
 
 
 class NodeTable:
@@ -626,6 +634,8 @@ class NodeTable:
         self._bans: dict[str, list[Any]] = {}  # address -> [digest, record, read, changed]
         self._notes: dict[Note, list[Any]] = {}  # name -> [digest, (value, until), read, changed]
         self._names: dict[Hashable, _Name] = {}  # key -> what the worker worked out about it
+        self._seen = bytearray(SEEN_BITS // 8)  # which keys were named (_named_before)
+        self._marks = 0  # bits set since they were cleared
         self._known_prefixes: set[bytes] = set()  # the texts of prefixes this worker wrote
         self._ban_names: dict[str, tuple[bytes, int]] = {}  # address -> (digest, its stripe's bit)
         # The stripes to lock in each zone a transaction locks (LOCKED), as
@@ -683,8 +693,26 @@ class NodeTable:
             else (self._compiled_states, self._states, TEXT_ROOM)
         stripe = compiled.stripe_of(digest) if compiled is not None else zone.stripe_of(digest)  # in C
         label_stripe = self._labels.stripe_of(digest) if len(text) > room else -1
-        name = self._names[key] = new_name(digest, text, prefix_text, leases, room, stripe, label_stripe)
+        name = new_name(digest, text, prefix_text, leases, room, stripe, label_stripe)
+        if self._named_before(digest):
+            self._names[key] = name
+            name.kept = True
         return name
+
+    def _named_before(self, digest: bytes) -> bool:
+        """Whether a key of this digest (or one sharing its bit) was named
+        since the marks were last cleared; marked now."""
+        bit = (digest[0] | digest[1] << 8 | digest[2] << 16) & (SEEN_BITS - 1)
+        at, mask = bit >> 3, 1 << (bit & 7)
+        seen = self._seen
+        if seen[at] & mask:
+            return True
+        seen[at] |= mask
+        self._marks += 1
+        if self._marks >= NAMES_KEPT:
+            self._seen = bytearray(SEEN_BITS // 8)
+            self._marks = 0
+        return False
 
     def plan_key(self, key: Hashable, limiter: Limiter | None, leases: bool | None = None) -> _Slot:
         """A key the transaction may read or write: in the leases zone when
@@ -694,22 +722,40 @@ class NodeTable:
             slot = self._slots[self._used]
             last = slot.last_name
             if last is not None and not last.replaced and same_key(slot.last_key, key):
-                name = last  # what the names hold for the key
+                name = last
+                if not name.kept:
+                    # Planned again, as a name the worker did not keep
+                    # yet: kept from now on, unless it keeps another.
+                    name = self._names.setdefault(key, last)
+                    if name is not last:
+                        last.replaced = True
+                    name.kept = True
         if name is None:
             name = self._names.get(key)
         if name is not None and name.planned == self._transaction:
             return self._slots[name.slot]
         if leases is None:
             leases = limiter is not None and limiter.leases
+        named = False
         if name is None or name.leases != leases:
             if name is not None:
                 name.replaced = True
             name = self._name(key, leases)
+            named = True
         if leases:
             zone, value_size, compiled = self._leases, self._lease_value_size, self._compiled_leases
-            self._lease_mask |= stripe_bit(name.stripe)
         else:
             zone, value_size, compiled = self._states, self._state_value_size, self._compiled_states
+        if named:
+            # Named anew: an equal key (not the same object) may be planned
+            # already, under a name the worker did not keep.
+            for index in range(self._used):
+                slot = self._slots[index]
+                if slot.zone is zone and slot.digest == name.digest:
+                    return slot
+        if leases:
+            self._lease_mask |= stripe_bit(name.stripe)
+        else:
             self._state_mask |= stripe_bit(name.stripe)
         if name.labelled:
             self._label_mask |= stripe_bit(name.label_stripe)
@@ -733,7 +779,9 @@ class NodeTable:
                 if len(self._ban_names) >= NAMES_KEPT:
                     self._ban_names.clear()
                 digest = self._namer.ban_name(address)
-                named = self._ban_names[address] = (digest, stripe_bit(self.zones.bans.stripe_of(digest)))
+                named = (digest, stripe_bit(self.zones.bans.stripe_of(digest)))
+                if self._named_before(digest):  # kept from its second time, as keys' names
+                    self._ban_names[address] = named
             self._bans[address] = [named[0], None, False, False]
             self._ban_mask |= named[1]
 
@@ -921,10 +969,12 @@ class NodeTable:
             if slot.key is key:
                 break
         else:
-            name = self._names.get(key)
-            if name is None or name.planned != self._transaction:
+            for index in range(self._used):  # an equal key, not the same object
+                slot = slots[index]
+                if slot.key == key:
+                    break
+            else:
                 raise NotPlanned(f"the policy asked for a key the store did not lock: {key!r:.200}")
-            slot = slots[name.slot]
         if not slot.read:
             slot.read = True
             compiled = slot.compiled

@@ -343,6 +343,53 @@ def test_a_key_planned_twice_in_a_transaction_has_one_slot_whatever_its_place_re
     table.run(lambda: None)
 
 
+def test_a_worker_keeps_a_key_s_name_from_its_second_naming_and_none_of_a_rotation() -> None:
+    """Under rotation no key is named twice, and none is kept (a few are,
+    whose digests share a bit with an earlier one); a key named again, or
+    planned again where it was planned last, is kept; so is an address's
+    ban name named again."""
+    table = NodeTable(NodeZones.private(5000, zone_type=PureZone))
+    window = WindowCounter(3, 10.0, 5.0)
+    rule = ("r", ("ip",))
+
+    def transaction(*keys: Any) -> None:
+        table.begin(NOW)
+        for key in keys:
+            table.plan_key(key, window)
+        table.plan_ban(keys[-1][1])
+        table.run(lambda: None)
+
+    for number in range(2000):
+        transaction((rule, f"10.1.{number >> 8}.{number & 255}"))
+    assert len(table._names) <= 150 and len(table._ban_names) <= 150
+    key, other = (rule, "192.0.2.1"), (rule, "192.0.2.2")
+    transaction(key)
+    assert key not in table._names and "192.0.2.1" not in table._ban_names
+    transaction(other, key)  # named again, elsewhere
+    assert key in table._names and "192.0.2.1" in table._ban_names
+    assert other not in table._names
+    transaction(other, (rule, "192.0.2.3"))  # planned again in its place
+    assert other in table._names
+
+
+def test_a_key_whose_name_is_not_kept_is_planned_once_and_found_by_an_equal_key() -> None:
+    table = NodeTable(NodeZones.private(1000, zone_type=PureZone))
+    window = WindowCounter(3, 10.0, 5.0)
+    rule = ("r", ("ip",))
+    address = "192.0.2.7"
+    table.begin(NOW)
+    first = table.plan_key((rule, address), window)
+    assert (rule, address) not in table._names
+    assert table.plan_key((rule, address[:3] + address[3:]), window) is first
+    assert table._used == 1
+    state = window.new_state()
+    window.hit(state, NOW, 3.0, 1)
+    table.run(lambda: table.keep((rule, address[:2] + address[2:]), state))
+    table.begin(NOW)
+    table.plan_key((rule, address), window)
+    assert table.run(table.state, (rule, address[:4] + address[4:])) == state
+
+
 def test_a_record_the_store_did_not_lock_is_refused_and_a_failed_action_writes_nothing() -> None:
     zones = NodeZones.private(1000, zone_type=PureZone)
     table = NodeTable(zones)
