@@ -121,6 +121,8 @@ cdef class NodeTable:
                    stale_kept=double)
     cpdef _commit(self)
     cpdef Evaluation decide(self, Policy policy, double now, address, checks, bint can_delay, bint quotas)
+    @cython.locals(can_delay=bint, quotas=bint)
+    cdef _transact(self, Policy policy, action, tuple args)
     @cython.locals(masks=list, index=Py_ssize_t)
     cpdef _lock(self)
     @cython.locals(masks=list, index=Py_ssize_t)

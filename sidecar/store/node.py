@@ -813,31 +813,32 @@ class NodeTable:
     def run(self, action: Callable[..., Any], *args: Any) -> Any:
         """``action(*args)`` with the planned stripes locked, then every
         change written; nothing is written when it raises."""
-        try:
-            self._lock()
-            result = action(*args)
-            self._commit()
-            return result
-        except BaseException:
-            self._drop_decoded()  # the action may have changed states it did not write
-            raise
-        finally:
-            self._unlock()
-            self._end()
+        return self._transact(None, action, args)
 
     def decide(self, policy: Policy, now: float, address: str, checks: Sequence[Check], can_delay: bool,
                quotas: bool) -> Evaluation:
         """A decision's transaction: the records its checks may touch
-        planned, then ``run(policy.evaluate, ...)``, the policy called in C."""
+        planned, then run as ``run(policy.evaluate, ...)``, the policy
+        called in C."""
         self.begin(now)
         self.plan_checks(address, checks)
+        evaluation: Evaluation = self._transact(policy, None, (now, address, checks, can_delay, quotas))
+        return evaluation
+
+    def _transact(self, policy: Policy | None, action: Callable[..., Any] | None, args: tuple[Any, ...]) -> Any:
+        """``run``'s transaction, of ``action(*args)`` or, given the policy,
+        of its evaluation of ``args``."""
         try:
             self._lock()
-            evaluation = policy.evaluate(now, address, checks, can_delay, quotas)
+            if policy is not None:
+                now, address, checks, can_delay, quotas = args
+                result: Any = policy.evaluate(now, address, checks, can_delay, quotas)  # in C
+            else:
+                result = cast(Callable[..., Any], action)(*args)
             self._commit()
-            return evaluation
+            return result
         except BaseException:
-            self._drop_decoded()
+            self._drop_decoded()  # the action may have changed states it did not write
             raise
         finally:
             self._unlock()

@@ -375,13 +375,8 @@ def _state_bytes(kind: int, count: int, first: int, second: int, third: int, fou
     size = 1 + 8 * count
     if not cython.compiled or (text is not None and size + len(text) > len(_SPACE)):
         return _in_record(_WORDS[count].pack(kind, *(first, second, third, fourth)[:count]), text, room, flags)
-    tail = 0
-    if room < 0:
-        flags = 0
-    elif text is not None and size + len(text) <= room:
-        tail = len(text)
-    else:
-        flags |= ELSEWHERE
+    flags = _placed(size, text, room, flags)
+    tail = len(text) if text is not None and room >= 0 and not flags & ELSEWHERE else 0
     space = _SPACE  # compiled: a pointer, whose slice is a new bytes object made in C
     value = space[:size + tail]
     written = value  # compiled: its bytes, written in C
@@ -398,14 +393,22 @@ def _state_bytes(kind: int, count: int, first: int, second: int, third: int, fou
     return value
 
 
+def _placed(size: int, text: bytes | None, room: int, flags: int) -> int:
+    """The first byte's flags of a state of ``size`` bytes in a record of
+    ``room`` bytes: ``flags``, and ELSEWHERE unless the key's ``text``
+    follows the state; none outside a record (``room`` < 0)."""
+    if room < 0:
+        return 0
+    if text is not None and size + len(text) <= room:
+        return flags
+    return flags | ELSEWHERE
+
+
 def _in_record(value: bytes, text: bytes | None, room: int, flags: int) -> bytes:
     """A state's bytes ``value`` in a record, as ``encode_state`` says."""
-    if room < 0:
-        return value
-    if text is not None and len(value) + len(text) <= room:
+    flags = _placed(len(value), text, room, flags)
+    if text is not None and room >= 0 and not flags & ELSEWHERE:
         value += text
-    else:
-        flags |= ELSEWHERE
     if flags:
         value = bytes((value[0] | flags,)) + value[1:]
     return value
