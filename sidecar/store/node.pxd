@@ -31,7 +31,6 @@ cdef class _Name:
     cdef public Py_ssize_t label_stripe
     cdef public Py_ssize_t planned
     cdef public Py_ssize_t slot
-    cdef public bint replaced
     cdef public bint kept
 
 
@@ -109,7 +108,7 @@ cdef class NodeTable:
 
     cpdef begin(self, double now)
     @cython.locals(slot=_Slot, name=_Name, last=_Name, value_size=Py_ssize_t, compiled=CompiledZone, index=Py_ssize_t,
-                   named=bint)
+                   digest=bytes)
     cpdef _Slot plan_key(self, key, limiter, leases=*)
     @cython.locals(named=tuple)
     cpdef plan_ban(self, address)

@@ -483,7 +483,7 @@ class _Name:
     collector has nothing to visit in the thousands kept."""
 
     __slots__ = ("digest", "text", "prefix_text", "leases", "room", "labelled", "stripe", "label_stripe", "planned",
-                 "slot", "replaced", "kept")
+                 "slot", "kept")
 
     digest: bytes
     text: bytes
@@ -495,8 +495,7 @@ class _Name:
     label_stripe: int  # its text's stripe in the labels zone (labelled only)
     planned: int
     slot: int
-    replaced: bool  # the worker named its key again (in the other zone): a slot keeps it no longer
-    kept: bool  # among the worker's names (NodeTable._names), till they are cleared
+    kept: bool  # put among the worker's names (NodeTable._names), which may have been cleared since
 
 
 def new_name(digest: bytes, text: bytes, prefix_text: bytes, leases: bool, room: int, stripe: int,
@@ -514,7 +513,6 @@ def new_name(digest: bytes, text: bytes, prefix_text: bytes, leases: bool, room:
     name.label_stripe = label_stripe
     name.planned = -1
     name.slot = -1
-    name.replaced = False
     name.kept = False
     return name
 
@@ -682,8 +680,6 @@ class NodeTable:
         self._label_mask = self._prefix_mask = 0
         if len(self._names) >= NAMES_KEPT:
             self._names.clear()  # between transactions: no key planned is forgotten
-            for slot in self._slots:
-                slot.last_key = slot.last_name = None  # only the names kept are known
 
     def _name(self, key: Hashable, leases: bool) -> _Name:
         """What the worker keeps about a key, worked out anew (its text's
@@ -721,14 +717,12 @@ class NodeTable:
         if self._used < len(self._slots):
             slot = self._slots[self._used]
             last = slot.last_name
-            if last is not None and not last.replaced and same_key(slot.last_key, key):
+            if last is not None and same_key(slot.last_key, key):
                 name = last
                 if not name.kept:
                     # Planned again, as a name the worker did not keep
                     # yet: kept from now on, unless it keeps another.
                     name = self._names.setdefault(key, last)
-                    if name is not last:
-                        last.replaced = True
                     name.kept = True
         if name is None:
             name = self._names.get(key)
@@ -736,23 +730,19 @@ class NodeTable:
             return self._slots[name.slot]
         if leases is None:
             leases = limiter is not None and limiter.leases
-        named = False
         if name is None or name.leases != leases:
-            if name is not None:
-                name.replaced = True
             name = self._name(key, leases)
-            named = True
         if leases:
             zone, value_size, compiled = self._leases, self._lease_value_size, self._compiled_leases
         else:
             zone, value_size, compiled = self._states, self._state_value_size, self._compiled_states
-        if named:
-            # Named anew: an equal key (not the same object) may be planned
-            # already, under a name the worker did not keep.
-            for index in range(self._used):
-                slot = self._slots[index]
-                if slot.zone is zone and slot.digest == name.digest:
-                    return slot
+        # An equal key (not the same object) may be planned already under
+        # another of its names (one the worker did not keep, or forgot).
+        digest = name.digest
+        for index in range(self._used):
+            slot = self._slots[index]
+            if slot.digest == digest and slot.zone is zone:
+                return slot
         if leases:
             self._lease_mask |= stripe_bit(name.stripe)
         else:
