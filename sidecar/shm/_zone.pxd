@@ -163,6 +163,9 @@ cdef class Zone:
     cpdef put(self, digest, value, double expires, double now)
     cpdef delete(self, digest)
     cpdef generation(self)
+    cpdef ask(self, digest)
+    cpdef ask_records(self, digest)
+    cpdef ask_victim(self, digest)
 
     cdef int _map(self, int fd, object found, object path) except -1
     cdef int _make(self, object found) except -1
@@ -178,6 +181,9 @@ cdef class Zone:
     cdef int _acquire(self, Py_ssize_t stripe) except -1
     cdef int _release(self, Py_ssize_t stripe) except -1
     cdef object _read(self, object digest, double now, bint refresh)
+    cdef const unsigned char *_hinted(self, object digest) noexcept
+    cdef bint _full(self, sz_stripe *stripe) noexcept
+    cdef void _ask_record(self, sz_stripe *stripe, uint32_t index) noexcept
     cdef sz_record *_record(self, sz_stripe *stripe, uint32_t index) noexcept
     cdef uint32_t *_bucket(self, sz_stripe *stripe, const unsigned char *digest) noexcept
     cdef Py_ssize_t _length(self, sz_record *record) noexcept

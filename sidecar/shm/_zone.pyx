@@ -38,6 +38,11 @@ import os
 from sidecar.shm import pure_zone
 
 
+cdef extern from *:
+    # GCC's and Clang's: ask for a line of memory before it is read.
+    void prefetch "__builtin_prefetch"(const void *address) noexcept nogil
+
+
 cdef enum:
     NIL = 0
     FREE = 0
@@ -479,6 +484,79 @@ cdef class Zone:
         """Add one to the generation, atomically; the new generation."""
         self._check_open()
         return sz_increment(&self._header.generation)
+
+    # -- hints: memory asked for before a transaction needs it ------------------
+
+    cpdef ask(self, digest):
+        """A hint that ``digest``'s record is read or written soon: the
+        memory of its bucket and of its stripe's fields is asked for, with
+        no lock taken (``ask_records`` reads them next). Under a rotation of
+        keys that memory is long out of the CPU's caches; a transaction that
+        asks for all of its keys' at once waits for them together instead
+        of one after the other. Nothing is read, nothing is checked: a
+        digest that is not one is ignored."""
+        cdef const unsigned char *key = self._hinted(digest)
+        if key == NULL:
+            return
+        cdef sz_stripe *stripe = self._stripe(self._stripe_index(key))
+        prefetch(self._bucket(stripe, key))
+        prefetch(&stripe.newest)
+
+    cpdef ask_records(self, digest):
+        """The hint after ``ask``: the records that reading or storing
+        ``digest`` touches first are asked for, the first of its bucket's
+        chain and, when the stripe is full, its least recently used (the
+        one a new key takes). Their links are read without the lock: one
+        torn or stale asks for other memory of the zone, never memory
+        outside it, and changes nothing."""
+        cdef const unsigned char *key = self._hinted(digest)
+        if key == NULL:
+            return
+        cdef sz_stripe *stripe = self._stripe(self._stripe_index(key))
+        self._ask_record(stripe, sz_load32(self._bucket(stripe, key)))
+        if self._full(stripe):
+            self._ask_record(stripe, sz_load32(&stripe.oldest))
+
+    cpdef ask_victim(self, digest):
+        """The hint before a new ``digest`` is stored in a full stripe: the
+        memory that evicting the stripe's least recently used record touches
+        (its bucket, its newer neighbour) is asked for, that record's
+        memory having been asked for by ``ask_records``. Read without the
+        lock, as there."""
+        cdef const unsigned char *key = self._hinted(digest)
+        if key == NULL:
+            return
+        cdef sz_stripe *stripe = self._stripe(self._stripe_index(key))
+        if not self._full(stripe):
+            return
+        cdef uint32_t oldest = sz_load32(&stripe.oldest)
+        if oldest == NIL or oldest > <uint32_t>self.per_stripe:
+            return
+        cdef sz_record *record = self._record(stripe, oldest)
+        prefetch(self._bucket(stripe, record.digest))
+        self._ask_record(stripe, sz_load32(&record.newer))
+
+    cdef const unsigned char *_hinted(self, object digest) noexcept:
+        """A hint's digest, or NULL when the zone is closed or it is none."""
+        if self._base == NULL or not PyBytes_Check(digest) or PyBytes_GET_SIZE(digest) != DIGEST_SIZE:
+            return NULL
+        return <const unsigned char *>PyBytes_AS_STRING(digest)
+
+    cdef bint _full(self, sz_stripe *stripe) noexcept:
+        """Whether the stripe has no record free (read without the lock)."""
+        return sz_load32(&stripe.free_head) == NIL and sz_load32(&stripe.fresh) >= <uint32_t>self.per_stripe
+
+    cdef void _ask_record(self, sz_stripe *stripe, uint32_t index) noexcept:
+        """Ask for the memory of the record of ``index`` (a link), every
+        line it spans; nothing for NIL or a link out of the stripe."""
+        if index == NIL or index > <uint32_t>self.per_stripe:
+            return
+        cdef unsigned char *at = <unsigned char *>self._record(stripe, index)
+        cdef unsigned char *end = at + self.record_size
+        while at < end:
+            prefetch(at)
+            at += 64
+        prefetch(end - 1)
 
     # -- the stripe's structure ----------------------------------------------
 

@@ -123,8 +123,15 @@ class Layout:
 
     @property
     def bucket_count(self) -> int:
-        """Hash buckets per stripe: a power of two, at least half the
-        stripe's records (chains of two records at most on average)."""
+        """Hash buckets per stripe: a power of two, at least three quarters
+        of the stripe's records (chains of 4/3 records at most on average:
+        a key looked for, found or not, reads about one record besides its
+        bucket, each a miss under a rotation of keys), unless those buckets
+        would take more than a sixteenth of the records' memory (small
+        records): then at least half the records (chains of 2 at most)."""
+        dense = 1 << max(0, (self.per_stripe * 3 + 3) // 4 - 1).bit_length()
+        if dense * 4 * 16 <= self.per_stripe * self.record_size:
+            return dense
         return 1 << max(0, (self.per_stripe + 1) // 2 - 1).bit_length()
 
     @property
@@ -535,6 +542,18 @@ class Zone:
     def generation(self) -> int:
         """A number the store bumps when something every worker must reload changed."""
         return int(_U64.unpack_from(self._memory(), GENERATION_AT)[0])
+
+    def ask(self, digest: bytes) -> None:
+        """A hint that ``digest``'s record is read or written soon (the
+        compiled zone asks for its memory ahead); this twin ignores it."""
+
+    def ask_records(self, digest: bytes) -> None:
+        """The hint after ``ask`` (the compiled zone asks for the records
+        that reading or storing ``digest`` touches first); ignored here."""
+
+    def ask_victim(self, digest: bytes) -> None:
+        """The hint before a new ``digest`` is stored (the compiled zone
+        asks for the memory an eviction touches); ignored here."""
 
     def bump_generation(self) -> int:
         """Add one to the generation; the new generation."""

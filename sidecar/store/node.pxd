@@ -120,6 +120,8 @@ cdef class NodeTable:
                    stale_kept=double)
     cpdef _commit(self)
     cpdef Evaluation decide(self, Policy policy, double now, address, checks, bint can_delay, bint quotas)
+    @cython.locals(slot=_Slot, slots=list, index=Py_ssize_t, compiled=CompiledZone, bans=CompiledZone, entry=list)
+    cpdef _ask_records(self)
     @cython.locals(can_delay=bint, quotas=bint)
     cdef _transact(self, Policy policy, action, tuple args)
     @cython.locals(masks=list, index=Py_ssize_t)

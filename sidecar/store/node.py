@@ -760,6 +760,8 @@ class NodeTable:
         name.slot = self._used
         self._used += 1
         slot.plan(key, name, zone, value_size, limiter, prefix, compiled)
+        if compiled is not None:
+            compiled.ask(digest)  # in C: its memory asked for while the other keys are planned
         return slot
 
     def plan_ban(self, address: str) -> None:
@@ -774,6 +776,8 @@ class NodeTable:
                     self._ban_names[address] = named
             self._bans[address] = [named[0], None, False, False]
             self._ban_mask |= named[1]
+            if self._compiled_bans is not None:
+                self._compiled_bans.ask(named[0])  # in C
 
     def plan_note(self, name: Note) -> None:
         if name not in self._notes:
@@ -812,8 +816,25 @@ class NodeTable:
         called in C."""
         self.begin(now)
         self.plan_checks(address, checks)
+        self._ask_records()
         evaluation: Evaluation = self._transact(policy, None, (now, address, checks, can_delay, quotas))
         return evaluation
+
+    def _ask_records(self) -> None:
+        """Ask for the memory of the records the planned keys and bans
+        read first (``Zone.ask_records``), their buckets' memory asked for
+        as each was planned: under a rotation of keys the misses of a
+        transaction's records overlap instead of following one another."""
+        slots = self._slots
+        for index in range(self._used):
+            slot = slots[index]
+            compiled = slot.compiled
+            if compiled is not None:
+                compiled.ask_records(slot.digest)  # in C
+        bans = self._compiled_bans
+        if bans is not None:
+            for entry in self._bans.values():
+                bans.ask_records(entry[0])  # in C
 
     def _transact(self, policy: Policy | None, action: Callable[..., Any] | None, args: tuple[Any, ...]) -> Any:
         """``run``'s transaction, of ``action(*args)`` or, given the policy,
@@ -896,6 +917,11 @@ class NodeTable:
                          for name, (_, note, _, changed) in notes.items() if changed} if notes else None
         lease_slots = zones.lease_slots
         slots = self._slots
+        for index in range(self._used):
+            slot = slots[index]
+            compiled = slot.compiled
+            if compiled is not None and slot.raw is None and slot.state is not None:
+                compiled.ask_victim(slot.digest)  # in C: a new key's, evicting when its stripe is full
         for index in range(self._used):
             slot = slots[index]
             state = slot.state

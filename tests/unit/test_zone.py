@@ -246,11 +246,25 @@ def test_a_record_is_a_40_byte_header_and_its_value_rounded_to_8(value_size, rec
     assert pure_zone.layout(1000, value_size, 4).record_size == record_size
 
 
-def test_a_key_costs_at_most_132_bytes_with_88_byte_values_everything_counted():
+def test_a_key_costs_at_most_133_bytes_with_88_byte_values_everything_counted():
     found = pure_zone.layout(1_000_000, 88, 64)
     assert found.capacity == 1_000_000 - 1_000_000 % 64
     assert found.record_size == 128
-    assert found.bytes_per_key <= 132  # records, buckets, undo copies and headers
+    assert found.bytes_per_key <= 133  # records, buckets, undo copies and headers
+
+
+@pytest.mark.parametrize(("per_stripe", "value_size", "buckets"),
+                         [(1, 80, 1), (2, 80, 2), (3, 80, 4), (78, 80, 64), (1563, 80, 2048), (16385, 80, 16384),
+                          (1563, 152, 2048), (1563, 32, 1024), (1563, 8, 1024), (400, 32, 256)])
+def test_a_stripe_has_buckets_for_chains_of_4_3_records_unless_they_outweigh_a_sixteenth_of_its_records(
+        per_stripe, value_size, buckets):
+    """The fewest buckets (a power of two) for chains of 4/3 records at
+    most on average; for records so small that those buckets would take more
+    than a sixteenth of their memory, the fewest for chains of 2."""
+    found = pure_zone.layout(per_stripe * 4, value_size, 4)
+    assert found.bucket_count == buckets
+    dense = per_stripe <= buckets * 4 / 3 and buckets * 4 * 16 <= per_stripe * found.record_size
+    assert dense or per_stripe <= buckets * 2
 
 
 @pytest.mark.parametrize("zone_class", ZONES)
@@ -757,3 +771,77 @@ def test_a_live_record_whose_length_cannot_be_is_dropped(tmp_path, zone_class):
         zone._rebuild(0)
         assert [value for _, value, _ in zone.scan(0, 0.0)] == [b"b"]
     zone.close()
+
+
+# -- hints: memory asked for ahead, nothing read that is not the zone's ------------------
+
+
+HINTS = ("ask", "ask_records", "ask_victim")
+
+
+@settings(max_examples=200, deadline=None)
+@given(names=st.lists(st.integers(0, 40), max_size=30), damage=st.lists(damages, max_size=6),
+       asked=st.lists(st.one_of(st.integers(0, 60).map(digest), st.binary(max_size=20), st.none(), st.integers()),
+                      max_size=12))
+def test_hints_take_no_lock_change_nothing_and_follow_no_link_out_of_the_zone(tmp_path_factory, names, damage,
+                                                                             asked):
+    """``ask``, ``ask_records`` and ``ask_victim`` read the zone without its
+    lock, so whatever its links say (torn, stale, past the stripe: a dead
+    owner's or a writer's halfway): they read nothing outside the zone (a
+    link out of the stripe would crash the process here), write nothing, and
+    ignore what is not a digest."""
+    path = str(tmp_path_factory.mktemp("zone") / "zone")
+    zone = (CompiledZone or PureZone).create(path, 16, 8, 1)
+    for name in names:  # past 16 names: a full stripe, whose oldest record a victim's hint reads
+        put(zone, digest(name), str(name).encode(), 2000.0 + name, 1000.0)
+    where = Stripe(zone, 0)
+    with open(path, "r+b") as file, mmap.mmap(file.fileno(), 0) as memory:
+        for kind, number, value in damage:
+            if kind in LINKS:
+                struct.pack_into("=I", memory, where.record(number) + LINKS[kind], value)
+            elif kind == "field":
+                struct.pack_into("=I", memory, where.field(number), value)
+            elif kind == "bucket":
+                struct.pack_into("=I", memory, where.bucket(number % where.layout.bucket_count), 2**32 - 1 - value)
+        before = memory[:]
+        for key in asked:
+            for hint in HINTS:
+                getattr(zone, hint)(key)
+        assert memory[:] == before
+    zone.close()
+    for hint in HINTS:
+        getattr(zone, hint)(digest(1))  # a closed zone's memory is gone: nothing read
+
+
+@pytest.mark.parametrize("oldest", [17, 2**16, 2**31 - 1, 2**32 - 1])
+def test_a_victim_s_hint_reads_no_record_past_the_stripe(tmp_path, oldest):
+    """A full stripe whose least recently used link is torn: the hint that
+    reads that record's digest and links reads none (a record that far
+    away is outside the zone's memory)."""
+    path = str(tmp_path / "zone")
+    zone = (CompiledZone or PureZone).create(path, 16, 8, 1)
+    fill(zone, [str(number) for number in range(20)])
+    where = Stripe(zone, 0)
+    with open(path, "r+b") as file, mmap.mmap(file.fileno(), 0) as memory:
+        struct.pack_into("=I", memory, where.field(pure_zone.OLDEST), oldest)
+        before = memory[:]
+        zone.ask_records(digest(1))
+        zone.ask_victim(digest(1))
+        assert memory[:] == before
+    zone.close()
+
+
+@pytest.mark.parametrize("zone_class", BUILT)
+def test_a_zone_given_hints_holds_and_evicts_what_one_given_none_does(zone_class):
+    hinted, plain = zone_class.private(16, 8, 2), zone_class.private(16, 8, 2)
+    for number in range(60):
+        key = digest(number % 40)
+        for hint in HINTS:
+            getattr(hinted, hint)(key)
+        for made in (hinted, plain):
+            if get(made, key, float(number)) is None:
+                put(made, key, str(number).encode(), 100.0, float(number))
+    assert [live(hinted, stripe) for stripe in (0, 1)] == [live(plain, stripe) for stripe in (0, 1)]
+    assert hinted.evictions == plain.evictions > 0
+    hinted.close()
+    plain.close()
