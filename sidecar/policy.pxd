@@ -13,8 +13,15 @@ from sidecar.state cimport Check, CheckSpec, Evaluation
 cpdef Evaluation evaluated(list hits)
 
 
+cdef class TableInC:
+    cpdef state(self, key)
+    cpdef keep(self, key, state)
+    cpdef expect(self, checks)
+    cpdef ban(self, address)
+
+
 @cython.locals(states=StateMap)
-cdef inline void _keep(states, keep, key, state, Algorithm limiter) except *
+cdef inline void _keep(states, TableInC in_c, keep, key, state, Algorithm limiter) except *
 
 
 cdef class Policy:
@@ -22,7 +29,9 @@ cdef class Policy:
     cdef public object node
     cdef public object wall_clock
     cdef StateMap _map
+    cdef TableInC _in_c
 
     @cython.locals(check=Check, spec=CheckSpec, evaluation=Evaluation, stopped=bint, hits=list, deferred=list,
-                   stored=bint, hit=Hit, limiter=Algorithm, bucket=Algorithm, states=StateMap)
+                   stored=bint, hit=Hit, limiter=Algorithm, bucket=Algorithm, states=StateMap,
+                   in_c=TableInC)
     cpdef Evaluation evaluate(self, double now, address, checks, bint can_delay=*, bint quotas=*)

@@ -112,6 +112,26 @@ def carried_over(state: Any, limiter: Limiter) -> Any:
     return state
 
 
+@cython.cclass
+class TableInC:
+    """A table whose primitives the compiled policy calls in C rather than
+    as bound methods (the node's table, ``sidecar.store.node``): a base
+    without state whose methods its subclass overrides. The memory table's
+    map is called in C as it is (``_compiled_map``)."""
+
+    def state(self, key: Hashable) -> Any:
+        raise NotImplementedError
+
+    def keep(self, key: Hashable, state: Any) -> None:
+        raise NotImplementedError
+
+    def expect(self, checks: Sequence[Check]) -> None:
+        raise NotImplementedError
+
+    def ban(self, address: str) -> BanRecord | None:
+        raise NotImplementedError
+
+
 def _compiled_map(table: StateTable) -> Any:
     """The table's map when the policy can call it in C: compiled, the
     memory table's compiled map (sidecar._statemap); else None."""
@@ -120,11 +140,14 @@ def _compiled_map(table: StateTable) -> Any:
     return states if cython.compiled and (kind.__module__, kind.__name__) == ("sidecar._statemap", "StateMap") else None
 
 
-def _keep(states: Any, keep: Callable[[Hashable, Any], None], key: Hashable, state: Any, limiter: Limiter) -> None:
+def _keep(states: Any, in_c: TableInC | None, keep: Callable[[Hashable, Any], None], key: Hashable, state: Any,
+          limiter: Limiter) -> None:
     """A state stored: by the compiled map in C, its expiry asked of its
-    limiter in C, or the table's ``keep``."""
+    limiter in C, by a table called in C, or the table's ``keep``."""
     if states is not None:
         states.store(key, state, limiter.expires_at(state))
+    elif in_c is not None:
+        in_c.keep(key, state)
     else:
         keep(key, state)
 
@@ -133,7 +156,7 @@ class Policy:
     """The request-phase policy over one table; bans it issues are signed
     with ``node`` and stamped with ``wall_clock``."""
 
-    __slots__ = ("table", "node", "wall_clock", "_map")
+    __slots__ = ("table", "node", "wall_clock", "_map", "_in_c")
 
     def __init__(self, table: StateTable, node: str, wall_clock: Callable[[], float] = time.time) -> None:
         self.table = table
@@ -143,6 +166,7 @@ class Policy:
         # whose reads and writes evaluate calls in C (else through the
         # table's bound methods, a Python call each).
         self._map = _compiled_map(table)
+        self._in_c = table if isinstance(table, TableInC) else None
 
     def evaluate(self, now: float, address: str, checks: Sequence[Check], can_delay: bool = True,
                  quotas: bool = False) -> Evaluation:
@@ -150,7 +174,8 @@ class Policy:
         module's docstring. ``can_delay`` False refuses a request a leaky
         bucket would hold (the wait queue is full)."""
         table = self.table
-        ban = table.ban(address)
+        in_c = self._in_c
+        ban = in_c.ban(address) if in_c is not None else table.ban(address)
         if ban is not None and now < ban.expires:
             return Evaluation(ban=ban)
         hits: list[Hit] = []
@@ -158,19 +183,22 @@ class Policy:
         deferred: list[tuple[CountingKey, DeferredLimiter, Any, bool, Hit]] = []
         stopped = False
         states = self._map
-        # Without a compiled map, the table's own reads and writes.
-        read: Any = table.state if states is None else None
-        keep: Any = table.keep if states is None else None
+        # Without a compiled map nor a table called in C, the table's own
+        # reads and writes, as bound methods.
+        read: Any = table.state if states is None and in_c is None else None
+        keep: Any = table.keep if states is None and in_c is None else None
         if len(checks) > 1:
             if states is not None:
                 states.expect(checks)
+            elif in_c is not None:
+                in_c.expect(checks)
             else:
                 table.expect(checks)
         for check in checks:
             spec = check.spec
             key = check.key
             limiter = spec.limiter
-            state = states.get(key) if states is not None else read(key)
+            state = states.get(key) if states is not None else in_c.state(key) if in_c is not None else read(key)
             if state is not None and limiter_of(state) is not limiter:
                 state = carried_over(state, limiter)
             if not spec.count:  # a look: a response-phase rule's penalty
@@ -180,7 +208,7 @@ class Policy:
                     # A key never seen (or forgotten): under key rotation, most of them.
                     state = limiter.new_state()
                     hit = limiter.hit(state, now, spec.threshold, spec.amount)
-                    _keep(states, keep, key, state, limiter)
+                    _keep(states, in_c, keep, key, state, limiter)
                 else:
                     hit = limiter.hit(state, now, spec.threshold, spec.amount)
             else:  # a bucket or a concurrency limit: assessed now, charged last
@@ -195,7 +223,7 @@ class Policy:
                     # A new key refused by its own bucket (a batch beyond the
                     # burst, Envoy's hits_addend) whose refusal started the
                     # rule's penalty: kept for it, as in Redis.
-                    _keep(states, keep, key, state, limiter)
+                    _keep(states, in_c, keep, key, state, limiter)
                     stored = True
                 deferred.append((key, bucket, state, stored, hit))
             hits.append(hit)
@@ -214,7 +242,7 @@ class Policy:
                     limiter.commit(state, hit)
                     evaluation.delay = max(evaluation.delay, hit.delay)
                     if not stored:
-                        _keep(states, keep, key, state, limiter)
+                        _keep(states, in_c, keep, key, state, limiter)
         if quotas and evaluation.ban is None:
             evaluation.quotas = [check.limiter.quota(self.state_for(check.key, check.limiter), now, check.threshold)
                                  if check.spec.count else None for check in checks]

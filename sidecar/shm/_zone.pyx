@@ -521,8 +521,11 @@ cdef class Zone:
         """The hint before a new ``digest`` is stored in a full stripe: the
         memory that evicting the stripe's least recently used record touches
         (its bucket, its newer neighbour) is asked for, that record's
-        memory having been asked for by ``ask_records``. Read without the
-        lock, as there."""
+        memory having been asked for by ``ask_records``; and the records
+        that follow it in the stripe, which the look for an expired one
+        among the least recently used reads (under rotation the stripe's
+        records are used again in their order, and the list of recency
+        follows it). Read without the lock, as there."""
         cdef const unsigned char *key = self._hinted(digest)
         if key == NULL:
             return
@@ -535,6 +538,9 @@ cdef class Zone:
         cdef sz_record *record = self._record(stripe, oldest)
         prefetch(self._bucket(stripe, record.digest))
         self._ask_record(stripe, sz_load32(&record.newer))
+        cdef uint32_t at
+        for at in range(oldest + 1, min(oldest + EXPIRED_SCAN, <uint32_t>self.per_stripe + 1)):
+            prefetch(self._record(stripe, at))
 
     cdef const unsigned char *_hinted(self, object digest) noexcept:
         """A hint's digest, or NULL when the zone is closed or it is none."""

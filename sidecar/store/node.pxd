@@ -6,9 +6,14 @@ cimport cython
 from sidecar.keystate cimport limiter_of
 from sidecar.limiters.records cimport Algorithm
 from sidecar.shm._zone cimport Zone as CompiledZone
-from sidecar.policy cimport Policy
+from sidecar.policy cimport Policy, TableInC
 from sidecar.state cimport Check, CheckSpec, Evaluation
 from sidecar.store.records cimport Namer, encode_state
+
+
+# node.py's _SEEN_MASK and _MARKS_CLEARED_AFTER, read for every key named.
+cdef Py_ssize_t _SEEN_MASK
+cdef Py_ssize_t _MARKS_CLEARED_AFTER
 
 
 @cython.locals(check=Check, spec=CheckSpec)
@@ -68,8 +73,7 @@ cdef class _Slot:
     cpdef clear(self)
 
 
-@cython.final
-cdef class NodeTable:
+cdef class NodeTable(TableInC):
     cdef public object zones
     cdef public double now
     cdef public Py_ssize_t _transaction
@@ -132,6 +136,13 @@ cdef class NodeTable:
     cdef int _lock_zone(self, Py_ssize_t index, unsigned long long mask, bint lock) except -1
     @cython.locals(slot=_Slot, slots=list, index=Py_ssize_t, name=_Name, compiled=CompiledZone)
     cpdef _Slot _slot(self, key)
+    # The policy's primitives, called in C by the compiled policy (TableInC).
+    cpdef state(self, key)
+    @cython.locals(slot=_Slot)
+    cpdef keep(self, key, state)
+    cpdef expect(self, checks)
+    @cython.locals(entry=list)
+    cpdef ban(self, address)
     @cython.locals(slot=_Slot, slots=list, index=Py_ssize_t)
     cpdef _drop_decoded(self)
     @cython.locals(slot=_Slot, slots=list, index=Py_ssize_t)

@@ -72,7 +72,7 @@ from sidecar.limiters import Hit
 from sidecar.limiters.base import Limiter
 from sidecar.limiters.concurrent import ConcurrencyLimiter
 from sidecar.networkbans import NetworkBans
-from sidecar.policy import BAN_STEP, COUNTED_PENALTY, Note, Policy
+from sidecar.policy import BAN_STEP, COUNTED_PENALTY, Note, Policy, TableInC
 from sidecar.state import BanRecord, Check, CheckSpec, Clock, Evaluation, ResponseCount, epoch_clock
 from sidecar.store import records
 from sidecar.store.records import ELSEWHERE, SPENT, Namer, encode_state, key_text
@@ -614,9 +614,12 @@ NAMES_KEPT = 16_384
 # twice, and keeping every name (objects made and dropped by the
 # thousand, in memory long cold) cost a quarter of a decision's time.
 SEEN_BITS = 1 << 17
+# Read for every key named: C integers in the compiled core (node.pxd).
+_SEEN_MASK = SEEN_BITS - 1
+_MARKS_CLEARED_AFTER = NAMES_KEPT
 
 
-class NodeTable:
+class NodeTable(TableInC):
     """The policy's primitives (``sidecar.policy.StateTable``) over
     the zones, inside one transaction at a time: ``plan_*`` names the
     records the transaction may touch, ``run`` locks their stripes, runs
@@ -698,14 +701,14 @@ class NodeTable:
     def _named_before(self, digest: bytes) -> bool:
         """Whether a key of this digest (or one sharing its bit) was named
         since the marks were last cleared; marked now."""
-        bit = (digest[0] | digest[1] << 8 | digest[2] << 16) & (SEEN_BITS - 1)
+        bit = (digest[0] | digest[1] << 8 | digest[2] << 16) & _SEEN_MASK
         at, mask = bit >> 3, 1 << (bit & 7)
         seen = self._seen
         if seen[at] & mask:
             return True
         seen[at] |= mask
         self._marks += 1
-        if self._marks >= NAMES_KEPT:
+        if self._marks >= _MARKS_CLEARED_AFTER:
             self._seen = bytearray(SEEN_BITS // 8)
             self._marks = 0
         return False

@@ -18,7 +18,7 @@ from sidecar.keystate import limiter_of
 from sidecar.limiters import UNDER_LIMIT, Hit, RuleLimit, refused
 from sidecar.limiters.token import TokenBucket
 from sidecar.limiters.window import WindowCounter
-from sidecar.policy import StateTable, carried_over
+from sidecar.policy import StateTable, TableInC, carried_over
 from sidecar.state import Check
 from sidecar.store import Deciding
 from sidecar.store.local import LocalStore
@@ -49,6 +49,25 @@ def test_the_memory_store_decides_as_the_smallest_table_while_nothing_is_evicted
     memory = MemoryStore(10_000, "node", clock=lambda: 0.0)
     smallest = LocalStore(DictTable(), "node")
     assert run_at_once(replay(memory, trace)) == run_at_once(replay(smallest, trace))
+
+
+class TableCalledInC(DictTable, TableInC):
+    """The smallest table, as a table the compiled policy calls in C (its
+    reads, writes, hints and bans: the node's table's way)."""
+
+
+@settings(max_examples=200, deadline=None)
+@given(trace=traces)
+def test_a_table_called_in_c_decides_as_one_called_through_its_methods(trace: list[Step]) -> None:
+    called_in_c = LocalStore(TableCalledInC(), "node")
+    assert run_at_once(replay(called_in_c, trace)) == run_at_once(replay(LocalStore(DictTable(), "node"), trace))
+
+
+@pytest.mark.parametrize(("name", "args"), [("state", ("k",)), ("keep", ("k", None)), ("expect", ([],)),
+                                            ("ban", ("192.0.2.1",))])
+def test_a_table_called_in_c_overrides_every_primitive_it_gives(name: str, args: tuple[Any, ...]) -> None:
+    with pytest.raises(NotImplementedError):
+        getattr(TableInC(), name)(*args)
 
 
 def test_a_ban_note_and_a_penalty_note_of_one_address_are_kept_apart() -> None:
