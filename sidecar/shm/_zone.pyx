@@ -493,8 +493,8 @@ cdef class Zone:
         no lock taken (``ask_records`` reads them next). Under a rotation of
         keys that memory is long out of the CPU's caches; a transaction that
         asks for all of its keys' at once waits for them together instead
-        of one after the other. Nothing is read, nothing is checked: a
-        digest that is not one is ignored."""
+        of one after the other. Nothing of the zone is read; a digest that
+        is not one (or a closed zone) is ignored."""
         cdef const unsigned char *key = self._hinted(digest)
         if key == NULL:
             return

@@ -79,6 +79,7 @@ cdef class NodeTable(TableInC):
     cdef public Py_ssize_t _transaction
     cdef public list _slots
     cdef public Py_ssize_t _used
+    cdef public Py_ssize_t _found
     cdef public dict _bans
     cdef public dict _notes
     cdef public dict _names
@@ -134,7 +135,8 @@ cdef class NodeTable(TableInC):
     cpdef _unlock(self)
     @cython.locals(compiled=CompiledZone)
     cdef int _lock_zone(self, Py_ssize_t index, unsigned long long mask, bint lock) except -1
-    @cython.locals(slot=_Slot, slots=list, index=Py_ssize_t, name=_Name, compiled=CompiledZone)
+    @cython.locals(slot=_Slot, slots=list, index=Py_ssize_t, used=Py_ssize_t, _step=Py_ssize_t, name=_Name,
+                   compiled=CompiledZone)
     cpdef _Slot _slot(self, key)
     # The policy's primitives, called in C by the compiled policy (TableInC).
     cpdef state(self, key)

@@ -632,6 +632,7 @@ class NodeTable(TableInC):
         self._transaction = 0  # the number of the transaction planned or running
         self._slots: list[_Slot] = []  # the keys' slots, reused: the first ``_used`` are the transaction's
         self._used = 0
+        self._found = 0  # the slot the policy's last read or write found (_slot)
         self._bans: dict[str, list[Any]] = {}  # address -> [digest, record, read, changed]
         self._notes: dict[Note, list[Any]] = {}  # name -> [digest, (value, until), read, changed]
         self._names: dict[Hashable, _Name] = {}  # key -> what the worker worked out about it
@@ -677,6 +678,7 @@ class NodeTable(TableInC):
         self.now = now
         self._transaction += 1
         self._used = 0
+        self._found = 0
         self._bans.clear()
         self._notes.clear()
         self._ban_mask = self._note_mask = self._state_mask = self._lease_mask = 0
@@ -984,17 +986,26 @@ class NodeTable(TableInC):
 
     def _slot(self, key: Hashable) -> _Slot:
         slots = self._slots
-        for index in range(self._used):  # the key planned, most often: no hash to work out
+        used = self._used
+        # The key planned, most often (no hash to work out), looked for from
+        # the last one found: the policy reads a key, may keep it, then
+        # reads the next, in the order they were planned.
+        index = self._found
+        for _step in range(used):
+            if index >= used:
+                index = 0
             slot = slots[index]
             if slot.key is key:
                 break
+            index += 1
         else:
-            for index in range(self._used):  # an equal key, not the same object
+            for index in range(used):  # an equal key, not the same object
                 slot = slots[index]
                 if slot.key == key:
                     break
             else:
                 raise NotPlanned(f"the policy asked for a key the store did not lock: {key!r:.200}")
+        self._found = index
         if not slot.read:
             slot.read = True
             compiled = slot.compiled

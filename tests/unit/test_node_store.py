@@ -395,6 +395,37 @@ def test_a_key_whose_name_is_not_kept_is_planned_once_and_found_by_an_equal_key(
     assert table.run(table.state, (rule, address[:4] + address[4:])) == state
 
 
+@settings(max_examples=100, deadline=None)
+@given(order=st.permutations(range(5)), before=st.integers(0, 7))
+def test_a_planned_key_is_found_whatever_order_it_is_read_in(order: list[int], before: int) -> None:
+    """The policy reads a transaction's keys in the order planned, and the
+    table looks for each from the last it found: read in any other order, or
+    after a longer transaction left more slots behind, each is still found,
+    and no key of another is."""
+    table = NodeTable(NodeZones.private(1000, zone_type=PureZone))
+    window = WindowCounter(3, 10.0, 5.0)
+    table.begin(NOW)
+    for number in range(before):
+        table.plan_key((("old", ("ip",)), f"192.0.2.{number}"), window)
+    table.run(lambda: [table.state((("old", ("ip",)), f"192.0.2.{number}")) for number in range(before)])
+    keys = [(("r", ("ip",)), f"198.51.100.{number}") for number in range(5)]
+    table.begin(NOW)
+    for key in keys:
+        table.plan_key(key, window)
+
+    def read() -> list[Any]:
+        states = []
+        for number in order:
+            table.keep(keys[number], window.new_state())
+            states.append(table.state(keys[number]))
+        for number in range(before):
+            with pytest.raises(NotPlanned):
+                table.state((("old", ("ip",)), f"192.0.2.{number}"))
+        return states
+
+    assert all(state is not None for state in table.run(read))
+
+
 def test_a_record_the_store_did_not_lock_is_refused_and_a_failed_action_writes_nothing() -> None:
     zones = NodeZones.private(1000, zone_type=PureZone)
     table = NodeTable(zones)
