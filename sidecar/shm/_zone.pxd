@@ -153,7 +153,7 @@ cdef class Zone:
     cdef uint64_t _bucket_mask
     cdef Py_ssize_t _held  # locks this object holds or waits for, every thread together
 
-    cpdef stripe_of(self, digest)
+    cpdef Py_ssize_t stripe_of(self, digest) except -1
     cpdef lock(self, stripes)
     cpdef unlock(self, stripes)
     cpdef lock_mask(self, unsigned long long mask)

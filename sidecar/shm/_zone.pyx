@@ -220,7 +220,7 @@ cdef class Zone:
             raise RuntimeError(f"stripe {stripe} is not locked: lock it before using it")
         return found
 
-    cpdef stripe_of(self, digest):
+    cpdef Py_ssize_t stripe_of(self, digest) except -1:
         """The stripe of a 16-byte digest (its first 8 bytes; the last 8 pick
         its hash bucket)."""
         return self._stripe_index(_digest(digest))

@@ -115,7 +115,7 @@ cdef class NodeTable(TableInC):
     @cython.locals(slot=_Slot, name=_Name, last=_Name, value_size=Py_ssize_t, compiled=CompiledZone, index=Py_ssize_t,
                    digest=bytes)
     cpdef _Slot plan_key(self, key, limiter, leases=*)
-    @cython.locals(named=tuple)
+    @cython.locals(named=tuple, compiled=CompiledZone, stripe=Py_ssize_t)
     cpdef plan_ban(self, address)
     cpdef plan_note(self, name)
     @cython.locals(check=Check, spec=CheckSpec)
@@ -143,7 +143,7 @@ cdef class NodeTable(TableInC):
     @cython.locals(slot=_Slot)
     cpdef keep(self, key, state)
     cpdef expect(self, checks)
-    @cython.locals(entry=list)
+    @cython.locals(entry=list, compiled=CompiledZone, digest=bytes, now=double)
     cpdef ban(self, address)
     @cython.locals(slot=_Slot, slots=list, index=Py_ssize_t)
     cpdef _drop_decoded(self)

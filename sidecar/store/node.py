@@ -776,7 +776,9 @@ class NodeTable(TableInC):
                 if len(self._ban_names) >= NAMES_KEPT:
                     self._ban_names.clear()
                 digest = self._namer.ban_name(address)
-                named = (digest, stripe_bit(self.zones.bans.stripe_of(digest)))
+                compiled = self._compiled_bans
+                stripe = compiled.stripe_of(digest) if compiled is not None else self.zones.bans.stripe_of(digest)
+                named = (digest, stripe_bit(stripe))  # in C
                 if self._named_before(digest):  # kept from its second time, as keys' names
                     self._ban_names[address] = named
             self._bans[address] = [named[0], None, False, False]
@@ -1046,7 +1048,9 @@ class NodeTable(TableInC):
             raise NotPlanned(f"the policy asked for a ban the store did not lock: {address!r:.200}")
         if not entry[2]:
             entry[2] = True
-            value = self.zones.bans.get(entry[0], self.now)
+            compiled = self._compiled_bans
+            digest, now = entry[0], self.now
+            value = compiled.get(digest, now) if compiled is not None else self.zones.bans.get(digest, now)  # in C
             entry[1] = None if value is None else records.decode_ban(value)
         record: BanRecord | None = entry[1]  # not cast: a call in the compiled core
         return record
