@@ -41,15 +41,13 @@ cdef class StateMap(BoundedMap):
 cpdef double state_expiry(state) except? -1.0
 
 
-cdef Py_ssize_t _SEEN_MASK
-cdef Py_ssize_t _CLEARED_AFTER
-
-
 @cython.final
 cdef class SeenLately:
     cdef bytearray _bits
+    cdef Py_ssize_t _mask
     cdef Py_ssize_t _new
 
-    @cython.locals(slot=Py_ssize_t, mask=cython.uchar, byte=cython.uchar, bits=bytearray)
     cpdef bint again(self, value) except -1
+    @cython.locals(slot=Py_ssize_t, mask=cython.uchar, byte=cython.uchar, bits=bytearray)
+    cpdef bint again_at(self, Py_ssize_t number) except -1
     cpdef remember(self, dict cache, value, answer, Py_ssize_t size)

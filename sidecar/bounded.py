@@ -22,13 +22,12 @@ try:
 except ModuleNotFoundError:  # the pure-Python core without Cython installed
     from sidecar import purecython as cython  # type: ignore[no-redef]
 
-# The bits of a SeenLately: a text sets the one of its hash's lowest 16 bits.
+# The bits of a SeenLately by default: a text sets the one of its hash's
+# lowest 16 bits.
 SEEN_BITS = 1 << 16
-_SEEN_MASK = SEEN_BITS - 1
 # First sightings after which its bits are cleared: an eighth of them, so
 # that they stay sparse (at most one in eight set).
 SEEN_CLEARED_AFTER = SEEN_BITS // 8
-_CLEARED_AFTER = SEEN_CLEARED_AFTER  # compiled: a C constant, as the mask
 
 
 def wheel_slot(when: float) -> int:
@@ -298,30 +297,42 @@ class SeenLately:
     An honest client sends more than one request: it is remembered from its
     second.
 
-    A value sets one bit, the one of its hash's lowest 16 bits; that bit
-    already set says "seen" (another value with the same bits may have set
-    it: the value is then stored on its first sighting, as it was without
-    the filter). The bits are cleared after every ``SEEN_CLEARED_AFTER``
-    (8,192) first sightings, so that at most one in eight is set: "lately"
-    is within the last 8,192 to 16,384 new values, and under a rotation
-    about one value in sixteen is stored. Memory: 8 KiB, whatever comes.
+    A value sets one bit of ``bits`` (a power of two; ``SEEN_BITS``, 2^16,
+    by default), the one its hash's lowest bits pick; that bit already set
+    says "seen" (another value with the same bits may have set it: the
+    value is then stored on its first sighting, as it was without the
+    filter). The bits are cleared after every ``bits / 8`` first sightings
+    (``SEEN_CLEARED_AFTER``, 8,192, by default), so that at most one in
+    eight is set: "lately" is within the last 8,192 to 16,384 new values,
+    and under a rotation about one value in sixteen is stored. Memory:
+    ``bits / 8`` bytes (8 KiB), whatever comes. A caller that has a number
+    of its own for a value (the node's table: a digest's bytes) asks
+    ``again_at`` with it.
     """
 
-    def __init__(self) -> None:
-        self._bits = bytearray(SEEN_BITS // 8)
+    def __init__(self, bits: int = SEEN_BITS) -> None:
+        if bits < 8 or bits & (bits - 1):
+            raise ValueError(f"a SeenLately's bits are a power of two, at least 8, not {bits}")
+        self._bits = bytearray(bits // 8)
+        self._mask = bits - 1
         self._new = 0  # first sightings since the bits were cleared
 
     def again(self, value: Hashable) -> bool:
         """Whether ``value`` was seen lately, before this call; the call is
         a sighting."""
-        slot = hash(value) & _SEEN_MASK
+        return self.again_at(hash(value))
+
+    def again_at(self, number: int) -> bool:
+        """``again`` for the value whose hash (or any number standing for
+        it) is ``number``."""
+        slot = number & self._mask
         mask = 1 << (slot & 7)
         bits = self._bits
         byte = bits[slot >> 3]
         if byte & mask:
             return True
-        if self._new == _CLEARED_AFTER:
-            bits = self._bits = bytearray(SEEN_BITS // 8)
+        if self._new == len(bits):  # an eighth of the bits' first sightings
+            bits = self._bits = bytearray(len(bits))
             self._new = 0
             byte = 0
         self._new += 1

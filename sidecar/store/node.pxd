@@ -3,17 +3,13 @@
 # decision's reads and writes of the zones cost few Python calls.
 cimport cython
 
+from sidecar.bounded cimport SeenLately
 from sidecar.keystate cimport limiter_of
 from sidecar.limiters.records cimport Algorithm
 from sidecar.shm._zone cimport Zone as CompiledZone
 from sidecar.policy cimport Policy, TableInC
 from sidecar.state cimport Check, CheckSpec, Evaluation
 from sidecar.store.records cimport Namer, encode_state
-
-
-# node.py's _SEEN_MASK and _MARKS_CLEARED_AFTER, read for every key named.
-cdef Py_ssize_t _SEEN_MASK
-cdef Py_ssize_t _MARKS_CLEARED_AFTER
 
 
 @cython.locals(check=Check, spec=CheckSpec)
@@ -83,8 +79,7 @@ cdef class NodeTable(TableInC):
     cdef public dict _bans
     cdef public dict _notes
     cdef public dict _names
-    cdef public bytearray _seen
-    cdef public Py_ssize_t _marks
+    cdef public SeenLately _seen
     cdef public dict _ban_names
     cdef public set _known_prefixes
     cdef public unsigned long long _ban_mask
@@ -152,5 +147,5 @@ cdef class NodeTable(TableInC):
     @cython.locals(name=_Name, room=Py_ssize_t, compiled=CompiledZone, text=bytes, digest=bytes, stripe=Py_ssize_t,
                    label_stripe=Py_ssize_t)
     cpdef _Name _name(self, key, bint leases)
-    @cython.locals(bit=Py_ssize_t, at=Py_ssize_t, mask=int, seen=bytearray)
+    @cython.locals(seen=SeenLately)
     cdef bint _named_before(self, bytes digest) except -1

@@ -65,6 +65,7 @@ import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast
 
+from sidecar.bounded import SeenLately
 from sidecar.counters import CounterState, KeySelection
 from sidecar.keys import CountingKey
 from sidecar.keystate import limiter_of
@@ -613,10 +614,8 @@ NAMES_KEPT = 16_384
 # are cleared after NAMES_KEPT namings. Under rotation no key is named
 # twice, and keeping every name (objects made and dropped by the
 # thousand, in memory long cold) cost a quarter of a decision's time.
-SEEN_BITS = 1 << 17
-# Read for every key named: C integers in the compiled core (node.pxd).
-_SEEN_MASK = SEEN_BITS - 1
-_MARKS_CLEARED_AFTER = NAMES_KEPT
+# (bounded.SeenLately: its bits are cleared after SEEN_BITS / 8 namings.)
+SEEN_BITS = NAMES_KEPT * 8
 
 
 class NodeTable(TableInC):
@@ -636,8 +635,7 @@ class NodeTable(TableInC):
         self._bans: dict[str, list[Any]] = {}  # address -> [digest, record, read, changed]
         self._notes: dict[Note, list[Any]] = {}  # name -> [digest, (value, until), read, changed]
         self._names: dict[Hashable, _Name] = {}  # key -> what the worker worked out about it
-        self._seen = bytearray(SEEN_BITS // 8)  # which keys were named (_named_before)
-        self._marks = 0  # bits set since they were cleared
+        self._seen = SeenLately(SEEN_BITS)  # which keys were named (_named_before)
         self._known_prefixes: set[bytes] = set()  # the texts of prefixes this worker wrote
         self._ban_names: dict[str, tuple[bytes, int]] = {}  # address -> (digest, its stripe's bit)
         # The stripes to lock in each zone a transaction locks (LOCKED), as
@@ -702,18 +700,9 @@ class NodeTable(TableInC):
 
     def _named_before(self, digest: bytes) -> bool:
         """Whether a key of this digest (or one sharing its bit) was named
-        since the marks were last cleared; marked now."""
-        bit = (digest[0] | digest[1] << 8 | digest[2] << 16) & _SEEN_MASK
-        at, mask = bit >> 3, 1 << (bit & 7)
-        seen = self._seen
-        if seen[at] & mask:
-            return True
-        seen[at] |= mask
-        self._marks += 1
-        if self._marks >= _MARKS_CLEARED_AFTER:
-            self._seen = bytearray(SEEN_BITS // 8)
-            self._marks = 0
-        return False
+        lately; a naming now. The digest's first bytes pick the bit."""
+        seen: SeenLately = self._seen  # compiled: called in C
+        return seen.again_at(digest[0] | digest[1] << 8 | digest[2] << 16)
 
     def plan_key(self, key: Hashable, limiter: Limiter | None, leases: bool | None = None) -> _Slot:
         """A key the transaction may read or write: in the leases zone when

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import tracemalloc
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -70,3 +71,27 @@ def test_a_cache_behind_it_stores_a_value_from_its_second_sighting_and_stays_bou
     for _ in range(2):
         seen.remember(unused, "any", 1, 0)  # a cache of size 0 stores nothing
     assert unused == {}
+
+
+@given(st.sampled_from([8, 64, 1 << 10, 1 << 17]), st.lists(st.integers(0, 2**24), max_size=50))
+def test_a_filter_of_other_bits_is_asked_by_number_and_cleared_after_an_eighth_of_them(bits: int,
+                                                                                     numbers: list[int]) -> None:
+    """The node's table asks a filter of 2^17 bits with a digest's bytes:
+    the number picks the bit, the bits are cleared after ``bits / 8``
+    first sightings, as the default filter's after SEEN_CLEARED_AFTER."""
+    seen = SeenLately(bits)
+    distinct = list(dict.fromkeys(number & (bits - 1) for number in numbers))[:bits // 8]
+    assert [seen.again_at(number) for number in distinct] == [False] * len(distinct)
+    assert all(seen.again_at(number + bits) for number in distinct)  # the same bit: seen
+    fresh = SeenLately(bits)
+    for number in range(bits // 8):
+        fresh.again_at(number)
+    assert fresh.again_at(0)
+    assert not fresh.again_at(bits // 8)  # one first sighting more clears the others
+    assert not fresh.again_at(0)
+
+
+@pytest.mark.parametrize("bits", [0, 4, 12, 100])
+def test_a_filter_s_bits_are_a_power_of_two(bits: int) -> None:
+    with pytest.raises(ValueError, match="power of two"):
+        SeenLately(bits)
