@@ -9,15 +9,20 @@ local function slots_from(argv, at)
   return {tonumber(argv[at + 1]), tonumber(argv[at + 2]), argv[at + 3]}
 end
 
--- Drop the ended leases, then judge: (over, retry after the shortest
--- remaining lease). Like the memory store's, a refusal changes nothing
--- but leases that had ended.
+-- Judge: (over, retry after the shortest remaining lease). Like the
+-- memory store's, the ended leases are dropped only when the key is full
+-- (until then, a response reported after its lease ended still gives its
+-- slot back), and a refusal changes nothing but leases that had ended.
 local function slots_assess(key, slots, now)
-  local dropped = redis.pcall('ZREMRANGEBYSCORE', key, '-inf', num(now))
-  if type(dropped) == 'table' and dropped.err then
+  local held = redis.pcall('ZCARD', key)
+  if type(held) ~= 'number' then
     redis.call('DEL', key)
     return false, 0
   end
+  if held < slots[1] then
+    return false, 0
+  end
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', num(now))
   if redis.call('ZCARD', key) < slots[1] then
     return false, 0
   end

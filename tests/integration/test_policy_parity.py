@@ -15,7 +15,7 @@ from sidecar.store.local import LocalStore
 from sidecar.store.redis import RedisStore
 from tests.integration.redis_server import RedisServer
 from tests.unit.dict_table import DictTable
-from tests.unit.policy_traces import Request, Step, replay, traces
+from tests.unit.policy_traces import Request, Response, Step, replay, traces
 
 pytestmark = pytest.mark.integration
 
@@ -33,6 +33,13 @@ pytestmark = pytest.mark.integration
 @example(trace=[(0.0, Request("192.0.2.1", ("batch",), False, False, 1)),
                 (0.05, Request("192.0.2.1", ("ban",), False, False, 1)),
                 (0.0, Request("192.0.2.1", ("ban", "batch"), False, False, 1))])
+# A slot whose lease ended while its key was not full, given back by a
+# later report: still held (both drop ended leases only when the key is full).
+@example(trace=[(0.0, Request("192.0.2.1", ("ban",), False, False, 1)),
+                (0.0, Request("192.0.2.1", ("slots",), False, False, 1)),
+                (11.0, Request("192.0.2.1", ("slots",), False, False, 1)),
+                (0.0, Request("192.0.2.1", ("ban",), False, False, 1)),
+                (0.0, Response("192.0.2.1", 0, 3))])
 def test_the_lua_decides_every_trace_as_the_policy_does(redis_server: RedisServer, trace: list[Step]) -> None:
     redis_server.client().flushdb()
 
