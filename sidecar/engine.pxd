@@ -11,7 +11,7 @@ from sidecar.clientip cimport ClientAddress, ClientIPResolver
 from sidecar.latency cimport RuleSetCount, Tally as Counter  # engine.py has a Tally of its own (the RLS door's)
 from sidecar.limiters.records cimport Hit
 from sidecar.matching cimport Program
-from sidecar.policy cimport Policy
+from sidecar.policy cimport Policy, TableInC
 from sidecar.request cimport CheckRequest
 from sidecar.state cimport Check, CheckSpec, Evaluation
 
@@ -45,16 +45,21 @@ cdef class Engine:
     cdef object _plain_for
     cdef object _plain
     cdef Policy _policy
+    cdef TableInC _table
+    cdef Policy _table_policy
+    cdef object _table_bans
     cdef list _counted_ids
     cdef RuleSetCount _counted
 
     @cython.locals(resolver=ClientIPResolver, client=ClientAddress)
     cdef _resolve(self, CheckRequest request)
 
-    @cython.locals(client=ClientAddress, program=Program, ended=bint, states=StateMap)
+    @cython.locals(client=ClientAddress, program=Program, ended=bint, states=StateMap, table=TableInC)
     cdef _prepare(self, CheckRequest request)
 
-    @cython.locals(policy=Policy, evaluation=Evaluation)
+    cdef _learn_store(self, store)
+
+    @cython.locals(policy=Policy, evaluation=Evaluation, table=TableInC, table_policy=Policy)
     cdef _evaluate_now(self, store, double now, client, checks, bint can_delay, bint quotas)
 
     @cython.locals(count=RuleSetCount)

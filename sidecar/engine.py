@@ -31,6 +31,7 @@ from sidecar.latency import RuleSetCount
 from sidecar.limiters.records import Hit
 from sidecar.matching import COMPILED
 from sidecar.metrics import Metrics
+from sidecar.networkbans import NetworkBans
 from sidecar.overload import (
     BEHIND_SHARE,
     PROXY_SECONDS,
@@ -42,7 +43,7 @@ from sidecar.overload import (
     proxy_expires,
 )
 from sidecar.pending import PendingEntry, PendingTokens, SlotEntry
-from sidecar.policy import Policy
+from sidecar.policy import Policy, TableInC
 from sidecar.ratelog import RateLimitedLog
 from sidecar.request import UNRESOLVED, CheckRequest
 from sidecar.responses import ResponsePhase
@@ -50,7 +51,7 @@ from sidecar.rules import CompiledRule, Ruleset
 from sidecar.signing import derive_key
 from sidecar.state import BanRecord, Check, Clock, Evaluation, epoch_clock
 from sidecar.store import StateStore, StoreUnavailable, open_local_counts, open_store
-from sidecar.store.local import PlainEvaluation, plain_evaluation, plain_policy
+from sidecar.store.local import PlainEvaluation, plain_evaluation, plain_policy, plain_table
 from sidecar.tokens import Tokens
 
 if TYPE_CHECKING:
@@ -178,6 +179,11 @@ class Engine:
         self._counted: RuleSetCount | None = None
         self._plain: PlainEvaluation | None = None
         self._policy: Policy | None = None  # the memory store's policy, when _plain is its evaluate
+        # The node-wide store's table and the policy it decides with (None
+        # for any other store: _learn_store), and its network bans.
+        self._table: TableInC | None = None
+        self._table_policy: Policy | None = None
+        self._table_bans = NetworkBans()
         self.metrics.jwt_keys = lambda: self._ruleset.jwt.key_count if self._ruleset.jwt is not None else 0
         self.metrics.crowdsec_decisions = lambda: self._ruleset.crowdsec.table.counts \
             if self._ruleset.crowdsec is not None else None
@@ -439,14 +445,16 @@ class Engine:
         called as a plain function when the store's ``evaluate`` is the
         policy's own (``plain_evaluation``), else its coroutine run at once."""
         if store is not self._plain_for:
-            self._plain_for, self._plain = store, plain_evaluation(store)
-            policy = plain_policy(store)
-            self._policy = policy if type(policy) is Policy else None
+            self._learn_store(store)
         policy = self._policy
+        table = self._table
+        table_policy = self._table_policy
         plain = self._plain
         try:
             if policy is not None:  # the memory store's: called in C
                 evaluation = policy.evaluate(now, client, checks, can_delay, quotas)
+            elif table is not None and table_policy is not None:  # the node-wide store's transaction: in C
+                evaluation = table.decide(table_policy, now, client, checks, can_delay, quotas)
             elif plain is not None:
                 evaluation = plain(now, client, checks, can_delay, quotas)
             else:
@@ -456,6 +464,20 @@ class Engine:
         if evaluation.ban is not None and not evaluation.new_ban:
             self.metrics.banned_requests.inc()
         return evaluation
+
+    def _learn_store(self, store: StateStore) -> None:
+        """What a check asks of the store, learnt once a store (tests and
+        tools may replace the engine's): the memory store's policy, called
+        in C; the node-wide store's table, whose transaction and catching
+        up with the other workers are called in C, and its network bans;
+        else the store's evaluation as a plain function, when it has one."""
+        self._plain_for, self._plain = store, plain_evaluation(store)
+        policy = plain_policy(store)
+        self._policy = policy if type(policy) is Policy else None
+        shared = plain_table(store)
+        self._table = self._table_policy = None
+        if shared is not None:
+            self._table, self._table_policy, self._table_bans = shared
 
     # -- overload (sidecar.overload) ------------------------------------------
 
@@ -617,7 +639,17 @@ class Engine:
         store need not be asked."""
         metrics = self.metrics
         self._checks.value += 1  # Tally.inc without the call: every request
-        network_bans = self.store.network_bans  # banned by hand (sidecar.networkbans)
+        store = self.store
+        if store is not self._plain_for:
+            self._learn_store(store)
+        table = self._table
+        if table is not None:
+            # The node-wide store's: what other workers changed caught up
+            # with (one read of a counter, in C), its network bans read then.
+            table.catch_up()
+            network_bans = self._table_bans
+        else:
+            network_bans = store.network_bans  # banned by hand (sidecar.networkbans)
         # Networks are looked up by the address's value (sidecar.clientip.NetworkSet):
         # a new client's address object is never made for them.
         client = request.client
@@ -661,7 +693,7 @@ class Engine:
             # A challenge credential ended the evaluation: counted when the
             # rules before it let the request in.
             request.credential = True
-        if not checks and not self.store.may_be_banned():
+        if not checks and not store.may_be_banned():
             if request.credential:
                 metrics.credentials.inc()
             return ALLOWED

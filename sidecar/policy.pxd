@@ -18,6 +18,8 @@ cdef class TableInC:
     cpdef keep(self, key, state)
     cpdef expect(self, checks)
     cpdef ban(self, address)
+    cpdef bint catch_up(self) except -1
+    cpdef Evaluation decide(self, policy, double now, address, checks, bint can_delay, bint quotas)
 
 
 @cython.locals(states=StateMap)

@@ -131,6 +131,19 @@ class TableInC:
     def ban(self, address: str) -> BanRecord | None:
         raise NotImplementedError
 
+    # What the engine asks of the node's table in C, for every check.
+
+    def catch_up(self) -> bool:
+        """Catch up with what other processes changed (a table of one
+        process's own has nothing to): whether anything had."""
+        return False
+
+    def decide(self, policy: Policy, now: float, address: str, checks: Sequence[Check], can_delay: bool,
+               quotas: bool) -> Evaluation:
+        """``policy.evaluate`` of the checks over this table, as one
+        transaction."""
+        raise NotImplementedError
+
 
 def _compiled_map(table: StateTable) -> Any:
     """The table's map when the policy can call it in C: compiled, the

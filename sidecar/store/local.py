@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable, Sequence
+from typing import TYPE_CHECKING
 
 from sidecar.keys import CountingKey
 from sidecar.limiters import Hit
 from sidecar.limiters.base import Limiter
 from sidecar.networkbans import NetworkBans
-from sidecar.policy import Policy, StateTable
+from sidecar.policy import Policy, StateTable, TableInC
 from sidecar.state import Check, Evaluation, ResponseCount
+
+if TYPE_CHECKING:
+    from sidecar.store.node import NodeStore
 
 # A store's evaluate as a plain function: (now, address, checks, can_delay, quotas).
 PlainEvaluation = Callable[[float, str, Sequence[Check], bool, bool], Evaluation]
@@ -76,8 +80,25 @@ def plain_evaluation(store: object) -> PlainEvaluation | None:
     policy = plain_policy(store)
     if policy is not None:
         return policy.evaluate
+    node = _plain_node_store(store)
+    return node.decide if node is not None else None  # what its evaluate awaits
+
+
+def _plain_node_store(store: object) -> NodeStore | None:
+    """``store`` when it is the node-wide store and its ``evaluate`` the
+    class's own; else None."""
     from sidecar.store.node import NodeStore  # asked once a store: no import at every check
 
     if isinstance(store, NodeStore) and getattr(type(store), "evaluate", None) is NodeStore.evaluate:
-        return store.decide  # what its evaluate awaits
+        return store
     return None
+
+
+def plain_table(store: object) -> tuple[TableInC, Policy, NetworkBans] | None:
+    """The node-wide store's table, its policy and its network bans, when
+    its ``evaluate`` is the class's own: the engine asks the table for the
+    transaction (``TableInC.decide``) and to catch up with the other
+    workers (``TableInC.catch_up``, after which the network bans are
+    current) in C. None for any other store."""
+    node = _plain_node_store(store)
+    return (node.table, node.policy, node.network_bans) if node is not None else None

@@ -102,6 +102,9 @@ cdef class NodeTable(TableInC):
     cdef public CompiledZone _compiled_states
     cdef public CompiledZone _compiled_leases
     cdef public CompiledZone _compiled_bans
+    cdef public object bans_seen
+    cdef public object catching_up
+    cdef public dict _capped
 
     @cython.locals(compiled=CompiledZone)
     cpdef bans_generation(self)
@@ -119,7 +122,8 @@ cdef class NodeTable(TableInC):
                    kept=double, compiled=CompiledZone, limiter=Algorithm, value=bytes, text=bytes, never=double,
                    stale_kept=double)
     cpdef _commit(self)
-    cpdef Evaluation decide(self, Policy policy, double now, address, checks, bint can_delay, bint quotas)
+    cpdef bint catch_up(self) except -1
+    cpdef Evaluation decide(self, policy, double now, address, checks, bint can_delay, bint quotas)
     @cython.locals(slot=_Slot, slots=list, index=Py_ssize_t, compiled=CompiledZone, bans=CompiledZone, entry=list)
     cpdef _ask_records(self)
     @cython.locals(can_delay=bint, quotas=bint)

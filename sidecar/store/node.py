@@ -660,6 +660,11 @@ class NodeTable(TableInC):
         self._compiled_states = compiled_zone(zones.states)
         self._compiled_leases = compiled_zone(zones.leases)
         self._compiled_bans = compiled_zone(zones.bans)
+        # The bans zone's generation when the store last caught up, and
+        # how it catches up (catch_up).
+        self.bans_seen = -1
+        self.catching_up: Callable[[], object] | None = None
+        self._capped: dict[int, tuple[CheckSpec, CheckSpec]] = {}  # id(spec) -> (spec, capped spec)
 
     def bans_generation(self) -> int:
         """The bans zone's generation: bumped by any worker that changed
@@ -805,16 +810,49 @@ class NodeTable(TableInC):
         change written; nothing is written when it raises."""
         return self._transact(None, action, args)
 
+    def catch_up(self) -> bool:
+        """``catching_up()`` (the node store's ``refresh``) when the bans
+        zone's generation moved since it last caught up (``bans_seen``):
+        one read of a counter, in C, for every check; whether it moved."""
+        if self.bans_generation() == self.bans_seen or self.catching_up is None:
+            return False
+        self.catching_up()
+        return True
+
     def decide(self, policy: Policy, now: float, address: str, checks: Sequence[Check], can_delay: bool,
                quotas: bool) -> Evaluation:
         """A decision's transaction: the records its checks may touch
         planned, then run as ``run(policy.evaluate, ...)``, the policy
-        called in C."""
+        called in C. A concurrency limit above the leases a record holds
+        is capped first (``_within_slots``)."""
+        if over_slots(checks, self.lease_slots):
+            checks = self._within_slots(checks)
         self.begin(now)
         self.plan_checks(address, checks)
         self._ask_records()
         evaluation: Evaluation = self._transact(policy, None, (now, address, checks, can_delay, quotas))
         return evaluation
+
+    def _within_slots(self, checks: Sequence[Check]) -> list[Check]:
+        """The checks, with a concurrency limit above the leases a record
+        holds (a reload raised it past the largest at start) run at that
+        many: the zones keep their size until a restart."""
+        slots = self.lease_slots
+        return [Check(self._capped_spec(check.spec), check.key, check.lease)
+                if check.spec.leases and cast(ConcurrencyLimiter, check.spec.limiter).limit > slots
+                else check for check in checks]
+
+    def _capped_spec(self, spec: CheckSpec) -> CheckSpec:
+        known = self._capped.get(id(spec))
+        if known is not None and known[0] is spec:
+            return known[1]
+        limiter = cast(ConcurrencyLimiter, spec.limiter)
+        slots = self.lease_slots
+        log.warning("rule %s: a concurrent limit of %d runs as %d until Sluice restarts: the shared table's "
+                    "records were sized at start for %d leases", spec.rule_id, limiter.limit, slots, slots)
+        capped = dataclasses.replace(spec, limiter=ConcurrencyLimiter(slots, limiter.lease))
+        self._capped[id(spec)] = (spec, capped)
+        return capped
 
     def _ask_records(self) -> None:
         """Ask for the memory of the records the planned keys and bans
@@ -1084,16 +1122,15 @@ class NodeStore:
         self.zones = zones
         self.table = NodeTable(zones)
         self.policy = Policy(self.table, node, wall_clock)
+        self.table.catching_up = self.refresh
         self._clock = clock
         self._wall_clock = wall_clock
         self._network_bans = NetworkBans()
         self._tier_assignments = TierAssignments()  # replaced in place: the engine holds this one
-        self._seen_generation = -1
         self._seen_tiers = -1
         self._seen_reload = zones.states.generation()
         self._on_change: list[Callable[[], None]] = []
         self._on_reload: list[Callable[[], None]] = []
-        self._capped: dict[int, tuple[CheckSpec, CheckSpec]] = {}
         self._max_keys_told = zones.max_keys
         self.refresh()
 
@@ -1116,9 +1153,9 @@ class NodeStore:
         """Catch up with what other workers changed (one read of a counter
         when nothing did); whether something had."""
         generation = self.zones.bans.generation()
-        if generation == self._seen_generation:
+        if generation == self.table.bans_seen:
             return False
-        self._seen_generation = generation
+        self.table.bans_seen = generation
         self._network_bans.replace(self._read_bans(self.zones.networks, self._clock()))
         tiers = self.zones.tiers.generation()  # bumped before the bans zone's: read after it
         if tiers != self._seen_tiers:
@@ -1145,9 +1182,8 @@ class NodeStore:
 
     @property
     def network_bans(self) -> NetworkBans:
-        table: NodeTable = self.table  # compiled: the bans zone's generation read in C, for every check
-        if table.bans_generation() != self._seen_generation:
-            self.refresh()
+        table: NodeTable = self.table  # compiled: the bans zone's generation read in C
+        table.catch_up()
         return self._network_bans
 
     @property
@@ -1165,30 +1201,7 @@ class NodeStore:
                quotas: bool = False) -> Evaluation:
         """``evaluate`` without an event loop."""
         table: NodeTable = self.table  # compiled: its methods called in C
-        if over_slots(checks, table.lease_slots):
-            checks = self._within_slots(checks)
         return table.decide(self.policy, now, address, checks, can_delay, quotas)
-
-    def _within_slots(self, checks: Sequence[Check]) -> list[Check]:
-        """The checks, with a concurrency limit above the leases a record
-        holds (a reload raised it past the largest at start) run at that
-        many: the zones keep their size until a restart."""
-        slots = self.zones.lease_slots
-        return [Check(self._capped_spec(check.spec), check.key, check.lease)
-                if check.spec.leases and cast(ConcurrencyLimiter, check.spec.limiter).limit > slots
-                else check for check in checks]
-
-    def _capped_spec(self, spec: CheckSpec) -> CheckSpec:
-        known = self._capped.get(id(spec))
-        if known is not None and known[0] is spec:
-            return known[1]
-        limiter = cast(ConcurrencyLimiter, spec.limiter)
-        log.warning("rule %s: a concurrent limit of %d runs as %d until Sluice restarts: the shared table's "
-                    "records were sized at start for %d leases", spec.rule_id, limiter.limit,
-                    self.zones.lease_slots, self.zones.lease_slots)
-        capped = dataclasses.replace(spec, limiter=ConcurrencyLimiter(self.zones.lease_slots, limiter.lease))
-        self._capped[id(spec)] = (spec, capped)
-        return capped
 
     async def record(self, now: float, counts: Sequence[ResponseCount]) -> list[Hit]:
         table = self.table

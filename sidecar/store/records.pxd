@@ -31,6 +31,8 @@ cdef bint _plain(value) except -1
 cdef bint _repr_into(tuple values, Py_ssize_t first, list pieces) except -1
 
 cdef unsigned long long _MASK64, _SIP0, _SIP1, _SIP2, _SIP3
+cdef Py_ssize_t _SPACE_SIZE
+cdef int _ELSEWHERE_BIT
 
 
 @cython.final

@@ -58,7 +58,8 @@ _pack_words = struct.Struct("<QQ").pack
 # What a compiled digest or state is copied from (a slice of it, a new
 # bytes object made in C) before its words are written in: room for the
 # longest, a state's kind and four words, with a key's text after them.
-_SPACE = bytes(512)
+_SPACE_SIZE = 512  # compiled: a C constant, as is _ELSEWHERE_BIT (records.pxd)
+_SPACE = bytes(_SPACE_SIZE)
 
 
 @cython.cclass
@@ -314,6 +315,7 @@ def _is_prefix(value: Any) -> bool:
 # text is in the labels zone, and SPENT when its state matters at no time.
 WINDOW, TOKEN, LEAKY, LEASES, OTHER = 1, 2, 3, 4, 5
 ELSEWHERE = 0x80
+_ELSEWHERE_BIT = ELSEWHERE
 SPENT = 0x40  # its state matters at no time (a lease state without a lease): kept, not in force
 KIND_MASK = 0x3F
 
@@ -373,10 +375,10 @@ def _state_bytes(kind: int, count: int, first: int, second: int, third: int, fou
     object of every field and reads it back: most of a state's cost to
     write), the text copied after the words."""
     size = 1 + 8 * count
-    if not cython.compiled or (text is not None and size + len(text) > len(_SPACE)):
+    if not cython.compiled or (text is not None and size + len(text) > _SPACE_SIZE):
         return _in_record(_WORDS[count].pack(kind, *(first, second, third, fourth)[:count]), text, room, flags)
     flags = _placed(size, text, room, flags)
-    tail = len(text) if text is not None and room >= 0 and not flags & ELSEWHERE else 0
+    tail = len(text) if text is not None and room >= 0 and not flags & _ELSEWHERE_BIT else 0
     space = _SPACE  # compiled: a pointer, whose slice is a new bytes object made in C
     value = space[:size + tail]
     written = value  # compiled: its bytes, written in C
@@ -401,7 +403,7 @@ def _placed(size: int, text: bytes | None, room: int, flags: int) -> int:
         return 0
     if text is not None and size + len(text) <= room:
         return flags
-    return flags | ELSEWHERE
+    return flags | _ELSEWHERE_BIT
 
 
 def _in_record(value: bytes, text: bytes | None, room: int, flags: int) -> bytes:

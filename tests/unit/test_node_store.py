@@ -26,11 +26,13 @@ from sidecar import core, shm
 from sidecar.at_once import run_at_once
 from sidecar.config import Rate
 from sidecar.counters import KeySelection
+from sidecar.engine import Engine
 from sidecar.limiters.concurrent import ConcurrencyLimiter, LeaseState
 from sidecar.limiters.leaky import LeakyBucket, LeakyState
 from sidecar.limiters.token import TokenBucket, TokenState
 from sidecar.limiters.window import WindowCounter, WindowState
 from sidecar.policy import BAN_STEP, COUNTED_PENALTY
+from sidecar.request import CheckRequest
 from sidecar.shm.pure_zone import Zone as PureZone
 from sidecar.shm.pure_zone import layout
 from sidecar.state import AutoBan, BanIncrement, BanRecord, Check, CheckSpec, PenaltyBan, ResponseCount
@@ -53,6 +55,7 @@ from sidecar.store.node import (
     same_key,
     zone_sizes,
 )
+from tests.unit.conftest import ruleset_from
 from tests.unit.policy_traces import START, Request, Step, replay, traces
 
 NOW = START
@@ -558,6 +561,45 @@ def test_what_an_administrator_does_through_one_worker_every_worker_sees() -> No
     second.refresh()
     assert changes.count("reload") == 1
     first.refresh()  # the worker that announced does not reload again
+
+
+ONE_RULE = """
+rules:
+  - id: everyone
+    key: [ip]
+    limit: {requests: 3, per: 60s}
+    action: block
+"""
+
+
+@pytest.mark.parametrize("zone_type", ZONE_TYPES)
+def test_an_engine_over_a_worker_closes_a_network_another_worker_banned(zone_type: Any) -> None:
+    """The engine asks its worker's table to catch up before every check
+    (``TableInC.catch_up``, in C) and then reads the network bans: a
+    network banned through another worker is closed at the next check,
+    lifted it is open again; a store put in the engine's place is the one
+    asked from then on."""
+    zones = NodeZones.private(1000, 2, zone_type=zone_type)
+    first, second = node_store(zones=zones), node_store(zones=zones)
+    engine = Engine(ruleset_from(ONE_RULE), store=second, clock=lambda: NOW)
+
+    def outcome(address: str) -> str:
+        request = CheckRequest("GET", "h", "/", {}, engine.resolve_client(address, None), "r")
+        return str(engine.decide_now(request).outcome)
+
+    assert outcome("198.51.100.7") == "allow"
+    run_at_once(first.ban_network(NOW, "198.51.100.0/24", 60.0, "range"))
+    assert outcome("198.51.100.7") == "close"
+    assert outcome("192.0.2.1") == "allow"
+    run_at_once(first.lift_network_ban(NOW, "198.51.100.0/24"))
+    assert [outcome("198.51.100.7") for _ in range(3)] == ["allow", "allow", "deny"]  # counted in the zones
+
+    other = NodeZones.private(1000, 2, zone_type=zone_type)
+    third, fourth = node_store(zones=other), node_store(zones=other)
+    engine.store = fourth
+    run_at_once(third.ban_network(NOW, "198.51.100.0/24", 60.0, "range"))
+    assert outcome("198.51.100.7") == "close"
+    assert [outcome("192.0.2.1") for _ in range(3)] == ["allow"] * 3  # the new store's count: 3 left
 
 
 def test_resetting_keys_and_forgetting_history_act_for_every_worker() -> None:
