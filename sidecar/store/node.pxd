@@ -111,7 +111,7 @@ cdef class NodeTable(TableInC):
 
     cpdef begin(self, double now)
     @cython.locals(slot=_Slot, name=_Name, last=_Name, value_size=Py_ssize_t, compiled=CompiledZone, index=Py_ssize_t,
-                   digest=bytes)
+                   digest=bytes, slots=list, counts_leases=bint)
     cpdef _Slot plan_key(self, key, limiter, leases=*)
     @cython.locals(named=tuple, compiled=CompiledZone, stripe=Py_ssize_t)
     cpdef plan_ban(self, address)

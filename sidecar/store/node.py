@@ -65,6 +65,11 @@ import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast
 
+try:
+    import cython
+except ModuleNotFoundError:  # the pure-Python core without Cython installed
+    from sidecar import purecython as cython  # type: ignore[no-redef]
+
 from sidecar.bounded import SeenLately
 from sidecar.counters import CounterState, KeySelection
 from sidecar.keys import CountingKey
@@ -713,8 +718,9 @@ class NodeTable(TableInC):
         """A key the transaction may read or write: in the leases zone when
         it counts leases (``leases``; by default, when ``limiter`` does)."""
         name = None
-        if self._used < len(self._slots):
-            slot = self._slots[self._used]
+        slots = self._slots
+        if self._used < len(slots):
+            slot = cython.cast(_Slot, slots[self._used])  # compiled: no type test (the table's slots)
             last = slot.last_name
             if last is not None and same_key(slot.last_key, key):
                 name = last
@@ -726,12 +732,12 @@ class NodeTable(TableInC):
         if name is None:
             name = self._names.get(key)
         if name is not None and name.planned == self._transaction:
-            return self._slots[name.slot]
-        if leases is None:
-            leases = limiter is not None and limiter.leases
-        if name is None or name.leases != leases:
-            name = self._name(key, leases)
-        if leases:
+            return cython.cast(_Slot, slots[name.slot])
+        # Compiled, a C truth: compared with the name's in C.
+        counts_leases = (limiter is not None and limiter.leases) if leases is None else bool(leases)
+        if name is None or name.leases != counts_leases:
+            name = self._name(key, counts_leases)
+        if counts_leases:
             zone, value_size, compiled = self._leases, self._lease_value_size, self._compiled_leases
         else:
             zone, value_size, compiled = self._states, self._state_value_size, self._compiled_states
@@ -739,10 +745,10 @@ class NodeTable(TableInC):
         # another of its names (one the worker did not keep, or forgot).
         digest = name.digest
         for index in range(self._used):
-            slot = self._slots[index]
+            slot = cython.cast(_Slot, slots[index])
             if slot.digest == digest and slot.zone is zone:
                 return slot
-        if leases:
+        if counts_leases:
             self._lease_mask |= stripe_bit(name.stripe)
         else:
             self._state_mask |= stripe_bit(name.stripe)
@@ -752,9 +758,9 @@ class NodeTable(TableInC):
         if name.prefix_text not in self._known_prefixes:
             prefix = name.prefix_text
             self._prefix_mask |= stripe_bit(self.zones.prefixes.stripe_of(self._namer.digest(prefix)))
-        if self._used == len(self._slots):
-            self._slots.append(_Slot())
-        slot = self._slots[self._used]
+        if self._used == len(slots):
+            slots.append(_Slot())
+        slot = cython.cast(_Slot, slots[self._used])
         name.planned = self._transaction
         name.slot = self._used
         self._used += 1
@@ -861,7 +867,7 @@ class NodeTable(TableInC):
         transaction's records overlap instead of following one another."""
         slots = self._slots
         for index in range(self._used):
-            slot = slots[index]
+            slot = cython.cast(_Slot, slots[index])
             compiled = slot.compiled
             if compiled is not None:
                 compiled.ask_records(slot.digest)  # in C
@@ -927,7 +933,7 @@ class NodeTable(TableInC):
         """Forget the decoded states of the transaction's keys."""
         slots = self._slots
         for index in range(self._used):
-            slot = slots[index]
+            slot = cython.cast(_Slot, slots[index])
             slot.kept_state = None
 
     def _end(self) -> None:
@@ -935,7 +941,7 @@ class NodeTable(TableInC):
         self._transaction += 1
         slots = self._slots
         for index in range(self._used):
-            slot = slots[index]
+            slot = cython.cast(_Slot, slots[index])
             slot.clear()
         self._used = 0
         self._bans.clear()
@@ -952,12 +958,12 @@ class NodeTable(TableInC):
         lease_slots = zones.lease_slots
         slots = self._slots
         for index in range(self._used):
-            slot = slots[index]
+            slot = cython.cast(_Slot, slots[index])
             compiled = slot.compiled
             if compiled is not None and slot.raw is None and slot.state is not None:
                 compiled.ask_victim(slot.digest)  # in C: a new key's, evicting when its stripe is full
         for index in range(self._used):
-            slot = slots[index]
+            slot = cython.cast(_Slot, slots[index])
             state = slot.state
             if state is None:
                 slot.kept_state = None
@@ -1023,13 +1029,13 @@ class NodeTable(TableInC):
         for _step in range(used):
             if index >= used:
                 index = 0
-            slot = slots[index]
+            slot = cython.cast(_Slot, slots[index])
             if slot.key is key:
                 break
             index += 1
         else:
             for index in range(used):  # an equal key, not the same object
-                slot = slots[index]
+                slot = cython.cast(_Slot, slots[index])
                 if slot.key == key:
                     break
             else:
