@@ -33,7 +33,10 @@ Usage: ``.venv/bin/python bench/bench_engine.py [--clients 1000000]``
 (``make bench`` installs ``limits`` into the virtualenv for it);
 ``--fastest`` prints only the fastest of 15 passes of one rule and of ten
 rules, for comparing two checkouts run in turn; ``--core-pass`` is one
-process's pass of (6), printed as JSON.
+process's pass of (6), printed as JSON; ``--returning N`` (repeatable)
+runs only N clients that return against one client, with ``max_keys``
+large enough that nothing is evicted: what reading the keys a map holds
+costs, without taking any in or dropping any.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import asyncio
 import gc
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -252,6 +256,35 @@ def rotation(clients: int, batch: int) -> tuple[float, float, float | None, floa
         print(f"peak RSS, first half of the rotation {early_peak:.1f} MB, second half ({rss[second_half[0]][0]:,}"
               f" -> {rss[second_half[-1]][0]:,} clients) {late_peak:.1f} MB ({late:+.1f} MB)")
     return many / one, many_near / one_near, growth, late
+
+
+def returning(clients: int, batch: int, passes: int = 12) -> tuple[float, float]:
+    """Clients that return instead of new ones: ``clients`` addresses, each
+    decided once first, then passes of ``batch`` of them picked at random,
+    against one client's passes in turn, with ``max_keys`` large enough
+    that nothing is evicted. The ratios, requests made a pass ahead and
+    made just before (what reading keys the map holds costs, without
+    taking any in or dropping any)."""
+    text = TEN_RULES.replace("max_keys: 100000", f"max_keys: {max(100_000, 8 * clients)}")
+    single, many, single_near, many_near = (engine_for(text) for _ in range(4))
+    addresses = [address(i) for i in range(clients)]
+    for start in range(0, clients, batch):
+        for engine in (many, many_near):
+            for request in requests_for(engine, addresses[start:start + batch]):
+                engine.decide_now(request)
+    pick = random.Random(1)
+    single_us, many_us, single_near_us, many_near_us = [], [], [], []
+    for _ in range(passes):
+        chosen = [addresses[pick.randrange(clients)] for _ in range(batch)]
+        single_us.append(time_decisions(single, requests_for(single, ["192.0.2.1"] * batch)))
+        many_us.append(time_decisions(many, requests_for(many, chosen)))
+        single_near_us.append(time_made_just_before(single_near, ["192.0.2.1"] * batch))
+        many_near_us.append(time_made_just_before(many_near, chosen))
+    ahead = statistics.median(many_us) / statistics.median(single_us)
+    near = statistics.median(many_near_us) / statistics.median(single_near_us)
+    print(f"== 10 rules: {clients:,} returning clients ({many.store.tracked_keys():,} keys held) / one client: "
+          f"{ahead:.2f}x, {near:.2f}x with each request made just before its decision")
+    return ahead, near
 
 
 def against_limits(rounds: int, passes: int) -> dict[str, float]:
@@ -482,8 +515,14 @@ def main() -> None:
     parser.add_argument("--fastest", action="store_true",
                         help="only the fastest pass of one rule and of ten rules, to compare two checkouts")
     parser.add_argument("--core-pass", action="store_true", help="one process's figures of the core comparison")
+    parser.add_argument("--returning", type=int, metavar="CLIENTS", action="append",
+                        help="only clients that return, this many (repeatable), against one client")
     args = parser.parse_args()
     tune_garbage_collector()  # as in a `sluice serve` process
+    if args.returning:
+        for clients in args.returning:
+            returning(clients, args.batch)
+        return
     if args.core_pass:
         print(json.dumps(core_pass()))
         return
