@@ -46,6 +46,7 @@ cdef class SeenLately:
     cdef bytearray _bits
     cdef Py_ssize_t _mask
     cdef Py_ssize_t _new
+    cdef readonly Py_ssize_t generation
 
     cpdef bint again(self, value) except -1
     @cython.locals(slot=Py_ssize_t, mask=cython.uchar, byte=cython.uchar, bits=bytearray)

@@ -304,7 +304,8 @@ class SeenLately:
     filter). The bits are cleared after every ``bits / 8`` first sightings
     (``SEEN_CLEARED_AFTER``, 8,192, by default), so that at most one in
     eight is set: "lately" is within the last 8,192 to 16,384 new values,
-    and under a rotation about one value in sixteen is stored. Memory:
+    and under a rotation about one value in sixteen is stored; each clearing
+    adds one to ``generation``, for a cache that forgets with it. Memory:
     ``bits / 8`` bytes (8 KiB), whatever comes. A caller that has a number
     of its own for a value (the node's table: a digest's bytes) asks
     ``again_at`` with it.
@@ -316,6 +317,7 @@ class SeenLately:
         self._bits = bytearray(bits // 8)
         self._mask = bits - 1
         self._new = 0  # first sightings since the bits were cleared
+        self.generation = 0  # times the bits were cleared
 
     def again(self, value: Hashable) -> bool:
         """Whether ``value`` was seen lately, before this call; the call is
@@ -334,6 +336,7 @@ class SeenLately:
         if self._new == len(bits):  # an eighth of the bits' first sightings
             bits = self._bits = bytearray(len(bits))
             self._new = 0
+            self.generation += 1
             byte = 0
         self._new += 1
         bits[slot >> 3] = byte | mask

@@ -80,6 +80,7 @@ cdef class NodeTable(TableInC):
     cdef public dict _notes
     cdef public dict _names
     cdef public SeenLately _seen
+    cdef public Py_ssize_t _names_generation
     cdef public dict _ban_names
     cdef public set _known_prefixes
     cdef public unsigned long long _ban_mask
@@ -109,6 +110,7 @@ cdef class NodeTable(TableInC):
     @cython.locals(compiled=CompiledZone)
     cpdef bans_generation(self)
 
+    @cython.locals(seen=SeenLately)
     cpdef begin(self, double now)
     @cython.locals(slot=_Slot, name=_Name, last=_Name, value_size=Py_ssize_t, compiled=CompiledZone, index=Py_ssize_t,
                    digest=bytes, slots=list, counts_leases=bint)

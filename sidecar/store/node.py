@@ -620,6 +620,10 @@ NAMES_KEPT = 16_384
 # twice, and keeping every name (objects made and dropped by the
 # thousand, in memory long cold) cost a quarter of a decision's time.
 # (bounded.SeenLately: its bits are cleared after SEEN_BITS / 8 namings.)
+# The names kept are forgotten with the bits (their generation): under
+# rotation the few kept (keys whose bit an earlier one had set) would
+# otherwise fill the dicts to NAMES_KEPT, each new key's look a miss of
+# a dict long out of the CPU's caches.
 SEEN_BITS = NAMES_KEPT * 8
 
 
@@ -641,6 +645,7 @@ class NodeTable(TableInC):
         self._notes: dict[Note, list[Any]] = {}  # name -> [digest, (value, until), read, changed]
         self._names: dict[Hashable, _Name] = {}  # key -> what the worker worked out about it
         self._seen = SeenLately(SEEN_BITS)  # which keys were named (_named_before)
+        self._names_generation = 0  # the filter's generation of the names kept
         self._known_prefixes: set[bytes] = set()  # the texts of prefixes this worker wrote
         self._ban_names: dict[str, tuple[bytes, int]] = {}  # address -> (digest, its stripe's bit)
         # The stripes to lock in each zone a transaction locks (LOCKED), as
@@ -691,8 +696,12 @@ class NodeTable(TableInC):
         self._notes.clear()
         self._ban_mask = self._note_mask = self._state_mask = self._lease_mask = 0
         self._label_mask = self._prefix_mask = 0
-        if len(self._names) >= NAMES_KEPT:
-            self._names.clear()  # between transactions: no key planned is forgotten
+        seen: SeenLately = self._seen  # compiled: its generation read in C
+        if len(self._names) >= NAMES_KEPT or seen.generation != self._names_generation:
+            # Between transactions: no key planned is forgotten.
+            self._names_generation = seen.generation
+            self._names.clear()
+            self._ban_names.clear()
 
     def _name(self, key: Hashable, leases: bool) -> _Name:
         """What the worker keeps about a key, worked out anew (its text's

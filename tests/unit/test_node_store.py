@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from sidecar import core, shm
 from sidecar.at_once import run_at_once
+from sidecar.bounded import SeenLately
 from sidecar.config import Rate
 from sidecar.counters import KeySelection
 from sidecar.engine import Engine
@@ -378,6 +379,42 @@ def test_a_worker_keeps_a_key_s_name_from_its_second_naming_and_none_of_a_rotati
     assert other not in table._names
     transaction(other, (rule, "192.0.2.3"))  # planned again in its place
     assert other in table._names
+
+
+def test_the_names_kept_are_forgotten_when_the_filter_of_names_is_cleared() -> None:
+    """A worker forgets the names it keeps (keys' and addresses') at the
+    first transaction after its filter of names was cleared: under a
+    rotation the few names it keeps (new keys whose bit an earlier key
+    had set) never fill its dicts. A name kept again after that is kept."""
+    table = NodeTable(NodeZones.private(5000, zone_type=PureZone))
+    table._seen = SeenLately(256)  # its bits cleared after 32 first namings
+    window = WindowCounter(3, 10.0, 5.0)
+    rule = ("r", ("ip",))
+
+    def transaction(*keys: Any) -> None:
+        table.begin(NOW)
+        for key in keys:
+            table.plan_key(key, window)
+        table.plan_ban(keys[-1][1])
+        table.run(lambda: None)
+
+    key = (rule, "192.0.2.1")
+    transaction(key)
+    transaction(key, (rule, "192.0.2.2"))  # key named again: kept, as the address's ban name
+    assert key in table._names and "192.0.2.1" not in table._ban_names  # the ban was named last, not again
+    transaction((rule, "192.0.2.3"), key)
+    assert key in table._names and "192.0.2.1" in table._ban_names
+    generation = table._seen.generation
+    number = 0
+    while table._seen.generation == generation:  # new keys until the filter is cleared
+        number += 1
+        transaction((rule, f"10.2.{number >> 8}.{number & 255}"))
+    assert number <= 40
+    transaction((rule, "198.51.100.1"))
+    assert key not in table._names and "192.0.2.1" not in table._ban_names
+    transaction(key)
+    transaction(key)  # planned again in its place: kept again
+    assert key in table._names
 
 
 def test_a_key_whose_name_is_not_kept_is_planned_once_and_found_by_an_equal_key() -> None:

@@ -33,9 +33,12 @@ def test_its_bits_are_cleared_after_a_fixed_number_of_first_sightings() -> None:
         assert not seen.again(value)
     assert seen.again(0)  # SEEN_CLEARED_AFTER first sightings: still set
     assert seen.again(SEEN_CLEARED_AFTER - 1)
+    assert seen.generation == 0
     assert not seen.again(SEEN_CLEARED_AFTER)  # one more first sighting clears the others
+    assert seen.generation == 1  # counted, for a cache that forgets with the bits
     assert not seen.again(0)
     assert seen.again(SEEN_CLEARED_AFTER)
+    assert seen.generation == 1
 
 
 def test_under_a_rotation_few_new_values_pass_for_seen_and_memory_is_fixed() -> None:
