@@ -349,6 +349,16 @@ def test_a_key_planned_twice_in_a_transaction_has_one_slot_whatever_its_place_re
     table.run(lambda: None)
 
 
+def name_in_a_transaction(table: NodeTable, *keys: Any) -> None:
+    """A transaction that plans the keys (a window's) and the ban of the
+    last one's address, and writes nothing: what it names is all it does."""
+    table.begin(NOW)
+    for key in keys:
+        table.plan_key(key, WindowCounter(3, 10.0, 5.0))
+    table.plan_ban(keys[-1][1])
+    table.run(lambda: None)
+
+
 def test_a_worker_keeps_a_key_s_name_from_its_second_naming_and_none_of_a_rotation() -> None:
     """Under rotation no key is named twice, and none is kept (a few are,
     whose digests share a bit with an earlier one); a key named again, or
@@ -357,15 +367,10 @@ def test_a_worker_keeps_a_key_s_name_from_its_second_naming_and_none_of_a_rotati
     bits are their own)."""
     zones = NodeZones.private(5000, zone_type=PureZone)
     table = NodeTable(zones)
-    window = WindowCounter(3, 10.0, 5.0)
     rule = ("r", ("ip",))
 
     def transaction(*keys: Any) -> None:
-        table.begin(NOW)
-        for key in keys:
-            table.plan_key(key, window)
-        table.plan_ban(keys[-1][1])
-        table.run(lambda: None)
+        name_in_a_transaction(table, *keys)
 
     for number in range(2000):
         transaction((rule, f"10.1.{number >> 8}.{number & 255}"))
@@ -388,15 +393,10 @@ def test_the_names_kept_are_forgotten_when_the_filter_of_names_is_cleared() -> N
     had set) never fill its dicts. A name kept again after that is kept."""
     table = NodeTable(NodeZones.private(5000, zone_type=PureZone))
     table._seen = SeenLately(256)  # its bits cleared after 32 first namings
-    window = WindowCounter(3, 10.0, 5.0)
     rule = ("r", ("ip",))
 
     def transaction(*keys: Any) -> None:
-        table.begin(NOW)
-        for key in keys:
-            table.plan_key(key, window)
-        table.plan_ban(keys[-1][1])
-        table.run(lambda: None)
+        name_in_a_transaction(table, *keys)
 
     key = (rule, "192.0.2.1")
     transaction(key)
