@@ -47,8 +47,10 @@ cdef class SeenLately:
     cdef Py_ssize_t _mask
     cdef Py_ssize_t _new
     cdef readonly Py_ssize_t generation
+    cdef dict _started
 
     cpdef bint again(self, value) except -1
     @cython.locals(slot=Py_ssize_t, mask=cython.uchar, byte=cython.uchar, bits=bytearray)
     cpdef bint again_at(self, Py_ssize_t number) except -1
+    @cython.locals(started=Py_ssize_t)
     cpdef remember(self, dict cache, value, answer, Py_ssize_t size)

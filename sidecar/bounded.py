@@ -318,6 +318,7 @@ class SeenLately:
         self._mask = bits - 1
         self._new = 0  # first sightings since the bits were cleared
         self.generation = 0  # times the bits were cleared
+        self._started: dict[int, int] = {}  # id(cache) -> the generation ``remember`` last emptied it in
 
     def again(self, value: Hashable) -> bool:
         """Whether ``value`` was seen lately, before this call; the call is
@@ -344,10 +345,16 @@ class SeenLately:
 
     def remember(self, cache: dict[Any, Any], value: Hashable, answer: Any, size: int) -> None:
         """Store ``answer`` for ``value`` in ``cache`` (at most ``size``
-        entries, emptied when full) when ``value`` was seen lately: what a
-        cache of what clients send (the address resolver's, the geo
-        databases') does with what it worked out."""
+        entries) when ``value`` was seen lately: what a cache of what
+        clients send (the address resolver's, the geo databases') does with
+        what it worked out. The cache is emptied when full, and with the
+        bits (the first store of a generation): under a rotation the values
+        taken for seen (their bit set by another) would fill it, and a new
+        value's look in it would miss a dict long out of the CPU's caches."""
         if size > 0 and self.again(value):
-            if len(cache) >= size:
-                cache.clear()
+            started = self._started.get(id(cache), -1)
+            if started != self.generation or len(cache) >= size:
+                if started >= 0 or len(cache) >= size:
+                    cache.clear()
+                self._started[id(cache)] = self.generation
             cache[value] = answer

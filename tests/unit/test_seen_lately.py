@@ -76,6 +76,37 @@ def test_a_cache_behind_it_stores_a_value_from_its_second_sighting_and_stays_bou
     assert unused == {}
 
 
+def test_a_cache_behind_it_is_emptied_with_its_bits() -> None:
+    """Under a rotation the values a filter takes for seen (their bit set
+    by another) would fill a cache behind it: each cache is emptied at its
+    first store after the bits were cleared, so that it holds what one
+    generation of the filter stored."""
+    seen = SeenLately(64)  # cleared after 8 first sightings
+    fields: dict[int, str] = {}
+    walks: dict[int, str] = {}
+    for value in (1, 2):
+        for _ in range(2):
+            seen.remember(fields, value, "field", 100)
+            seen.remember(walks, value + 100, "walk", 100)
+    assert sorted(fields) == [1, 2] and sorted(walks) == [101, 102]
+    generation = seen.generation
+    number = 1000
+    while seen.generation == generation:  # first sightings until the bits are cleared
+        number += 1
+        seen.again_at(number)
+    assert sorted(fields) == [1, 2]  # not emptied before a store
+    for _ in range(2):
+        seen.remember(fields, 3, "field", 100)
+    assert fields == {3: "field"}
+    assert sorted(walks) == [101, 102]
+    for _ in range(2):
+        seen.remember(walks, 103, "walk", 100)
+    assert walks == {103: "walk"}
+    for _ in range(2):
+        seen.remember(fields, 4, "field", 100)  # the same generation: kept
+    assert sorted(fields) == [3, 4]
+
+
 @given(st.sampled_from([8, 64, 1 << 10, 1 << 17]), st.lists(st.integers(0, 2**24), max_size=50))
 def test_a_filter_of_other_bits_is_asked_by_number_and_cleared_after_an_eighth_of_them(bits: int,
                                                                                      numbers: list[int]) -> None:
