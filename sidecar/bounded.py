@@ -352,9 +352,8 @@ class SeenLately:
         taken for seen (their bit set by another) would fill it, and a new
         value's look in it would miss a dict long out of the CPU's caches."""
         if size > 0 and self.again(value):
-            started = self._started.get(id(cache), -1)
+            started = self._started.setdefault(id(cache), self.generation)
             if started != self.generation or len(cache) >= size:
-                if started >= 0 or len(cache) >= size:
-                    cache.clear()
+                cache.clear()
                 self._started[id(cache)] = self.generation
             cache[value] = answer
