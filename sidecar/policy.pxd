@@ -22,8 +22,13 @@ cdef class TableInC:
     cpdef Evaluation decide(self, policy, double now, address, checks, bint can_delay, bint quotas)
 
 
+@cython.final
+cdef class _CalledByName(TableInC):
+    cdef object table
+
+
 @cython.locals(states=StateMap)
-cdef inline void _keep(states, TableInC in_c, keep, key, state, Algorithm limiter) except *
+cdef inline void _keep(states, TableInC in_c, key, state, Algorithm limiter) except *
 
 
 cdef class Policy:

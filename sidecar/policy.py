@@ -145,6 +145,29 @@ class TableInC:
         raise NotImplementedError
 
 
+@cython.cclass
+class _CalledByName(TableInC):
+    """Any other table (the memory table without the compiled map, a
+    plug-in's, the tests'), its primitives called by name: the policy
+    reads and writes every table but the compiled map through
+    ``TableInC``."""
+
+    def __init__(self, table: StateTable) -> None:
+        self.table = table
+
+    def state(self, key: Hashable) -> Any:
+        return self.table.state(key)
+
+    def keep(self, key: Hashable, state: Any) -> None:
+        self.table.keep(key, state)
+
+    def expect(self, checks: Sequence[Check]) -> None:
+        self.table.expect(checks)
+
+    def ban(self, address: str) -> BanRecord | None:
+        return self.table.ban(address)
+
+
 def _compiled_map(table: StateTable) -> Any:
     """The table's map when the policy can call it in C: compiled, the
     memory table's compiled map (sidecar._statemap); else None."""
@@ -153,16 +176,13 @@ def _compiled_map(table: StateTable) -> Any:
     return states if cython.compiled and (kind.__module__, kind.__name__) == ("sidecar._statemap", "StateMap") else None
 
 
-def _keep(states: Any, in_c: TableInC | None, keep: Callable[[Hashable, Any], None], key: Hashable, state: Any,
-          limiter: Limiter) -> None:
+def _keep(states: Any, in_c: TableInC, key: Hashable, state: Any, limiter: Limiter) -> None:
     """A state stored: by the compiled map in C, its expiry asked of its
-    limiter in C, by a table called in C, or the table's ``keep``."""
+    limiter in C, else by the table (``TableInC``)."""
     if states is not None:
         states.store(key, state, limiter.expires_at(state))
-    elif in_c is not None:
-        in_c.keep(key, state)
     else:
-        keep(key, state)
+        in_c.keep(key, state)
 
 
 class Policy:
@@ -179,39 +199,32 @@ class Policy:
         # whose reads and writes evaluate calls in C (else through the
         # table's bound methods, a Python call each).
         self._map = _compiled_map(table)
-        self._in_c = table if isinstance(table, TableInC) else None
+        self._in_c = table if isinstance(table, TableInC) else _CalledByName(table)
 
     def evaluate(self, now: float, address: str, checks: Sequence[Check], can_delay: bool = True,
                  quotas: bool = False) -> Evaluation:
         """The ban check and every check in order, in one step; see the
         module's docstring. ``can_delay`` False refuses a request a leaky
         bucket would hold (the wait queue is full)."""
-        table = self.table
         in_c = self._in_c
-        ban = in_c.ban(address) if in_c is not None else table.ban(address)
+        ban = in_c.ban(address)
         if ban is not None and now < ban.expires:
             return Evaluation(ban=ban)
         hits: list[Hit] = []
         evaluation = evaluated(hits)
         deferred: list[tuple[CountingKey, DeferredLimiter, Any, bool, Hit]] = []
         stopped = False
-        states = self._map
-        # Without a compiled map nor a table called in C, the table's own
-        # reads and writes, as bound methods.
-        read: Any = table.state if states is None and in_c is None else None
-        keep: Any = table.keep if states is None and in_c is None else None
+        states = self._map  # the compiled map, read and written in C; else the table
         if len(checks) > 1:
             if states is not None:
                 states.expect(checks)
-            elif in_c is not None:
-                in_c.expect(checks)
             else:
-                table.expect(checks)
+                in_c.expect(checks)
         for check in checks:
             spec = check.spec
             key = check.key
             limiter = spec.limiter
-            state = states.get(key) if states is not None else in_c.state(key) if in_c is not None else read(key)
+            state = states.get(key) if states is not None else in_c.state(key)
             if state is not None and limiter_of(state) is not limiter:
                 state = carried_over(state, limiter)
             if not spec.count:  # a look: a response-phase rule's penalty
@@ -221,7 +234,7 @@ class Policy:
                     # A key never seen (or forgotten): under key rotation, most of them.
                     state = limiter.new_state()
                     hit = limiter.hit(state, now, spec.threshold, spec.amount)
-                    _keep(states, in_c, keep, key, state, limiter)
+                    _keep(states, in_c, key, state, limiter)
                 else:
                     hit = limiter.hit(state, now, spec.threshold, spec.amount)
             else:  # a bucket or a concurrency limit: assessed now, charged last
@@ -236,7 +249,7 @@ class Policy:
                     # A new key refused by its own bucket (a batch beyond the
                     # burst, Envoy's hits_addend) whose refusal started the
                     # rule's penalty: kept for it, as in Redis.
-                    _keep(states, in_c, keep, key, state, limiter)
+                    _keep(states, in_c, key, state, limiter)
                     stored = True
                 deferred.append((key, bucket, state, stored, hit))
             hits.append(hit)
@@ -255,7 +268,7 @@ class Policy:
                     limiter.commit(state, hit)
                     evaluation.delay = max(evaluation.delay, hit.delay)
                     if not stored:
-                        _keep(states, in_c, keep, key, state, limiter)
+                        _keep(states, in_c, key, state, limiter)
         if quotas and evaluation.ban is None:
             evaluation.quotas = [check.limiter.quota(self.state_for(check.key, check.limiter), now, check.threshold)
                                  if check.spec.count else None for check in checks]
