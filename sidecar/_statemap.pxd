@@ -10,9 +10,11 @@ cdef enum:
     NONE = -1  # no record: the end of a list
     # Making room: the records of the recency ring's next entries whose
     # memory is asked for ahead, and of those, the ones whose keys, states
-    # and index entries are asked for too (their records read by then).
+    # and index entries are asked for too (their records read by then),
+    # and of those, the ones whose states' objects are (``DEEP_AHEAD``).
     FETCHED_AHEAD = 32
     OPENED_AHEAD = 16
+    DEEP_AHEAD = 8  # of those, the ones whose states' objects are asked for too
     SPARES_AHEAD = 4  # free records asked for ahead of their use
     FIRST_RECORDS = 64  # records allocated at first
     # Slots found without the wheel's dict (a power of 2): a slot is a

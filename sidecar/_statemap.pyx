@@ -61,7 +61,7 @@ it on the stack asked for.
 
 cimport cython
 from cpython.mem cimport PyMem_RawFree, PyMem_RawMalloc
-from cpython.object cimport Py_EQ, PyObject, PyObject_Hash, PyObject_RichCompareBool
+from cpython.object cimport Py_EQ, PyObject, PyObject_Hash, PyObject_RichCompareBool, PyTypeObject
 from cpython.ref cimport Py_DECREF, Py_INCREF, Py_XDECREF
 from cpython.unicode cimport PyUnicode_CheckExact, PyUnicode_DATA, PyUnicode_GET_LENGTH, PyUnicode_KIND
 from cpython.tuple cimport (
@@ -73,12 +73,15 @@ from libc.string cimport memcmp, memcpy, memmove, memset
 import heapq
 
 from sidecar.bounded cimport state_expiry, wheel_slot
+from sidecar.limiters.leaky cimport LeakyState
+from sidecar.limiters.token cimport TokenState
 from sidecar.state cimport Check
 
 
 cdef extern from *:
     # GCC's and Clang's: ask for a line of memory before it is read.
     void prefetch "__builtin_prefetch"(const void *address) noexcept nogil
+    PyTypeObject *type_of "Py_TYPE"(PyObject *value) noexcept nogil
 
 
 # An index entry's halves: the tag (the hash's top bits) and the record's number + 1.
@@ -104,6 +107,20 @@ cdef inline void prefetch_text(PyObject *value) noexcept:
     its state) are in the line after the one it starts in."""
     prefetch(value)
     prefetch(<char *>value + TEXT_REACH - 1)
+
+
+cdef inline void prefetch_fields(PyObject *state) noexcept:
+    """Ask for the memory of the objects a bucket's state holds (the
+    leaky bucket's excess and time, Python integers; the token bucket's
+    time), which its deallocation reads; a window state holds none. Read
+    once the state's own line is in the cache."""
+    if state == NULL:
+        return
+    if type_of(state) == <PyTypeObject *>LeakyState:
+        prefetch(<void *>(<LeakyState>state).excess)
+        prefetch(<void *>(<LeakyState>state).last)
+    elif type_of(state) == <PyTypeObject *>TokenState:
+        prefetch(<void *>(<TokenState>state).last)
 
 
 @cython.final
@@ -868,9 +885,10 @@ cdef class StateMap:
         cache; the ring names the records ahead without reading any, so
         their memory is asked for ``FETCHED_AHEAD`` entries ahead, and the
         memory that dropping them reads (each key, state and index entry)
-        ``OPENED_AHEAD`` entries ahead: the misses overlap instead of
-        following one another."""
-        cdef Py_ssize_t fetched = 0, opened = 0  # entries past the tail asked for
+        ``OPENED_AHEAD`` entries ahead, and the objects those states hold
+        ``DEEP_AHEAD`` ahead: the misses overlap instead of following one
+        another."""
+        cdef Py_ssize_t fetched = 0, opened = 0, deep = 0  # entries past the tail asked for
         cdef Py_ssize_t index
         cdef uint64_t entry
         cdef int32_t number
@@ -890,10 +908,14 @@ cdef class StateMap:
                 prefetch(record.value)
                 prefetch(&self._index[self._home(<uint64_t>record.tag << 32)])
                 opened += 1
+            while deep < DEEP_AHEAD and deep < opened and self._tail + deep < self._head:
+                prefetch_fields(self._records[<int32_t>(self._ring[self._tail + deep] & NUMBER_BITS)].value)
+                deep += 1
             entry = self._ring[self._tail]
             self._tail += 1
             fetched -= 1
             opened -= 1
+            deep -= 1
             number = <int32_t>(entry & NUMBER_BITS)
             if self._records[number].stamp != <uint32_t>(entry >> 32):
                 continue  # stale: made newest again since, or dropped
