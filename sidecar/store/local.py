@@ -72,16 +72,13 @@ def plain_policy(store: object) -> Policy | None:
 
 def plain_evaluation(store: object) -> PlainEvaluation | None:
     """``store.evaluate`` as a plain function, when it is ``LocalStore``'s
-    own (its policy's ``evaluate``) or the node-wide store's (its
-    ``decide``), without a coroutine (the engine's ``decide_now``). None
-    for any other store, and for one whose class overrides ``evaluate`` (to
-    record what it decided, or to fail): that one is asked through its
-    coroutine."""
+    own (its policy's ``evaluate``), without a coroutine (the engine's
+    ``decide_now``). None for any other store, and for one whose class
+    overrides ``evaluate`` (to record what it decided, or to fail): that
+    one is asked through its coroutine. The node-wide store's transaction
+    is asked of its table (``plain_table``)."""
     policy = plain_policy(store)
-    if policy is not None:
-        return policy.evaluate
-    node = _plain_node_store(store)
-    return node.decide if node is not None else None  # what its evaluate awaits
+    return policy.evaluate if policy is not None else None
 
 
 def _plain_node_store(store: object) -> NodeStore | None:

@@ -698,8 +698,12 @@ class NodeTable(TableInC):
         self._label_mask = self._prefix_mask = 0
         seen: SeenLately = self._seen  # compiled: its generation read in C
         if len(self._names) >= NAMES_KEPT or seen.generation != self._names_generation:
-            # Between transactions: no key planned is forgotten.
+            # Between transactions: no key planned is forgotten. A name
+            # forgotten is no longer kept, though a slot may still hold it
+            # (``plan_key`` keeps it again when planned there again).
             self._names_generation = seen.generation
+            for name in self._names.values():
+                cython.cast(_Name, name).kept = False
             self._names.clear()
             self._ban_names.clear()
 

@@ -15,6 +15,7 @@ cdef long long _double_word(double value) noexcept
 cdef bytes _state_bytes(int kind, int count, long long first, long long second, long long third,
                         long long fourth, bytes text, Py_ssize_t room, int flags)
 cdef int _placed(Py_ssize_t size, bytes text, Py_ssize_t room, int flags) except -1
+cdef Py_ssize_t _following(bytes text, Py_ssize_t room, int flags) except -1
 cdef bytes _in_record(bytes value, bytes text, Py_ssize_t room, int flags)
 @cython.locals(window=WindowState, token=TokenState, leaky=LeakyState)
 cpdef bytes encode_state(state, Py_ssize_t lease_slots, bytes text=*, Py_ssize_t room=*, int flags=*)

@@ -378,7 +378,7 @@ def _state_bytes(kind: int, count: int, first: int, second: int, third: int, fou
     if not cython.compiled or (text is not None and size + len(text) > _SPACE_SIZE):
         return _in_record(_WORDS[count].pack(kind, *(first, second, third, fourth)[:count]), text, room, flags)
     flags = _placed(size, text, room, flags)
-    tail = len(text) if text is not None and room >= 0 and not flags & _ELSEWHERE_BIT else 0
+    tail = _following(text, room, flags)
     space = _SPACE  # compiled: a pointer, whose slice is a new bytes object made in C
     value = space[:size + tail]
     written = value  # compiled: its bytes, written in C
@@ -406,10 +406,17 @@ def _placed(size: int, text: bytes | None, room: int, flags: int) -> int:
     return flags | _ELSEWHERE_BIT
 
 
+def _following(text: bytes | None, room: int, flags: int) -> int:
+    """The bytes of the key's ``text`` that follow a state in its record
+    (``flags`` as ``_placed`` gave them): all of it, unless it is
+    elsewhere or the state is not in a record."""
+    return len(text) if text is not None and room >= 0 and not flags & _ELSEWHERE_BIT else 0
+
+
 def _in_record(value: bytes, text: bytes | None, room: int, flags: int) -> bytes:
     """A state's bytes ``value`` in a record, as ``encode_state`` says."""
     flags = _placed(len(value), text, room, flags)
-    if text is not None and room >= 0 and not flags & ELSEWHERE:
+    if text is not None and _following(text, room, flags):
         value += text
     if flags:
         value = bytes((value[0] | flags,)) + value[1:]

@@ -417,6 +417,27 @@ def test_the_names_kept_are_forgotten_when_the_filter_of_names_is_cleared() -> N
     assert key in table._names
 
 
+def test_a_name_a_slot_still_holds_is_kept_again_once_the_names_are_forgotten() -> None:
+    """A key planned again in its place after the worker forgot the names
+    it keeps (its filter of names cleared between two transactions) is
+    kept again: the slot still holds its name, which forgetting made not
+    kept."""
+    table = NodeTable(NodeZones.private(5000, zone_type=PureZone))
+    table._seen = SeenLately(256)  # its bits cleared after 32 first namings
+    key = (("r", ("ip",)), "192.0.2.1")
+    name_in_a_transaction(table, key)
+    name_in_a_transaction(table, key)  # planned again in its place: kept
+    assert key in table._names
+    generation = table._seen.generation
+    number = 0
+    while table._seen.generation == generation:  # first namings elsewhere, until the filter is cleared
+        number += 1
+        table._seen.again_at(number * 7919)
+    assert number <= 40
+    name_in_a_transaction(table, key)  # the names forgotten first, then the key planned in its place
+    assert key in table._names
+
+
 def test_a_key_whose_name_is_not_kept_is_planned_once_and_found_by_an_equal_key() -> None:
     table = NodeTable(NodeZones.private(1000, zone_type=PureZone))
     window = WindowCounter(3, 10.0, 5.0)
@@ -1243,16 +1264,17 @@ def test_a_table_refuses_a_zone_of_more_stripes_than_a_mask_has_bits() -> None:
 
 @pytest.mark.parametrize("zone_type", ZONE_TYPES, ids=lambda zone: zone.__module__)
 def test_the_engine_asks_the_node_store_without_a_coroutine_unless_evaluate_is_overridden(zone_type: Any) -> None:
-    from sidecar.store.local import plain_evaluation
+    from sidecar.store.local import plain_evaluation, plain_table
 
     store = node_store(zone_type=zone_type)
-    assert plain_evaluation(store) == store.decide
+    assert plain_table(store) == (store.table, store.policy, store.network_bans)
+    assert plain_evaluation(store) is None  # its transaction is asked of its table
 
     class Watched(NodeStore):
         async def evaluate(self, *arguments: Any, **options: Any) -> Any:
             return await super().evaluate(*arguments, **options)
 
-    assert plain_evaluation(Watched(NodeZones.private(100, zone_type=zone_type), "node")) is None
+    assert plain_table(Watched(NodeZones.private(100, zone_type=zone_type), "node")) is None
 
 
 # -- the table's counters -------------------------------------------------------------
