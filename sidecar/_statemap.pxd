@@ -10,8 +10,7 @@ cdef enum:
     NONE = -1  # no record: the end of a list
     # Making room: the records of the recency ring's next entries whose
     # memory is asked for ahead, and of those, the ones whose keys, states
-    # and index entries are asked for too (their records read by then),
-    # and of those, the ones whose states' objects are (``DEEP_AHEAD``).
+    # and index entries are asked for too (their records read by then).
     FETCHED_AHEAD = 32
     OPENED_AHEAD = 16
     DEEP_AHEAD = 8  # of those, the ones whose states' objects are asked for too
