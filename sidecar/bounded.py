@@ -350,7 +350,10 @@ class SeenLately:
         what it worked out. The cache is emptied when full, and with the
         bits (the first store of a generation): under a rotation the values
         taken for seen (their bit set by another) would fill it, and a new
-        value's look in it would miss a dict long out of the CPU's caches."""
+        value's look in it would miss a dict long out of the CPU's caches.
+        The generation a cache was emptied in is kept by the cache's
+        identity: a cache is one dict for as long as the filter lives
+        (emptied in place, never replaced)."""
         if size > 0 and self.again(value):
             started = self._started.setdefault(id(cache), self.generation)
             if started != self.generation or len(cache) >= size:

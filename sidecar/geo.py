@@ -131,7 +131,8 @@ class GeoDatabase:
         except ValueError as exc:
             self._log.warning("geoip: %s; keeping the database read before", exc)
             return
-        old, self.reader, self._stamp, self._cache = self.reader, reader, stamp, {}
+        old, self.reader, self._stamp = self.reader, reader, stamp
+        self._cache.clear()  # the same dict: the filter keeps its generation by the cache (SeenLately.remember)
         if old is not None:
             old.close()
         log.info("geoip: %s changed and was read again", self.path)
