@@ -125,6 +125,34 @@ def test_a_scrape_waits_for_the_other_worker_to_write_what_it_counted_since(
     assert scrape(first, second)["sluice_checks_total"] == 9
 
 
+def test_a_scrape_wakes_the_other_workers_to_write(two: tuple[Metrics, Metrics],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    first, second = two
+    # No write falls due by the clock during the test: only the scrape's
+    # wake can make the other worker write what it counted.
+    monkeypatch.setattr(nodemetrics, "PUBLISH_SECONDS", 3600.0)
+    count(second, 2)
+    assert scrape(first, second)["sluice_checks_total"] == 2
+    count(second, 5)
+
+    assert scrape(first, second)["sluice_checks_total"] == 7
+
+
+def test_an_idle_worker_is_not_woken_before_its_next_write_falls_due(two: tuple[Metrics, Metrics]) -> None:
+    _, second = two
+
+    async def started() -> float:
+        loop = asyncio.get_running_loop()
+        node(second).start(loop)
+        await asyncio.sleep(0)  # its first write
+        assert node(second)._timer is not None
+        return node(second)._timer.when() - loop.time()
+
+    # No look every few milliseconds: the loop sleeps until a scrape wakes
+    # it or the next write falls due.
+    assert nodemetrics.PUBLISH_SECONDS * 0.9 <= asyncio.run(started()) <= nodemetrics.PUBLISH_SECONDS
+
+
 def test_a_worker_that_does_not_write_is_waited_for_a_bounded_time_and_its_last_counts_given(
         directory: Path) -> None:
     directory.mkdir()
@@ -160,6 +188,7 @@ def test_a_worker_gone_keeps_its_counts_in_the_totals_and_its_gauges_leave(two: 
     assert found["sluice_checks_total"] == 9
     assert found["sluice_waiting_requests"] == 2
     assert not (directory / f"{node(second).worker}.worker").exists()
+    assert not (directory / f"{node(second).worker}{nodemetrics.WAKE}").exists()
 
 
 def test_a_worker_that_restarts_does_not_reset_the_totals(two: tuple[Metrics, Metrics], directory: Path) -> None:
@@ -177,12 +206,13 @@ def test_a_worker_that_restarts_does_not_reset_the_totals(two: tuple[Metrics, Me
     assert (before, after) == (14, 15)
 
 
-def test_a_worker_ending_writes_its_last_counts(two: tuple[Metrics, Metrics]) -> None:
+def test_a_worker_ending_writes_its_last_counts(two: tuple[Metrics, Metrics], directory: Path) -> None:
     first, second = two
     count(second, 6)
     node(second).stop()
 
     assert scrape(first)["sluice_checks_total"] == 6
+    assert not (directory / f"{node(second).worker}{nodemetrics.WAKE}").exists()
 
 
 def test_one_worker_answers_from_its_own_registry_with_nothing_shared() -> None:
