@@ -399,9 +399,14 @@ cdef class Zone:
         found = self._take(stripe, now)
         cdef sz_record *record = self._record(stripe, found)
         self._write(record, key, value, expires)
-        cdef uint32_t *bucket = self._bucket(stripe, key)
-        record.chain = bucket[0]
-        bucket[0] = found
+        # Last in its bucket's chain (whose records the look above just
+        # read): a chain holds its records oldest first, so the least
+        # recently used, which a full stripe evicts, is found at once.
+        record.chain = NIL
+        cdef uint32_t *link = self._bucket(stripe, key)
+        while link[0] != NIL:
+            link = &self._record(stripe, link[0]).chain
+        link[0] = found
         self._link_front(stripe, found)
         stripe.used += 1
 

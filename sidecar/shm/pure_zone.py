@@ -27,7 +27,9 @@ The layout, in native byte order (a zone never leaves its machine):
   is of), the undo copy (one record), its hash buckets, then ``per_stripe``
   records.
 - a record: its 16-byte digest, its expiry, its newer and older neighbour in
-  the LRU list, the next record of its hash bucket (or of the free list),
+  the LRU list, the next record of its hash bucket (a bucket's chain holds
+  its records in the order they were stored: a full stripe's least
+  recently used is near its chain's head) or of the free list,
   the value's length, its state (free, live, being written) and a mark
   used while a stripe is rebuilt; then ``value_size`` bytes of value.
 
@@ -469,9 +471,14 @@ class Zone:
         found = self._take(buffer, base, now)
         record = self._record_at(base, found - 1)
         self._write(buffer, record, digest, value, expires)
-        bucket = self._bucket_at(base, digest)
-        _U32.pack_into(buffer, record + CHAIN_AT, _U32.unpack_from(buffer, bucket)[0])
-        _U32.pack_into(buffer, bucket, found)
+        # Last in its bucket's chain: a chain holds its records oldest
+        # first, so the least recently used, which a full stripe evicts, is
+        # found at once (the compiled zone reads no other record for it).
+        _U32.pack_into(buffer, record + CHAIN_AT, NIL)
+        link = self._bucket_at(base, digest)
+        while (following := _U32.unpack_from(buffer, link)[0]) != NIL:
+            link = self._record_at(base, following - 1) + CHAIN_AT
+        _U32.pack_into(buffer, link, found)
         self._link_front(buffer, base, found)
         self._add_field(buffer, base, USED, 1)
 

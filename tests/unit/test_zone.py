@@ -625,25 +625,6 @@ def test_only_the_least_recently_used_few_are_looked_at_for_an_expired_one(zone_
     zone.close()
 
 
-def test_a_deleted_record_is_gone_and_its_room_reused(one_stripe):
-    keys = fill(one_stripe, "abcd")
-    with one_stripe.locked([0]):
-        assert one_stripe.delete(keys[1]) is True
-        assert one_stripe.delete(keys[1]) is False
-        assert one_stripe.get(keys[1], 0.0) is None
-    put(one_stripe, digest("e"), b"e", 100.0, 0.0)
-    assert one_stripe.evictions == 0 and len(one_stripe) == 4
-
-
-def test_the_generation_counts_up_for_every_process(zone):
-    assert zone.generation() == 0
-    assert [zone.bump_generation() for _ in range(3)] == [1, 2, 3]
-    assert zone.generation() == 3
-
-
-# -- rebuilding a stripe a dead owner left -----------------------------------------------
-
-
 class Stripe:
     """Offsets into one stripe of a zone file, from the twin's layout."""
 
@@ -664,6 +645,88 @@ class Stripe:
     def body(self) -> slice:
         """Everything of the stripe but its lock."""
         return slice(self.base + LOCK_SLOT, self.base + self.layout.stripe_size)
+
+
+def bucket_chain(path: str, zone, stripe: int, bucket: int) -> list[bytes]:
+    """The digests of a bucket's chain, in its order, read from the zone file."""
+    where = Stripe(zone, stripe)
+    chain = []
+    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as memory:
+        at = struct.unpack_from("=I", memory, where.bucket(bucket))[0]
+        while at != pure_zone.NIL and len(chain) <= zone.per_stripe:
+            chain.append(bytes(memory[where.record(at - 1):where.record(at - 1) + DIGEST_SIZE]))
+            at = struct.unpack_from("=I", memory, where.record(at - 1) + pure_zone.CHAIN_AT)[0]
+    return chain
+
+
+@pytest.mark.parametrize("zone_class", ZONES)
+def test_a_bucket_s_chain_holds_its_records_oldest_first(tmp_path, zone_class):
+    """A new record goes last in its bucket's chain: under a rotation of
+    keys the least recently used, which a full stripe evicts, is first in
+    its chain, and taking it out of the chain reads no other record."""
+    path = str(tmp_path / "zone")
+    zone = zone_class.create(path, 4, 8, 1)
+    # The last 8 bytes pick the bucket: 0 for all three.
+    keys = [bytes([number]) + bytes(15) for number in (3, 1, 2)]
+    for number, key in enumerate(keys):
+        put(zone, key, b"v", 100.0, float(number))
+    assert bucket_chain(path, zone, 0, 0) == keys
+    put(zone, keys[0], b"again", 100.0, 4.0)  # replaced in place: its place in the chain kept
+    other_bucket = [bytes([number]) + bytes(7) + (1).to_bytes(8, sys.byteorder) for number in (1, 2)]
+    put(zone, other_bucket[0], b"v", 100.0, 5.0)
+    put(zone, other_bucket[1], b"v", 100.0, 6.0)  # full: the least recently used, keys[1], goes
+    assert bucket_chain(path, zone, 0, 0) == [keys[0], keys[2]]
+    zone.close()
+
+
+@needs_compiled
+@settings(max_examples=100, deadline=None)
+@given(operations=st.lists(st.tuples(st.sampled_from(["put", "get", "delete"]), st.integers(0, 30),
+                                     st.integers(-2, 8)), max_size=60))
+def test_the_twins_leave_every_stripe_byte_for_byte_alike(tmp_path_factory, operations):
+    """The compiled zone and its twin, through the same operations, leave
+    each stripe the same bytes (its lock aside): one layout and one
+    algorithm, down to the order of a bucket's chain."""
+    folder = tmp_path_factory.mktemp("twins")
+    paths = [str(folder / "compiled"), str(folder / "pure")]
+    zones = [CompiledZone.create(paths[0], 12, 8, 2), PureZone.create(paths[1], 12, 8, 2)]
+    now = 1000.0
+    for kind, number, lasts in operations:
+        key = digest(("twins", number))
+        for zone in zones:
+            with zone.locked([zone.stripe_of(key)]):
+                if kind == "put":
+                    zone.put(key, b"%d" % number, now + lasts, now)
+                elif kind == "get":
+                    zone.get(key, now)
+                else:
+                    zone.delete(key)
+        now += 0.5
+    stripes = []
+    for zone, path in zip(zones, paths):
+        zone.close()
+        data = Path(path).read_bytes()
+        stripes.append([data[Stripe(zone, stripe).body] for stripe in range(2)])
+    assert stripes[0] == stripes[1]
+
+
+def test_a_deleted_record_is_gone_and_its_room_reused(one_stripe):
+    keys = fill(one_stripe, "abcd")
+    with one_stripe.locked([0]):
+        assert one_stripe.delete(keys[1]) is True
+        assert one_stripe.delete(keys[1]) is False
+        assert one_stripe.get(keys[1], 0.0) is None
+    put(one_stripe, digest("e"), b"e", 100.0, 0.0)
+    assert one_stripe.evictions == 0 and len(one_stripe) == 4
+
+
+def test_the_generation_counts_up_for_every_process(zone):
+    assert zone.generation() == 0
+    assert [zone.bump_generation() for _ in range(3)] == [1, 2, 3]
+    assert zone.generation() == 3
+
+
+# -- rebuilding a stripe a dead owner left -----------------------------------------------
 
 
 LINKS = {"newer": pure_zone.NEWER_AT, "older": pure_zone.OLDER_AT, "chain": pure_zone.CHAIN_AT}
