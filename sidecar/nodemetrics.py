@@ -14,9 +14,11 @@ increment, under a lock: 1.3 µs, against 31 ns for a plain integer, on
 the request path. Here a worker writes only when a scrape asks (or once a
 second): the scraping worker stamps the time it was asked and wakes the
 others, each through a FIFO of its own in the directory that its event
-loop watches (``<worker>.wake``: no timer wakes an idle worker to look),
-and the answer waits until each worker still running has written since
-(``WAIT_SECONDS`` at most: a wedged worker's last numbers are given then).
+loop watches (``<worker>.wake``: no timer wakes an idle worker to look;
+in a folder whose file system makes no FIFO, a worker looks for a newer
+stamp every ``POLL_SECONDS`` instead), and the answer waits until each
+worker still running has written since (``WAIT_SECONDS`` at most: a
+wedged worker's last numbers are given then).
 A check answered before the scrape arrived is in its totals, whichever
 worker answered it.
 
@@ -32,6 +34,7 @@ import asyncio
 import errno
 import fcntl
 import glob
+import logging
 import os
 import secrets
 import time
@@ -42,9 +45,13 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.mmap_dict import MmapedDict, mmap_key
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
+log = logging.getLogger("sluice")
+
 MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
 # How often a scrape looks whether the workers it woke have written.
 LOOK_SECONDS = 0.005
+# Without a FIFO: how often a worker looks whether a scrape asked.
+POLL_SECONDS = 0.01
 WAIT_SECONDS = 2.0
 # How stale a worker's files may be when no scrape asks: what a worker
 # killed outright (SIGKILL, out of memory) can take with it.
@@ -142,9 +149,17 @@ class NodeMetrics:
         # The FIFO a scrape wakes it through, there before its name: a
         # worker named has one. Held open for reading and writing, so that a
         # writer never finds it without a reader while this worker runs.
-        self._wake_path = os.path.join(directory, self.worker + WAKE)
-        os.mkfifo(self._wake_path, 0o600)
-        self._woken = os.open(self._wake_path, os.O_RDWR | os.O_NONBLOCK)
+        self._wake_path: str | None = os.path.join(directory, self.worker + WAKE)
+        self._woken = -1
+        try:
+            os.mkfifo(self._wake_path, 0o600)
+            self._woken = os.open(self._wake_path, os.O_RDWR | os.O_NONBLOCK)
+        except OSError as exc:
+            log.warning("the metrics folder %s makes no FIFO (%s): this worker looks for a scrape every %.0f ms",
+                        directory, exc.strerror, POLL_SECONDS * 1000)
+            if os.path.lexists(self._wake_path):
+                os.unlink(self._wake_path)
+            self._wake_path = None
         # Locked before it has its name: a scrape never takes a worker
         # starting for one gone.
         starting = os.path.join(directory, f"{self.worker}.starting")
@@ -161,7 +176,8 @@ class NodeMetrics:
         """Write now, then whenever a scrape wakes it, and at least every
         ``PUBLISH_SECONDS``; on the loop, where the counts change."""
         self._loop = loop
-        loop.add_reader(self._woken, self._on_wake)
+        if self._woken >= 0:
+            loop.add_reader(self._woken, self._on_wake)
         self._timer = loop.call_soon(self._on_timer, loop)
 
     def _on_wake(self) -> None:
@@ -176,15 +192,18 @@ class NodeMetrics:
             self.publish()
 
     def _on_timer(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Written when ``PUBLISH_SECONDS`` passed since it last wrote; the
-        next look then."""
+        """Written when ``PUBLISH_SECONDS`` passed since it last wrote (or,
+        without a FIFO, when a scrape asked since); the next look then."""
         try:
-            if self._clock() - self._written >= PUBLISH_SECONDS * 1e9:
+            if self._clock() - self._written >= PUBLISH_SECONDS * 1e9 or \
+                    (self._woken < 0 and _stamp(self._asked) > self._written):
                 self.publish()
         finally:
             # Due when what it wrote last is PUBLISH_SECONDS old; a full
             # period when that is past already (a write that failed).
             due = (self._written + PUBLISH_SECONDS * 1e9 - self._clock()) / 1e9
+            if self._woken < 0:
+                due = POLL_SECONDS
             self._timer = loop.call_later(due if 0 < due <= PUBLISH_SECONDS else PUBLISH_SECONDS,
                                           self._on_timer, loop)
 
@@ -222,17 +241,18 @@ class NodeMetrics:
         """The worker ends: its last counts stay, its live gauges go."""
         if self._timer is not None:
             self._timer.cancel()
-        if self._loop is not None:
+        if self._loop is not None and self._woken >= 0:
             self._loop.remove_reader(self._woken)
         self.publish()
         for file in self._files.values():
             file.close()
         mark_process_dead(self.worker, self.directory)
         os.unlink(os.path.join(self.directory, f"{self.worker}.worker"))
-        os.unlink(self._wake_path)
+        if self._wake_path is not None:
+            os.unlink(self._wake_path)
+            os.close(self._woken)
         os.close(self._alive)
         os.close(self._asked)
-        os.close(self._woken)
 
     # -- a scrape ---------------------------------------------------------
 

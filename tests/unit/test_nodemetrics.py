@@ -153,6 +153,28 @@ def test_an_idle_worker_is_not_woken_before_its_next_write_falls_due(two: tuple[
     assert nodemetrics.PUBLISH_SECONDS * 0.9 <= asyncio.run(started()) <= nodemetrics.PUBLISH_SECONDS
 
 
+def test_without_a_fifo_a_worker_looks_for_a_scrape_and_is_still_counted(
+        directory: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    directory.mkdir()
+    first = worker(directory)
+
+    def refused(path: str, mode: int = 0o666) -> None:
+        raise PermissionError(1, "Operation not permitted", path)
+
+    monkeypatch.setattr(os, "mkfifo", refused)  # a file system that makes none (vfat)
+    monkeypatch.setattr(nodemetrics, "PUBLISH_SECONDS", 3600.0)  # only a look finds the scrape
+    second = worker(directory)
+    count(second, 2)
+    assert scrape(first, second)["sluice_checks_total"] == 2
+    count(second, 5)
+
+    assert scrape(first, second)["sluice_checks_total"] == 7
+    assert "makes no FIFO" in caplog.text
+    node(second).stop()
+    node(first).stop()
+    assert not list(directory.glob("*.worker"))
+
+
 def test_a_worker_that_does_not_write_is_waited_for_a_bounded_time_and_its_last_counts_given(
         directory: Path) -> None:
     directory.mkdir()
