@@ -79,6 +79,7 @@ from sidecar.rendering import (  # noqa: E402
 )
 
 LUA = BENCH / "rotate.lua"
+PACED = BENCH / "paced.lua"  # rotate.lua's requests, each connection pausing before each
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 BARE_APP = """
@@ -270,11 +271,14 @@ class Result:
         return self.requests / self.seconds
 
 
-def run_wrk(url: str, seconds: float, direct: bool = False, addresses: int | None = None) -> Result:
+def run_wrk(url: str, seconds: float, direct: bool = False, addresses: int | None = None, pace: int = 0) -> Result:
     """wrk with bench/rotate.lua: ``direct`` to a check endpoint, rotating
-    over ``addresses`` client addresses (rotate.lua's 100,000 by default)."""
-    script_args = (["direct"] if direct else []) + ([f"addresses={addresses}"] if addresses else [])
-    argv = [ensure_wrk(), "-t2", "-c32", f"-d{int(seconds)}s", "-s", str(LUA), url]
+    over ``addresses`` client addresses (rotate.lua's 100,000 by default),
+    each connection waiting ``pace`` ms before each request (0: none;
+    bench/paced.lua then)."""
+    script_args = (["direct"] if direct else []) + ([f"addresses={addresses}"] if addresses else []) + \
+        ([f"delay={pace}"] if pace else [])
+    argv = [ensure_wrk(), "-t2", "-c32", f"-d{int(seconds)}s", "-s", str(PACED if pace else LUA), url]
     if script_args:
         argv += ["--", *script_args]
     out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=seconds + 30).stdout
@@ -299,13 +303,14 @@ class Config:
     pids: dict[str, list[int]]
     direct: bool = False
     addresses: int | None = None  # client addresses to rotate over; None: rotate.lua's 100,000
+    pace: int = 0  # ms each connection waits before each request (rotate.lua's delay=); 0: none
     passes: list[Result] = field(default_factory=list)
     cpu: dict[str, float] = field(default_factory=dict)
 
     def measure(self, seconds: float, keep: bool = True) -> None:
         every = [pid for pids in self.pids.values() for pid in pids]
         before = {pid: cpu_seconds(pid) for pid in every}
-        result = run_wrk(self.url, seconds, self.direct, self.addresses)
+        result = run_wrk(self.url, seconds, self.direct, self.addresses, self.pace)
         after = {pid: cpu_seconds(pid) for pid in every}
         if result.non2xx or result.errors:
             print(f"    {self.name}: {result.non2xx} non-2xx answers, {result.errors} socket errors"

@@ -27,7 +27,12 @@ against ``--workers 1`` (the process's own memory store), in one run.
    kernel deals nginx's connections; near 1.0, one worker decided nearly
    every check, and the pass says little about sharing).
 
-Usage: ``.venv/bin/python bench/bench_workers.py [--seconds 5] [--rounds 3]``.
+With ``--pace MS`` each of wrk's connections waits MS milliseconds before
+each request: a load the machine takes with room to spare, where each
+check more often wakes a sleeping worker.
+
+Usage: ``.venv/bin/python bench/bench_workers.py [--seconds 5] [--rounds 3]
+[--pace MS]``.
 Needs the compiled core (``--workers 2`` on the memory backend refuses to
 run without it), nginx and wrk (``make bench`` installs them). Loopback
 only; every pass is bounded in time.
@@ -159,7 +164,8 @@ def waits(zones: list[Any]) -> int:
     return sum(int(zone.waits) for zone in zones)
 
 
-def through_nginx(seconds: int, rounds: int) -> tuple[list[Config], dict[str, list[float]], dict[str, str]]:
+def through_nginx(seconds: int, rounds: int,
+                  pace: int = 0) -> tuple[list[Config], dict[str, list[float]], dict[str, str]]:
     configs: list[Config] = []
     per_pass: dict[str, list[float]] = {}
     not_run: dict[str, str] = {}
@@ -187,7 +193,7 @@ def through_nginx(seconds: int, rounds: int) -> tuple[list[Config], dict[str, li
                     busy[name] = shared_zones(pids[0])
                 _, nginx_port = bench.start_nginx(f"nginx-{name}", port)
                 configs.append(Config(name, f"http://127.0.0.1:{nginx_port}", {"sidecar": pids},
-                                      addresses=addresses))
+                                      addresses=addresses, pace=pace))
 
             def contention(config: Config) -> Callable[[], None]:
                 """The locks found busy per check in the pass about to run,
@@ -256,13 +262,16 @@ def main() -> None:
     parser.add_argument("--seconds", type=int, default=5, help="length of each pass through nginx (default 5)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved passes per configuration (default 3)")
     parser.add_argument("--in-process-only", action="store_true", help="only the in-process part")
+    parser.add_argument("--pace", type=int, default=0, metavar="MS",
+                        help="a paced load: each of wrk's connections waits MS ms before each request "
+                             "(8: about 3,500 checks a second here), not the most the stack can take")
     args = parser.parse_args()
     started = time.monotonic()
     print(f"bench_workers: {core.which()}", flush=True)
     report_in_process(in_process(max(3, args.rounds * 2)))
     if not args.in_process_only:
         ensure_wrk()
-        report_through_nginx(*through_nginx(args.seconds, args.rounds))
+        report_through_nginx(*through_nginx(args.seconds, args.rounds, args.pace))
     print(f"\n(bench_workers took {time.monotonic() - started:.0f} s)")
 
 
