@@ -6,20 +6,8 @@
 --
 --   wrk -s bench/paced.lua URL -- delay=MS [rotate.lua's arguments]
 local here = debug.getinfo(1, "S").source:sub(2):match("(.*/)") or "./"
-dofile(here .. "rotate.lua")
-
-local pause = 0
-local rotate_init = init
-
-function init(args)
-  rotate_init(args)
-  for _, arg in ipairs(args) do
-    if arg:sub(1, 6) == "delay=" then
-      pause = tonumber(arg:sub(7))
-    end
-  end
-end
+dofile(here .. "rotate.lua")  -- its init() reads delay= into pause
 
 function delay()
-  return pause
+  return pause or 0
 end

@@ -27,6 +27,8 @@ function init(args)
       direct = true
     elseif arg:sub(1, 10) == "addresses=" then
       ADDRESSES = tonumber(arg:sub(11))
+    elseif arg:sub(1, 6) == "delay=" then
+      pause = tonumber(arg:sub(7))  -- bench/paced.lua's delay(); none here
     end
   end
 end
