@@ -303,7 +303,7 @@ class Config:
     pids: dict[str, list[int]]
     direct: bool = False
     addresses: int | None = None  # client addresses to rotate over; None: rotate.lua's 100,000
-    pace: int = 0  # ms each connection waits before each request (rotate.lua's delay=); 0: none
+    pace: int = 0  # ms each connection waits before each request (bench/paced.lua); 0: none
     passes: list[Result] = field(default_factory=list)
     cpu: dict[str, float] = field(default_factory=dict)
 

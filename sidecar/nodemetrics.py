@@ -149,17 +149,14 @@ class NodeMetrics:
         # The FIFO a scrape wakes it through, there before its name: a
         # worker named has one. Held open for reading and writing, so that a
         # writer never finds it without a reader while this worker runs.
-        self._wake_path: str | None = os.path.join(directory, self.worker + WAKE)
-        self._woken = -1
+        self._woken = -1  # the FIFO, open; -1: none (a worker that looks instead)
         try:
-            os.mkfifo(self._wake_path, 0o600)
-            self._woken = os.open(self._wake_path, os.O_RDWR | os.O_NONBLOCK)
+            os.mkfifo(self._wake_path(self.worker), 0o600)
+            self._woken = os.open(self._wake_path(self.worker), os.O_RDWR | os.O_NONBLOCK)
         except OSError as exc:
             log.warning("the metrics folder %s makes no FIFO (%s): this worker looks for a scrape every %.0f ms",
                         directory, exc.strerror, POLL_SECONDS * 1000)
-            if os.path.lexists(self._wake_path):
-                os.unlink(self._wake_path)
-            self._wake_path = None
+            self._unlink_wake(self.worker)
         # Locked before it has its name: a scrape never takes a worker
         # starting for one gone.
         starting = os.path.join(directory, f"{self.worker}.starting")
@@ -199,11 +196,11 @@ class NodeMetrics:
                     (self._woken < 0 and _stamp(self._asked) > self._written):
                 self.publish()
         finally:
-            # Due when what it wrote last is PUBLISH_SECONDS old; a full
-            # period when that is past already (a write that failed).
-            due = (self._written + PUBLISH_SECONDS * 1e9 - self._clock()) / 1e9
-            if self._woken < 0:
-                due = POLL_SECONDS
+            # Without a FIFO, the next look; else due when what it wrote
+            # last is PUBLISH_SECONDS old, a full period when that is past
+            # already (a write that failed).
+            due = POLL_SECONDS if self._woken < 0 else \
+                (self._written + PUBLISH_SECONDS * 1e9 - self._clock()) / 1e9
             self._timer = loop.call_later(due if 0 < due <= PUBLISH_SECONDS else PUBLISH_SECONDS,
                                           self._on_timer, loop)
 
@@ -248,8 +245,8 @@ class NodeMetrics:
             file.close()
         mark_process_dead(self.worker, self.directory)
         os.unlink(os.path.join(self.directory, f"{self.worker}.worker"))
-        if self._wake_path is not None:
-            os.unlink(self._wake_path)
+        if self._woken >= 0:
+            os.unlink(self._wake_path(self.worker))
             os.close(self._woken)
         os.close(self._alive)
         os.close(self._asked)
@@ -276,6 +273,17 @@ class NodeMetrics:
         finally:
             fcntl.flock(self._asked, fcntl.LOCK_UN)
 
+    def _wake_path(self, worker: str) -> str:
+        """Where a worker's FIFO is."""
+        return os.path.join(self.directory, worker + WAKE)
+
+    def _unlink_wake(self, worker: str) -> None:
+        """A worker's FIFO gone, if it had one."""
+        try:
+            os.unlink(self._wake_path(worker))
+        except FileNotFoundError:
+            pass
+
     def _others(self) -> Iterator[tuple[str, str]]:
         """Every other worker named in the directory, running or gone, and
         its ``.worker`` file."""
@@ -287,7 +295,7 @@ class NodeMetrics:
     def _wake_others(self) -> None:
         """Wake every other worker, to write what it counted."""
         for worker, _ in self._others():
-            _wake(os.path.join(self.directory, worker + WAKE))
+            _wake(self._wake_path(worker))
 
     def _behind(self, asked: int) -> bool:
         """Whether a running worker has not written since ``asked``; a
@@ -307,10 +315,7 @@ class NodeMetrics:
                 if os.fstat(fd).st_nlink:  # not yet found gone by another scrape
                     mark_process_dead(worker, self.directory)
                     os.unlink(path)
-                    try:
-                        os.unlink(os.path.join(self.directory, worker + WAKE))
-                    except FileNotFoundError:
-                        pass
+                    self._unlink_wake(worker)
             finally:
                 os.close(fd)
         return behind
